@@ -1,0 +1,17 @@
+"""The errors meshdsl raises for user mistakes.
+
+Each one names the tensor, dim, size and mesh axis involved, so a mistake is fixed from the
+message alone. Both derive from ``ValueError`` so code that already catches that keeps working.
+"""
+
+
+class MeshDslError(ValueError):
+    """Base class of every error meshdsl raises for a user mistake."""
+
+
+class ShapeError(MeshDslError):
+    """Named dims that do not fit together: mismatched sizes, unknown or repeated names."""
+
+
+class LayoutError(MeshDslError):
+    """A layout that cannot apply: malformed rule, unknown mesh axis, indivisible or clashing split."""

@@ -1,0 +1,298 @@
+"""The collectives a compiled program really runs, read from its HLO text.
+
+``md.explain`` predicts the collectives of a program from its trace; this module reads them
+back from what XLA compiled (``jax.jit(f).lower(*args).compile().as_text()``) so the two can
+be compared. Both sides price a collective with :func:`meshdsl.collectives.bytes_moved`, so
+they agree to the byte when the compiler did what meshdsl asked.
+
+What is counted, per device:
+
+* Every ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all`` and
+  ``collective-permute`` reachable from the ``ENTRY`` computation. Async pairs count once, at
+  their ``-start``; ``-update``/``-done`` are skipped. Other collectives (``ragged-all-to-all``,
+  ``collective-broadcast``, ...) are not counted: meshdsl never emits them.
+* Its buffer ``S`` comes from the instruction's own result type, since operand shapes are not
+  printed inline: the output, summed over tuple elements, for all kinds but
+  ``reduce-scatter``, whose ``S`` is its input, i.e. output times group size.
+* Its group size comes from ``replica_groups`` in any of its printed forms (explicit lists,
+  iota ``[g,n]<=[...]``, ``mesh[...] {axes}``); an absent or empty list means every device.
+* How often it runs: reached through ``while`` loops it runs once per iteration of each
+  enclosing loop (XLA's ``known_trip_count``; a loop condition runs one time more than its
+  body). Computations reached through ``call``, fusions' and async ops' ``calls=`` run once per
+  call. Each branch of a ``conditional`` is counted as if taken, so with collectives in
+  branches the totals are an upper bound. Reduction functions (``to_apply`` of a collective,
+  ``reduce``, ``sort``, ...) are not entered: they compute, they do not communicate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Iterator
+
+from meshdsl.collectives import Collective, bytes_moved
+
+_KINDS = {c.value: c for c in Collective}
+
+_COMMENT = re.compile(r"/\*.*?\*/")
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*)?\{\s*$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OPCODE = re.compile(r"\s*([\w\-]+)\(")
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
+_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_NAME = r"%?([\w.\-]+)"
+_NAMES = r"\{([^}]*)\}"
+
+
+@dataclasses.dataclass(frozen=True)
+class HloCollective:
+    """One collective instruction of a compiled program, with how often it runs."""
+
+    collective: Collective
+    buffer_bytes: int
+    """``S`` of the ring model (see :mod:`meshdsl.collectives`)."""
+    group_size: int
+    """Devices per replica group; for ``collective-permute`` the distinct devices in its pairs."""
+    count: int
+    """Executions per program run: the product of the trip counts of the enclosing loops."""
+
+    @property
+    def bytes_per_device(self) -> float:
+        """Bytes one device sends over all :attr:`count` executions."""
+        return bytes_moved(self.collective, self.buffer_bytes, self.group_size) * self.count
+
+
+_Walk = Callable[[str], list[HloCollective]]
+"""Collectives of one execution of the named computation."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instruction:
+    name: str
+    result_type: str
+    opcode: str
+    attributes: str
+    """Everything after the operand list: ``channel_id=..., replica_groups=..., ...``."""
+
+
+def collectives(hlo_text: str, *, num_devices: int | None = None) -> list[HloCollective]:
+    """Every collective reachable from the ``ENTRY`` computation of ``hlo_text``, in program order.
+
+    ``num_devices`` sizes the groups of collectives over all devices (``replica_groups={}``);
+    without it the ``HloModule`` header's ``replica_count`` × ``num_partitions`` is used.
+    Raises ``ValueError`` for a loop holding collectives without a known trip count, or for an
+    all-device group when the device count is neither given nor in a header.
+    """
+    computations, entry = _parse(hlo_text)
+    devices = num_devices if num_devices is not None else _header_devices(hlo_text)
+    cache: dict[str, list[HloCollective]] = {}
+
+    def walk(name: str) -> list[HloCollective]:
+        """The collectives of one execution of computation ``name``."""
+        if name not in cache:
+            found: list[HloCollective] = []
+            for instruction in computations[name]:
+                found.extend(_visit(instruction, walk, devices))
+            cache[name] = found
+        return cache[name]
+
+    return walk(entry)
+
+
+def summary(hlo_text: str, *, num_devices: int | None = None) -> dict[str, dict[str, float]]:
+    """Totals per collective kind present: ``{"all-reduce": {"count": runs, "bytes": bytes per device}}``."""
+    totals: dict[str, dict[str, float]] = {}
+    for c in collectives(hlo_text, num_devices=num_devices):
+        kind = totals.setdefault(c.collective.value, {"count": 0, "bytes": 0.0})
+        kind["count"] += c.count
+        kind["bytes"] += c.bytes_per_device
+    return {k.value: totals[k.value] for k in Collective if k.value in totals}
+
+
+def _visit(instruction: _Instruction, walk: _Walk, devices: int | None) -> Iterator[HloCollective]:
+    """The collectives one execution of ``instruction`` runs, itself or in what it calls."""
+    opcode = instruction.opcode
+    if opcode.endswith(("-update", "-done")):
+        return
+    kind = _KINDS.get(opcode.removesuffix("-start"))
+    if kind is not None:
+        yield _collective(instruction, kind, devices)
+        return
+    for callee, times in _callees(instruction, walk):
+        for c in walk(callee):
+            yield dataclasses.replace(c, count=c.count * times)
+
+
+def _callees(instruction: _Instruction, walk: _Walk) -> list[tuple[str, int]]:
+    """The computations ``instruction`` runs, with how many times each runs per execution."""
+    attributes = instruction.attributes
+    if instruction.opcode == "while":
+        body, condition = _attribute(attributes, "body"), _attribute(attributes, "condition")
+        trip = _TRIP_COUNT.search(attributes)
+        if trip is None:
+            if walk(body) or walk(condition):
+                raise ValueError(
+                    f"while loop %{instruction.name} runs collectives but has no known_trip_count in its "
+                    "backend_config, so how often they run cannot be counted"
+                )
+            return []
+        n = int(trip.group(1))
+        return [(body, n), (condition, n + 1)]
+    if instruction.opcode == "call":
+        return [(_attribute(attributes, "to_apply"), 1)]
+    if instruction.opcode == "conditional":
+        branches = re.search(r"\bbranch_computations=" + _NAMES, attributes)
+        if branches:
+            return [(name, 1) for name in _names(branches.group(1))]
+        return [(_attribute(attributes, f), 1) for f in ("true_computation", "false_computation")]
+    calls = re.search(r"\bcalls=(?:" + _NAMES + "|" + _NAME + ")", attributes)
+    if calls is None:
+        return []
+    return [(name, 1) for name in _names(calls.group(1) or calls.group(2))]
+
+
+def _collective(instruction: _Instruction, kind: Collective, devices: int | None) -> HloCollective:
+    """One execution of the collective ``instruction``: its ``S`` and group size."""
+    output = instruction.result_type
+    # Async starts return (operands, outputs, context...); all-reduce-start returns just outputs.
+    if instruction.opcode.endswith("-start") and kind is not Collective.ALL_REDUCE:
+        output = _tuple_elements(output)[1]
+    if kind is Collective.COLLECTIVE_PERMUTE:
+        pairs = re.search(r"\bsource_target_pairs=\{(.*?)\}\}", instruction.attributes)
+        group = len(set(re.findall(r"\d+", pairs.group(1)))) if pairs else 0
+    else:
+        group = _group_size(instruction, devices)
+    size = _bytes(output)
+    if kind is Collective.REDUCE_SCATTER:
+        size *= group
+    return HloCollective(kind, size, group, 1)
+
+
+def _group_size(instruction: _Instruction, devices: int | None) -> int:
+    """Devices per replica group, from whichever form ``replica_groups`` is printed in."""
+    attributes = instruction.attributes
+    explicit = re.search(r"\breplica_groups=\{\{([^}]*)\}", attributes)
+    if explicit:
+        return len(explicit.group(1).split(","))
+    iota = re.search(r"\breplica_groups=\[([\d,]+)\]<=", attributes)
+    if iota:
+        return int(iota.group(1).split(",")[-1])
+    # mesh['a'=4,'b'=2] {'a'}, maybe with ", device_ids=([4,2]T(1,0))" before the axes.
+    mesh = re.search(r"\breplica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(.*?\))?\s*\{([^{}]*)\}", attributes)
+    if mesh:
+        sizes = {name: int(size) for name, size in re.findall(r"'?([^'=,\s]+)'?=(\d+)", mesh.group(1))}
+        group = 1
+        for axis in mesh.group(2).split(","):
+            ref = re.fullmatch(r"\s*'?([^':]+)'?(?::\(\d+\)(\d+))?\s*", axis)  # name or name:(pre)size
+            if ref is None:
+                raise ValueError(f"cannot read mesh axis {axis!r} in the replica groups of %{instruction.name}")
+            group *= int(ref.group(2)) if ref.group(2) else sizes[ref.group(1)]
+        return group
+    if devices is None:
+        raise ValueError(
+            f"%{instruction.name} runs over all devices (no replica groups) and the device count is "
+            "unknown: pass num_devices=, or give the text with its HloModule header"
+        )
+    return devices
+
+
+def _parse(hlo_text: str) -> tuple[dict[str, list[_Instruction]], str]:
+    """The instructions of each computation, and the name of the entry computation."""
+    computations: dict[str, list[_Instruction]] = {}
+    entry = None
+    current: list[_Instruction] | None = None
+    for line in _COMMENT.sub("", hlo_text).splitlines():
+        if current is None:
+            header = _COMPUTATION.match(line)
+            if header:
+                current = computations[header.group(2)] = []
+                entry = header.group(2) if header.group(1) else entry
+        elif line.startswith("}"):
+            current = None
+        elif match := _INSTRUCTION.match(line):
+            current.append(_instruction(match.group(1), match.group(2)))
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return computations, entry
+
+
+def _instruction(name: str, text: str) -> _Instruction:
+    """Split ``TYPE opcode(operands), attributes`` into its parts."""
+    type_end = _balanced_end(text, 0, stop_at_space=True)
+    opcode = _OPCODE.match(text, type_end)
+    if opcode is None:
+        raise ValueError(f"cannot read the opcode of %{name}: {text[:120]!r}")
+    operands_end = _balanced_end(text, opcode.end() - 1)
+    return _Instruction(name, text[:type_end], opcode.group(1), text[operands_end:])
+
+
+def _balanced_end(text: str, start: int, stop_at_space: bool = False) -> int:
+    """Index just past the bracketed group at ``start`` (or, with ``stop_at_space``, the first
+    space outside brackets)."""
+    depth = 0
+    for i in range(start, len(text)):
+        ch = text[i]
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0 and not stop_at_space:
+                return i + 1
+        elif ch.isspace() and depth == 0 and stop_at_space:
+            return i
+    return len(text)
+
+
+def _tuple_elements(shape: str) -> list[str]:
+    """The top-level elements of a tuple type ``(a, b, ...)``."""
+    if not shape.startswith("("):
+        raise ValueError(f"expected a tuple type, got {shape!r}")
+    elements, depth, begin = [], 0, 1
+    for i, ch in enumerate(shape[:-1]):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 1:
+            elements.append(shape[begin:i].strip())
+            begin = i + 1
+    elements.append(shape[begin:-1].strip())
+    return elements
+
+
+def _bytes(shape: str) -> int:
+    """Bytes of every array in ``shape`` (a tuple's are summed); a sub-byte element takes a byte."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        if dtype in ("token", "opaque"):
+            continue
+        width = re.match(r"[a-z]+?(\d+)", dtype)
+        if dtype != "pred" and width is None:
+            raise ValueError(f"unknown element type {dtype!r} in {shape!r}")
+        bits = int(width.group(1)) if width else 8
+        elements = math.prod(int(d.removeprefix("<=")) for d in dims.split(",") if d)
+        total += elements * max(1, bits // 8)
+    return total
+
+
+def _header_devices(hlo_text: str) -> int | None:
+    """``replica_count`` × ``num_partitions`` from the ``HloModule`` line (the printer omits a 1)."""
+    header = re.search(r"^HloModule\b.*$", hlo_text, re.MULTILINE)
+    if header is None:
+        return None
+    counts = [re.search(rf"\b{key}=(\d+)", header.group(0)) for key in ("replica_count", "num_partitions")]
+    return math.prod(int(c.group(1)) if c else 1 for c in counts)
+
+
+def _attribute(attributes: str, key: str) -> str:
+    """The computation named by ``key=%name``."""
+    match = re.search(rf"\b{key}=" + _NAME, attributes)
+    if match is None:
+        raise ValueError(f"no {key}= in {attributes[:120]!r}")
+    return match.group(1)
+
+
+def _names(text: str) -> list[str]:
+    """Computation names from a ``%a, %b`` list."""
+    return [name.strip().lstrip("%") for name in text.split(",") if name.strip()]

@@ -1,0 +1,187 @@
+"""Layouts: which tensor dim is split over which mesh axes.
+
+A layout is a set of rules ``dim name -> mesh axes``, written as in Mesh-TF
+(``"batch:data; d_ff:model"``), as a dict (``{"batch": "data", "d_model": ("data", "model")}``)
+or in a TOML file. A tensor's dim is split over its rule's axes, major to minor; a dim without a
+rule is replicated. The layout of every tensor follows from its shape alone, so the same program
+runs under any layout, and only the collectives change.
+
+Worked example, mesh ``data=4 model=2`` and rules ``batch:data; d_ff:model``:
+
+=========================  ======================  ===================
+tensor                     per-dim axes            local shard
+=========================  ======================  ===================
+``[batch=32, d_model=64]``  ``(data,), ()``         ``[8, 64]``
+``[d_model=64, d_ff=256]``  ``(), (model,)``        ``[64, 128]``
+``[batch=32, d_ff=256]``    ``(data,), (model,)``   ``[8, 128]``
+=========================  ======================  ===================
+
+A split must divide the dim's size, and no tensor may split two dims over one mesh axis.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Mapping
+
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshdsl.dims import Shape, ShapeLike, as_shape
+from meshdsl.errors import LayoutError
+from meshdsl.mesh import Mesh
+from meshdsl.relayout import Axes
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+RuleValue = str | tuple[str, ...] | list[str]
+
+
+def _split_rules(text: str) -> list[str]:
+    """Split on ';' or ',' outside parentheses."""
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch in ";," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _parse_string(text: str) -> dict[str, tuple[str, ...]]:
+    rules: dict[str, tuple[str, ...]] = {}
+    for part in _split_rules(text):
+        dim, colon, value = part.partition(":")
+        if not colon:
+            raise LayoutError(f"malformed layout rule {part!r} in {text!r}: expected 'dim:axis' or 'dim:(axis1, axis2)'")
+        value = value.strip()
+        if value.startswith("(") and value.endswith(")"):
+            value = value[1:-1]
+        axes = tuple(a.strip() for a in re.split(r"[,\s]+", value) if a.strip())
+        _add_rule(rules, dim.strip(), axes, text)
+    return rules
+
+
+def _add_rule(rules: dict[str, tuple[str, ...]], dim: str, value: Any, source: Any) -> None:
+    axes = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, (tuple, list)) else None
+    where = f" in {source!r}" if source is not None else ""
+    if axes is None or not all(isinstance(a, str) for a in axes):
+        raise LayoutError(f"layout rule for dim {dim!r}{where}: {value!r} is not a mesh axis name or a tuple of them")
+    if not _NAME.match(dim):
+        raise LayoutError(f"malformed layout rule{where}: dim name {dim!r} is not an identifier")
+    bad = [a for a in axes if not _NAME.match(a)]
+    if not axes or bad:
+        raise LayoutError(f"malformed layout rule {dim}:{value!r}{where}: mesh axis names must be identifiers")
+    if len(set(axes)) != len(axes):
+        raise LayoutError(f"layout rule {dim}:{axes}{where} repeats a mesh axis")
+    if dim in rules:
+        raise LayoutError(f"layout{where} has two rules for dim {dim!r}")
+    rules[dim] = axes
+
+
+def _parse(rules: "str | Mapping[str, RuleValue] | Layout | None") -> dict[str, tuple[str, ...]]:
+    if rules is None:
+        return {}
+    if isinstance(rules, Layout):
+        return dict(rules.rules)
+    if isinstance(rules, str):
+        return _parse_string(rules)
+    if isinstance(rules, Mapping):
+        out: dict[str, tuple[str, ...]] = {}
+        for dim, value in rules.items():
+            _add_rule(out, str(dim), value, None)
+        return out
+    raise LayoutError(f"a layout is a rule string, a dict or md.Layout, got {type(rules).__name__}")
+
+
+class Layout:
+    """Rules that map dim names to mesh axes: ``Layout("batch:data; d_ff:model")``."""
+
+    def __init__(self, rules: "str | Mapping[str, RuleValue] | Layout | None" = None):
+        self.rules: dict[str, tuple[str, ...]] = _parse(rules)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Layout":
+        """Read the ``[rules]`` table of a TOML layout file (see ``layouts/``)."""
+        path = Path(path)
+        if not path.is_file():
+            raise LayoutError(f"layout file {str(path)!r} not found")
+        try:
+            data = tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise LayoutError(f"layout file {str(path)!r} is not valid TOML: {e}") from None
+        rules = data.get("rules", {})
+        if not isinstance(rules, dict):
+            raise LayoutError(f"layout file {str(path)!r}: [rules] must be a table of dim = \"axis\" entries")
+        try:
+            return cls(rules)
+        except LayoutError as e:
+            raise LayoutError(f"layout file {str(path)!r}: {e}") from None
+
+    def axes_of(self, name: str) -> tuple[str, ...]:
+        """Mesh axes the dim called ``name`` is split over (``()``: replicated)."""
+        return self.rules.get(name, ())
+
+    def check_mesh(self, mesh: Mesh) -> None:
+        """LayoutError if a rule names an axis the mesh lacks."""
+        for dim, axes in self.rules.items():
+            for a in axes:
+                if a not in mesh.axis_sizes:
+                    raise LayoutError(
+                        f"layout rule {dim}:{a} names mesh axis {a!r}, but the mesh has axes {mesh}"
+                    )
+
+    def axes(self, shape: ShapeLike, mesh: Mesh, tensor: str = "tensor") -> Axes:
+        """Per-dim split axes of a tensor of ``shape``; LayoutError if they do not fit ``mesh``."""
+        shape = as_shape(shape)
+        self.check_mesh(mesh)
+        out = []
+        owner: dict[str, str] = {}
+        for d in shape:
+            axes = self.axes_of(d.name)
+            n = math.prod(mesh.axis_sizes[a] for a in axes)
+            if d.size % n:
+                split = " x ".join(f"{a} (size {mesh.axis_sizes[a]})" for a in axes)
+                raise LayoutError(
+                    f"{tensor} {shape}: dim {d.name} (size {d.size}) is split over mesh axis {split}, "
+                    f"but {d.size} is not divisible by {n}"
+                )
+            for a in axes:
+                if a in owner:
+                    raise LayoutError(
+                        f"{tensor} {shape}: dims {owner[a]} and {d.name} are both split over mesh axis "
+                        f"{a} (size {mesh.axis_sizes[a]}); a mesh axis can split only one dim of a tensor"
+                    )
+                owner[a] = d.name
+            out.append(axes)
+        return tuple(out)
+
+    def spec(self, shape: ShapeLike) -> PartitionSpec:
+        """The ``PartitionSpec`` of a tensor of ``shape`` under this layout."""
+        entries = []
+        for d in as_shape(shape):
+            axes = self.axes_of(d.name)
+            entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return PartitionSpec(*entries)
+
+    def sharding(self, mesh: Mesh, shape: ShapeLike) -> NamedSharding:
+        """The ``NamedSharding`` of a tensor of ``shape`` on ``mesh`` (checked: LayoutError if it does not fit)."""
+        self.axes(shape, mesh)
+        return NamedSharding(mesh.jax_mesh, self.spec(shape))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and self.rules == other.rules
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self.rules.items())))
+
+    def __str__(self) -> str:
+        return "; ".join(f"{d}:{a[0]}" if len(a) == 1 else f"{d}:({', '.join(a)})" for d, a in self.rules.items())
+
+    def __repr__(self) -> str:
+        return f"Layout({str(self)!r})"

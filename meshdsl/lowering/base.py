@@ -1,0 +1,83 @@
+"""The lowering interface, and its global-array implementation.
+
+Every op is written once, against a local view: it asks the lowering how each dim of its inputs
+is split (:meth:`Lowering.axes`), brings its inputs to the layout its local computation needs
+(:meth:`Lowering.prepare`), computes on the local arrays, then hands the result over laid out
+as it is (:meth:`Lowering.finish`). Collectives over the axes of split dims (``psum`` and
+friends) and the device's offset along them complete the op.
+
+Here, on global arrays, no dim is ever split: every axes tuple is empty, the collectives are
+identities and offsets are zero, so the same op code computes the plain global result. This is
+how meshdsl runs eagerly, and (with sharding constraints added by ``GspmdLowering``) how the
+gspmd backend runs. ``SpmdLowering`` gives the same calls their real, per-shard meaning.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import jax
+
+from meshdsl.dims import Shape
+from meshdsl.relayout import Axes
+
+if TYPE_CHECKING:
+    from meshdsl.mesh import Mesh
+    from meshdsl.tensor import Tensor
+
+
+class Lowering:
+    """Global arrays, nothing split: the eager lowering."""
+
+    mesh: "Mesh | None" = None
+    axis_sizes: dict[str, int] = {}
+
+    def axes(self, shape: Shape, tensor: str = "tensor") -> Axes:
+        """Per-dim mesh axes that split a tensor of ``shape`` in this lowering's local view."""
+        return ((),) * shape.rank
+
+    def prepare(self, t: "Tensor", axes: Axes | None = None) -> jax.Array:
+        """``t``'s local array, laid out as ``axes`` (default: ``t``'s own layout), pending sums added."""
+        return t._data
+
+    def finish(
+        self,
+        array: jax.Array,
+        shape: Shape,
+        axes: Axes | None = None,
+        pending: Sequence[str] = (),
+        lazy: bool = False,
+        tensor: str = "output",
+    ) -> "Tensor":
+        """A Tensor of ``shape`` from a local ``array`` laid out as ``axes`` with ``pending`` sums.
+
+        It is brought to the layout the rules give ``shape``. With ``lazy``, pending sums are kept
+        for a later op to add, when the split dims already match.
+        """
+        from meshdsl.tensor import Tensor
+
+        return Tensor(array, shape)
+
+    def group_size(self, axes: Sequence[str]) -> int:
+        """Number of devices along ``axes``."""
+        return 1
+
+    def axis_index(self, axes: Sequence[str]) -> Any:
+        """This device's position along ``axes`` (major to minor)."""
+        return 0
+
+    def psum(self, x: Any, axes: Sequence[str]) -> Any:
+        return x
+
+    def pmax(self, x: Any, axes: Sequence[str]) -> Any:
+        return x
+
+    def pmin(self, x: Any, axes: Sequence[str]) -> Any:
+        return x
+
+    def all_gather(self, x: jax.Array, axes: Sequence[str], dim: int) -> jax.Array:
+        return x
+
+    def ppermute(self, x: jax.Array, axes: Sequence[str], shift: int, wrap: bool) -> jax.Array:
+        """Send ``x`` to the device ``shift`` places further along ``axes`` (zeros arrive where none is sent)."""
+        return x

@@ -1,0 +1,49 @@
+"""The active lowering: ops ask :func:`current` how to run."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Callable, Iterator, TypeVar
+
+import jax
+
+from meshdsl.lowering.base import Lowering
+
+_state = threading.local()
+_EAGER = Lowering()
+F = TypeVar("F", bound=Callable)
+
+
+def current() -> Lowering:
+    """The lowering ops run under now: the innermost :func:`use`, else eager global arrays."""
+    stack = getattr(_state, "stack", None)
+    return stack[-1] if stack else _EAGER
+
+
+@contextlib.contextmanager
+def use(lowering: Lowering) -> Iterator[Lowering]:
+    """Run the ops inside the block under ``lowering``."""
+    stack = getattr(_state, "stack", None)
+    if stack is None:
+        stack = _state.stack = []
+    stack.append(lowering)
+    try:
+        yield lowering
+    finally:
+        stack.pop()
+
+
+def op(name: str) -> Callable[[F], F]:
+    """Mark a function as the meshdsl op ``name``: its collectives show under that name in ``md.explain``."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with jax.named_scope(f"md.{name}"):
+                return fn(*args, **kwargs)
+
+        return run  # type: ignore[return-value]
+
+    return wrap

@@ -1,0 +1,31 @@
+"""The gspmd lowering: ops on global arrays, each result constrained to its layout's sharding.
+
+XLA's SPMD partitioner then chooses the collectives. It is the cross-check of the spmd lowering
+(same numbers) and its baseline (how close meshdsl's own collectives come to XLA's choice).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from meshdsl.layout import Layout
+from meshdsl.lowering.base import Lowering
+from meshdsl.mesh import Mesh
+from meshdsl.tensor import Tensor
+
+
+class GspmdLowering(Lowering):
+    """Global arrays on ``mesh`` with sharding constraints from ``layout``."""
+
+    def __init__(self, mesh: Mesh, layout: Layout):
+        self.mesh = mesh
+        self.layout = layout
+
+    def constrain(self, t: Tensor, tensor: str = "output") -> Tensor:
+        """``t`` with its array constrained to the sharding the layout gives its shape."""
+        sharding = jax.sharding.NamedSharding(self.mesh.jax_mesh, self.layout.spec(t.shape))
+        self.layout.axes(t.shape, self.mesh, tensor)
+        return Tensor(jax.lax.with_sharding_constraint(t._data, sharding), t.shape)
+
+    def finish(self, array, shape, axes=None, pending=(), lazy=False, tensor="output") -> Tensor:
+        return self.constrain(Tensor(array, shape), tensor)

@@ -1,0 +1,97 @@
+"""The spmd lowering: ops on local shards inside one ``shard_map``, collectives emitted by meshdsl.
+
+Each tensor is laid out as the layout's rules say for its shape (plus, possibly, pending partial
+sums). Ops move their inputs to the layout their local computation needs and their outputs back
+with :mod:`meshdsl.relayout`; reductions over split dims end in ``psum``/``pmax``/``pmin``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from meshdsl import relayout
+from meshdsl.dims import Shape
+from meshdsl.layout import Layout
+from meshdsl.lowering.base import Lowering
+from meshdsl.mesh import Mesh
+from meshdsl.relayout import Axes
+from meshdsl.tensor import Tensor
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _pmax(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    return lax.pmax(x, axes)
+
+
+@_pmax.defjvp
+def _pmax_jvp(axes: tuple[str, ...], primals, tangents):
+    """As ``jnp.max``: the tangent at the maximum, averaged over the devices that hold it."""
+    (x,), (t,) = primals, tangents
+    out = lax.pmax(x, axes)
+    hit = (x == out).astype(t.dtype)
+    return out, lax.psum(t * hit, axes) / lax.psum(hit, axes)
+
+
+class SpmdLowering(Lowering):
+    """Local shards on ``mesh``, laid out by ``layout``."""
+
+    def __init__(self, mesh: Mesh, layout: Layout):
+        self.mesh = mesh
+        self.layout = layout
+        self.axis_sizes = dict(mesh.axis_sizes)
+
+    def axes(self, shape: Shape, tensor: str = "tensor") -> Axes:
+        return self.layout.axes(shape, self.mesh, tensor)
+
+    def _relayout(self, array: jax.Array, shape: Shape, src: Axes, dst: Axes, pending: Sequence[str]) -> jax.Array:
+        steps = relayout.plan(src, dst, pending)
+        if not steps:
+            return array
+        with jax.named_scope(str(shape)):
+            return relayout.apply(array, steps, self.axis_sizes)
+
+    def prepare(self, t: Tensor, axes: Axes | None = None) -> jax.Array:
+        own = self.axes(t.shape)
+        return self._relayout(t._data, t.shape, own, own if axes is None else axes, t.pending)
+
+    def finish(self, array, shape, axes=None, pending=(), lazy=False, tensor="output") -> Tensor:
+        own = self.axes(shape, tensor)
+        src = own if axes is None else axes
+        if lazy and src == own:
+            return Tensor(array, shape, tuple(pending))
+        return Tensor(self._relayout(array, shape, src, own, pending), shape)
+
+    def group_size(self, axes: Sequence[str]) -> int:
+        return relayout.group_size(axes, self.axis_sizes)
+
+    def axis_index(self, axes: Sequence[str]) -> Any:
+        return relayout.axis_index(axes, self.axis_sizes) if axes else 0
+
+    def psum(self, x: Any, axes: Sequence[str]) -> Any:
+        return lax.psum(x, tuple(axes)) if axes else x
+
+    def pmax(self, x: Any, axes: Sequence[str]) -> Any:
+        if not axes:
+            return x
+        return _pmax(x, tuple(axes)) if jnp.issubdtype(x.dtype, jnp.inexact) else lax.pmax(x, tuple(axes))
+
+    def pmin(self, x: Any, axes: Sequence[str]) -> Any:
+        if not axes:
+            return x
+        return -_pmax(-x, tuple(axes)) if jnp.issubdtype(x.dtype, jnp.inexact) else lax.pmin(x, tuple(axes))
+
+    def all_gather(self, x: jax.Array, axes: Sequence[str], dim: int) -> jax.Array:
+        return lax.all_gather(x, tuple(axes), axis=dim, tiled=True, to="invarying") if axes else x
+
+    def ppermute(self, x: jax.Array, axes: Sequence[str], shift: int, wrap: bool) -> jax.Array:
+        n = self.group_size(axes)
+        pairs = [(i, i + shift) for i in range(n)]
+        pairs = [(i, j % n) for i, j in pairs if wrap or 0 <= j < n]
+        if not pairs:
+            return jnp.zeros_like(x)
+        return lax.ppermute(x, tuple(axes), perm=pairs)

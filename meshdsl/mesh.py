@@ -1,0 +1,93 @@
+"""The processor mesh: devices arranged in an array with named axes."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Mapping, Sequence
+
+import jax
+import numpy as np
+
+from meshdsl.errors import LayoutError
+
+_AXIS = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _parse(axes: Mapping[str, int] | str | Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+    if isinstance(axes, str):
+        items = []
+        for part in axes.replace(",", " ").split():
+            name, eq, size = part.partition("=")
+            if not eq or not size.strip().lstrip("-").isdigit():
+                raise LayoutError(f"malformed mesh axis {part!r} in {axes!r}: expected name=size, e.g. 'data=4 model=2'")
+            items.append((name.strip(), int(size)))
+        return items
+    if isinstance(axes, Mapping):
+        return [(str(k), v) for k, v in axes.items()]
+    return [(str(k), v) for k, v in axes]
+
+
+class Mesh:
+    """Devices arranged as an array with named axes: ``Mesh({"data": 4, "model": 2})``.
+
+    Also ``Mesh("data=4 model=2")``. One size may be ``-1``: all the devices the others leave.
+    ``devices`` defaults to ``jax.devices()``; the mesh uses the first ``size`` of them.
+    """
+
+    def __init__(self, axes: Mapping[str, int] | str | Sequence[tuple[str, int]], devices: Sequence | None = None):
+        items = _parse(axes)
+        devices = list(jax.devices() if devices is None else devices)
+        names = [n for n, _ in items]
+        for name, size in items:
+            if not _AXIS.match(name):
+                raise LayoutError(f"mesh axis name {name!r} is not an identifier")
+            if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or (size < 1 and size != -1):
+                raise LayoutError(f"mesh axis {name} has size {size!r}; a size is a positive int or -1")
+        if len(set(names)) != len(names):
+            raise LayoutError(f"mesh axes {names} repeat a name")
+        wildcards = [n for n, s in items if s == -1]
+        if len(wildcards) > 1:
+            raise LayoutError(f"mesh axes {', '.join(wildcards)} are all -1; at most one axis may take the remaining devices")
+        fixed = math.prod(int(s) for _, s in items if s != -1)
+        if wildcards:
+            if len(devices) % fixed:
+                raise LayoutError(
+                    f"mesh axis {wildcards[0]}=-1 takes the devices the others leave, but {len(devices)} devices "
+                    f"are not divisible by {fixed} (the product of the other axes)"
+                )
+            items = [(n, len(devices) // fixed if s == -1 else int(s)) for n, s in items]
+        self.axis_sizes: dict[str, int] = {n: int(s) for n, s in items}
+        if self.size > len(devices):
+            raise LayoutError(f"mesh {self} needs {self.size} devices, but only {len(devices)} are available")
+        grid = np.array(devices[: self.size], dtype=object).reshape(tuple(self.axis_sizes.values()))
+        self.jax_mesh = jax.sharding.Mesh(grid, tuple(self.axis_sizes))
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(self.axis_sizes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.axis_sizes.values())
+
+    @property
+    def size(self) -> int:
+        """Number of devices."""
+        return math.prod(self.axis_sizes.values())
+
+    @property
+    def devices(self) -> np.ndarray:
+        return self.jax_mesh.devices
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mesh) and self.jax_mesh == other.jax_mesh
+
+    def __hash__(self) -> int:
+        return hash(self.jax_mesh)
+
+    def __str__(self) -> str:
+        return " ".join(f"{n}={s}" for n, s in self.axis_sizes.items())
+
+    def __repr__(self) -> str:
+        return f"Mesh({str(self)!r})"

@@ -1,0 +1,75 @@
+"""``md.einsum``: contraction by dim name.
+
+Dims absent from ``out`` are summed. Locally it is one ``jnp.einsum`` on the shards; a summed dim
+that is split leaves partial sums over its mesh axes, added by one ``psum`` when a later op needs
+the value (or by ``psum_scatter`` when the result is split over that same axis), and kept pending
+through additions of such results.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from meshdsl.dims import Dim, DimLike, Shape
+from meshdsl.errors import ShapeError
+from meshdsl.lowering import compute_layout
+from meshdsl.lowering.context import current, op
+from meshdsl.tensor import Tensor
+
+
+def _output_shape(tensors: Sequence[Tensor], out: Sequence[DimLike] | Shape | str | None) -> Shape:
+    dims: dict[str, Dim] = {}
+    count: dict[str, int] = {}
+    for t in tensors:
+        for d in t.shape:
+            if d.name in dims and dims[d.name].size != d.size:
+                shapes = ", ".join(str(x.shape) for x in tensors)
+                raise ShapeError(f"einsum: dim {d.name} has size {dims[d.name].size} in one input and {d.size} in another ({shapes})")
+            dims.setdefault(d.name, d)
+            count[d.name] = count.get(d.name, 0) + 1
+    if out is None:
+        return Shape(d for n, d in dims.items() if count[n] == 1)
+    items = out.split() if isinstance(out, str) else [out] if isinstance(out, Dim) else list(out)
+    result = []
+    for item in items:
+        name = item.name if isinstance(item, Dim) else item
+        if name not in dims:
+            inputs = ", ".join(str(t.shape) for t in tensors)
+            raise ShapeError(f"einsum output names dim {name!r}, which no input has (inputs: {inputs})")
+        if isinstance(item, Dim) and item.size != dims[name].size:
+            raise ShapeError(f"einsum output dim {item} does not match the inputs' {dims[name]}")
+        result.append(dims[name])
+    return Shape(result)
+
+
+@op("einsum")
+def einsum(*tensors: Tensor, out: Sequence[DimLike] | Shape | str | None = None) -> Tensor:
+    """Multiply ``tensors`` and sum over every dim not in ``out``.
+
+    ``out`` is a list of Dims or names, a Shape, or a space-separated string; by default the dims
+    that appear in exactly one input.
+    """
+    if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
+        tensors = tuple(tensors[0])
+    for t in tensors:
+        if not isinstance(t, Tensor):
+            raise ShapeError(f"einsum takes md tensors, got {type(t).__name__}")
+    lowering = current()
+    out_shape = _output_shape(tensors, out)
+    summed = [n for n in dict.fromkeys(n for t in tensors for n in t.shape.names) if n not in out_shape]
+
+    def result(layout: compute_layout.NameAxes):
+        return tuple(layout[n] for n in out_shape.names), tuple(a for n in summed for a in layout[n])
+
+    itemsize = np.dtype(jnp.result_type(*(t.dtype for t in tensors))).itemsize
+    layout = compute_layout.choose(lowering, tensors, out_shape, result, itemsize)
+    letters = {n: string.ascii_letters[i] for i, n in enumerate(dict.fromkeys(n for t in tensors for n in t.shape.names))}
+    spec = ",".join("".join(letters[n] for n in t.shape.names) for t in tensors)
+    spec += "->" + "".join(letters[n] for n in out_shape.names)
+    arrays = [lowering.prepare(t, tuple(layout[n] for n in t.shape.names)) for t in tensors]
+    out_axes, pending = result(layout)
+    return lowering.finish(jnp.einsum(spec, *arrays), out_shape, out_axes, pending, lazy=True)

@@ -1,0 +1,163 @@
+"""Component-wise ops, with broadcasting by dim name. No communication.
+
+Operands line up by name: ``x[batch, d] + b[d]`` adds ``b`` to every row. The output's dims are
+the union of the operands' dims in order of first appearance; a name with two sizes is a
+ShapeError. Python scalars and 0-d arrays broadcast as usual.
+
+Pending partial sums stay pending where the op is linear in them (``add``/``subtract`` of tensors
+with the same pending axes, ``negative``, and ``multiply``/``divide`` by a factor not split over
+those axes), so ``einsum(a, b) + einsum(c, d)`` over a split dim costs one ``psum``, not two.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshdsl.dims import Dim, Shape
+from meshdsl.errors import ShapeError
+from meshdsl.lowering.context import current
+from meshdsl.tensor import Tensor
+
+
+def _check_operand(x: Any, name: str) -> None:
+    if isinstance(x, Tensor):
+        return
+    if np.ndim(x) != 0:
+        raise ShapeError(f"{name}: operand of shape {np.shape(x)} has no dim names; wrap it with md.tensor(array, dims)")
+
+
+def broadcast_shape(operands: Sequence[Any], name: str) -> Shape:
+    """Union of the operands' dims by name, in order of first appearance."""
+    dims: dict[str, Dim] = {}
+    for x in operands:
+        _check_operand(x, name)
+        if isinstance(x, Tensor):
+            for d in x.shape:
+                if d.name in dims and dims[d.name].size != d.size:
+                    shapes = ", ".join(str(t.shape) for t in operands if isinstance(t, Tensor))
+                    raise ShapeError(f"{name}: dim {d.name} has size {dims[d.name].size} in one operand and {d.size} in another ({shapes})")
+                dims.setdefault(d.name, d)
+    return Shape(dims.values())
+
+
+def align(array: jax.Array, shape: Shape, out: Shape) -> jax.Array:
+    """``array`` (dims ``shape``) transposed to ``out``'s order, with size-1 axes where it lacks a dim."""
+    order = [n for n in out.names if n in shape]
+    array = jnp.transpose(array, [shape.index(n) for n in order])
+    return jnp.reshape(array, [array.shape[order.index(n)] if n in shape else 1 for n in out.names])
+
+
+def _linear_pending(name: str, operands: Sequence[Any], lowering) -> tuple[str, ...]:
+    """The pending sums the result may keep, or () if the operands must be summed first."""
+    tensors = [x for x in operands if isinstance(x, Tensor)]
+    pendings = {x.pending for x in tensors}
+    if name in ("add", "subtract"):
+        return tensors[0].pending if len(tensors) == len(operands) and len(pendings) == 1 else ()
+    if name == "negative":
+        return tensors[0].pending
+    if name in ("multiply", "divide"):
+        summed = [x for x in operands if isinstance(x, Tensor) and x.pending]
+        if len(summed) != 1 or (name == "divide" and operands[0] is not summed[0]):
+            return ()
+        pending = summed[0].pending
+        for x in tensors:
+            if x is not summed[0]:
+                split = {a for axes in lowering.axes(x.shape) for a in axes}
+                if x.pending or split & set(pending):
+                    return ()
+        return pending
+    return ()
+
+
+def _map(name: str, fn: Callable[..., jax.Array], *operands: Any) -> Tensor:
+    with jax.named_scope(f"md.{name}"):
+        lowering = current()
+        out = broadcast_shape(operands, name)
+        pending = _linear_pending(name, operands, lowering)
+        locals_ = []
+        for x in operands:
+            if isinstance(x, Tensor):
+                data = x._data if pending else lowering.prepare(x)
+                locals_.append(align(data, x.shape, out))
+            else:
+                locals_.append(x)
+        return lowering.finish(fn(*locals_), out, pending=pending, lazy=True)
+
+
+def _unary(name: str, fn: Callable[[jax.Array], jax.Array], doc: str) -> Callable[[Tensor], Tensor]:
+    def unary(x: Tensor) -> Tensor:
+        return _map(name, fn, x)
+
+    unary.__name__ = unary.__qualname__ = name
+    unary.__doc__ = doc
+    return unary
+
+
+def _binary(name: str, fn: Callable[[Any, Any], jax.Array], doc: str) -> Callable[[Any, Any], Tensor]:
+    def binary(x: Any, y: Any) -> Tensor:
+        return _map(name, fn, x, y)
+
+    binary.__name__ = binary.__qualname__ = name
+    binary.__doc__ = doc
+    return binary
+
+
+exp = _unary("exp", jnp.exp, "e to the ``x``, element by element.")
+log = _unary("log", jnp.log, "Natural logarithm.")
+sqrt = _unary("sqrt", jnp.sqrt, "Square root.")
+rsqrt = _unary("rsqrt", jax.lax.rsqrt, "1 / sqrt(x).")
+tanh = _unary("tanh", jnp.tanh, "Hyperbolic tangent.")
+sigmoid = _unary("sigmoid", jax.nn.sigmoid, "1 / (1 + exp(-x)).")
+relu = _unary("relu", jax.nn.relu, "max(x, 0).")
+square = _unary("square", jnp.square, "x * x.")
+abs = _unary("abs", jnp.abs, "Absolute value.")  # noqa: A001  (md.abs, as numpy)
+negative = _unary("negative", jnp.negative, "-x.")
+logical_not = _unary("logical_not", jnp.logical_not, "Boolean not.")
+
+add = _binary("add", jnp.add, "x + y, broadcast by name.")
+subtract = _binary("subtract", jnp.subtract, "x - y, broadcast by name.")
+multiply = _binary("multiply", jnp.multiply, "x * y, broadcast by name.")
+divide = _binary("divide", jnp.divide, "x / y, broadcast by name.")
+power = _binary("power", jnp.power, "x ** y, broadcast by name.")
+maximum = _binary("maximum", jnp.maximum, "Element-wise larger of x and y.")
+minimum = _binary("minimum", jnp.minimum, "Element-wise smaller of x and y.")
+equal = _binary("equal", jnp.equal, "x == y (boolean).")
+not_equal = _binary("not_equal", jnp.not_equal, "x != y (boolean).")
+less = _binary("less", jnp.less, "x < y (boolean).")
+less_equal = _binary("less_equal", jnp.less_equal, "x <= y (boolean).")
+greater = _binary("greater", jnp.greater, "x > y (boolean).")
+greater_equal = _binary("greater_equal", jnp.greater_equal, "x >= y (boolean).")
+logical_and = _binary("logical_and", jnp.logical_and, "Boolean and.")
+logical_or = _binary("logical_or", jnp.logical_or, "Boolean or.")
+
+
+def gelu(x: Tensor, approximate: bool = True) -> Tensor:
+    """Gaussian error linear unit (tanh approximation by default, as Mesh-TF)."""
+    return _map("gelu", lambda a: jax.nn.gelu(a, approximate=approximate), x)
+
+
+def cast(x: Tensor, dtype: Any) -> Tensor:
+    """``x`` converted to ``dtype``."""
+    return _map("cast", lambda a: a.astype(dtype), x)
+
+
+def where(condition: Any, x: Any, y: Any) -> Tensor:
+    """``x`` where ``condition`` holds, else ``y``; all three broadcast by name."""
+    return _map("where", jnp.where, condition, x, y)
+
+
+def stop_gradient(x: Tensor) -> Tensor:
+    """``x``, with no gradient flowing back through it."""
+    return _map("stop_gradient", jax.lax.stop_gradient, x)
+
+
+__all__ = [
+    "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "gelu", "square", "abs", "negative",
+    "logical_not", "add", "subtract", "multiply", "divide", "power", "maximum", "minimum", "equal",
+    "not_equal", "less", "less_equal", "greater", "greater_equal", "logical_and", "logical_or", "cast",
+    "where", "stop_gradient", "broadcast_shape", "align",
+]

@@ -1,0 +1,90 @@
+"""Reductions over named dims, and the softmax family built on them.
+
+A reduction over a split dim reduces the local shard, then combines across the dim's mesh axes:
+``psum`` for sums (kept pending, so adding partial results first costs one collective), ``pmax``
+and ``pmin`` for extrema. ``logsumexp`` and ``softmax`` are written with these ops, so they work
+over a split ``vocab`` with one ``pmax`` and one ``psum``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import jax.numpy as jnp
+
+from meshdsl.dims import Dim, resolve
+from meshdsl.lowering.context import current, op
+from meshdsl.ops import elementwise as ew
+from meshdsl.tensor import Tensor
+
+Dims = str | Dim | Iterable[str | Dim] | None
+
+
+def _reduced(x: Tensor, dims: Dims) -> tuple[int, ...]:
+    if dims is None:
+        return tuple(range(x.shape.rank))
+    return tuple(x.shape.index(d.name) for d in resolve(dims, x.shape))
+
+
+def _reduce(x: Tensor, dims: Dims, local_fn, combine: str) -> Tensor:
+    lowering = current()
+    positions = _reduced(x, dims)
+    out = x.shape.without(x.shape[i] for i in positions)
+    axes = lowering.axes(x.shape)
+    split = tuple(a for i in positions for a in axes[i])
+    out_axes = tuple(a for i, a in enumerate(axes) if i not in positions)
+    if combine == "sum":
+        local = local_fn(x._data, axis=positions)
+        return lowering.finish(local, out, out_axes, pending=x.pending + split, lazy=True)
+    local = local_fn(lowering.prepare(x), axis=positions)
+    local = lowering.pmax(local, split) if combine == "max" else lowering.pmin(local, split)
+    return lowering.finish(local, out, out_axes)
+
+
+@op("reduce_sum")
+def reduce_sum(x: Tensor, dims: Dims = None) -> Tensor:
+    """Sum over ``dims`` (a name, a Dim or a list; None: all dims)."""
+    return _reduce(x, dims, jnp.sum, "sum")
+
+
+@op("reduce_mean")
+def reduce_mean(x: Tensor, dims: Dims = None) -> Tensor:
+    """Mean over ``dims``."""
+    count = 1
+    for i in _reduced(x, dims):
+        count *= x.shape[i].size
+    return reduce_sum(x, dims) / count
+
+
+@op("reduce_max")
+def reduce_max(x: Tensor, dims: Dims = None) -> Tensor:
+    """Maximum over ``dims``."""
+    return _reduce(x, dims, jnp.max, "max")
+
+
+@op("reduce_min")
+def reduce_min(x: Tensor, dims: Dims = None) -> Tensor:
+    """Minimum over ``dims``."""
+    return _reduce(x, dims, jnp.min, "min")
+
+
+@op("logsumexp")
+def logsumexp(x: Tensor, dims: Dims = None) -> Tensor:
+    """log(sum(exp(x))) over ``dims``, computed stably."""
+    top = ew.stop_gradient(reduce_max(x, dims))
+    return ew.log(reduce_sum(ew.exp(x - top), dims)) + top
+
+
+@op("softmax")
+def softmax(x: Tensor, dims: Dims) -> Tensor:
+    """exp(x) normalised to sum to 1 over ``dims``."""
+    e = ew.exp(x - ew.stop_gradient(reduce_max(x, dims)))
+    return e / reduce_sum(e, dims)
+
+
+@op("log_softmax")
+def log_softmax(x: Tensor, dims: Dims) -> Tensor:
+    """log(softmax(x)) over ``dims``, computed stably."""
+    return x - logsumexp(x, dims)
+
+

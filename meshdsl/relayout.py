@@ -1,0 +1,221 @@
+"""Relayout: move one tensor from layout A to layout B on the mesh. The one place this rule lives.
+
+A tensor's local layout is, per dim, the ordered tuple of mesh axes that split it (major to
+minor), plus the axes over which its local values are still partial sums waiting to be added
+(Mesh-TF's LazyAllreduceSum). :func:`plan` turns a source and a destination layout into steps;
+:func:`apply` runs them on a local shard inside ``shard_map``; :func:`step_bytes` prices them.
+The lowering, ``md.explain`` and the planner all go through here.
+
+The plan, worked on an example. Source ``(("model",), ())`` with pending sum over ``data``,
+destination ``((), ("data", "model"))`` of a 2-d tensor:
+
+1. *Pending sums.* ``data`` is the next axis dim 1 wants, so the sum is done by one
+   ``psum_scatter`` over ``data`` into dim 1 (a reduce-scatter, cheaper than an all-reduce).
+   Pending axes no dim wants next are added by one ``psum`` over all of them.
+2. *Splits to remove.* Dim 0 must lose ``model``. It is the next axis dim 1 wants, so one
+   ``all_to_all`` moves it: dim 0 is concatenated, dim 1 split. An axis no dim wants next is
+   removed with ``all_gather`` (consecutive innermost such axes of a dim in one collective).
+3. *Splits to add.* Whatever a dim still lacks is a local slice at the device's index: no
+   communication.
+
+Result: ``[psum_scatter(data, dim 1), all_to_all(model, dim 0 -> dim 1)]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Iterable, Mapping, Sequence
+
+import jax
+from jax import lax
+
+from meshdsl.collectives import Collective, bytes_moved
+
+Axes = tuple[tuple[str, ...], ...]
+"""Per tensor dim, the mesh axes splitting it, major to minor; ``()`` means replicated."""
+
+
+class StepKind(enum.Enum):
+    """What one relayout step does to the local shard."""
+
+    PSUM = "psum"
+    PSUM_SCATTER = "psum_scatter"
+    ALL_GATHER = "all_gather"
+    ALL_TO_ALL = "all_to_all"
+    SLICE = "slice"
+
+    @property
+    def collective(self) -> Collective | None:
+        return _COLLECTIVE[self]
+
+
+_COLLECTIVE = {
+    StepKind.PSUM: Collective.ALL_REDUCE,
+    StepKind.PSUM_SCATTER: Collective.REDUCE_SCATTER,
+    StepKind.ALL_GATHER: Collective.ALL_GATHER,
+    StepKind.ALL_TO_ALL: Collective.ALL_TO_ALL,
+    StepKind.SLICE: None,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One step: ``kind`` over mesh ``axes`` on tensor dim ``dim``.
+
+    ``dim`` is the dim that is scattered, gathered or sliced (for ``ALL_TO_ALL`` the dim that
+    gains the split; ``from_dim`` the one that loses it). ``PSUM`` has no dim.
+    """
+
+    kind: StepKind
+    axes: tuple[str, ...]
+    dim: int = -1
+    from_dim: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class State:
+    """A local layout: per-dim split axes and the axes of pending partial sums."""
+
+    axes: Axes
+    pending: tuple[str, ...] = ()
+
+    def after(self, step: Step) -> "State":
+        axes = [list(a) for a in self.axes]
+        pending = list(self.pending)
+        if step.kind is StepKind.PSUM:
+            pending = [a for a in pending if a not in step.axes]
+        elif step.kind is StepKind.PSUM_SCATTER:
+            pending = [a for a in pending if a not in step.axes]
+            axes[step.dim].extend(step.axes)
+        elif step.kind is StepKind.ALL_GATHER:
+            del axes[step.dim][len(axes[step.dim]) - len(step.axes):]
+        elif step.kind is StepKind.ALL_TO_ALL:
+            axes[step.from_dim].pop()
+            axes[step.dim].extend(step.axes)
+        else:
+            axes[step.dim].extend(step.axes)
+        return State(tuple(map(tuple, axes)), tuple(pending))
+
+
+def _common_prefix(a: Sequence[str], b: Sequence[str]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _next_wanted(cur: list[list[str]], dst: Axes, axis: str, exclude: int) -> int:
+    """The dim (not ``exclude``) whose current axes are a prefix of its target and wants ``axis`` next, or -1."""
+    for j, want in enumerate(dst):
+        k = len(cur[j])
+        if j != exclude and tuple(cur[j]) == want[:k] and len(want) > k and want[k] == axis:
+            return j
+    return -1
+
+
+def plan(src: Axes, dst: Axes, pending: Iterable[str] = ()) -> tuple[Step, ...]:
+    """Steps that turn a shard laid out as ``src`` (with ``pending`` sums) into one laid out as ``dst``."""
+    if len(src) != len(dst):
+        raise ValueError(f"relayout between ranks {len(src)} and {len(dst)}")
+    cur = [list(a) for a in src]
+    steps: list[Step] = []
+    to_sum = list(pending)
+    for axis in list(to_sum):
+        j = _next_wanted(cur, dst, axis, exclude=-1)
+        if j >= 0:
+            steps.append(Step(StepKind.PSUM_SCATTER, (axis,), j))
+            cur[j].append(axis)
+            to_sum.remove(axis)
+    if to_sum:
+        steps.append(Step(StepKind.PSUM, tuple(to_sum)))
+
+    def excess(i: int) -> int:
+        return len(cur[i]) - _common_prefix(cur[i], dst[i])
+
+    while any(excess(i) for i in range(len(cur))):
+        moved = False
+        for i in range(len(cur)):
+            if excess(i):
+                j = _next_wanted(cur, dst, cur[i][-1], exclude=i)
+                if j >= 0:
+                    axis = cur[i].pop()
+                    steps.append(Step(StepKind.ALL_TO_ALL, (axis,), j, i))
+                    cur[j].append(axis)
+                    moved = True
+        if moved:
+            continue
+        i = next(i for i in range(len(cur)) if excess(i))
+        wanted = {a for want in dst for a in want}
+        n = 1
+        while n < excess(i) and cur[i][-n - 1] not in wanted and cur[i][-n] not in wanted:
+            n += 1
+        gathered = tuple(cur[i][-n:])
+        del cur[i][-n:]
+        steps.append(Step(StepKind.ALL_GATHER, gathered, i))
+    for j, want in enumerate(dst):
+        if len(want) > len(cur[j]):
+            steps.append(Step(StepKind.SLICE, want[len(cur[j]):], j))
+            cur[j].extend(want[len(cur[j]):])
+    return tuple(steps)
+
+
+def group_size(axes: Iterable[str], axis_sizes: Mapping[str, int]) -> int:
+    """Devices in one group of a collective over ``axes``."""
+    return math.prod(axis_sizes[a] for a in axes)
+
+
+def axis_index(axes: Sequence[str], axis_sizes: Mapping[str, int]) -> jax.Array:
+    """This device's position along ``axes`` taken together, major to minor."""
+    index = 0
+    for a in axes:
+        index = index * axis_sizes[a] + lax.axis_index(a)
+    return index
+
+
+def local_sizes(sizes: Sequence[int], axes: Axes, axis_sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """Shard sizes of a tensor of global ``sizes`` laid out as ``axes``."""
+    return tuple(s // group_size(a, axis_sizes) for s, a in zip(sizes, axes))
+
+
+def apply(x: jax.Array, steps: Iterable[Step], axis_sizes: Mapping[str, int]) -> jax.Array:
+    """Run ``steps`` on the local shard ``x`` (inside ``shard_map`` over a mesh with ``axis_sizes``)."""
+    for step in steps:
+        if step.kind is StepKind.PSUM:
+            x = lax.psum(x, step.axes)
+        elif step.kind is StepKind.PSUM_SCATTER:
+            x = lax.psum_scatter(x, step.axes, scatter_dimension=step.dim, tiled=True)
+        elif step.kind is StepKind.ALL_GATHER:
+            x = lax.all_gather(x, step.axes, axis=step.dim, tiled=True, to="invarying")
+        elif step.kind is StepKind.ALL_TO_ALL:
+            x = lax.all_to_all(x, step.axes, split_axis=step.dim, concat_axis=step.from_dim, tiled=True)
+        else:
+            n = group_size(step.axes, axis_sizes)
+            chunk = x.shape[step.dim] // n
+            start = axis_index(step.axes, axis_sizes) * chunk
+            x = lax.dynamic_slice_in_dim(x, start, chunk, axis=step.dim)
+    return x
+
+
+def step_bytes(
+    steps: Sequence[Step],
+    start: State,
+    sizes: Sequence[int],
+    itemsize: int,
+    axis_sizes: Mapping[str, int],
+) -> list[float]:
+    """Bytes each step moves per device, for a tensor of global ``sizes`` starting laid out as ``start``."""
+    out = []
+    state = start
+    for step in steps:
+        before = math.prod(local_sizes(sizes, state.axes, axis_sizes)) * itemsize
+        state = state.after(step)
+        after = math.prod(local_sizes(sizes, state.axes, axis_sizes)) * itemsize
+        collective = step.kind.collective
+        if collective is None:
+            out.append(0.0)
+            continue
+        buffer = after if collective is Collective.ALL_GATHER else before
+        out.append(bytes_moved(collective, buffer, group_size(step.axes, axis_sizes)))
+    return out

@@ -1,0 +1,131 @@
+"""Named tensors: a JAX array plus the names and sizes of its dims.
+
+A :class:`Tensor` is a JAX pytree whose one leaf is the array and whose static part is the
+:class:`~meshdsl.dims.Shape`, so ``jax.jit``, ``jax.grad``, ``jax.tree_util`` and optax handle it
+like any array container. Outside ``md.compile`` the array is the global value. Inside the spmd
+lowering it is this device's shard (the shape stays global), and it may hold partial sums over
+some mesh axes that a later op adds up (Mesh-TF's LazyAllreduceSum); reading ``.array`` adds them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshdsl.dims import Dim, Shape, ShapeLike, as_shape
+from meshdsl.errors import ShapeError
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class Tensor:
+    """A JAX array with named dims. Build one with :func:`tensor`."""
+
+    __slots__ = ("_data", "shape", "pending")
+    __array_priority__ = 100
+    __hash__ = None  # type: ignore[assignment]  # == is elementwise, as for arrays
+
+    def __init__(self, data: Any, shape: Shape, pending: tuple[str, ...] = ()):
+        self._data = data
+        self.shape = shape
+        self.pending = pending
+
+    @property
+    def array(self) -> jax.Array:
+        """The underlying array: the global value outside ``md.compile``, the local shard inside the spmd lowering."""
+        if self.pending:
+            from meshdsl.lowering.context import current
+
+            return current().prepare(self)
+        return self._data
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self._data.dtype
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.shape.names
+
+    def numpy(self) -> np.ndarray:
+        """The global value as a numpy array, axes in ``self.shape`` order."""
+        return np.asarray(self.array)
+
+    def tree_flatten_with_keys(self):
+        return ((jax.tree_util.GetAttrKey("array"), self._data),), (self.shape, self.pending)
+
+    def tree_flatten(self):
+        return (self._data,), (self.shape, self.pending)
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple[Shape, tuple[str, ...]], children: Sequence[Any]) -> "Tensor":
+        return cls(children[0], *aux)
+
+    def __repr__(self) -> str:
+        dtype = getattr(self._data, "dtype", None)
+        return f"Tensor({self.shape}, dtype={dtype})"
+
+    def __neg__(self):
+        from meshdsl.ops import elementwise
+
+        return elementwise.negative(self)
+
+    def __abs__(self):
+        from meshdsl.ops import elementwise
+
+        return elementwise.abs(self)
+
+    def __invert__(self):
+        from meshdsl.ops import elementwise
+
+        return elementwise.logical_not(self)
+
+
+def _binary(name: str, reflected: bool = False):
+    def method(self, other):
+        from meshdsl.ops import elementwise
+
+        fn = getattr(elementwise, name)
+        return fn(other, self) if reflected else fn(self, other)
+
+    method.__name__ = f"__{'r' if reflected else ''}{name}__"
+    return method
+
+
+for _dunder, _op in [
+    ("add", "add"), ("sub", "subtract"), ("mul", "multiply"), ("truediv", "divide"), ("pow", "power"),
+    ("and", "logical_and"), ("or", "logical_or"),
+]:
+    setattr(Tensor, f"__{_dunder}__", _binary(_op))
+    setattr(Tensor, f"__r{_dunder}__", _binary(_op, reflected=True))
+for _dunder, _op in [
+    ("lt", "less"), ("le", "less_equal"), ("gt", "greater"), ("ge", "greater_equal"), ("eq", "equal"), ("ne", "not_equal"),
+]:
+    setattr(Tensor, f"__{_dunder}__", _binary(_op))
+
+
+def tensor(array: Any, dims: ShapeLike | str | Sequence[str]) -> Tensor:
+    """A :class:`Tensor` from an array and its dims.
+
+    ``dims`` is a list of :class:`Dim` (sizes checked against the array), a :class:`Shape`,
+    a list of names, or a space-separated string of names (sizes taken from the array).
+    """
+    if not isinstance(array, jax.Array):
+        array = jnp.asarray(array)
+    if isinstance(dims, str):
+        dims = dims.split()
+    dims = [dims] if isinstance(dims, Dim) else list(dims.dims if isinstance(dims, Shape) else dims)
+    if len(dims) != array.ndim:
+        raise ShapeError(f"array of shape {tuple(array.shape)} has {array.ndim} axes, but {len(dims)} dims were named: {dims}")
+    resolved = []
+    for d, n in zip(dims, array.shape):
+        if isinstance(d, str):
+            d = Dim(d, n)
+        elif not isinstance(d, Dim):
+            raise ShapeError(f"a dim is an md.Dim or a name, got {d!r}")
+        elif d.size != n:
+            raise ShapeError(f"dim {d} does not match the array, whose axis {len(resolved)} has size {n} (array shape {tuple(array.shape)})")
+        resolved.append(d)
+    return Tensor(array, as_shape(resolved))

@@ -1,0 +1,266 @@
+"""meshdsl.hlo reads the collectives, their sizes, groups and run counts out of compiled HLO."""
+
+import os
+
+_DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
+if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}".strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from meshdsl.hlo import HloCollective, collectives, summary  # noqa: E402
+
+needs_8_devices = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (host) devices")
+
+
+def _mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+
+
+def _key(c: HloCollective) -> tuple:
+    return (c.collective.value, c.buffer_bytes, c.group_size, c.count)
+
+
+# ---- compiled programs -------------------------------------------------------------------
+
+
+@needs_8_devices
+def test_shard_map_program_collectives_match_hand_count():
+    def f(x):
+        # x is the local f32[2,8] block: S = 64 bytes throughout.
+        def step(c, _):
+            return c + lax.psum(c, "b"), None
+
+        looped, _ = lax.scan(step, x, None, length=5)
+        return (
+            lax.psum(x, "a"),
+            lax.all_gather(x, "b", axis=1, tiled=True),
+            lax.psum_scatter(x, "a", scatter_dimension=1, tiled=True),
+            lax.all_to_all(x, "a", 1, 1, tiled=True),
+            lax.ppermute(x, "a", [(0, 1), (1, 2), (2, 3), (3, 0)]),
+            lax.pmax(x, ("a", "b")),
+            looped,
+        )
+
+    program = jax.jit(jax.shard_map(f, mesh=_mesh(), in_specs=P("a", "b"), out_specs=P("a", "b")))
+    text = program.lower(jnp.ones((8, 16), jnp.float32)).compile().as_text()
+
+    assert sorted(map(_key, collectives(text))) == sorted([
+        ("all-reduce", 64, 4, 1),  # psum over a
+        ("all-gather", 128, 2, 1),  # gathered f32[2,16]
+        ("reduce-scatter", 64, 4, 1),  # input f32[2,8] (output f32[2,2] x 4)
+        ("all-to-all", 64, 4, 1),  # printed as a 4-tuple of f32[2,2]
+        ("collective-permute", 64, 8, 1),  # the pairs of both b columns: 8 devices
+        ("all-reduce", 64, 8, 1),  # pmax over a and b
+        ("all-reduce", 64, 2, 5),  # psum over b, 5 scan steps
+    ])
+    assert summary(text) == {
+        "all-reduce": {"count": 7, "bytes": 2 * 3 / 4 * 64 + 2 * 7 / 8 * 64 + 5 * (2 * 1 / 2 * 64)},
+        "all-gather": {"count": 1, "bytes": 1 / 2 * 128},
+        "reduce-scatter": {"count": 1, "bytes": 3 / 4 * 64},
+        "all-to-all": {"count": 1, "bytes": 3 / 4 * 64},
+        "collective-permute": {"count": 1, "bytes": 64},
+    }
+
+
+@needs_8_devices
+@pytest.mark.parametrize(("spec", "group"), [(P("a", None), 4), (P("b", None), 2), (P(("b", "a"), None), 8)])
+def test_automatic_partitioning_mesh_replica_groups(spec, group):
+    # GSPMD prints groups as mesh['axis_0'=4,...] {'axis_0'} (with ", device_ids=(...)" when the
+    # devices are not in mesh order): the sum over the split dim is an all-reduce of the local
+    # partial f32[16] over the devices the dim is split on.
+    mesh = _mesh()
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(mesh, spec))
+    program = jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=NamedSharding(mesh, P()))
+    text = program.lower(x).compile().as_text()
+
+    assert "replica_groups=mesh[" in text
+    assert [_key(c) for c in collectives(text)] == [("all-reduce", 64, group, 1)]
+
+
+# ---- hand-written HLO ---------------------------------------------------------------------
+
+_ADD = """%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+"""
+
+
+def _module(*entry: str, computations: str = _ADD, header: str = "HloModule m, num_partitions=8") -> str:
+    body = "\n".join(f"  {line}" for line in entry)
+    return f"{header}\n\n{computations}\nENTRY %main (p: f32[8]) -> f32[8] {{\n  %p = f32[8]{{0}} parameter(0)\n{body}\n}}\n"
+
+
+def _keys(text: str, **kwargs) -> list[tuple]:
+    return [_key(c) for c in collectives(text, **kwargs)]
+
+
+def test_iota_replica_groups_take_the_group_dim():
+    text = _module(
+        "%ar0 = f32[8]{0} all-reduce(%p), channel_id=1, replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add",
+        "%ar1 = f32[8]{0} all-reduce(%p), channel_id=2, replica_groups=[2,4]<=[8], to_apply=%add",
+    )
+    assert _keys(text) == [("all-reduce", 32, 2, 1), ("all-reduce", 32, 4, 1)]
+
+
+def test_mesh_replica_groups_multiply_named_axes_and_sub_axes():
+    text = _module(
+        "%ar0 = f32[8]{0} all-reduce(%p), replica_groups=mesh['a'=4,'b'=2] {'a'}, to_apply=%add",
+        "%ar1 = f32[8]{0} all-reduce(%p), replica_groups=mesh['a'=4,'b'=2] {'a','b'}, to_apply=%add",
+        "%ar2 = f32[8]{0} all-reduce(%p), replica_groups=mesh[a=8,b=2] {a:(2)4,b}, to_apply=%add",
+        "%ar3 = f32[8]{0} all-reduce(%p), replica_groups=mesh['x'=2,'y'=4], device_ids=([4,2]T(1,0)) {'y'}, "
+        "to_apply=%add",
+    )
+    assert [c.group_size for c in collectives(text)] == [4, 8, 8, 4]
+
+
+def test_all_device_groups_take_the_device_count():
+    line = "%ar = f32[8]{0} all-reduce(%p), replica_groups={}, to_apply=%add"
+    assert _keys(_module(line)) == [("all-reduce", 32, 8, 1)]  # num_partitions=8 in the header
+    assert _keys(_module(line), num_devices=4) == [("all-reduce", 32, 4, 1)]
+    assert _keys(_module(line, header="HloModule m")) == [("all-reduce", 32, 1, 1)]  # printer omits 1
+    with pytest.raises(ValueError, match="num_devices"):
+        collectives(_module(line, header=""))
+
+
+def test_tuple_results_count_once_with_summed_bytes():
+    text = _module(
+        "%a2a = (f32[2,2]{1,0}, f32[2,2]{1,0}, /*index=2*/bf16[4]{0}) all-to-all(%p, %p, %p), "
+        "channel_id=1, replica_groups={{0,2,4,6},{1,3,5,7}}",
+        "%ar = (f32[], bf16[4,4]{1,0}) all-reduce(%p, %p), replica_groups={{0,1},{2,3},{4,5},{6,7}}, "
+        "to_apply=%add",
+        "%rs = (f32[2]{0}, f32[4]{0}) reduce-scatter(%p, %p), replica_groups={{0,1,2,3},{4,5,6,7}}, "
+        "dimensions={0}, to_apply=%add",
+    )
+    assert _keys(text) == [("all-to-all", 16 + 16 + 8, 4, 1), ("all-reduce", 4 + 32, 2, 1), ("reduce-scatter", 24 * 4, 4, 1)]
+
+
+def test_async_pairs_count_once_at_their_output():
+    wrapped = _ADD + """
+%wrapped_a2a (w: f32[8]) -> f32[8] {
+  %w = f32[8]{0} parameter(0)
+  ROOT %a2a = f32[8]{0} all-to-all(%w), replica_groups={{0,1}}, dimensions={0}
+}
+"""
+    text = _module(
+        "%ags = (f32[8]{0}, f32[32]{0}) all-gather-start(%p), replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}",
+        "%agd = f32[32]{0} all-gather-done(%ags)",
+        "%ars = f32[8]{0} all-reduce-start(%p), replica_groups={{0,1}}, to_apply=%add",
+        "%ard = f32[8]{0} all-reduce-done(%ars)",
+        "%cps = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(%p), source_target_pairs={{0,1},{1,2}}",
+        "%cpd = f32[8]{0} collective-permute-done(%cps)",
+        "%rss = ((f32[8]{0}), f32[2]{0}) reduce-scatter-start(%p), replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add",
+        "%rsu = ((f32[8]{0}), f32[2]{0}) reduce-scatter-update(%rss)",
+        "%rsd = f32[2]{0} reduce-scatter-done(%rsu)",
+        "%as = ((f32[8]{0}), f32[8]{0}, s32[]) async-start(%p), calls=%wrapped_a2a",
+        "%ad = f32[8]{0} async-done(%as)",
+        computations=wrapped,
+    )
+    assert _keys(text) == [
+        ("all-gather", 128, 4, 1),
+        ("all-reduce", 32, 2, 1),
+        ("collective-permute", 32, 3, 1),
+        ("reduce-scatter", 32, 4, 1),
+        ("all-to-all", 32, 2, 1),
+    ]
+
+
+_LOOPS = _ADD + """
+%inner_body (ib: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ib = (s32[], f32[8]{0}) parameter(0)
+  %iv = f32[8]{0} get-tuple-element(%ib), index=1
+  %ar_inner = f32[8]{0} all-reduce(%iv), replica_groups={{0,1}}, to_apply=%add
+  ROOT %it = (s32[], f32[8]{0}) tuple(%ib, %ar_inner)
+}
+
+%cond (c: (s32[], f32[8])) -> pred[] {
+  %c = (s32[], f32[8]{0}) parameter(0)
+  ROOT %lt = pred[] constant(true)
+}
+
+%outer_body (ob: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ob = (s32[], f32[8]{0}) parameter(0)
+  %inner = (s32[], f32[8]{0}) while(%ob), condition=%cond, body=%inner_body, backend_config={"known_trip_count":{"n":"4"}}
+  %ov = f32[8]{0} get-tuple-element(%inner), index=1
+  %ag_outer = f32[16]{0} all-gather(%ov), replica_groups={{0,1}}, dimensions={0}
+  ROOT %ot = (s32[], f32[8]{0}) tuple(%ob, %ov)
+}
+
+%branch_a (ba: f32[8]) -> f32[8] {
+  %ba = f32[8]{0} parameter(0)
+  ROOT %ar_a = f32[8]{0} all-reduce(%ba), replica_groups={{0,1,2,3}}, to_apply=%add
+}
+
+%branch_b (bb: f32[8]) -> f32[8] {
+  %bb = f32[8]{0} parameter(0)
+  %called = f32[8]{0} call(%bb), to_apply=%branch_a
+  ROOT %cp_b = f32[8]{0} collective-permute(%called), source_target_pairs={{0,1},{1,0}}
+}
+"""
+
+
+def test_loops_multiply_trip_counts_and_branches_count_once():
+    text = _module(
+        "%t = (s32[], f32[8]{0}) tuple(%p, %p)",
+        '%outer = (s32[], f32[8]{0}) while(%t), condition=%cond, body=%outer_body, backend_config={"known_trip_count":{"n":"3"}}',
+        "%pred = pred[] constant(true)",
+        "%branch = f32[8]{0} conditional(%pred, %p, %p), true_computation=%branch_a, false_computation=%branch_b",
+        "%idx = s32[] constant(0)",
+        "%switch = f32[8]{0} conditional(%idx, %p, %p), branch_computations={%branch_a, %branch_b}",
+        computations=_LOOPS,
+    )
+    branches = [("all-reduce", 32, 4, 1), ("all-reduce", 32, 4, 1), ("collective-permute", 32, 2, 1)]
+    assert _keys(text) == [("all-reduce", 32, 2, 12), ("all-gather", 64, 2, 3), *branches, *branches]
+    assert summary(text)["all-reduce"] == {"count": 12 + 4, "bytes": 12 * 32 + 4 * (2 * 3 / 4 * 32)}
+
+
+def test_while_without_trip_count_is_an_error_only_when_it_holds_collectives():
+    def program(body: str, computations: str) -> str:
+        return _module(
+            "%t = (s32[], f32[8]{0}) tuple(%p, %p)",
+            f"%loop = (s32[], f32[8]{{0}}) while(%t), condition=%cond, body=%{body}",
+            computations=computations,
+        )
+
+    with pytest.raises(ValueError, match="%loop"):
+        collectives(program("inner_body", _LOOPS))
+    quiet = _LOOPS + """
+%quiet_body (qb: (s32[], f32[8])) -> (s32[], f32[8]) {
+  ROOT %qb = (s32[], f32[8]{0}) parameter(0)
+}
+"""
+    assert collectives(program("quiet_body", quiet)) == []
+
+
+def test_loop_condition_runs_once_more_than_the_body():
+    checked = _ADD + """
+%checked_cond (c: f32[8]) -> pred[] {
+  %c = f32[8]{0} parameter(0)
+  %any = f32[8]{0} all-reduce(%c), replica_groups={{0,1}}, to_apply=%add
+  ROOT %go = pred[] constant(true)
+}
+
+%body (b: f32[8]) -> f32[8] {
+  ROOT %b = f32[8]{0} parameter(0)
+}
+"""
+    text = _module(
+        '%loop = f32[8]{0} while(%p), condition=%checked_cond, body=%body, backend_config={"known_trip_count":{"n":"2"}}',
+        computations=checked,
+    )
+    assert _keys(text) == [("all-reduce", 32, 2, 3)]
+
+
+def test_element_sizes():
+    text = _module(
+        "%ag0 = (pred[3]{0}, s8[2]{0}, bf16[2]{0}, f8e4m3fn[2]{0}) all-gather(%p), replica_groups={{0,1}}, dimensions={0}",
+        "%ag1 = (c128[2]{0}, f64[], s4[2]{0}) all-gather(%p), replica_groups={{0,1}}, dimensions={0}",
+    )
+    assert [c.buffer_bytes for c in collectives(text)] == [3 + 2 + 4 + 2, 32 + 8 + 2]
