@@ -3,6 +3,7 @@
 from meshdsl import random
 from meshdsl.compile import Backend, Compiled, compile
 from meshdsl.dims import Dim, Shape
+from meshdsl.explain import Communication, Report, explain
 from meshdsl.errors import LayoutError, MeshDslError, ShapeError
 from meshdsl.layout import Layout
 from meshdsl.mesh import Mesh

@@ -87,7 +87,8 @@ class Compiled:
             with use(SpmdLowering(self.mesh, self.layout)) as lowering:
                 result = self.fn(*jax.tree_util.tree_unflatten(treedef, inputs))
                 flat = jax.tree_util.tree_leaves(result, is_leaf=_is_tensor)
-                return tuple(lowering.prepare(x) if isinstance(x, Tensor) else x for x in flat)
+                with jax.named_scope("md.result"):
+                    return tuple(lowering.prepare(x) if isinstance(x, Tensor) else x for x in flat)
 
         arrays = [x._data if isinstance(x, Tensor) else x for _, x in leaves]
         mapped = jax.shard_map(body, mesh=self.mesh.jax_mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)

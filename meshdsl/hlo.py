@@ -12,8 +12,11 @@ What is counted, per device:
   their ``-start``; ``-update``/``-done`` are skipped. Other collectives (``ragged-all-to-all``,
   ``collective-broadcast``, ...) are not counted: meshdsl never emits them.
 * Its buffer ``S`` comes from the instruction's own result type, since operand shapes are not
-  printed inline: the output, summed over tuple elements, for all kinds but
-  ``reduce-scatter``, whose ``S`` is its input, i.e. output times group size.
+  printed inline: the output for all kinds but ``reduce-scatter``, whose ``S`` is its input,
+  i.e. output times group size. XLA's combiners merge independent all-reduces (and
+  all-gathers, reduce-scatters) into one instruction with a tuple result: each element is its
+  own reduction and counts as one, so counts do not depend on what the combiner merged. A
+  tuple ``all-to-all`` is one exchange cut into pieces and counts once.
 * Its group size comes from ``replica_groups`` in any of its printed forms (explicit lists,
   iota ``[g,n]<=[...]``, ``mesh[...] {axes}``); an absent or empty list means every device.
 * How often it runs: reached through ``while`` loops it runs once per iteration of each
@@ -117,7 +120,7 @@ def _visit(instruction: _Instruction, walk: _Walk, devices: int | None) -> Itera
         return
     kind = _KINDS.get(opcode.removesuffix("-start"))
     if kind is not None:
-        yield _collective(instruction, kind, devices)
+        yield from _collective(instruction, kind, devices)
         return
     for callee, times in _callees(instruction, walk):
         for c in walk(callee):
@@ -152,8 +155,13 @@ def _callees(instruction: _Instruction, walk: _Walk) -> list[tuple[str, int]]:
     return [(name, 1) for name in _names(calls.group(1) or calls.group(2))]
 
 
-def _collective(instruction: _Instruction, kind: Collective, devices: int | None) -> HloCollective:
-    """One execution of the collective ``instruction``: its ``S`` and group size."""
+def _collective(instruction: _Instruction, kind: Collective, devices: int | None) -> list[HloCollective]:
+    """One execution of the collective ``instruction``: one entry per buffer it moves.
+
+    XLA's combiners merge independent all-reduces (all-gathers, reduce-scatters) into one
+    instruction with a tuple result; each element is still its own reduction, so each counts.
+    A tuple all-to-all is one exchange split into pieces, so it counts once.
+    """
     output = instruction.result_type
     # Async starts return (operands, outputs, context...); all-reduce-start returns just outputs.
     if instruction.opcode.endswith("-start") and kind is not Collective.ALL_REDUCE:
@@ -163,10 +171,10 @@ def _collective(instruction: _Instruction, kind: Collective, devices: int | None
         group = len(set(re.findall(r"\d+", pairs.group(1)))) if pairs else 0
     else:
         group = _group_size(instruction, devices)
-    size = _bytes(output)
-    if kind is Collective.REDUCE_SCATTER:
-        size *= group
-    return HloCollective(kind, size, group, 1)
+    combined = output.startswith("(") and kind not in (Collective.ALL_TO_ALL, Collective.COLLECTIVE_PERMUTE)
+    buffers = _tuple_elements(output) if combined else [output]
+    scale = group if kind is Collective.REDUCE_SCATTER else 1
+    return [HloCollective(kind, _bytes(b) * scale, group, 1) for b in buffers]
 
 
 def _group_size(instruction: _Instruction, devices: int | None) -> int:

@@ -130,7 +130,7 @@ def test_all_device_groups_take_the_device_count():
         collectives(_module(line, header=""))
 
 
-def test_tuple_results_count_once_with_summed_bytes():
+def test_combined_collectives_count_per_buffer_but_all_to_all_once():
     text = _module(
         "%a2a = (f32[2,2]{1,0}, f32[2,2]{1,0}, /*index=2*/bf16[4]{0}) all-to-all(%p, %p, %p), "
         "channel_id=1, replica_groups={{0,2,4,6},{1,3,5,7}}",
@@ -139,7 +139,13 @@ def test_tuple_results_count_once_with_summed_bytes():
         "%rs = (f32[2]{0}, f32[4]{0}) reduce-scatter(%p, %p), replica_groups={{0,1,2,3},{4,5,6,7}}, "
         "dimensions={0}, to_apply=%add",
     )
-    assert _keys(text) == [("all-to-all", 16 + 16 + 8, 4, 1), ("all-reduce", 4 + 32, 2, 1), ("reduce-scatter", 24 * 4, 4, 1)]
+    assert _keys(text) == [
+        ("all-to-all", 16 + 16 + 8, 4, 1),
+        ("all-reduce", 4, 2, 1),
+        ("all-reduce", 32, 2, 1),
+        ("reduce-scatter", 8 * 4, 4, 1),
+        ("reduce-scatter", 16 * 4, 4, 1),
+    ]
 
 
 def test_async_pairs_count_once_at_their_output():
@@ -263,4 +269,4 @@ def test_element_sizes():
         "%ag0 = (pred[3]{0}, s8[2]{0}, bf16[2]{0}, f8e4m3fn[2]{0}) all-gather(%p), replica_groups={{0,1}}, dimensions={0}",
         "%ag1 = (c128[2]{0}, f64[], s4[2]{0}) all-gather(%p), replica_groups={{0,1}}, dimensions={0}",
     )
-    assert [c.buffer_bytes for c in collectives(text)] == [3 + 2 + 4 + 2, 32 + 8 + 2]
+    assert [c.buffer_bytes for c in collectives(text)] == [3, 2, 4, 2, 32, 8, 2]
