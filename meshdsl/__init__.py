@@ -1,17 +1,25 @@
-"""meshdsl: Mesh-TensorFlow-style named tensors on JAX."""
+"""meshdsl: Mesh-TensorFlow-style named tensors on JAX.
+
+Write a model once with named dims, pick a mesh and a layout (which dim is split over which mesh
+axis), and ``md.compile`` runs it with the collectives the layout needs. See docs/api.md.
+"""
 
 from meshdsl import random
 from meshdsl.compile import Backend, Compiled, compile
 from meshdsl.dims import Dim, Shape
-from meshdsl.explain import Communication, Report, explain
 from meshdsl.errors import LayoutError, MeshDslError, ShapeError
+from meshdsl.explain import Communication, Report, explain
 from meshdsl.layout import Layout
 from meshdsl.mesh import Mesh
+from meshdsl.ops.concat import concat, pad, slice, split, stack, unstack
 from meshdsl.ops.einsum import einsum
 from meshdsl.ops.elementwise import (
     abs, add, cast, divide, equal, exp, gelu, greater, greater_equal, less, less_equal, log, logical_and,
     logical_not, logical_or, maximum, minimum, multiply, negative, not_equal, power, relu, rsqrt, sigmoid,
     sqrt, square, stop_gradient, subtract, tanh, where,
 )
+from meshdsl.ops.indexing import argmax, cumsum, gather, one_hot, range, shift, top_k
 from meshdsl.ops.reduction import log_softmax, logsumexp, reduce_max, reduce_mean, reduce_min, reduce_sum, softmax
+from meshdsl.ops.reshape import rearrange, rename, replace_dimensions, reshape, transpose
+from meshdsl.random import dropout
 from meshdsl.tensor import Tensor, tensor

@@ -66,6 +66,11 @@ class Lowering:
         """This device's position along ``axes`` (major to minor)."""
         return 0
 
+    def shard(self, size: int, axes: Sequence[str]) -> tuple[int, Any]:
+        """Local length and global offset of this device's block of a dim of ``size`` split over ``axes``."""
+        local = size // self.group_size(axes)
+        return local, self.axis_index(axes) * local
+
     def psum(self, x: Any, axes: Sequence[str]) -> Any:
         return x
 
@@ -80,4 +85,4 @@ class Lowering:
 
     def ppermute(self, x: jax.Array, axes: Sequence[str], shift: int, wrap: bool) -> jax.Array:
         """Send ``x`` to the device ``shift`` places further along ``axes`` (zeros arrive where none is sent)."""
-        return x
+        return x if shift == 0 or wrap else jax.numpy.zeros_like(x)

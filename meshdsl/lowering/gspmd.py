@@ -23,8 +23,8 @@ class GspmdLowering(Lowering):
 
     def constrain(self, t: Tensor, tensor: str = "output") -> Tensor:
         """``t`` with its array constrained to the sharding the layout gives its shape."""
-        sharding = jax.sharding.NamedSharding(self.mesh.jax_mesh, self.layout.spec(t.shape))
         self.layout.axes(t.shape, self.mesh, tensor)
+        sharding = jax.sharding.NamedSharding(self.mesh.jax_mesh, self.layout.spec(t.shape))
         return Tensor(jax.lax.with_sharding_constraint(t._data, sharding), t.shape)
 
     def finish(self, array, shape, axes=None, pending=(), lazy=False, tensor="output") -> Tensor:

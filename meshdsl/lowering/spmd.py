@@ -57,7 +57,10 @@ class SpmdLowering(Lowering):
 
     def prepare(self, t: Tensor, axes: Axes | None = None) -> jax.Array:
         own = self.axes(t.shape)
-        return self._relayout(t._data, t.shape, own, own if axes is None else axes, t.pending)
+        src = own
+        if tuple(t._data.shape) != relayout.local_sizes(t.shape.sizes, own, self.axis_sizes):
+            src = ((),) * t.shape.rank  # a global value the function closed over: replicated
+        return self._relayout(t._data, t.shape, src, own if axes is None else axes, t.pending)
 
     def finish(self, array, shape, axes=None, pending=(), lazy=False, tensor="output") -> Tensor:
         own = self.axes(shape, tensor)
@@ -90,6 +93,8 @@ class SpmdLowering(Lowering):
 
     def ppermute(self, x: jax.Array, axes: Sequence[str], shift: int, wrap: bool) -> jax.Array:
         n = self.group_size(axes)
+        if shift == 0 or (wrap and shift % n == 0):
+            return x
         pairs = [(i, i + shift) for i in range(n)]
         pairs = [(i, j % n) for i, j in pairs if wrap or 0 <= j < n]
         if not pairs:

@@ -34,7 +34,7 @@ def _reduce(x: Tensor, dims: Dims, local_fn, combine: str) -> Tensor:
     split = tuple(a for i in positions for a in axes[i])
     out_axes = tuple(a for i, a in enumerate(axes) if i not in positions)
     if combine == "sum":
-        local = local_fn(x._data, axis=positions)
+        local = local_fn(x._data if x.pending else lowering.prepare(x), axis=positions)
         return lowering.finish(local, out, out_axes, pending=x.pending + split, lazy=True)
     local = local_fn(lowering.prepare(x), axis=positions)
     local = lowering.pmax(local, split) if combine == "max" else lowering.pmin(local, split)

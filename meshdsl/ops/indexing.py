@@ -1,0 +1,175 @@
+"""Index ops: ``range``, ``one_hot``, ``gather``, ``top_k``, ``argmax``, ``cumsum``, ``shift``.
+
+Each is written on the local block of its dim, with the block's global offset from the lowering,
+so a split dim costs little or nothing:
+
+* ``range`` and ``one_hot`` into a split dim build only the local block: no communication.
+* ``gather`` from a split dim (a vocab-parallel embedding) looks up the indices that fall in the
+  local block, zeros the rest, and leaves a pending ``psum``.
+* ``top_k`` over a split dim takes the local top k, ``all_gather``\\ s the candidates (values and
+  indices) and takes the top k of those.
+* ``argmax`` over a split dim takes the local maximum, then ``pmax`` of the values and ``pmin``
+  of the indices that reach it (ties go to the lowest index, as in numpy).
+* ``cumsum`` along a split dim adds the local cumulative sum to the total of the blocks before,
+  from one ``all_gather`` of the block totals.
+* ``shift`` along a split dim moves the overflow of each block to its neighbour with
+  ``ppermute`` (a halo exchange).
+"""
+
+from __future__ import annotations
+
+import builtins
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from meshdsl.dims import Dim, DimLike, Shape
+from meshdsl.errors import ShapeError
+from meshdsl.lowering import compute_layout
+from meshdsl.lowering.context import current, op
+from meshdsl.tensor import Tensor
+
+
+def _local_iota(lowering, dim: Dim, axes: tuple[str, ...], dtype: Any) -> jax.Array:
+    local, offset = lowering.shard(dim.size, axes)
+    return (jnp.arange(local) + offset).astype(dtype)
+
+
+@op("one_hot")
+def one_hot(indices: Tensor, output_dim: Dim, on_value: float = 1.0, off_value: float = 0.0, dtype: Any = jnp.float32) -> Tensor:
+    """``on_value`` where ``indices`` equals the position along the new dim ``output_dim``, else ``off_value``."""
+    lowering = current()
+    out = indices.shape + [output_dim]
+    axes = lowering.axes(out)
+    iota = _local_iota(lowering, output_dim, axes[-1], indices.dtype)
+    hit = lowering.prepare(indices)[..., None] == iota
+    return lowering.finish(jnp.where(hit, on_value, off_value).astype(dtype), out, axes)
+
+
+@op("gather")
+def gather(weights: Tensor, indices: Tensor, dim: DimLike) -> Tensor:
+    """Entries of ``weights`` along ``dim`` at ``indices``: shape ``indices.shape + weights.shape - dim``.
+
+    An index outside ``dim`` gives zeros, under every layout.
+    """
+    lowering = current()
+    d = weights.shape[dim]
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise ShapeError(f"gather: indices must be integers, got {indices.dtype}")
+    rest = weights.shape.without([d.name])
+    out = indices.shape + rest
+
+    def result(layout: compute_layout.NameAxes):
+        return tuple(layout[n] for n in out.names), layout[d.name]
+
+    layout = compute_layout.choose(lowering, [weights, indices], out, result, weights.dtype.itemsize)
+    w = lowering.prepare(weights, tuple(layout[n] for n in weights.shape.names))
+    idx = lowering.prepare(indices, tuple(layout[n] for n in indices.shape.names))
+    local, offset = lowering.shard(d.size, layout[d.name])
+    idx = idx - offset
+    inside = (idx >= 0) & (idx < local)
+    position = weights.shape.index(d.name)
+    taken = jnp.take(w, jnp.clip(idx, 0, local - 1), axis=position)
+    k = indices.shape.rank
+    mask = jnp.reshape(inside, (1,) * position + inside.shape + (1,) * (weights.shape.rank - position - 1))
+    taken = jnp.where(mask, taken, 0)
+    perm = [*builtins.range(position, position + k), *builtins.range(position), *builtins.range(position + k, taken.ndim)]
+    out_axes, pending = result(layout)
+    return lowering.finish(jnp.transpose(taken, perm), out, out_axes, pending, lazy=True)
+
+
+@op("top_k")
+def top_k(x: Tensor, reduced_dim: DimLike, k_dim: Dim) -> tuple[Tensor, Tensor]:
+    """The ``k_dim.size`` largest entries of ``x`` along ``reduced_dim`` and their indices (int32), as Mesh-TF.
+
+    Both have shape ``x.shape - reduced_dim + k_dim``, largest first; ties go to the lower index.
+    """
+    lowering = current()
+    position = x.shape.index(reduced_dim)
+    d, k = x.shape[position], k_dim.size
+    if k > d.size:
+        raise ShapeError(f"top_k: k_dim {k_dim} is larger than {d}")
+    out = x.shape.without([d.name]) + [k_dim]
+    axes = list(lowering.axes(x.shape))
+    split = axes[position]
+    if split and d.size // lowering.group_size(split) < k:
+        split = axes[position] = ()
+    array = jnp.moveaxis(lowering.prepare(x, tuple(axes)), position, -1)
+    values, indices = lax.top_k(array, k)
+    if split:
+        _, offset = lowering.shard(d.size, split)
+        indices = indices + offset
+        last = values.ndim - 1
+        values, best = lax.top_k(lowering.all_gather(values, split, last), k)
+        indices = jnp.take_along_axis(lowering.all_gather(indices, split, last), best, axis=-1)
+    out_axes = tuple(a for i, a in enumerate(axes) if i != position) + ((),)
+    return lowering.finish(values, out, out_axes), lowering.finish(indices.astype(jnp.int32), out, out_axes)
+
+
+@op("argmax")
+def argmax(x: Tensor, reduced_dim: DimLike) -> Tensor:
+    """Index (int32) of the largest entry along ``reduced_dim``; ties go to the lowest index."""
+    lowering = current()
+    position = x.shape.index(reduced_dim)
+    axes = lowering.axes(x.shape)
+    split = axes[position]
+    array = lax.stop_gradient(lowering.prepare(x))
+    best = jnp.max(array, axis=position)
+    _, offset = lowering.shard(x.shape[position].size, split)
+    index = (jnp.argmax(array, axis=position) + offset).astype(jnp.int32)
+    if split:
+        top = lowering.pmax(best, split)
+        index = lowering.pmin(jnp.where(best == top, index, jnp.iinfo(jnp.int32).max), split)
+    out = x.shape.without([x.shape[position].name])
+    return lowering.finish(index, out, axes[:position] + axes[position + 1 :])
+
+
+@op("cumsum")
+def cumsum(x: Tensor, dim: DimLike, exclusive: bool = False) -> Tensor:
+    """Cumulative sum along ``dim`` (``exclusive``: of the entries strictly before)."""
+    lowering = current()
+    position = x.shape.index(dim)
+    split = lowering.axes(x.shape)[position]
+    array = lowering.prepare(x)
+    total = jnp.cumsum(array, axis=position)
+    if exclusive:
+        total = total - array
+    if split:
+        blocks = lowering.all_gather(jnp.sum(array, axis=position, keepdims=True), split, position)
+        n = lowering.group_size(split)
+        before = (jnp.arange(n) < lowering.axis_index(split)).reshape((1,) * position + (n,) + (1,) * (array.ndim - position - 1))
+        total = total + jnp.sum(jnp.where(before, blocks, 0), axis=position, keepdims=True)
+    return lowering.finish(total, x.shape)
+
+
+@op("shift")
+def shift(x: Tensor, offset: int, dim: DimLike, wrap: bool = False) -> Tensor:
+    """``x`` moved by ``offset`` along ``dim`` (``out[i] = x[i - offset]``); zeros come in unless ``wrap``."""
+    lowering = current()
+    position = x.shape.index(dim)
+    size = x.shape[position].size
+    split = lowering.axes(x.shape)[position]
+    array = lowering.prepare(x)
+    if wrap:
+        offset %= size
+    elif builtins.abs(offset) >= size:
+        return lowering.finish(jnp.zeros_like(array), x.shape)
+    block = size // lowering.group_size(split)
+    hops, overflow = divmod(offset, block)
+    stay = lax.slice_in_dim(array, 0, block - overflow, axis=position)
+    moved = lowering.ppermute(stay, split, hops, wrap)
+    if overflow:
+        spill = lax.slice_in_dim(array, block - overflow, block, axis=position)
+        moved = jnp.concatenate([lowering.ppermute(spill, split, hops + 1, wrap), moved], axis=position)
+    return lowering.finish(moved, x.shape)
+
+
+def range(dim: Dim, dtype: Any = jnp.int32) -> Tensor:  # noqa: A001  (md.range, as Mesh-TF's mtf.range)
+    """The tensor ``[0, 1, ..., dim.size - 1]`` along ``dim``."""
+    with jax.named_scope("md.range"):
+        lowering = current()
+        shape = Shape([dim])
+        axes = lowering.axes(shape)
+        return lowering.finish(_local_iota(lowering, dim, axes[0], dtype), shape, axes)

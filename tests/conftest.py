@@ -1,0 +1,40 @@
+"""Test setup: 8 simulated CPU devices, and reproducible hypothesis settings.
+
+This file is imported by pytest before any test module, so it sets ``XLA_FLAGS`` before anything
+imports jax: ``pytest`` alone works on a fresh machine. Other flags the user set are kept; a
+``--xla_force_host_platform_device_count`` already present is replaced by ours.
+"""
+
+import os
+import re
+import sys
+
+DEVICE_COUNT = 8
+_FLAG = "--xla_force_host_platform_device_count"
+
+if "jax" in sys.modules:  # pragma: no cover - only when a plugin imported jax before us
+    raise RuntimeError(
+        "jax was imported before tests/conftest.py could set XLA_FLAGS; the tests need "
+        f"{_FLAG}={DEVICE_COUNT} (set it yourself, or stop the plugin that imports jax)"
+    )
+
+_others = re.sub(rf"{_FLAG}=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
+os.environ["XLA_FLAGS"] = " ".join([*_others, f"{_FLAG}={DEVICE_COUNT}"])
+# The suite is written for the simulated host devices; a machine with an accelerator still runs
+# it on CPU unless the user chose the platform.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# derandomize: the same examples on every run and every machine (CI is reproducible);
+# database=None: no example database to make runs differ; deadline=None: the first example of
+# a test pays for jax's warm-up, which says nothing about the code under test.
+settings.register_profile(
+    "meshdsl",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile("meshdsl")
