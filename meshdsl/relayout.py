@@ -179,15 +179,23 @@ def local_sizes(sizes: Sequence[int], axes: Axes, axis_sizes: Mapping[str, int])
     return tuple(s // group_size(a, axis_sizes) for s, a in zip(sizes, axes))
 
 
-def apply(x: jax.Array, steps: Iterable[Step], axis_sizes: Mapping[str, int]) -> jax.Array:
-    """Run ``steps`` on the local shard ``x`` (inside ``shard_map`` over a mesh with ``axis_sizes``)."""
+def apply(
+    x: jax.Array, steps: Iterable[Step], axis_sizes: Mapping[str, int], varying: frozenset[str] = frozenset()
+) -> jax.Array:
+    """Run ``steps`` on the local shard ``x`` (inside ``shard_map`` over a mesh with ``axis_sizes``).
+
+    A gather over axes in ``varying`` (axes the consuming op's result varies over anyway) yields a
+    value JAX tracks as varying, whose gradient is one ``psum_scatter``; other gathers yield a
+    replicated (invariant) value, whose gradient is a local slice of a replicated cotangent.
+    """
     for step in steps:
         if step.kind is StepKind.PSUM:
             x = lax.psum(x, step.axes)
         elif step.kind is StepKind.PSUM_SCATTER:
             x = lax.psum_scatter(x, step.axes, scatter_dimension=step.dim, tiled=True)
         elif step.kind is StepKind.ALL_GATHER:
-            x = lax.all_gather(x, step.axes, axis=step.dim, tiled=True, to="invarying")
+            to = "varying" if varying.issuperset(step.axes) else "invarying"
+            x = lax.all_gather(x, step.axes, axis=step.dim, tiled=True, to=to)
         elif step.kind is StepKind.ALL_TO_ALL:
             x = lax.all_to_all(x, step.axes, split_axis=step.dim, concat_axis=step.from_dim, tiled=True)
         else:

@@ -36,8 +36,12 @@ class Lowering:
         """Per-dim mesh axes that split a tensor of ``shape`` in this lowering's local view."""
         return ((),) * shape.rank
 
-    def prepare(self, t: "Tensor", axes: Axes | None = None) -> jax.Array:
-        """``t``'s local array, laid out as ``axes`` (default: ``t``'s own layout), pending sums added."""
+    def prepare(self, t: "Tensor", axes: Axes | None = None, beside: Sequence["Tensor"] = ()) -> jax.Array:
+        """``t``'s local array, laid out as ``axes`` (default: ``t``'s own layout), pending sums added.
+
+        ``beside`` are the op's other operands: splits of ``t`` that are gathered over axes along
+        which they vary anyway are gathered so that the gradient is a reduce-scatter.
+        """
         return t._data
 
     def finish(

@@ -48,19 +48,22 @@ class SpmdLowering(Lowering):
     def axes(self, shape: Shape, tensor: str = "tensor") -> Axes:
         return self.layout.axes(shape, self.mesh, tensor)
 
-    def _relayout(self, array: jax.Array, shape: Shape, src: Axes, dst: Axes, pending: Sequence[str]) -> jax.Array:
+    def _relayout(
+        self, array: jax.Array, shape: Shape, src: Axes, dst: Axes, pending: Sequence[str], varying: frozenset[str] = frozenset()
+    ) -> jax.Array:
         steps = relayout.plan(src, dst, pending)
         if not steps:
             return array
         with jax.named_scope(str(shape)):
-            return relayout.apply(array, steps, self.axis_sizes)
+            return relayout.apply(array, steps, self.axis_sizes, varying)
 
-    def prepare(self, t: Tensor, axes: Axes | None = None) -> jax.Array:
+    def prepare(self, t: Tensor, axes: Axes | None = None, beside: Sequence[Tensor] = ()) -> jax.Array:
         own = self.axes(t.shape)
         src = own
         if tuple(t._data.shape) != relayout.local_sizes(t.shape.sizes, own, self.axis_sizes):
             src = ((),) * t.shape.rank  # a global value the function closed over: replicated
-        return self._relayout(t._data, t.shape, src, own if axes is None else axes, t.pending)
+        varying = frozenset().union(*(getattr(jax.typeof(o._data), "vma", ()) for o in beside if o is not t))
+        return self._relayout(t._data, t.shape, src, own if axes is None else axes, t.pending, varying)
 
     def finish(self, array, shape, axes=None, pending=(), lazy=False, tensor="output") -> Tensor:
         own = self.axes(shape, tensor)

@@ -70,6 +70,6 @@ def einsum(*tensors: Tensor, out: Sequence[DimLike] | Shape | str | None = None)
     letters = {n: string.ascii_letters[i] for i, n in enumerate(dict.fromkeys(n for t in tensors for n in t.shape.names))}
     spec = ",".join("".join(letters[n] for n in t.shape.names) for t in tensors)
     spec += "->" + "".join(letters[n] for n in out_shape.names)
-    arrays = [lowering.prepare(t, tuple(layout[n] for n in t.shape.names)) for t in tensors]
+    arrays = [lowering.prepare(t, tuple(layout[n] for n in t.shape.names), beside=tensors) for t in tensors]
     out_axes, pending = result(layout)
     return lowering.finish(jnp.einsum(spec, *arrays), out_shape, out_axes, pending, lazy=True)

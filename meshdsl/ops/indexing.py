@@ -65,8 +65,8 @@ def gather(weights: Tensor, indices: Tensor, dim: DimLike) -> Tensor:
         return tuple(layout[n] for n in out.names), layout[d.name]
 
     layout = compute_layout.choose(lowering, [weights, indices], out, result, weights.dtype.itemsize)
-    w = lowering.prepare(weights, tuple(layout[n] for n in weights.shape.names))
-    idx = lowering.prepare(indices, tuple(layout[n] for n in indices.shape.names))
+    w = lowering.prepare(weights, tuple(layout[n] for n in weights.shape.names), beside=[indices])
+    idx = lowering.prepare(indices, tuple(layout[n] for n in indices.shape.names), beside=[weights])
     local, offset = lowering.shard(d.size, layout[d.name])
     idx = idx - offset
     inside = (idx >= 0) & (idx < local)

@@ -1,0 +1,72 @@
+"""The two-layer MLP of the Mesh-TensorFlow paper: ``y = relu(x w1) w2``.
+
+Dims ``batch``, ``d_io`` (input and output width) and ``d_ff`` (hidden width). Trained to imitate
+a fixed random teacher MLP of the same shape (mean squared error), so the loss falls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+import meshdsl as md
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    batch: int = 64
+    d_io: int = 256
+    d_ff: int = 1024
+    layers: int = 2
+
+    PRESETS = {
+        "tiny": dict(batch=16, d_io=16, d_ff=32),
+        "small": dict(batch=256, d_io=512, d_ff=2048),
+        "1b": dict(batch=1024, d_io=8192, d_ff=65536),
+    }
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "Config":
+        if name not in cls.PRESETS:
+            raise ValueError(f"unknown preset {name!r} for mlp; choose one of {', '.join(cls.PRESETS)}")
+        return cls(**{**cls.PRESETS[name], **overrides})
+
+
+class Model:
+    """The MLP for ``config``: ``init``, ``batch``, ``loss``."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.batch_dim = md.Dim("batch", config.batch)
+        self.io = md.Dim("d_io", config.d_io)
+        self.ff = md.Dim("d_ff", config.d_ff)
+
+    def init(self, key: jax.Array) -> dict[str, md.Tensor]:
+        k1, k2 = jax.random.split(key)
+        return {
+            "w1": md.random.normal(k1, [self.io, self.ff]) * (self.config.d_io**-0.5),
+            "w2": md.random.normal(k2, [self.ff, self.io]) * (self.config.d_ff**-0.5),
+        }
+
+    def apply(self, params: dict[str, md.Tensor], x: md.Tensor) -> md.Tensor:
+        h = md.relu(md.einsum(x, params["w1"], out=[self.batch_dim, self.ff]))
+        return md.einsum(h, params["w2"], out=[self.batch_dim, self.io])
+
+    def batch(self, key: jax.Array) -> dict[str, md.Tensor]:
+        """A synthetic batch: random inputs and the outputs of a fixed teacher MLP."""
+        teacher = self.init(jax.random.key(1234))
+        x = md.random.normal(key, [self.batch_dim, self.io])
+        return {"x": x, "y": self.apply(teacher, x)}
+
+    def loss(self, params: dict[str, md.Tensor], batch: dict[str, md.Tensor]) -> md.Tensor:
+        return md.reduce_mean(md.square(self.apply(params, batch["x"]) - batch["y"]))
+
+    def flops_per_step(self) -> float:
+        """Model FLOPs of one training step: 3 x (2 matmuls x 2 flops per multiply-add)."""
+        c = self.config
+        return 3 * 2 * 2 * c.batch * c.d_io * c.d_ff
+
+    def examples_per_step(self) -> int:
+        return self.config.batch
