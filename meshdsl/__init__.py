@@ -10,6 +10,7 @@ from meshdsl.dims import Dim, Shape
 from meshdsl.errors import LayoutError, MeshDslError, ShapeError
 from meshdsl.explain import Communication, Report, explain
 from meshdsl.layout import Layout
+from meshdsl.lowering.context import use_layout
 from meshdsl.mesh import Mesh
 from meshdsl.ops.concat import concat, pad, slice, split, stack, unstack
 from meshdsl.ops.einsum import einsum

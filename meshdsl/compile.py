@@ -9,12 +9,15 @@ Backend ``gspmd`` runs the same ops on global arrays with a sharding constraint 
 and leaves the collectives to XLA.
 
 Arguments and results are pytrees of md tensors; plain JAX arrays among them are replicated.
+``in_layouts`` / ``out_layouts`` give some arguments or results another layout than the one the
+ops compute in: parameters stored split for FSDP enter in their stored layout and are gathered by
+the first op that uses them, and their gradients leave it reduce-scattered.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 from jax.sharding import PartitionSpec
@@ -25,7 +28,10 @@ from meshdsl.lowering.context import use
 from meshdsl.lowering.gspmd import GspmdLowering
 from meshdsl.lowering.spmd import SpmdLowering
 from meshdsl.mesh import Mesh
+from meshdsl.relayout import Axes
 from meshdsl.tensor import Tensor
+
+LayoutLike = Layout | str | Mapping
 
 
 class Backend(enum.Enum):
@@ -39,25 +45,39 @@ def _is_tensor(x: Any) -> bool:
     return isinstance(x, Tensor)
 
 
-def _where(prefix: str, path: tuple) -> str:
-    return prefix + jax.tree_util.keystr(path)
+def _as_layout(layout: LayoutLike | None, default: Layout) -> Layout:
+    if layout is None:
+        return default
+    return layout if isinstance(layout, Layout) else Layout(layout)
 
 
 class Compiled:
-    """A meshdsl function compiled for ``mesh`` and ``layout``; call it like the function."""
+    """A meshdsl function compiled for ``mesh`` and ``layout``; call it like the function.
+
+    ``in_layouts``: one entry per positional argument (a layout, or None for ``layout``).
+    ``out_layouts``: a layout for every result, or one entry per element of a tuple result.
+    """
 
     def __init__(
         self,
         fn: Callable[..., Any],
         mesh: Mesh,
-        layout: Layout | str | Mapping,
+        layout: LayoutLike,
         backend: Backend | str = Backend.SPMD,
+        in_layouts: Sequence[LayoutLike | None] | None = None,
+        out_layouts: LayoutLike | Sequence[LayoutLike | None] | None = None,
     ):
         self.fn = fn
         self.mesh = mesh
-        self.layout = layout if isinstance(layout, Layout) else Layout(layout)
+        self.layout = _as_layout(layout, Layout())
         self.backend = Backend(backend)
-        self.layout.check_mesh(mesh)
+        self.in_layouts = None if in_layouts is None else tuple(_as_layout(x, self.layout) for x in in_layouts)
+        if out_layouts is None or isinstance(out_layouts, (Layout, str, Mapping)):
+            self.out_layouts: Layout | tuple[Layout, ...] = _as_layout(out_layouts, self.layout)
+        else:
+            self.out_layouts = tuple(_as_layout(x, self.layout) for x in out_layouts)
+        for lay in {self.layout, *(self.in_layouts or ()), *(self.out_layouts if isinstance(self.out_layouts, tuple) else [self.out_layouts])}:
+            lay.check_mesh(mesh)
         self._jitted = jax.jit(self.spmd_function if self.backend is Backend.SPMD else self._gspmd)
 
     def __call__(self, *args: Any) -> Any:
@@ -67,47 +87,73 @@ class Compiled:
         """Lower for ``args`` as ``jax.jit(...).lower`` does (then ``.compile().as_text()`` shows the HLO)."""
         return self._jitted.lower(*args)
 
-    def _spec(self, where: str, leaf: Any) -> PartitionSpec:
-        if isinstance(leaf, Tensor):
-            self.layout.axes(leaf.shape, self.mesh, where)
-            return self.layout.spec(leaf.shape)
-        return PartitionSpec()
+    def _leaves(self, tree: Any, layouts: Layout | tuple[Layout, ...] | None, prefix: str) -> list[tuple[str, Any, Layout]]:
+        """(name for messages, leaf, its layout) for each leaf; tuple ``layouts`` go element by element."""
+        if isinstance(layouts, tuple):
+            if not isinstance(tree, (tuple, list)) or len(tree) != len(layouts):
+                raise ValueError(f"{len(layouts)} layouts given for the {prefix}s, which do not form a sequence of that length")
+            return [item for sub, lay, i in zip(tree, layouts, range(len(layouts))) for item in self._leaves(sub, lay, f"{prefix}[{i}]")]
+        leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_tensor)[0]
+        return [(prefix + jax.tree_util.keystr(p), x, layouts or self.layout) for p, x in leaves]
+
+    def _axes(self, name: str, leaf: Any, layout: Layout) -> Axes | None:
+        return layout.axes(leaf.shape, self.mesh, name) if isinstance(leaf, Tensor) else None
+
+    @staticmethod
+    def _spec(leaf: Any, layout: Layout) -> PartitionSpec:
+        return layout.spec(leaf.shape) if isinstance(leaf, Tensor) else PartitionSpec()
 
     def spmd_function(self, *args: Any) -> Any:
         """The unjitted spmd program: one ``shard_map`` over the mesh (``md.explain`` traces this)."""
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_tensor)
-        in_specs = tuple(self._spec(_where("argument ", p), x) for p, x in leaves)
+        treedef = jax.tree_util.tree_structure(args, is_leaf=_is_tensor)
+        ins = [item for i, a in enumerate(args) for item in self._leaves(a, self.in_layouts[i] if self.in_layouts else None, f"argument [{i}]")]
+        in_axes = [self._axes(*item) for item in ins]
         with use(Lowering()):
             shapes = jax.eval_shape(self.fn, *args)
-        out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=_is_tensor)
-        out_specs = tuple(self._spec(_where("result ", p), x) for p, x in out_leaves)
+        out_tree = jax.tree_util.tree_structure(shapes, is_leaf=_is_tensor)
+        outs = self._leaves(shapes, self.out_layouts if isinstance(self.out_layouts, tuple) else self.out_layouts, "result")
+        out_axes = [self._axes(*item) for item in outs]
 
         def body(*local: Any) -> tuple:
-            inputs = [Tensor(a, x.shape) if isinstance(x, Tensor) else a for a, (_, x) in zip(local, leaves)]
+            inputs = [Tensor(a, x.shape, (), ax) if isinstance(x, Tensor) else a for a, (_, x, _), ax in zip(local, ins, in_axes)]
             with use(SpmdLowering(self.mesh, self.layout)) as lowering:
                 result = self.fn(*jax.tree_util.tree_unflatten(treedef, inputs))
                 flat = jax.tree_util.tree_leaves(result, is_leaf=_is_tensor)
                 with jax.named_scope("md.result"):
-                    return tuple(lowering.prepare(x) if isinstance(x, Tensor) else x for x in flat)
+                    return tuple(lowering.prepare(x, ax) if isinstance(x, Tensor) else x for x, ax in zip(flat, out_axes))
 
-        arrays = [x._data if isinstance(x, Tensor) else x for _, x in leaves]
-        mapped = jax.shard_map(body, mesh=self.mesh.jax_mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
-        flat_out = mapped(*arrays)
-        wrapped = [Tensor(a, x.shape) if isinstance(x, Tensor) else a for a, (_, x) in zip(flat_out, out_leaves)]
+        mapped = jax.shard_map(
+            body,
+            mesh=self.mesh.jax_mesh,
+            in_specs=tuple(self._spec(x, lay) for _, x, lay in ins),
+            out_specs=tuple(self._spec(x, lay) for _, x, lay in outs),
+            check_vma=True,
+        )
+        flat_out = mapped(*[x._data if isinstance(x, Tensor) else x for _, x, _ in ins])
+        wrapped = [Tensor(a, x.shape) if isinstance(x, Tensor) else a for a, (_, x, _) in zip(flat_out, outs)]
         return jax.tree_util.tree_unflatten(out_tree, wrapped)
 
     def _gspmd(self, *args: Any) -> Any:
         lowering = GspmdLowering(self.mesh, self.layout)
 
-        def constrain(prefix: str):
-            return lambda p, x: lowering.constrain(x, _where(prefix, p)) if isinstance(x, Tensor) else x
+        def constrain(tree: Any, layouts: Any, prefix: str) -> Any:
+            items = self._leaves(tree, layouts, prefix)
+            leaves = [lowering.with_layout(lay).constrain(x, name) if isinstance(x, Tensor) else x for name, x, lay in items]
+            return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree, is_leaf=_is_tensor), leaves)
 
-        args = jax.tree_util.tree_map_with_path(constrain("argument "), args, is_leaf=_is_tensor)
+        args = tuple(constrain(a, self.in_layouts[i] if self.in_layouts else None, f"argument [{i}]") for i, a in enumerate(args))
         with use(lowering):
             result = self.fn(*args)
-        return jax.tree_util.tree_map_with_path(constrain("result "), result, is_leaf=_is_tensor)
+        return constrain(result, self.out_layouts, "result")
 
 
-def compile(fn: Callable[..., Any], mesh: Mesh, layout: Layout | str | Mapping, backend: Backend | str = "spmd") -> Compiled:  # noqa: A001
+def compile(  # noqa: A001  (md.compile)
+    fn: Callable[..., Any],
+    mesh: Mesh,
+    layout: LayoutLike,
+    backend: Backend | str = "spmd",
+    in_layouts: Sequence[LayoutLike | None] | None = None,
+    out_layouts: LayoutLike | Sequence[LayoutLike | None] | None = None,
+) -> Compiled:
     """Compile ``fn`` (md tensors in, md tensors out) for ``mesh`` under ``layout``; see :class:`Compiled`."""
-    return Compiled(fn, mesh, layout, backend)
+    return Compiled(fn, mesh, layout, backend, in_layouts, out_layouts)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -147,9 +147,17 @@ def _merge(rows: list[Communication]) -> tuple[Communication, ...]:
     return tuple(merged.values())
 
 
-def explain(fn: Any, mesh: Mesh, layout: Layout | str | Mapping, *args: Any) -> Report:
-    """The collectives ``md.compile(fn, mesh, layout)`` runs on ``args``, per op, with bytes per device."""
-    closed = jax.make_jaxpr(Compiled(fn, mesh, layout).spmd_function)(*args)
+def explain(
+    fn: Any,
+    mesh: Mesh,
+    layout: Layout | str | Mapping,
+    *args: Any,
+    in_layouts: Sequence[Any] | None = None,
+    out_layouts: Any = None,
+) -> Report:
+    """The collectives ``md.compile(fn, mesh, layout, ...)`` runs on ``args``, per op, with bytes per device."""
+    program = Compiled(fn, mesh, layout, in_layouts=in_layouts, out_layouts=out_layouts).spmd_function
+    closed = jax.make_jaxpr(program)(*args)
     jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
     rows: list[Communication] = []
     _walk(jaxpr, 1, mesh.axis_sizes, rows)

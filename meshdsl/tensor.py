@@ -3,8 +3,9 @@
 A :class:`Tensor` is a JAX pytree whose one leaf is the array and whose static part is the
 :class:`~meshdsl.dims.Shape`, so ``jax.jit``, ``jax.grad``, ``jax.tree_util`` and optax handle it
 like any array container. Outside ``md.compile`` the array is the global value. Inside the spmd
-lowering it is this device's shard (the shape stays global), and it may hold partial sums over
-some mesh axes that a later op adds up (Mesh-TF's LazyAllreduceSum); reading ``.array`` adds them.
+lowering it is this device's shard (the shape stays global): ``layout`` records how it is split
+(per dim, the mesh axes), and it may hold partial sums over some mesh axes that a later op adds
+up (Mesh-TF's LazyAllreduceSum); reading ``.array`` adds them.
 """
 
 from __future__ import annotations
@@ -23,14 +24,21 @@ from meshdsl.errors import ShapeError
 class Tensor:
     """A JAX array with named dims. Build one with :func:`tensor`."""
 
-    __slots__ = ("_data", "shape", "pending")
+    __slots__ = ("_data", "shape", "pending", "layout")
     __array_priority__ = 100
     __hash__ = None  # type: ignore[assignment]  # == is elementwise, as for arrays
 
-    def __init__(self, data: Any, shape: Shape, pending: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        data: Any,
+        shape: Shape,
+        pending: tuple[str, ...] = (),
+        layout: tuple[tuple[str, ...], ...] | None = None,
+    ):
         self._data = data
         self.shape = shape
         self.pending = pending
+        self.layout = layout
 
     @property
     def array(self) -> jax.Array:
@@ -38,7 +46,8 @@ class Tensor:
         if self.pending:
             from meshdsl.lowering.context import current
 
-            return current().prepare(self)
+            with jax.named_scope("md.array"):
+                return current().prepare(self)
         return self._data
 
     @property
@@ -54,13 +63,13 @@ class Tensor:
         return np.asarray(self.array)
 
     def tree_flatten_with_keys(self):
-        return ((jax.tree_util.GetAttrKey("array"), self._data),), (self.shape, self.pending)
+        return ((jax.tree_util.GetAttrKey("array"), self._data),), (self.shape, self.pending, self.layout)
 
     def tree_flatten(self):
-        return (self._data,), (self.shape, self.pending)
+        return (self._data,), (self.shape, self.pending, self.layout)
 
     @classmethod
-    def tree_unflatten(cls, aux: tuple[Shape, tuple[str, ...]], children: Sequence[Any]) -> "Tensor":
+    def tree_unflatten(cls, aux: tuple, children: Sequence[Any]) -> "Tensor":
         return cls(children[0], *aux)
 
     def __repr__(self) -> str:

@@ -22,6 +22,7 @@ from meshdsl.dims import Shape
 from meshdsl.relayout import Axes
 
 if TYPE_CHECKING:
+    from meshdsl.layout import Layout
     from meshdsl.mesh import Mesh
     from meshdsl.tensor import Tensor
 
@@ -35,6 +36,10 @@ class Lowering:
     def axes(self, shape: Shape, tensor: str = "tensor") -> Axes:
         """Per-dim mesh axes that split a tensor of ``shape`` in this lowering's local view."""
         return ((),) * shape.rank
+
+    def layout_of(self, t: "Tensor") -> Axes:
+        """How ``t``'s local array is split now (a tensor built outside the lowering is whole)."""
+        return t.layout if t.layout is not None else ((),) * t.shape.rank
 
     def prepare(self, t: "Tensor", axes: Axes | None = None, beside: Sequence["Tensor"] = ()) -> jax.Array:
         """``t``'s local array, laid out as ``axes`` (default: ``t``'s own layout), pending sums added.
@@ -61,6 +66,10 @@ class Lowering:
         from meshdsl.tensor import Tensor
 
         return Tensor(array, shape)
+
+    def with_layout(self, layout: "Layout") -> "Lowering":
+        """This lowering under other layout rules (on global arrays: itself)."""
+        return self
 
     def group_size(self, axes: Sequence[str]) -> int:
         """Number of devices along ``axes``."""

@@ -49,7 +49,7 @@ def choose(lowering: Lowering, operands: Sequence[Tensor], out: Shape, result: R
         keep = dict(zip(clashes, owners))
         layout = {n: tuple(a for a in axes if keep.get(a, n) == n) for n, axes in own.items()}
         cost = sum(
-            _moved(lowering, t.shape, lowering.axes(t.shape), tuple(layout[n] for n in t.shape.names), t.pending, itemsize)
+            _moved(lowering, t.shape, lowering.layout_of(t), tuple(layout[n] for n in t.shape.names), t.pending, itemsize)
             for t in operands
         )
         out_axes, pending = result(layout)

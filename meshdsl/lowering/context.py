@@ -5,11 +5,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 import jax
 
 from meshdsl.lowering.base import Lowering
+
+if TYPE_CHECKING:
+    from meshdsl.layout import Layout
 
 _state = threading.local()
 _EAGER = Lowering()
@@ -33,6 +36,20 @@ def use(lowering: Lowering) -> Iterator[Lowering]:
         yield lowering
     finally:
         stack.pop()
+
+
+@contextlib.contextmanager
+def use_layout(layout: "Layout | str | dict") -> Iterator[Lowering]:
+    """Inside ``md.compile``, run the ops in the block under other layout rules.
+
+    Tensors keep their own layout and are moved only when an op needs them elsewhere. Training
+    uses this to update parameters in their stored (e.g. FSDP) layout without gathering them.
+    Outside ``md.compile`` it changes nothing.
+    """
+    from meshdsl.layout import Layout
+
+    with use(current().with_layout(layout if isinstance(layout, Layout) else Layout(layout))) as lowering:
+        yield lowering
 
 
 def op(name: str) -> Callable[[F], F]:

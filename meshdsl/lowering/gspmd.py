@@ -21,7 +21,7 @@ class GspmdLowering(Lowering):
         self.mesh = mesh
         self.layout = layout
 
-    def constrain(self, t: Tensor, tensor: str = "output") -> Tensor:
+    def constrain(self, t: Tensor, tensor: str = "result") -> Tensor:
         """``t`` with its array constrained to the sharding the layout gives its shape."""
         self.layout.axes(t.shape, self.mesh, tensor)
         sharding = jax.sharding.NamedSharding(self.mesh.jax_mesh, self.layout.spec(t.shape))
@@ -29,3 +29,6 @@ class GspmdLowering(Lowering):
 
     def finish(self, array, shape, axes=None, pending=(), lazy=False, tensor="output") -> Tensor:
         return self.constrain(Tensor(array, shape), tensor)
+
+    def with_layout(self, layout: Layout) -> "GspmdLowering":
+        return GspmdLowering(self.mesh, layout)

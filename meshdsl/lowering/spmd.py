@@ -23,6 +23,13 @@ from meshdsl.relayout import Axes
 from meshdsl.tensor import Tensor
 
 
+def _varying_axes(x: Any) -> frozenset[str]:
+    """Mesh axes along which JAX tracks ``x`` as varying (``shard_map``'s ``check_vma`` types)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # JAX >= 0.10; earlier releases call it vma
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def _pmax(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return lax.pmax(x, axes)
@@ -59,18 +66,19 @@ class SpmdLowering(Lowering):
 
     def prepare(self, t: Tensor, axes: Axes | None = None, beside: Sequence[Tensor] = ()) -> jax.Array:
         own = self.axes(t.shape)
-        src = own
-        if tuple(t._data.shape) != relayout.local_sizes(t.shape.sizes, own, self.axis_sizes):
-            src = ((),) * t.shape.rank  # a global value the function closed over: replicated
-        varying = frozenset().union(*(getattr(jax.typeof(o._data), "vma", ()) for o in beside if o is not t))
+        src = self.layout_of(t)
+        varying = frozenset().union(*(_varying_axes(o._data) for o in beside if o is not t))
         return self._relayout(t._data, t.shape, src, own if axes is None else axes, t.pending, varying)
 
     def finish(self, array, shape, axes=None, pending=(), lazy=False, tensor="output") -> Tensor:
         own = self.axes(shape, tensor)
         src = own if axes is None else axes
         if lazy and src == own:
-            return Tensor(array, shape, tuple(pending))
-        return Tensor(self._relayout(array, shape, src, own, pending), shape)
+            return Tensor(array, shape, tuple(pending), own)
+        return Tensor(self._relayout(array, shape, src, own, pending), shape, (), own)
+
+    def with_layout(self, layout: Layout) -> "SpmdLowering":
+        return SpmdLowering(self.mesh, layout)
 
     def group_size(self, axes: Sequence[str]) -> int:
         return relayout.group_size(axes, self.axis_sizes)

@@ -66,7 +66,7 @@ def _linear_pending(name: str, operands: Sequence[Any], lowering) -> tuple[str, 
         pending = summed[0].pending
         for x in tensors:
             if x is not summed[0]:
-                split = {a for axes in lowering.axes(x.shape) for a in axes}
+                split = {a for axes in lowering.layout_of(x) for a in axes}
                 if x.pending or split & set(pending):
                     return ()
         return pending
