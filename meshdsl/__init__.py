@@ -16,11 +16,12 @@ from meshdsl.ops.concat import concat, pad, slice, split, stack, unstack
 from meshdsl.ops.einsum import einsum
 from meshdsl.ops.elementwise import (
     abs, add, cast, divide, equal, exp, gelu, greater, greater_equal, less, less_equal, log, logical_and,
-    logical_not, logical_or, maximum, minimum, multiply, negative, not_equal, power, relu, rsqrt, sigmoid,
+    logical_not, logical_or, maximum, minimum, mod, multiply, negative, not_equal, power, relu, rsqrt, sigmoid,
     sqrt, square, stop_gradient, subtract, tanh, where,
 )
 from meshdsl.ops.indexing import argmax, cumsum, gather, one_hot, range, shift, top_k
 from meshdsl.ops.reduction import log_softmax, logsumexp, reduce_max, reduce_mean, reduce_min, reduce_sum, softmax
+from meshdsl.ops.scan import scan
 from meshdsl.ops.reshape import rearrange, rename, replace_dimensions, reshape, transpose
 from meshdsl.random import dropout
 from meshdsl.tensor import Tensor, tensor

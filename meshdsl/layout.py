@@ -100,14 +100,28 @@ def _parse(rules: "str | Mapping[str, RuleValue] | Layout | None") -> dict[str, 
 
 
 class Layout:
-    """Rules that map dim names to mesh axes: ``Layout("batch:data; d_ff:model")``."""
+    """Rules that map dim names to mesh axes: ``Layout("batch:data; d_ff:model")``.
 
-    def __init__(self, rules: "str | Mapping[str, RuleValue] | Layout | None" = None):
+    ``params``: optional separate rules for parameters and optimizer state (FSDP / ZeRO-3: stored
+    split, gathered for compute). ``mesh_axes``: the mesh a layout file asks for, if any.
+    """
+
+    def __init__(
+        self,
+        rules: "str | Mapping[str, RuleValue] | Layout | None" = None,
+        params: "str | Mapping[str, RuleValue] | Layout | None" = None,
+        mesh_axes: Mapping[str, int] | None = None,
+    ):
         self.rules: dict[str, tuple[str, ...]] = _parse(rules)
+        self.params: Layout | None = None if params is None else Layout(params)
+        self.mesh_axes: dict[str, int] | None = None if mesh_axes is None else dict(mesh_axes)
+        if isinstance(rules, Layout):
+            self.params = self.params or rules.params
+            self.mesh_axes = self.mesh_axes or rules.mesh_axes
 
     @classmethod
     def load(cls, path: str | Path) -> "Layout":
-        """Read the ``[rules]`` table of a TOML layout file (see ``layouts/``)."""
+        """Read a TOML layout file: ``[mesh]`` axis sizes, ``[rules]``, optional ``[params]`` (see ``layouts/``)."""
         path = Path(path)
         if not path.is_file():
             raise LayoutError(f"layout file {str(path)!r} not found")
@@ -115,13 +129,27 @@ class Layout:
             data = tomllib.loads(path.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise LayoutError(f"layout file {str(path)!r} is not valid TOML: {e}") from None
-        rules = data.get("rules", {})
-        if not isinstance(rules, dict):
-            raise LayoutError(f"layout file {str(path)!r}: [rules] must be a table of dim = \"axis\" entries")
+        unknown = set(data) - {"mesh", "rules", "params", "description"}
+        if unknown:
+            raise LayoutError(f"layout file {str(path)!r}: unknown table(s) {sorted(unknown)}; expected [mesh], [rules], [params]")
+        for table in ("mesh", "rules", "params"):
+            if not isinstance(data.get(table, {}), dict):
+                raise LayoutError(f"layout file {str(path)!r}: [{table}] must be a table")
         try:
-            return cls(rules)
+            return cls(data.get("rules", {}), data.get("params"), data.get("mesh"))
         except LayoutError as e:
             raise LayoutError(f"layout file {str(path)!r}: {e}") from None
+
+    @property
+    def param_layout(self) -> "Layout":
+        """The rules parameters and optimizer state are stored under: ``params`` if given, else these."""
+        return self.params if self.params is not None else Layout(self.rules)
+
+    def mesh(self, devices=None) -> Mesh:
+        """The mesh a layout file names (``[mesh]``), on ``devices`` (default ``jax.devices()``)."""
+        if self.mesh_axes is None:
+            raise LayoutError(f"layout {self} names no mesh; give one with md.Mesh(...) or a [mesh] table")
+        return Mesh(self.mesh_axes, devices)
 
     def axes_of(self, name: str) -> tuple[str, ...]:
         """Mesh axes the dim called ``name`` is split over (``()``: replicated)."""
@@ -129,6 +157,8 @@ class Layout:
 
     def check_mesh(self, mesh: Mesh) -> None:
         """LayoutError if a rule names an axis the mesh lacks."""
+        if self.params is not None:
+            self.params.check_mesh(mesh)
         for dim, axes in self.rules.items():
             for a in axes:
                 if a not in mesh.axis_sizes:
@@ -148,8 +178,8 @@ class Layout:
             if d.size % n:
                 split = " x ".join(f"{a} (size {mesh.axis_sizes[a]})" for a in axes)
                 raise LayoutError(
-                    f"{tensor} {shape}: dim {d.name} (size {d.size}) is split over mesh axis {split}, "
-                    f"but {d.size} is not divisible by {n}"
+                    f"{tensor} {shape}: dim {d.name} (size {d.size}) is split over mesh axis {split} "
+                    f"by rule {d.name}:{','.join(axes)}, but {d.size} is not divisible by {n}"
                 )
             for a in axes:
                 if a in owner:
@@ -175,13 +205,14 @@ class Layout:
         return NamedSharding(mesh.jax_mesh, self.spec(shape))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Layout) and self.rules == other.rules
+        return isinstance(other, Layout) and self.rules == other.rules and self.params == other.params
 
     def __hash__(self) -> int:
-        return hash(tuple(sorted(self.rules.items())))
+        return hash((tuple(sorted(self.rules.items())), self.params))
 
     def __str__(self) -> str:
         return "; ".join(f"{d}:{a[0]}" if len(a) == 1 else f"{d}:({', '.join(a)})" for d, a in self.rules.items())
 
     def __repr__(self) -> str:
-        return f"Layout({str(self)!r})"
+        params = "" if self.params is None else f", params={str(self.params)!r}"
+        return f"Layout({str(self)!r}{params})"

@@ -104,7 +104,7 @@ def _binary(name: str, reflected: bool = False):
 
 
 for _dunder, _op in [
-    ("add", "add"), ("sub", "subtract"), ("mul", "multiply"), ("truediv", "divide"), ("pow", "power"),
+    ("add", "add"), ("sub", "subtract"), ("mul", "multiply"), ("truediv", "divide"), ("pow", "power"), ("mod", "mod"),
     ("and", "logical_and"), ("or", "logical_or"),
 ]:
     setattr(Tensor, f"__{_dunder}__", _binary(_op))

@@ -67,6 +67,12 @@ class Lowering:
 
         return Tensor(array, shape)
 
+    def keep(self, array: jax.Array, shape: Shape, axes: Axes) -> "Tensor":
+        """A Tensor of ``shape`` from a local ``array`` left laid out as ``axes`` (no relayout)."""
+        from meshdsl.tensor import Tensor
+
+        return Tensor(array, shape)
+
     def with_layout(self, layout: "Layout") -> "Lowering":
         """This lowering under other layout rules (on global arrays: itself)."""
         return self

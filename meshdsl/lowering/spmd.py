@@ -77,6 +77,9 @@ class SpmdLowering(Lowering):
             return Tensor(array, shape, tuple(pending), own)
         return Tensor(self._relayout(array, shape, src, own, pending), shape, (), own)
 
+    def keep(self, array: jax.Array, shape: Shape, axes: Axes) -> Tensor:
+        return Tensor(array, shape, (), axes)
+
     def with_layout(self, layout: Layout) -> "SpmdLowering":
         return SpmdLowering(self.mesh, layout)
 

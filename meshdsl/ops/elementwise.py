@@ -77,11 +77,17 @@ def _map(name: str, fn: Callable[..., jax.Array], *operands: Any) -> Tensor:
     with jax.named_scope(f"md.{name}"):
         lowering = current()
         out = broadcast_shape(operands, name)
+        tensors = [x for x in operands if isinstance(x, Tensor)]
         pending = _linear_pending(name, operands, lowering)
+        layouts = {lowering.layout_of(x) for x in tensors}
+        if not pending and len(layouts) == 1 and all(x.shape == out and not x.pending for x in tensors):
+            # Operands alike in shape and layout (e.g. a parameter stored split for FSDP): stay there.
+            args = [x._data if isinstance(x, Tensor) else x for x in operands]
+            return lowering.keep(fn(*args), out, layouts.pop())
         locals_ = []
         for x in operands:
             if isinstance(x, Tensor):
-                data = x._data if pending else lowering.prepare(x)
+                data = x._data if pending else lowering.prepare(x, beside=tensors)
                 locals_.append(align(data, x.shape, out))
             else:
                 locals_.append(x)
@@ -123,6 +129,7 @@ subtract = _binary("subtract", jnp.subtract, "x - y, broadcast by name.")
 multiply = _binary("multiply", jnp.multiply, "x * y, broadcast by name.")
 divide = _binary("divide", jnp.divide, "x / y, broadcast by name.")
 power = _binary("power", jnp.power, "x ** y, broadcast by name.")
+mod = _binary("mod", jnp.remainder, "x % y (sign of y, as Python), broadcast by name.")
 maximum = _binary("maximum", jnp.maximum, "Element-wise larger of x and y.")
 minimum = _binary("minimum", jnp.minimum, "Element-wise smaller of x and y.")
 equal = _binary("equal", jnp.equal, "x == y (boolean).")
@@ -157,7 +164,7 @@ def stop_gradient(x: Tensor) -> Tensor:
 
 __all__ = [
     "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "gelu", "square", "abs", "negative",
-    "logical_not", "add", "subtract", "multiply", "divide", "power", "maximum", "minimum", "equal",
+    "logical_not", "add", "subtract", "multiply", "divide", "power", "mod", "maximum", "minimum", "equal",
     "not_equal", "less", "less_equal", "greater", "greater_equal", "logical_and", "logical_or", "cast",
     "where", "stop_gradient", "broadcast_shape", "align",
 ]

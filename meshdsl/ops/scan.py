@@ -1,0 +1,76 @@
+"""``md.scan``: run a function over one dim of stacked tensors, as ``jax.lax.scan``.
+
+A model of many identical layers keeps their parameters stacked along a ``layers`` dim and runs
+one layer body under ``scan``. Unrolling a Python loop instead traces and compiles the body once
+per layer: compile time and program size grow with depth. Under ``scan`` the body is traced and
+compiled once and run ``layers`` times, so a 32-layer model compiles about as fast as a 2-layer
+one, and per-layer rematerialisation (``remat=True``) bounds activation memory to one layer's
+inputs per step.
+
+The scanned dim is taken whole on every device (gathered first if a layout splits it); the other
+dims of ``xs`` keep their layout, so parameters stored split (FSDP) are gathered one layer at a
+time inside the loop, by the op that first needs them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+
+from meshdsl.dims import DimLike, Shape
+from meshdsl.errors import ShapeError
+from meshdsl.lowering.context import current
+from meshdsl.tensor import Tensor
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, Tensor)
+
+
+def scan(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: DimLike, *, remat: bool = False) -> tuple[Any, Any]:
+    """``fn(carry, x) -> (carry, y)`` over ``dim`` of every tensor in ``xs``; returns ``(carry, ys)``.
+
+    ``x`` holds the slices of ``xs`` (without ``dim``); ``ys`` stacks the ``y``\\ s along ``dim``
+    in front. The carry keeps its shapes and dtypes. ``remat`` recomputes each step's
+    activations in the backward pass instead of storing them.
+    """
+    with jax.named_scope("md.scan"):
+        lowering = current()
+        leaves, treedef = jax.tree_util.tree_flatten(xs, is_leaf=_is_tensor)
+        tensors = [x for x in leaves if isinstance(x, Tensor)]
+        if not tensors:
+            raise ShapeError("md.scan: xs holds no md tensor to scan over")
+        name = tensors[0].shape[dim].name
+        length = tensors[0].shape[name].size
+        arrays, slices = [], []
+        for x in leaves:
+            if not isinstance(x, Tensor) or name not in x.shape or x.shape[name].size != length:
+                raise ShapeError(f"md.scan over {name}={length}: every tensor in xs needs that dim, got {getattr(x, 'shape', x)}")
+            position = x.shape.index(name)
+            axes = tuple(() if i == position else a for i, a in enumerate(lowering.layout_of(x)))
+            arrays.append(jax.numpy.moveaxis(lowering.prepare(x, axes), position, 0))
+            rest = axes[:position] + axes[position + 1 :]
+            slices.append((x.shape.without([name]), rest))
+
+        def settle(carry: Any) -> Any:
+            """The carry in its own layout with no pending sums, so every step's carry has one type."""
+            return jax.tree_util.tree_map(
+                lambda t: lowering.finish(lowering.prepare(t), t.shape) if isinstance(t, Tensor) else t, carry, is_leaf=_is_tensor
+            )
+
+        def body(carry: Any, local: list) -> tuple[Any, Any]:
+            x = jax.tree_util.tree_unflatten(treedef, [lowering.keep(a, shape, axes) for a, (shape, axes) in zip(local, slices)])
+            carry, y = fn(carry, x)
+            return settle(carry), settle(y)
+
+        carry, ys = jax.lax.scan(jax.checkpoint(body) if remat else body, settle(init), arrays)
+
+        def stack(t: Any) -> Any:
+            if not isinstance(t, Tensor):
+                return t
+            shape = Shape([tensors[0].shape[name], *t.shape])
+            layout = None if t.layout is None else ((),) + t.layout
+            return lowering.finish(t._data, shape, layout)
+
+        return carry, jax.tree_util.tree_map(stack, ys, is_leaf=_is_tensor)
