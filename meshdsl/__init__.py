@@ -13,6 +13,7 @@ from meshdsl.layout import Layout
 from meshdsl.lowering.context import use_layout
 from meshdsl.mesh import Mesh
 from meshdsl.ops.concat import concat, pad, slice, split, stack, unstack
+from meshdsl.ops.creation import full, ones, zeros
 from meshdsl.ops.einsum import einsum
 from meshdsl.ops.elementwise import (
     abs, add, cast, divide, equal, exp, gelu, greater, greater_equal, less, less_equal, log, logical_and,

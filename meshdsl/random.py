@@ -47,9 +47,11 @@ def bits(key: Any, shape: ShapeLike) -> Tensor:
         position = position + (index + jnp.asarray(offset, jnp.uint32)) * np.uint32(stride)
         stride *= shape[i].size
     k1, k2 = _key_words(key)
-    hi = jnp.zeros_like(position)
-    b1, b2 = threefry2x32_p.bind(jnp.broadcast_to(k1, hi.shape), jnp.broadcast_to(k2, hi.shape), hi, position)
-    return lowering.finish(b1 ^ b2, shape, axes)
+    # The primitive neither unifies its operands' manual-axis types nor passes them on: give every
+    # operand and the result those of the positions.
+    k1, k2, hi = (lowering.vary_like(jnp.broadcast_to(a, position.shape), position) for a in (k1, k2, jnp.uint32(0)))
+    b1, b2 = threefry2x32_p.bind(k1, k2, hi, position)
+    return lowering.finish(lowering.vary_like(b1 ^ b2, position), shape, axes)
 
 
 def _unit_floats(raw: jax.Array, dtype: Any) -> jax.Array:

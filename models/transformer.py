@@ -71,18 +71,17 @@ class Model:
         def dense(shape: list, fan_in: int) -> md.Tensor:
             return md.random.normal(next(keys), shape) * (fan_in**-0.5)
 
-        ones = lambda shape: md.tensor(jnp.ones([d.size for d in shape], jnp.float32), shape)  # noqa: E731
         layer = {
-            "norm1": ones([L, dm]),
+            "norm1": md.ones([L, dm]),
             "wq": dense([L, dm, h, kv], dm.size),
             "wk": dense([L, dm, h, kv], dm.size),
             "wv": dense([L, dm, h, kv], dm.size),
             "wo": dense([L, h, kv, dm], h.size * kv.size),
-            "norm2": ones([L, dm]),
+            "norm2": md.ones([L, dm]),
             "w_in": dense([L, dm, ff], dm.size),
             "w_out": dense([L, ff, dm], ff.size),
         }
-        return {"embed": dense([v, dm], 1), "layers": layer, "final_norm": ones([dm]), "unembed": dense([dm, v], dm.size)}
+        return {"embed": dense([v, dm], 1), "layers": layer, "final_norm": md.ones([dm]), "unembed": dense([dm, v], dm.size)}
 
     def _norm(self, x: md.Tensor, scale: md.Tensor) -> md.Tensor:
         if self.config.norm == "layer":

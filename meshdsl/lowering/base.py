@@ -77,6 +77,11 @@ class Lowering:
         """This lowering under other layout rules (on global arrays: itself)."""
         return self
 
+    def vary_like(self, x: jax.Array, *others: jax.Array) -> jax.Array:
+        """``x``, typed as varying along every mesh axis any of ``others`` varies along (for primitives
+        that do not unify that themselves)."""
+        return x
+
     def group_size(self, axes: Sequence[str]) -> int:
         """Number of devices along ``axes``."""
         return 1

@@ -30,6 +30,13 @@ def _varying_axes(x: Any) -> frozenset[str]:
     return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
 
 
+def _pvary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``x`` marked as varying along ``axes`` (``lax.pcast`` in JAX >= 0.10, ``lax.pvary`` before)."""
+    if not axes:
+        return x
+    return lax.pcast(x, axes, to="varying") if hasattr(lax, "pcast") else lax.pvary(x, axes)
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def _pmax(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return lax.pmax(x, axes)
@@ -82,6 +89,10 @@ class SpmdLowering(Lowering):
 
     def with_layout(self, layout: Layout) -> "SpmdLowering":
         return SpmdLowering(self.mesh, layout)
+
+    def vary_like(self, x: jax.Array, *others: jax.Array) -> jax.Array:
+        missing = frozenset().union(*(_varying_axes(o) for o in others)) - _varying_axes(x)
+        return _pvary(x, tuple(sorted(missing)))
 
     def group_size(self, axes: Sequence[str]) -> int:
         return relayout.group_size(axes, self.axis_sizes)

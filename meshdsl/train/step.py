@@ -1,0 +1,59 @@
+"""The compiled training step: one program per model x layout x optimizer.
+
+State is ``{"params", "opt", "step"}``. Parameters and optimizer state live in the layout's
+parameter rules (``[params]``; the compute rules when absent): under FSDP they are stored split,
+the forward pass gathers each where it is used, and the gradient comes back reduce-scattered.
+The optimizer runs under the parameter rules (``md.use_layout``), so it updates shards in place.
+
+Synthetic batches are made inside the step from ``fold_in(data_key, step)``: each device builds
+only its rows, and a run resumed at step ``s`` sees the batches an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import meshdsl as md
+from meshdsl.train.optim import Optimizer
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Compiled ``init`` and ``step`` for ``model`` on ``mesh`` under ``layout``."""
+
+    model: Any
+    optimizer: Optimizer
+    mesh: md.Mesh
+    layout: md.Layout
+    backend: str = "spmd"
+
+    def __post_init__(self) -> None:
+        stored = self.layout.param_layout
+        self.init = md.compile(self._init, self.mesh, self.layout, self.backend, out_layouts=stored)
+        self.step = md.compile(
+            self._step, self.mesh, self.layout, self.backend, in_layouts=(stored, None), out_layouts=(stored, None)
+        )
+
+    def _init(self, key: jax.Array) -> dict[str, Any]:
+        params = self.model.init(key)
+        with md.use_layout(self.layout.param_layout):
+            opt = self.optimizer.init(params)
+        return {"params": params, "opt": opt, "step": jnp.zeros((), jnp.int32)}
+
+    def loss_and_grads(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
+        return jax.value_and_grad(lambda p: self.model.loss(p, batch).array)(params)
+
+    def _step(self, state: dict[str, Any], data: Any) -> tuple[dict[str, Any], jax.Array]:
+        batch = self.model.batch(jax.random.fold_in(data, state["step"])) if _is_key(data) else data
+        loss, grads = self.loss_and_grads(state["params"], batch)
+        with md.use_layout(self.layout.param_layout):
+            params, opt = self.optimizer.update(grads, state["opt"], state["params"], state["step"])
+        return {"params": params, "opt": opt, "step": state["step"] + 1}, loss
+
+
+def _is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and (jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) or (x.shape == (2,) and x.dtype == jnp.uint32))
