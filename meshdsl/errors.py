@@ -15,3 +15,11 @@ class ShapeError(MeshDslError):
 
 class LayoutError(MeshDslError):
     """A layout that cannot apply: malformed rule, unknown mesh axis, indivisible or clashing split."""
+
+
+class ConfigError(MeshDslError):
+    """An unknown model, preset, optimizer or option, or values that do not fit together."""
+
+
+class DataError(MeshDslError):
+    """A token file that is missing, malformed, too short, or holds ids outside the vocabulary."""

@@ -8,11 +8,13 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from meshdsl.errors import ConfigError
+
 NAMES = ("mlp", "transformer", "moe", "convnet")
 
 
 def get(name: str) -> ModuleType:
     """The model module called ``name``."""
     if name not in NAMES:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(NAMES)}")
+        raise ConfigError(f"unknown model {name!r}; choose one of {', '.join(NAMES)}")
     return importlib.import_module(f"models.{name}")

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 import meshdsl as md
+from meshdsl.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,11 +31,13 @@ class Config:
     @classmethod
     def preset(cls, name: str, **overrides) -> "Config":
         if name not in cls.PRESETS:
-            raise ValueError(f"unknown preset {name!r} for mlp; choose one of {', '.join(cls.PRESETS)}")
+            raise ConfigError(f"unknown preset {name!r} for mlp; choose one of {', '.join(cls.PRESETS)}")
         return cls(**{**cls.PRESETS[name], **overrides})
 
 
 class Model:
+    LAYOUTS = ("data_parallel", "megatron", "dp_tp", "fsdp")
+    """The shipped layouts (layouts/*.toml) this model is benchmarked under by default."""
     """The MLP for ``config``: ``init``, ``batch``, ``loss``."""
 
     def __init__(self, config: Config):

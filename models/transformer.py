@@ -1,7 +1,7 @@
 """Decoder-only Transformer language model, written once in named dims.
 
 Dims: ``batch, length, d_model, heads, d_kv, d_ff, vocab, layers`` (and ``memory``, the keys'
-copy of ``length``). Embedding, causal multi-head attention, feed-forward, RMSNorm or LayerNorm,
+copy of ``length``, and ``qkv``, the three fused attention projections). Embedding, causal multi-head attention, feed-forward, RMSNorm or LayerNorm,
 softmax cross-entropy over ``vocab`` (which a layout may split: the logsumexp then costs one pmax
 and one psum). The layers' parameters are stacked along ``layers`` and run with ``md.scan``.
 
@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import meshdsl as md
+from meshdsl.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,15 +45,17 @@ class Config:
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "Config":
         if name not in cls.PRESETS:
-            raise ValueError(f"unknown preset {name!r} for transformer; choose one of {', '.join(cls.PRESETS)}")
+            raise ConfigError(f"unknown preset {name!r} for transformer; choose one of {', '.join(cls.PRESETS)}")
         return cls(**{**cls.PRESETS[name], **overrides})
 
     def __post_init__(self) -> None:
         if self.norm not in ("rms", "layer"):
-            raise ValueError(f"norm must be 'rms' or 'layer', got {self.norm!r}")
+            raise ConfigError(f"norm must be 'rms' or 'layer', got {self.norm!r}")
 
 
 class Model:
+    LAYOUTS = ("data_parallel", "megatron", "dp_tp", "fsdp")
+    """The shipped layouts (layouts/*.toml) this model is benchmarked under by default."""
     """The Transformer for ``config``: ``init``, ``batch``, ``loss``."""
 
     def __init__(self, config: Config):
@@ -61,6 +64,7 @@ class Model:
         self.batch_dim, self.length, self.memory = D("batch", c.batch), D("length", c.length), D("memory", c.length)
         self.d_model, self.heads, self.d_kv = D("d_model", c.d_model), D("heads", c.heads), D("d_kv", c.d_kv)
         self.d_ff, self.vocab, self.layers = D("d_ff", c.d_ff), D("vocab", c.vocab), D("layers", c.layers)
+        self.qkv = D("qkv", 3)
         self.dtype = jnp.dtype(c.compute_dtype)
 
     def init(self, key: jax.Array) -> dict[str, Any]:
@@ -73,9 +77,7 @@ class Model:
 
         layer = {
             "norm1": md.ones([L, dm]),
-            "wq": dense([L, dm, h, kv], dm.size),
-            "wk": dense([L, dm, h, kv], dm.size),
-            "wv": dense([L, dm, h, kv], dm.size),
+            "wqkv": dense([L, dm, self.qkv, h, kv], dm.size),
             "wo": dense([L, h, kv, dm], h.size * kv.size),
             "norm2": md.ones([L, dm]),
             "w_in": dense([L, dm, ff], dm.size),
@@ -91,9 +93,12 @@ class Model:
     def _layer(self, x: md.Tensor, p: dict[str, md.Tensor]) -> md.Tensor:
         w = {k: md.cast(v, self.dtype) for k, v in p.items()}
         h = self._norm(x, w["norm1"])
-        q = md.einsum(h, w["wq"], out=[self.batch_dim, self.length, self.heads, self.d_kv]) * (self.d_kv.size**-0.5)
-        k = md.rename(md.einsum(h, w["wk"], out=[self.batch_dim, self.length, self.heads, self.d_kv]), "length", "memory")
-        v = md.rename(md.einsum(h, w["wv"], out=[self.batch_dim, self.length, self.heads, self.d_kv]), "length", "memory")
+        # One fused projection: h meets the (possibly head-split) weights once, so its gradient is
+        # summed over the split once.
+        qkv = md.einsum(h, w["wqkv"], out=[self.qkv, self.batch_dim, self.length, self.heads, self.d_kv])
+        q, k, v = md.unstack(qkv, self.qkv)
+        q = q * (self.d_kv.size**-0.5)
+        k, v = md.rename(k, "length", "memory"), md.rename(v, "length", "memory")
         scores = md.einsum(q, k, out=[self.batch_dim, self.heads, self.length, self.memory])
         causal = md.range(self.length) >= md.range(self.memory)
         probs = md.softmax(md.where(causal, scores, -1e9), self.memory)

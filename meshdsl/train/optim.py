@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 import meshdsl as md
+from meshdsl.errors import ConfigError
 from meshdsl.dims import Dim
 
 Params = Any
@@ -159,5 +160,5 @@ def make(name: str, **kwargs: Any) -> Optimizer:
     """An optimizer by name: ``sgd``, ``adamw`` or ``adafactor``."""
     makers = {"sgd": sgd, "adamw": adamw, "adafactor": Adafactor}
     if name not in makers:
-        raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(makers)}")
+        raise ConfigError(f"unknown optimizer {name!r}; choose one of {', '.join(makers)}")
     return makers[name](**kwargs)

@@ -38,6 +38,11 @@ class Trainer:
             self._step, self.mesh, self.layout, self.backend, in_layouts=(stored, None), out_layouts=(stored, None)
         )
 
+    def explain(self, state: dict[str, Any], data: Any) -> md.Report:
+        """``md.explain`` of one step: every collective, forward, backward and optimizer."""
+        stored = self.layout.param_layout
+        return md.explain(self._step, self.mesh, self.layout, state, data, in_layouts=(stored, None), out_layouts=(stored, None))
+
     def _init(self, key: jax.Array) -> dict[str, Any]:
         params = self.model.init(key)
         with md.use_layout(self.layout.param_layout):

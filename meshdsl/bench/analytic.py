@@ -1,0 +1,72 @@
+"""The least communication a training step needs, per device, for the standard layouts.
+
+Each formula is the ring-model cost (``meshdsl.collectives.bytes_moved``) of the collectives the
+layout cannot avoid; docs/performance.md writes them out. ``n`` is the size of the split axis,
+``P`` the parameter count (4-byte f32), ``B, L, D`` batch, length and d_model.
+
+* data_parallel: all-reduce of every gradient, plus the loss: ``AR(4P) + AR(4)``.
+* fsdp: all-gather of every parameter forward, reduce-scatter of every gradient, plus the loss:
+  ``AG(4P) + RS(4P) + AR(4)`` (equal to data parallel's bytes, with 1/n of the memory).
+* megatron (transformer): per layer, the attention and feed-forward outputs are all-reduced
+  forward and their inputs' gradients backward: ``4 L_layers AR(4BLD)``; the vocab-parallel
+  embedding's lookup and the unembedding's input gradient: ``2 AR(4BLD)``; the loss's max, sum of
+  exponentials and target logit over the split vocab: ``3 AR(4BL)``. MLP: ``AR(4 B d_io)`` — the
+  student's and the teacher's outputs are both partial sums over ``d_ff``, and their difference
+  is summed once (lazy all-reduce).
+* dp_tp: megatron's activation terms on the ``model`` axis with ``B`` the local batch, plus data
+  parallel's gradient all-reduce on the ``data`` axis of each parameter's local shard (the
+  ``model``-split ones are 1/m the size), plus the loss over ``data``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+import meshdsl as md
+from meshdsl.collectives import Collective, bytes_moved
+
+
+def _ar(buffer: float, n: int) -> float:
+    return bytes_moved(Collective.ALL_REDUCE, buffer, n)
+
+
+def _local_param_bytes(params: Any, mesh: md.Mesh, layout: md.Layout) -> float:
+    total = 0.0
+    for t in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, md.Tensor)):
+        n = 1
+        for axes in layout.axes(t.shape, mesh):
+            for a in axes:
+                n *= mesh.axis_sizes[a]
+        total += t.shape.size * t.dtype.itemsize / n
+    return total
+
+
+def minimum_bytes(name: str, model: Any, params: Any, mesh: md.Mesh, layout: md.Layout) -> float | None:
+    """Least bytes per device one training step moves under the shipped layout ``name``; None if no formula."""
+    sizes = mesh.axis_sizes
+    config = model.config
+    kind = type(model).__module__.split(".")[-1]
+    if kind not in ("mlp", "transformer"):
+        return None
+    if name == "data_parallel":
+        n = sizes["data"]
+        return _ar(_local_param_bytes(params, mesh, layout), n) + _ar(4, n)
+    if name == "fsdp":
+        n = sizes["data"]
+        stored = _local_param_bytes(params, mesh, layout.param_layout) * n
+        return 2 * bytes_moved(Collective.ALL_GATHER, stored, n) + _ar(4, n)
+    if name not in ("megatron", "dp_tp"):
+        return None
+    m = sizes["model"]
+    d = sizes.get("data", 1)
+    batch = config.batch // d
+    if kind == "mlp":
+        activations = _ar(4 * batch * config.d_io, m)
+    else:
+        tokens = batch * config.length
+        activations = (4 * config.layers + 2) * _ar(4 * tokens * config.d_model, m) + 3 * _ar(4 * tokens, m)
+    if d == 1:
+        return activations
+    return activations + _ar(_local_param_bytes(params, mesh, layout), d) + _ar(4, d)

@@ -1,0 +1,85 @@
+"""Benchmark reports: a table on the terminal, JSON, markdown, and PNG charts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _fmt_bytes(b: float | None) -> str:
+    if b is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(b) < 1024 or unit == "GiB":
+            return f"{b:,.1f} {unit}" if unit != "B" else f"{b:,.0f} B"
+        b /= 1024
+    return str(b)
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+COLUMNS = [
+    ("model", lambda s: s["model"]),
+    ("layout", lambda s: s["layout"]),
+    ("mesh", lambda s: s["mesh"]),
+    ("compile s", lambda s: f"{s['compile_s']:.1f}"),
+    ("step ms", lambda s: f"{s['step_s_median'] * 1e3:.1f} ± {s['step_s_spread'] * 1e3:.1f}"),
+    ("throughput/s", lambda s: f"{s.get('tokens_per_s', s.get('examples_per_s')):,.0f}"),
+    ("GFLOP/s", lambda s: f"{s['flops_per_s'] / 1e9:,.1f}"),
+    ("MFU", lambda s: "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"),
+    ("mem/device", lambda s: _fmt_bytes(s["memory_bytes_per_device"]["total"])),
+    ("collectives", lambda s: str(s["collective_count"])),
+    ("bytes/device", lambda s: _fmt_bytes(s["collective_bytes_per_device"])),
+    ("explain", lambda s: _fmt_bytes(s["predicted_bytes_per_device"]) + ("" if s["bytes_match_prediction"] else " (differs)")),
+    ("÷ minimum", lambda s: _ratio(s["bytes_over_minimum"])),
+    ("÷ jax", lambda s: _ratio(s["overhead_vs_jax"])),
+]
+
+
+def table(summaries: list[dict[str, Any]], sep: str = "  ", markdown: bool = False) -> str:
+    rows = [[name for name, _ in COLUMNS]] + [[get(s) for _, get in COLUMNS] for s in summaries]
+    if markdown:
+        lines = ["| " + " | ".join(r) + " |" for r in rows]
+        lines.insert(1, "|" + "---|" * len(COLUMNS))
+        return "\n".join(lines)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = [sep.join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, sep.join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _charts(summaries: list[dict[str, Any]], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{s['model']}\n{s['layout']}" for s in summaries]
+    paths = []
+    for name, values, errors, ylabel in [
+        ("step_time.png", [s["step_s_median"] * 1e3 for s in summaries], [s["step_s_spread"] * 1e3 for s in summaries], "step time (ms, median; bar: spread)"),
+        ("bytes.png", [s["collective_bytes_per_device"] / 2**20 for s in summaries], None, "collective bytes per device per step (MiB)"),
+    ]:
+        fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(summaries)), 4))
+        ax.bar(range(len(values)), values, yerr=errors, color="#4c72b0", capsize=4)
+        ax.set_xticks(range(len(values)), labels, fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_title(name.removesuffix(".png").replace("_", " "))
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+        paths.append(out / name)
+    return paths
+
+
+def write_reports(summaries: list[dict[str, Any]], out: Path) -> str:
+    """Write results.json, results.md and the charts into ``out``; return the terminal table."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(summaries, indent=2))
+    (out / "results.md").write_text(table(summaries, markdown=True) + "\n")
+    charts = _charts(summaries, out) if summaries else []
+    written = ", ".join(str(p) for p in [out / "results.json", out / "results.md", *charts])
+    return table(summaries) + f"\n\nwrote {written}"

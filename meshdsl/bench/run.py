@@ -1,0 +1,192 @@
+"""Run the benchmark: compile every model x layout, time them side by side, report.
+
+Timing is interleaved: round 1 runs every entry (layout A, B, C...), then round 2, and so on, and
+each entry's step time is the median over rounds, with the spread (75th minus 25th percentile)
+beside it. Side by side, slow drifts of a shared machine hit every entry alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+import meshdsl as md
+from meshdsl import hlo
+from meshdsl.bench import analytic, baselines
+from meshdsl.bench.peaks import peak_flops
+from meshdsl.bench.report import write_reports
+from meshdsl.train import optim
+from meshdsl.train.loop import LAYOUTS, build_model
+from meshdsl.train.step import Trainer
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    models: list[str] = dataclasses.field(default_factory=lambda: ["transformer"])
+    preset: str = "small"
+    layouts: list[str] | None = None
+    rounds: int = 5
+    steps_per_round: int = 3
+    baseline: str | None = None
+    optimizer: str = "adamw"
+    out: str = "bench-results"
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class Entry:
+    """One model x layout: what was measured."""
+
+    model: str
+    preset: str
+    layout: str
+    mesh: str
+    devices: int
+    compile_s: float
+    flops_per_step: float
+    examples_per_step: int
+    example_unit: str
+    memory_bytes: dict[str, int]
+    measured: dict[str, dict[str, float]]
+    predicted: dict[str, dict[str, float]]
+    minimum_bytes: float | None
+    step_times: list[float] = dataclasses.field(default_factory=list)
+    baseline_step_times: list[float] = dataclasses.field(default_factory=list)
+    peak_flops: float | None = None
+
+    @property
+    def step_s(self) -> float:
+        return statistics.median(self.step_times)
+
+    @property
+    def spread_s(self) -> float:
+        q = np.percentile(self.step_times, [25, 75])
+        return float(q[1] - q[0])
+
+    @property
+    def measured_bytes(self) -> float:
+        return sum(v["bytes"] for v in self.measured.values())
+
+    @property
+    def predicted_bytes(self) -> float:
+        return sum(v["bytes"] for v in self.predicted.values())
+
+    @property
+    def collectives(self) -> int:
+        return int(sum(v["count"] for v in self.measured.values()))
+
+    def summary(self) -> dict[str, Any]:
+        """Every reported field, JSON-ready."""
+        flops_per_s = self.flops_per_step / self.step_s
+        baseline = statistics.median(self.baseline_step_times) if self.baseline_step_times else None
+        return {
+            "model": self.model, "preset": self.preset, "layout": self.layout, "mesh": self.mesh, "devices": self.devices,
+            "compile_s": self.compile_s, "step_s_median": self.step_s, "step_s_spread": self.spread_s,
+            "step_times_s": self.step_times, f"{self.example_unit}_per_s": self.examples_per_step / self.step_s,
+            "flops_per_step": self.flops_per_step, "flops_per_s": flops_per_s,
+            "mfu": None if self.peak_flops is None else flops_per_s / (self.peak_flops * self.devices),
+            "memory_bytes_per_device": self.memory_bytes,
+            "collectives_measured": self.measured, "collectives_predicted": self.predicted,
+            "collective_count": self.collectives, "collective_bytes_per_device": self.measured_bytes,
+            "predicted_bytes_per_device": self.predicted_bytes,
+            "bytes_match_prediction": self.measured == self.predicted,
+            "analytic_minimum_bytes": self.minimum_bytes,
+            "bytes_over_minimum": None if not self.minimum_bytes else self.measured_bytes / self.minimum_bytes,
+            "baseline_jax_step_s": baseline, "overhead_vs_jax": None if baseline is None else self.step_s / baseline,
+        }
+
+
+def _memory(compiled: Any) -> dict[str, int]:
+    m = compiled.memory_analysis()
+    fields = {
+        "arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
+        "temporaries": m.temp_size_in_bytes, "aliased": m.alias_size_in_bytes,
+    }
+    fields["total"] = fields["arguments"] + fields["outputs"] + fields["temporaries"] - fields["aliased"]
+    return {k: int(v) for k, v in fields.items()}
+
+
+def _layout_paths(names: list[str] | None, model: Any) -> list[Path]:
+    """The layouts asked for, or the shipped ones the model lists."""
+    names = names or list(model.LAYOUTS)
+    return [Path(n) if Path(n).exists() or n.endswith(".toml") else LAYOUTS / f"{n}.toml" for n in names]
+
+
+def _prepare(model_name: str, cfg: BenchConfig, path: Path, out: Callable[[str], None]) -> tuple[Entry, Callable, Callable | None] | None:
+    """Compile one model x layout; None (with a note) when the layout does not fit the model."""
+    layout = md.Layout.load(path)
+    model = build_model(model_name, cfg.preset)
+    try:
+        mesh = layout.mesh()
+        trainer = Trainer(model, optim.make(cfg.optimizer), mesh, layout)
+        key = jax.random.key(cfg.seed)
+        state = trainer.init(jax.random.key_data(key))
+        data = jax.random.key_data(jax.random.fold_in(key, 1))
+        start = time.perf_counter()
+        compiled = trainer.step.lower(state, data).compile()
+        compile_s = time.perf_counter() - start
+    except md.LayoutError as e:
+        out(f"  {model_name} x {path.stem}: skipped, the layout does not fit: {e}")
+        return None
+    text = compiled.as_text()
+    device = jax.devices()[0]
+    dtype = getattr(model.config, "compute_dtype", "float32")
+    entry = Entry(
+        model=model_name, preset=cfg.preset, layout=path.stem, mesh=str(mesh), devices=mesh.size, compile_s=compile_s,
+        flops_per_step=model.flops_per_step(), examples_per_step=model.examples_per_step(),
+        example_unit="tokens" if hasattr(model.config, "length") else "examples",
+        memory_bytes=_memory(compiled), measured=hlo.summary(text, num_devices=mesh.size),
+        predicted=trainer.explain(state, data).summary(),
+        minimum_bytes=analytic.minimum_bytes(path.stem, model, state["params"], mesh, layout),
+        peak_flops=peak_flops(device.device_kind, dtype),
+    )
+    holder = {"state": state}
+
+    def step() -> None:
+        holder["state"], loss = compiled(holder["state"], data)
+        jax.block_until_ready(loss)
+
+    baseline = None
+    if cfg.baseline == "jax":
+        baseline = baselines.make_step(model, layout, mesh, state, data, cfg.optimizer)
+        if baseline is None:
+            out(f"  {model_name} x {path.stem}: no hand-written JAX baseline for this model")
+    return entry, step, baseline
+
+
+def _timed(step: Callable[[], None], n: int) -> float:
+    start = time.perf_counter()
+    for _ in range(n):
+        step()
+    return (time.perf_counter() - start) / n
+
+
+def run(cfg: BenchConfig, out: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Benchmark as ``cfg`` says; print the table, write reports to ``cfg.out``; return the summaries."""
+    devices = jax.devices()
+    out(f"meshdsl bench: {len(devices)} x {devices[0].device_kind} ({devices[0].platform})")
+    prepared = []
+    for model_name in cfg.models:
+        for path in _layout_paths(cfg.layouts, build_model(model_name, cfg.preset)):
+            item = _prepare(model_name, cfg, path, out)
+            if item is not None:
+                prepared.append(item)
+                out(f"  compiled {model_name} x {path.stem} in {item[0].compile_s:.1f} s")
+    for entry, step, baseline in prepared:
+        step()
+        if baseline is not None:
+            baseline()
+    for _ in range(cfg.rounds):
+        for entry, step, baseline in prepared:
+            entry.step_times.append(_timed(step, cfg.steps_per_round))
+            if baseline is not None:
+                entry.baseline_step_times.append(_timed(baseline, cfg.steps_per_round))
+    summaries = [entry.summary() for entry, _, _ in prepared]
+    out(write_reports(summaries, Path(cfg.out)))
+    return summaries

@@ -1,0 +1,124 @@
+"""``conv2d``: 2-d convolution by dim name, with halo exchange over split spatial dims.
+
+``conv2d(x[batch, height, width, channels], kernel[kh, kw, channels, out_channels])`` is
+``out[b, i, j, o] = sum_{u, v, c} xpad[b, i + u, j + v, c] kernel[u, v, c, o]``: stride 1,
+"SAME" zero padding, odd kernel sizes. The result is ``x``'s shape with ``channels`` replaced
+by ``out_channels`` in place. Every dim of ``x`` other than the two spatial ones and the input
+channels is a batch dim (any number of them, in any order).
+
+Written once on local blocks, like the other ops:
+
+* A spatial dim split over axes A: each device needs ``p = (k - 1) / 2`` rows of each
+  neighbour's block. Its first ``p`` rows go to the previous device and its last ``p`` to the
+  next, with two ``ppermute``\\ s over A (a halo exchange: only the boundary rows move, not the
+  whole dim as an ``all_gather`` would). The first and last devices receive zeros, which are the
+  "SAME" padding. The local conv then runs "VALID" along that dim. When a block is shorter than
+  ``p``, the dim is gathered instead. With both spatial dims split the width exchange runs on the
+  height-extended block, so the corners come along.
+* An unsplit spatial dim: the local conv pads it itself ("SAME"). On global arrays (eager and
+  gspmd) nothing is split, so the same code is the plain global convolution.
+* ``channels`` split over B: the local conv of the local channel blocks is a partial sum,
+  left pending over B (added lazily, as ``einsum``).
+* ``out_channels`` split: the kernel's local block gives the output's local block.
+* Two dims of the operands split over one mesh axis: ``compute_layout.choose`` picks the one that
+  keeps it, as for ``einsum``. ``kh``/``kw`` splits are gathered (they are tiny).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import jax.numpy as jnp
+from jax import lax
+
+from meshdsl.dims import Dim, DimLike, Shape
+from meshdsl.errors import ShapeError
+from meshdsl.lowering import compute_layout
+from meshdsl.lowering.context import current, op
+from meshdsl.tensor import Tensor
+
+
+def _name(d: DimLike) -> str:
+    return d.name if isinstance(d, Dim) else d
+
+
+def _halo(lowering, a, axes: tuple[str, ...], axis: int, p: int):
+    """``a`` with ``p`` rows of the previous and next block along ``axis`` (split over ``axes``) added
+    before and after; zeros beyond the first and last blocks."""
+    n = a.shape[axis]
+    before = lowering.ppermute(lax.slice_in_dim(a, n - p, n, axis=axis), axes, 1, False)
+    after = lowering.ppermute(lax.slice_in_dim(a, 0, p, axis=axis), axes, -1, False)
+    return jnp.concatenate([before, a, after], axis=axis)
+
+
+@op("conv2d")
+def conv2d(
+    x: Tensor,
+    kernel: Tensor,
+    height: DimLike = "height",
+    width: DimLike = "width",
+    in_dim: DimLike = "channels",
+    out_dim: DimLike = "out_channels",
+    kernel_height: DimLike = "kh",
+    kernel_width: DimLike = "kw",
+    padding: str = "SAME",
+) -> Tensor:
+    """2-d convolution of ``x`` (dims ``height``, ``width``, ``in_dim`` and batch dims) with
+    ``kernel`` (dims ``kernel_height``, ``kernel_width``, ``in_dim``, ``out_dim``, any order).
+
+    Stride 1, ``padding="SAME"`` (the only one), odd kernel sizes. Returns ``x``'s shape with
+    ``in_dim`` replaced by ``out_dim``.
+    """
+    h, w, c, o, kh, kw = map(_name, (height, width, in_dim, out_dim, kernel_height, kernel_width))
+    if padding != "SAME":
+        raise ShapeError(f"conv2d: padding {padding!r} is not supported; only 'SAME'")
+    if sorted(kernel.shape.names) != sorted({kh, kw, c, o}) or len({kh, kw, c, o}) != 4:
+        raise ShapeError(f"conv2d: kernel {kernel.shape} must have exactly the dims {kh}, {kw}, {c}, {o}")
+    for name in (h, w, c):
+        if name not in x.shape:
+            raise ShapeError(f"conv2d: input {x.shape} has no dim {name!r}")
+    if x.shape[c].size != kernel.shape[c].size:
+        raise ShapeError(f"conv2d: {c} is {x.shape[c]} in the input but {kernel.shape[c]} in the kernel")
+    if o in x.shape or kh in x.shape or kw in x.shape:
+        raise ShapeError(f"conv2d: input {x.shape} already has a dim named {o!r}, {kh!r} or {kw!r}")
+    sizes = {h: kernel.shape[kh].size, w: kernel.shape[kw].size}
+    if any(k % 2 == 0 for k in sizes.values()):
+        raise ShapeError(f"conv2d: kernel {kernel.shape} has an even spatial size; 'SAME' needs odd sizes")
+
+    lowering = current()
+    out = Shape(kernel.shape[o] if d.name == c else d for d in x.shape)
+    lowering.axes(out, "conv2d result")  # a clear LayoutError if the layout cannot hold the result
+    batch = [n for n in x.shape.names if n not in (h, w, c)]
+
+    def result(layout: compute_layout.NameAxes):
+        return tuple(layout[n] for n in out.names), layout[c]
+
+    itemsize = np.dtype(jnp.result_type(x.dtype, kernel.dtype)).itemsize
+    layout = dict(compute_layout.choose(lowering, [x, kernel], out, result, itemsize))
+    layout[kh] = layout[kw] = ()
+    for name in (h, w):  # a block shorter than the halo: gather the dim instead
+        p = (sizes[name] - 1) // 2
+        if layout[name] and x.shape[name].size // lowering.group_size(layout[name]) < p:
+            layout[name] = ()
+
+    xa = lowering.prepare(x, tuple(layout[n] for n in x.shape.names), beside=[kernel])
+    ka = lowering.prepare(kernel, tuple(layout[n] for n in kernel.shape.names), beside=[x])
+    # Local NHWC / HWIO arrays: the batch dims flattened into one.
+    order = [*batch, h, w, c]
+    xa = jnp.transpose(xa, [x.shape.index(n) for n in order])
+    local_batch = xa.shape[: len(batch)]
+    xa = jnp.reshape(xa, (int(np.prod(local_batch)), *xa.shape[len(batch):]))
+    ka = jnp.transpose(ka, [kernel.shape.index(n) for n in (kh, kw, c, o)])
+    pads = []
+    for axis, name in ((1, h), (2, w)):
+        p = (sizes[name] - 1) // 2
+        if layout[name] and p:
+            xa = _halo(lowering, xa, layout[name], axis, p)
+            pads.append((0, 0))
+        else:
+            pads.append((p, p))
+    xa, ka = lowering.vary_like(xa, ka), lowering.vary_like(ka, xa)
+    y = lax.conv_general_dilated(xa, ka, (1, 1), pads, dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    y = jnp.reshape(y, (*local_batch, *y.shape[1:]))
+    y = jnp.transpose(y, [order.index(c if n == o else n) for n in out.names])
+    out_axes, pending = result(layout)
+    return lowering.finish(y, out, out_axes, pending, lazy=True)
