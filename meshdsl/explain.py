@@ -5,7 +5,8 @@ in it: the forward ops', and those of any ``jax.grad`` inside the function. Each
 meshdsl op that emitted it (from the ``md.<op>`` name scope every op opens), the tensor, the
 collective, its mesh axes and the bytes one device moves, priced by
 :func:`meshdsl.collectives.bytes_moved`. Loops count once per iteration (``scan`` multiplies by
-its length) and dead code is dropped first, as XLA drops it. The compiled program runs exactly
+its length); dead code is dropped and repeated identical computations are counted once, as XLA
+drops and merges them. The compiled program runs exactly
 these collectives, which the tests check against
 its HLO (:mod:`meshdsl.hlo`).
 """
@@ -109,8 +110,27 @@ def _nbytes(avals: Any) -> int:
     return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in avals)
 
 
+def _cse_key(eqn: Any, alias: dict) -> tuple | None:
+    """What makes ``eqn`` the same computation as an earlier one (XLA merges those), or None."""
+    if eqn.effects:
+        return None
+    ins = tuple(alias.get(v, v) if isinstance(v, jex_core.Var) else ("literal", repr(v)) for v in eqn.invars)
+    params = tuple(
+        (k, id(v) if isinstance(v, (jex_core.Jaxpr, jex_core.ClosedJaxpr)) else repr(v)) for k, v in sorted(eqn.params.items())
+    )
+    return (eqn.primitive.name, params, ins)
+
+
 def _walk(jaxpr: Any, times: int, axis_sizes: Mapping[str, int], out: list[Communication]) -> None:
+    seen: dict[tuple, Any] = {}
+    alias: dict[Any, Any] = {}
     for eqn in jaxpr.eqns:
+        key = _cse_key(eqn, alias)
+        if key is not None and key in seen:
+            alias.update(zip(eqn.outvars, seen[key].outvars))
+            continue
+        if key is not None:
+            seen[key] = eqn
         name = eqn.primitive.name
         if name == "while" and _has_collective(eqn):
             raise ValueError("md.explain: a while_loop with a data-dependent trip count contains collectives; use lax.scan")

@@ -26,8 +26,9 @@ Written once on local blocks, like the other ops:
 
 from __future__ import annotations
 
-import numpy as np
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from meshdsl.dims import Dim, DimLike, Shape
@@ -112,7 +113,8 @@ def conv2d(
     for axis, name in ((1, h), (2, w)):
         p = (sizes[name] - 1) // 2
         if layout[name] and p:
-            xa = _halo(lowering, xa, layout[name], axis, p)
+            with jax.named_scope(str(x.shape)):  # md.explain's tensor column
+                xa = _halo(lowering, xa, layout[name], axis, p)
             pads.append((0, 0))
         else:
             pads.append((p, p))
