@@ -38,7 +38,7 @@ class Config:
 
     PRESETS = {
         "tiny": dict(batch=8, length=16, d_model=32, heads=8, d_kv=4, d_ff=64, vocab=64, layers=2),
-        "small": dict(batch=16, length=128, d_model=256, heads=8, d_kv=32, d_ff=1024, vocab=2048, layers=4),
+        "small": dict(batch=16, length=64, d_model=128, heads=8, d_kv=16, d_ff=512, vocab=1024, layers=4),
         "1b": dict(batch=256, length=2048, d_model=2048, heads=16, d_kv=128, d_ff=8192, vocab=32768, layers=18),
     }
 

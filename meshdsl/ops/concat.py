@@ -122,6 +122,6 @@ def unstack(x: Tensor, dim: DimLike) -> list[Tensor]:
     out_shape = x.shape.without([x.shape[position].name])
     out_axes = axes[:position] + axes[position + 1 :]
     return [
-        lowering.finish(jnp.take(array, i, axis=position), out_shape, out_axes)
+        lowering.finish(lax.index_in_dim(array, i, position, keepdims=False), out_shape, out_axes)
         for i in range(x.shape[position].size)
     ]
