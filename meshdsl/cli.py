@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--data", default=None, help="token file (.npy, or raw uint16 .bin/.u16, uint32 .u32); default: the synthetic task")
     train.add_argument("--compute-dtype", default=None, choices=["float32", "bfloat16"], help="compute in bf16 with f32 master parameters")
     train.add_argument("--remat", action="store_true", help="recompute each layer's activations in the backward pass")
+    train.add_argument("--grad-reduce-dtype", default=None, choices=["bfloat16"], help="sum gradients across devices in bf16 (half the bytes)")
 
     bench = sub.add_parser("bench", help="compare layouts: step time, throughput, memory and communication")
     bench.add_argument("--model", nargs="+", default=["transformer"], help="models to benchmark")
@@ -50,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps-per-round", type=int, default=3)
     bench.add_argument("--baseline", choices=["jax"], default=None, help="also time a hand-written plain-JAX version")
     bench.add_argument("--optimizer", default="adamw")
+    bench.add_argument("--grad-reduce-dtype", default=None, choices=["bfloat16"], help="sum gradients across devices in bf16")
     bench.add_argument("--out", default="bench-results", help="folder for JSON, markdown and PNG charts")
     return parser
 
@@ -66,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             train(RunConfig(
                 model=args.model, preset=args.preset, layout=args.layout, steps=args.steps, optimizer=args.optimizer,
                 learning_rate=args.learning_rate, backend=args.backend, seed=args.seed, data=args.data,
-                compute_dtype=args.compute_dtype, remat=args.remat,
+                compute_dtype=args.compute_dtype, remat=args.remat, grad_reduce_dtype=args.grad_reduce_dtype,
             ))
         else:
             from meshdsl.bench.run import BenchConfig, run
@@ -74,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run(BenchConfig(
                 models=args.model, preset=args.preset, layouts=args.layouts, rounds=args.rounds,
                 steps_per_round=args.steps_per_round, baseline=args.baseline, optimizer=args.optimizer, out=args.out,
+                grad_reduce_dtype=args.grad_reduce_dtype,
             ))
     except MeshDslError as e:
         print(f"meshdsl {args.command}: error: {e}", file=sys.stderr)

@@ -56,6 +56,7 @@ class Compiled:
 
     ``in_layouts``: one entry per positional argument (a layout, or None for ``layout``).
     ``out_layouts``: a layout for every result, or one entry per element of a tuple result.
+    ``grad_reduce_dtype`` (spmd): sum gradients across devices in this dtype, e.g. bfloat16.
     """
 
     def __init__(
@@ -66,8 +67,10 @@ class Compiled:
         backend: Backend | str = Backend.SPMD,
         in_layouts: Sequence[LayoutLike | None] | None = None,
         out_layouts: LayoutLike | Sequence[LayoutLike | None] | None = None,
+        grad_reduce_dtype: Any = None,
     ):
         self.fn = fn
+        self.grad_reduce_dtype = grad_reduce_dtype
         self.mesh = mesh
         self.layout = _as_layout(layout, Layout())
         self.backend = Backend(backend)
@@ -116,7 +119,7 @@ class Compiled:
 
         def body(*local: Any) -> tuple:
             inputs = [Tensor(a, x.shape, (), ax) if isinstance(x, Tensor) else a for a, (_, x, _), ax in zip(local, ins, in_axes)]
-            with use(SpmdLowering(self.mesh, self.layout)) as lowering:
+            with use(SpmdLowering(self.mesh, self.layout, self.grad_reduce_dtype)) as lowering:
                 result = self.fn(*jax.tree_util.tree_unflatten(treedef, inputs))
                 flat = jax.tree_util.tree_leaves(result, is_leaf=_is_tensor)
                 with jax.named_scope("md.result"):
@@ -154,6 +157,7 @@ def compile(  # noqa: A001  (md.compile)
     backend: Backend | str = "spmd",
     in_layouts: Sequence[LayoutLike | None] | None = None,
     out_layouts: LayoutLike | Sequence[LayoutLike | None] | None = None,
+    grad_reduce_dtype: Any = None,
 ) -> Compiled:
     """Compile ``fn`` (md tensors in, md tensors out) for ``mesh`` under ``layout``; see :class:`Compiled`."""
-    return Compiled(fn, mesh, layout, backend, in_layouts, out_layouts)
+    return Compiled(fn, mesh, layout, backend, in_layouts, out_layouts, grad_reduce_dtype)

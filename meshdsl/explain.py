@@ -19,6 +19,7 @@ import re
 from typing import Any, Iterator, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: drop what XLA would drop as dead
 from jax.extend import core as jex_core
@@ -106,8 +107,12 @@ def _scope(name_stack: str) -> tuple[str, str]:
     return op, tensors[-1] if tensors else ""
 
 
-def _nbytes(avals: Any) -> int:
-    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in avals)
+def _nbytes(aval: Any, widen: bool) -> int:
+    """Bytes of ``aval``; ``widen``: a 16-bit float counts as f32, as XLA on CPU reduces it in f32."""
+    itemsize = np.dtype(aval.dtype).itemsize
+    if widen and itemsize == 2 and jnp.issubdtype(aval.dtype, jnp.floating):
+        itemsize = 4
+    return math.prod(aval.shape) * itemsize
 
 
 def _cse_key(eqn: Any, alias: dict) -> tuple | None:
@@ -121,7 +126,7 @@ def _cse_key(eqn: Any, alias: dict) -> tuple | None:
     return (eqn.primitive.name, params, ins)
 
 
-def _walk(jaxpr: Any, times: int, axis_sizes: Mapping[str, int], out: list[Communication]) -> None:
+def _walk(jaxpr: Any, times: int, axis_sizes: Mapping[str, int], cpu: bool, out: list[Communication]) -> None:
     seen: dict[tuple, Any] = {}
     alias: dict[Any, Any] = {}
     for eqn in jaxpr.eqns:
@@ -141,12 +146,13 @@ def _walk(jaxpr: Any, times: int, axis_sizes: Mapping[str, int], out: list[Commu
             n = math.prod(axis_sizes[a] for a in axes)
             if n > 1:
                 side = eqn.invars if collective in (Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL) else eqn.outvars
+                widen = cpu and collective in (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER)
                 for var in side:
-                    buffer = _nbytes([var.aval])
+                    buffer = _nbytes(var.aval, widen)
                     op, tensor = _scope(str(eqn.source_info.name_stack))
                     out.append(Communication(op, tensor, collective, axes, buffer, times, bytes_moved(collective, buffer, n) * times))
         for sub, k in _sub_jaxprs(eqn):
-            _walk(sub, times * k, axis_sizes, out)
+            _walk(sub, times * k, axis_sizes, cpu, out)
 
 
 def _has_collective(eqn: Any) -> bool:
@@ -174,11 +180,12 @@ def explain(
     *args: Any,
     in_layouts: Sequence[Any] | None = None,
     out_layouts: Any = None,
+    grad_reduce_dtype: Any = None,
 ) -> Report:
     """The collectives ``md.compile(fn, mesh, layout, ...)`` runs on ``args``, per op, with bytes per device."""
-    program = Compiled(fn, mesh, layout, in_layouts=in_layouts, out_layouts=out_layouts).spmd_function
+    program = Compiled(fn, mesh, layout, in_layouts=in_layouts, out_layouts=out_layouts, grad_reduce_dtype=grad_reduce_dtype).spmd_function
     closed = jax.make_jaxpr(program)(*args)
     jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
     rows: list[Communication] = []
-    _walk(jaxpr, 1, mesh.axis_sizes, rows)
+    _walk(jaxpr, 1, mesh.axis_sizes, mesh.devices.flat[0].platform == "cpu", rows)
     return Report(_merge(rows))

@@ -37,6 +37,7 @@ class BenchConfig:
     optimizer: str = "adamw"
     out: str = "bench-results"
     seed: int = 0
+    grad_reduce_dtype: str | None = None
 
 
 @dataclasses.dataclass
@@ -124,7 +125,7 @@ def _prepare(model_name: str, cfg: BenchConfig, path: Path, out: Callable[[str],
     model = build_model(model_name, cfg.preset)
     try:
         mesh = layout.mesh()
-        trainer = Trainer(model, optim.make(cfg.optimizer), mesh, layout)
+        trainer = Trainer(model, optim.make(cfg.optimizer), mesh, layout, grad_reduce_dtype=cfg.grad_reduce_dtype)
         key = jax.random.key(cfg.seed)
         state = trainer.init(jax.random.key_data(key))
         data = jax.random.key_data(jax.random.fold_in(key, 1))

@@ -37,6 +37,23 @@ def _pvary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return lax.pcast(x, axes, to="varying") if hasattr(lax, "pcast") else lax.pvary(x, axes)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _vary_summing_grads_in(x: jax.Array, axes: tuple[str, ...], dtype: Any) -> jax.Array:
+    """``x`` marked varying along ``axes``; its gradient, summed over them, is summed in ``dtype``."""
+    return _pvary(x, axes)
+
+
+def _vary_fwd(x: jax.Array, axes: tuple[str, ...], dtype: Any) -> tuple[jax.Array, None]:
+    return _pvary(x, axes), None
+
+
+def _vary_bwd(axes: tuple[str, ...], dtype: Any, _: None, ct: jax.Array) -> tuple[jax.Array]:
+    return (lax.psum(ct.astype(dtype), axes).astype(ct.dtype),)
+
+
+_vary_summing_grads_in.defvjp(_vary_fwd, _vary_bwd)
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def _pmax(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return lax.pmax(x, axes)
@@ -52,12 +69,18 @@ def _pmax_jvp(axes: tuple[str, ...], primals, tangents):
 
 
 class SpmdLowering(Lowering):
-    """Local shards on ``mesh``, laid out by ``layout``."""
+    """Local shards on ``mesh``, laid out by ``layout``.
 
-    def __init__(self, mesh: Mesh, layout: Layout):
+    ``grad_reduce_dtype``: sum gradients across devices in this (narrower) dtype. Where an op meets
+    an operand that is replicated along axes its other operands vary along, the operand's gradient
+    is a sum over those axes; it is then cast, summed and cast back (bf16 halves those bytes).
+    """
+
+    def __init__(self, mesh: Mesh, layout: Layout, grad_reduce_dtype: Any = None):
         self.mesh = mesh
         self.layout = layout
         self.axis_sizes = dict(mesh.axis_sizes)
+        self.grad_reduce_dtype = grad_reduce_dtype
 
     def axes(self, shape: Shape, tensor: str = "tensor") -> Axes:
         return self.layout.axes(shape, self.mesh, tensor)
@@ -74,8 +97,14 @@ class SpmdLowering(Lowering):
     def prepare(self, t: Tensor, axes: Axes | None = None, beside: Sequence[Tensor] = ()) -> jax.Array:
         own = self.axes(t.shape)
         src = self.layout_of(t)
-        varying = frozenset().union(*(_varying_axes(o._data) for o in beside if o is not t))
-        return self._relayout(t._data, t.shape, src, own if axes is None else axes, t.pending, varying)
+        # Axes the op's result varies along: the other operands', less the sums they still owe.
+        varying = frozenset().union(*(_varying_axes(o._data) - set(o.pending) for o in beside if o is not t))
+        x = self._relayout(t._data, t.shape, src, own if axes is None else axes, t.pending, varying)
+        missing = tuple(sorted(varying - _varying_axes(x)))
+        low = self.grad_reduce_dtype
+        if missing and low is not None and jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(low).itemsize < x.dtype.itemsize:
+            x = _vary_summing_grads_in(x, missing, jnp.dtype(low))
+        return x
 
     def finish(self, array, shape, axes=None, pending=(), lazy=False, tensor="output") -> Tensor:
         own = self.axes(shape, tensor)
@@ -88,7 +117,7 @@ class SpmdLowering(Lowering):
         return Tensor(array, shape, (), axes)
 
     def with_layout(self, layout: Layout) -> "SpmdLowering":
-        return SpmdLowering(self.mesh, layout)
+        return SpmdLowering(self.mesh, layout, self.grad_reduce_dtype)
 
     def vary_like(self, x: jax.Array, *others: jax.Array) -> jax.Array:
         missing = frozenset().union(*(_varying_axes(o) for o in others)) - _varying_axes(x)

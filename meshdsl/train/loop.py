@@ -33,6 +33,7 @@ class RunConfig:
     data: str | None = None
     compute_dtype: str | None = None
     remat: bool = False
+    grad_reduce_dtype: str | None = None
 
 
 LAYOUTS = Path(__file__).resolve().parents[2] / "layouts"
@@ -65,7 +66,7 @@ def build_trainer(run: RunConfig, mesh: md.Mesh | None = None) -> Trainer:
     layout = load_layout(run.layout)
     kwargs = {} if run.learning_rate is None else {"learning_rate": run.learning_rate}
     optimizer = optim.make(run.optimizer, **kwargs)
-    return Trainer(model, optimizer, mesh or layout.mesh(), layout, run.backend)
+    return Trainer(model, optimizer, mesh or layout.mesh(), layout, run.backend, run.grad_reduce_dtype)
 
 
 class Progress:

@@ -30,18 +30,23 @@ class Trainer:
     mesh: md.Mesh
     layout: md.Layout
     backend: str = "spmd"
+    grad_reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
         stored = self.layout.param_layout
         self.init = md.compile(self._init, self.mesh, self.layout, self.backend, out_layouts=stored)
         self.step = md.compile(
-            self._step, self.mesh, self.layout, self.backend, in_layouts=(stored, None), out_layouts=(stored, None)
+            self._step, self.mesh, self.layout, self.backend, in_layouts=(stored, None), out_layouts=(stored, None),
+            grad_reduce_dtype=self.grad_reduce_dtype,
         )
 
     def explain(self, state: dict[str, Any], data: Any) -> md.Report:
         """``md.explain`` of one step: every collective, forward, backward and optimizer."""
         stored = self.layout.param_layout
-        return md.explain(self._step, self.mesh, self.layout, state, data, in_layouts=(stored, None), out_layouts=(stored, None))
+        return md.explain(
+            self._step, self.mesh, self.layout, state, data, in_layouts=(stored, None), out_layouts=(stored, None),
+            grad_reduce_dtype=self.grad_reduce_dtype,
+        )
 
     def _init(self, key: jax.Array) -> dict[str, Any]:
         params = self.model.init(key)
