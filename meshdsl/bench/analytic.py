@@ -13,6 +13,8 @@ layout cannot avoid; docs/performance.md writes them out. ``n`` is the size of t
   exponentials and target logit over the split vocab: ``3 AR(4BL)``. MLP: ``AR(4 B d_io)`` — the
   student's and the teacher's outputs are both partial sums over ``d_ff``, and their difference
   is summed once (lazy all-reduce).
+* with a clipping optimizer (AdamW's default), the global norm's scalar all-reduce over each axis
+  that splits parameters: ``AR(4)`` for fsdp, megatron and dp_tp.
 * dp_tp: megatron's activation terms on the ``model`` axis with ``B`` the local batch, plus data
   parallel's gradient all-reduce on the ``data`` axis of each parameter's local shard (the
   ``model``-split ones are 1/m the size), plus the loss over ``data``.
@@ -43,8 +45,11 @@ def _local_param_bytes(params: Any, mesh: md.Mesh, layout: md.Layout) -> float:
     return total
 
 
-def minimum_bytes(name: str, model: Any, params: Any, mesh: md.Mesh, layout: md.Layout) -> float | None:
-    """Least bytes per device one training step moves under the shipped layout ``name``; None if no formula."""
+def minimum_bytes(name: str, model: Any, params: Any, mesh: md.Mesh, layout: md.Layout, clips: bool) -> float | None:
+    """Least bytes per device one training step moves under the shipped layout ``name``; None if no formula.
+
+    ``clips``: the optimizer clips by global norm.
+    """
     sizes = mesh.axis_sizes
     config = model.config
     kind = type(model).__module__.split(".")[-1]
@@ -56,7 +61,7 @@ def minimum_bytes(name: str, model: Any, params: Any, mesh: md.Mesh, layout: md.
     if name == "fsdp":
         n = sizes["data"]
         stored = _local_param_bytes(params, mesh, layout.param_layout) * n
-        return 2 * bytes_moved(Collective.ALL_GATHER, stored, n) + _ar(4, n)
+        return 2 * bytes_moved(Collective.ALL_GATHER, stored, n) + _ar(4, n) + clips * _ar(4, n)
     if name not in ("megatron", "dp_tp"):
         return None
     m = sizes["model"]
@@ -67,6 +72,7 @@ def minimum_bytes(name: str, model: Any, params: Any, mesh: md.Mesh, layout: md.
     else:
         tokens = batch * config.length
         activations = (4 * config.layers + 2) * _ar(4 * tokens * config.d_model, m) + 3 * _ar(4 * tokens, m)
+    activations += clips * _ar(4, m)
     if d == 1:
         return activations
     return activations + _ar(_local_param_bytes(params, mesh, layout), d) + _ar(4, d)

@@ -125,7 +125,8 @@ def _prepare(model_name: str, cfg: BenchConfig, path: Path, out: Callable[[str],
     model = build_model(model_name, cfg.preset)
     try:
         mesh = layout.mesh()
-        trainer = Trainer(model, optim.make(cfg.optimizer), mesh, layout, grad_reduce_dtype=cfg.grad_reduce_dtype)
+        optimizer = optim.make(cfg.optimizer)
+        trainer = Trainer(model, optimizer, mesh, layout, grad_reduce_dtype=cfg.grad_reduce_dtype)
         key = jax.random.key(cfg.seed)
         state = trainer.init(jax.random.key_data(key))
         data = jax.random.key_data(jax.random.fold_in(key, 1))
@@ -144,7 +145,7 @@ def _prepare(model_name: str, cfg: BenchConfig, path: Path, out: Callable[[str],
         example_unit="tokens" if hasattr(model.config, "length") else "examples",
         memory_bytes=_memory(compiled), measured=hlo.summary(text, num_devices=mesh.size),
         predicted=trainer.explain(state, data).summary(),
-        minimum_bytes=analytic.minimum_bytes(path.stem, model, state["params"], mesh, layout),
+        minimum_bytes=analytic.minimum_bytes(path.stem, model, state["params"], mesh, layout, getattr(optimizer, "clip_norm", None) is not None),
         peak_flops=peak_flops(device.device_kind, dtype),
     )
     holder = {"state": state}
