@@ -41,17 +41,19 @@ Each reshape renames both dims at once, so under ``moe_expert`` the ``data`` spl
 ``batch`` to ``experts`` (and back): one ``all_to_all`` each way (two more in the backward pass).
 Under a layout that does not split ``experts`` (``data_parallel``, ``dp_tp``) the expert side is
 not split over ``data``: the dispatch is an ``all_gather`` and every data shard computes every
-expert for every group (the combine is a local slice). Use an expert-parallel layout for MoE.
+expert for every group (the combine is a local slice). Use an expert-parallel layout for MoE, or
+add ``groups = "data"`` to such a layout: the reshapes then keep the split on ``batch``/``groups``
+and cost nothing, and the experts run data-parallel.
 
 Load balancing (Mesh-TF / Switch normalisation, 1 for uniform routing): per group,
 ``experts * sum_e f_e P_e`` with ``f_e`` the fraction of the group's tokens whose first choice is
-``e`` (before capacity) and ``P_e`` the mean router probability of ``e``; averaged over groups and
-MoE layers, added to the LM loss times ``aux_loss_weight``.
+``e`` (before capacity) and ``P_e`` the mean router probability of ``e`` (Mesh-TF's
+``experts^2 * mean over groups and experts of f P``); averaged over groups and MoE layers, added to
+the LM loss times ``aux_loss_weight``.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from typing import Any
@@ -74,9 +76,8 @@ class Config(transformer.Config):
         "tiny": dict(
             batch=8, length=16, d_model=32, heads=8, d_kv=4, d_ff=64, vocab=64, layers=2, experts=8, capacity_factor=2.0
         ),
-        "small": dict(
-            batch=16, length=128, d_model=256, heads=8, d_kv=32, d_ff=512, vocab=2048, layers=4, experts=8, capacity_factor=2.0
-        ),
+        # The Transformer's benchmark scale, every layer MoE.
+        "small": {**transformer.Config.PRESETS["small"], "experts": 8, "capacity_factor": 2.0},
         # ~0.97e9 parameters: 6 MoE layers of 16 experts (805M), 6 dense layers, 67M of embeddings.
         "1b": dict(
             batch=256, length=2048, d_model=1024, heads=16, d_kv=64, d_ff=4096, vocab=32768, layers=12, experts=16,
@@ -110,16 +111,14 @@ class Config(transformer.Config):
         return transformer.Config(**{**fields, **overrides})
 
 
-_MOE_KEYS = ("w_gate", "w_in", "w_out", "dense")
-"""Keys of a block's parameters that are the MoE's, not the base Transformer layer's."""
-
-
 class Model(transformer.Model):
     """The MoE Transformer for ``config``: ``init``, ``batch``, ``loss`` (LM loss + weighted load-balancing loss).
 
     The scanned ``layers`` dim has ``layers // moe_every`` entries (blocks); a block is
     ``moe_every - 1`` dense Transformer layers (stacked along ``sublayers``) then one MoE layer.
     """
+
+    LAYOUTS = ("moe_expert", "data_parallel", "dp_tp", "megatron", "fsdp")
 
     def __init__(self, config: Config):
         if not isinstance(config, Config):
@@ -134,8 +133,6 @@ class Model(transformer.Model):
         self.groups = D("groups", c.batch)
         self.capacity = D("expert_capacity", c.expert_capacity)
         self.top = D("top", 2)
-        self._attention_view = copy.copy(self)
-        self._attention_view.d_ff = D("attention_only_ff", 1)
 
     # ---- parameters -------------------------------------------------------------------------
 
@@ -160,21 +157,6 @@ class Model(transformer.Model):
         return sum(t.shape.size for t in jax.tree_util.tree_leaves(shapes, is_leaf=lambda x: isinstance(x, md.Tensor)))
 
     # ---- the layers -------------------------------------------------------------------------
-
-    def _attention(self, x: md.Tensor, p: dict[str, md.Tensor]) -> md.Tensor:
-        """``x`` plus the base Transformer's self-attention: the base ``_layer`` with an empty feed-forward.
-
-        The base layer is one method (attention then feed-forward). It runs here on a view of
-        this model whose feed-forward width is a 1-wide dim of its own (no layout splits it) with
-        zero weights, so it adds exactly 0; the cost is one norm and two ``[batch, length, 1]``
-        einsums, no collective. This keeps the attention, its parameters and their names the
-        base's. ``p``: this layer's parameters (the base's attention and norms among them).
-        """
-        view = self._attention_view
-        base = {k: v for k, v in p.items() if k not in _MOE_KEYS}
-        base["w_in"] = md.zeros([self.d_model, view.d_ff], x.dtype)
-        base["w_out"] = md.zeros([view.d_ff, self.d_model], x.dtype)
-        return transformer.Model._layer(view, x, base)
 
     def route(self, probs: md.Tensor) -> tuple[md.Tensor, md.Tensor, md.Tensor]:
         """Top-2 routing with capacity, per group (batch row).
@@ -205,8 +187,8 @@ class Model(transformer.Model):
         """The MoE feed-forward of the normed ``h`` ``[batch, length, d_model]``, and the per-group balancing loss."""
         b, l, dm, ff, C = self.batch_dim, self.length, self.d_model, self.d_ff, self.capacity
         E, Eu, G = self.experts, self.experts_unsplit, self.groups
-        logits = md.einsum(h, w["w_gate"], out=[b, l, Eu])
-        dispatch, combine, aux = self.route(md.softmax(md.cast(logits, jnp.float32), Eu))
+        logits = md.einsum(md.cast(h, jnp.float32), w["w_gate"], out=[b, l, Eu])
+        dispatch, combine, aux = self.route(md.softmax(logits, Eu))
         x = md.einsum(md.cast(dispatch, self.dtype), h, out=[Eu, b, C, dm])
         x = md.reshape(x, [E, G, C, dm])  # dispatch: the batch split becomes the experts split
         hidden = md.gelu(md.einsum(x, w["w_in"], out=[E, G, C, ff]))
@@ -215,8 +197,9 @@ class Model(transformer.Model):
         return md.einsum(md.cast(combine, self.dtype), y, out=[b, l, dm]), aux
 
     def _moe_layer(self, x: md.Tensor, p: dict[str, md.Tensor]) -> tuple[md.Tensor, md.Tensor]:
-        x = self._attention(x, p)
-        w = {k: md.cast(p[k], self.dtype) for k in ("norm2", "w_gate", "w_in", "w_out")}
+        w = self._weights(p)
+        x = self._attention(x, w)
+        w["w_gate"] = md.cast(p["w_gate"], jnp.float32)  # the router runs in float32, as in Mesh-TF
         y, aux = self._moe(self._norm(x, w["norm2"]), w)
         return x + y, aux
 
@@ -230,11 +213,8 @@ class Model(transformer.Model):
 
     def forward(self, params: dict[str, Any], tokens: md.Tensor) -> tuple[md.Tensor, md.Tensor]:
         """Logits ``[batch, length, vocab]`` (float32) and the load-balancing loss (scalar)."""
-        x = md.cast(md.gather(params["embed"], tokens, "vocab"), self.dtype)
-        x, aux = md.scan(self._block, x, params["layers"], self.layers, remat=self.config.remat)
-        x = self._norm(x, md.cast(params["final_norm"], self.dtype))
-        logits = md.einsum(x, md.cast(params["unembed"], self.dtype), out=[self.batch_dim, self.length, self.vocab])
-        return md.cast(logits, jnp.float32), md.reduce_mean(aux)
+        x, aux = md.scan(self._block, self.embed(params, tokens), params["layers"], self.layers, remat=self.config.remat)
+        return self.head(params, x), md.reduce_mean(aux)
 
     def logits(self, params: dict[str, Any], tokens: md.Tensor) -> md.Tensor:
         return self.forward(params, tokens)[0]
@@ -242,8 +222,7 @@ class Model(transformer.Model):
     def losses(self, params: dict[str, Any], batch: dict[str, md.Tensor]) -> dict[str, md.Tensor]:
         """``{"lm": mean next-token cross-entropy, "aux": load-balancing loss}``."""
         logits, aux = self.forward(params, batch["inputs"])
-        target = md.reduce_sum(logits * md.one_hot(batch["targets"], self.vocab), self.vocab)
-        return {"lm": md.reduce_mean(md.logsumexp(logits, self.vocab) - target), "aux": aux}
+        return {"lm": self.cross_entropy(logits, batch["targets"]), "aux": aux}
 
     def loss(self, params: dict[str, Any], batch: dict[str, md.Tensor]) -> md.Tensor:
         """LM loss + ``aux_loss_weight`` x load-balancing loss."""

@@ -90,8 +90,12 @@ class Model:
             x = x - md.reduce_mean(x, self.d_model)
         return x * md.rsqrt(md.reduce_mean(md.square(x), self.d_model) + 1e-6) * md.cast(scale, x.dtype)
 
-    def _layer(self, x: md.Tensor, p: dict[str, md.Tensor]) -> md.Tensor:
-        w = {k: md.cast(v, self.dtype) for k, v in p.items()}
+    def _weights(self, p: dict[str, md.Tensor]) -> dict[str, md.Tensor]:
+        """One layer's parameters in the compute dtype (f32 masters stay in the state)."""
+        return {k: md.cast(v, self.dtype) for k, v in p.items()}
+
+    def _attention(self, x: md.Tensor, w: dict[str, md.Tensor]) -> md.Tensor:
+        """``x`` plus causal multi-head self-attention of its norm."""
         h = self._norm(x, w["norm1"])
         # One fused projection: h meets the (possibly head-split) weights once, so its gradient is
         # summed over the split once.
@@ -103,21 +107,39 @@ class Model:
         causal = md.range(self.length) >= md.range(self.memory)
         probs = md.softmax(md.where(causal, scores, -1e9), self.memory)
         attended = md.einsum(probs, v, out=[self.batch_dim, self.length, self.heads, self.d_kv])
-        x = x + md.einsum(attended, w["wo"], out=[self.batch_dim, self.length, self.d_model])
+        return x + md.einsum(attended, w["wo"], out=[self.batch_dim, self.length, self.d_model])
+
+    def _feed_forward(self, x: md.Tensor, w: dict[str, md.Tensor]) -> md.Tensor:
+        """``x`` plus the GELU feed-forward of its norm."""
         h = md.gelu(md.einsum(self._norm(x, w["norm2"]), w["w_in"], out=[self.batch_dim, self.length, self.d_ff]))
         return x + md.einsum(h, w["w_out"], out=[self.batch_dim, self.length, self.d_model])
 
-    def logits(self, params: dict[str, Any], tokens: md.Tensor) -> md.Tensor:
-        x = md.cast(md.gather(params["embed"], tokens, "vocab"), self.dtype)
-        x, _ = md.scan(lambda x, p: (self._layer(x, p), None), x, params["layers"], "layers", remat=self.config.remat)
+    def _layer(self, x: md.Tensor, p: dict[str, md.Tensor]) -> md.Tensor:
+        w = self._weights(p)
+        return self._feed_forward(self._attention(x, w), w)
+
+    def embed(self, params: dict[str, Any], tokens: md.Tensor) -> md.Tensor:
+        """Token embeddings ``[batch, length, d_model]`` in the compute dtype."""
+        return md.cast(md.gather(params["embed"], tokens, "vocab"), self.dtype)
+
+    def head(self, params: dict[str, Any], x: md.Tensor) -> md.Tensor:
+        """Logits ``[batch, length, vocab]`` (float32) of the final residual stream ``x``."""
         x = self._norm(x, md.cast(params["final_norm"], self.dtype))
-        return md.cast(md.einsum(x, md.cast(params["unembed"], self.dtype), out=[self.batch_dim, self.length, self.vocab]), jnp.float32)
+        logits = md.einsum(x, md.cast(params["unembed"], self.dtype), out=[self.batch_dim, self.length, self.vocab])
+        return md.cast(logits, jnp.float32)
+
+    def cross_entropy(self, logits: md.Tensor, targets: md.Tensor) -> md.Tensor:
+        """Mean next-token cross-entropy; over a split ``vocab`` it costs one pmax and two small psums."""
+        target = md.reduce_sum(logits * md.one_hot(targets, self.vocab), self.vocab)
+        return md.reduce_mean(md.logsumexp(logits, self.vocab) - target)
+
+    def logits(self, params: dict[str, Any], tokens: md.Tensor) -> md.Tensor:
+        x, _ = md.scan(lambda x, p: (self._layer(x, p), None), self.embed(params, tokens), params["layers"], "layers", remat=self.config.remat)
+        return self.head(params, x)
 
     def loss(self, params: dict[str, Any], batch: dict[str, md.Tensor]) -> md.Tensor:
         """Mean next-token cross-entropy."""
-        logits = self.logits(params, batch["inputs"])
-        target = md.reduce_sum(logits * md.one_hot(batch["targets"], self.vocab), self.vocab)
-        return md.reduce_mean(md.logsumexp(logits, self.vocab) - target)
+        return self.cross_entropy(self.logits(params, batch["inputs"]), batch["targets"])
 
     def batch(self, key: jax.Array) -> dict[str, md.Tensor]:
         """A synthetic batch of the task in the module docstring."""

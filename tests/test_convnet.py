@@ -1,0 +1,199 @@
+"""conv2d under every kind of split, against an independent reference, and the convnet model.
+
+The reference convolution is written here with zero padding and a sum over kernel offsets (numpy
+float64 for values, jax.numpy float32 under ``jax.grad`` for gradients); meshdsl's runs
+``lax.conv_general_dilated`` on halo-extended local blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import meshdsl as md
+from meshdsl import hlo
+from meshdsl.ops.conv import conv2d
+from meshdsl.train.optim import adamw
+from meshdsl.train.step import Trainer
+from models import convnet
+
+B, H, W, C, O = 4, 16, 8, 8, 6
+TOL, GRAD_TOL = 1e-5, 2e-5
+
+
+def ref_conv(x, k):
+    """``x[B, H, W, C]`` * ``k[KH, KW, C, O]``, stride 1, SAME zero padding; numpy or jax.numpy."""
+    xp = jnp if isinstance(x, jax.Array) else np
+    kh, kw = k.shape[:2]
+    h, w = x.shape[1:3]
+    padded = xp.pad(x, ((0, 0), (kh // 2, kh // 2), (kw // 2, kw // 2), (0, 0)))
+    return sum(padded[:, u : u + h, v : v + w, :] @ k[u, v] for u in range(kh) for v in range(kw))
+
+
+def _inputs(kh: int, kw: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((B, H, W, C)).astype(np.float32)
+    k = rng.standard_normal((kh, kw, C, O)).astype(np.float32)
+    cot = rng.standard_normal((B, H, W, O)).astype(np.float32)
+    return x, k, cot
+
+
+def _named(x, k, cot):
+    return (
+        md.tensor(jnp.asarray(x), "batch height width channels"),
+        md.tensor(jnp.asarray(k), "kh kw channels out_channels"),
+        md.tensor(jnp.asarray(cot), "batch height width out_channels"),
+    )
+
+
+def forward_and_grads(x, k, cot):
+    """conv2d and the gradients of ``sum(conv2d(x, k) * cot)`` (one forward pass: the output is the aux)."""
+
+    def loss(x, k):
+        out = conv2d(x, k)
+        return md.reduce_sum(out * cot).array, out
+
+    (gx, gk), out = jax.grad(loss, argnums=(0, 1), has_aux=True)(x, k)
+    return out, gx, gk
+
+
+def _close(got: md.Tensor, want: np.ndarray, tol: float, what: str) -> None:
+    err = np.max(np.abs(got.numpy().astype(np.float64) - want))
+    assert err <= tol * max(1.0, np.max(np.abs(want))), f"{what}: max error {err}"
+
+
+CASES = {
+    "height_x8": ({"x": 8}, "height:x", (3, 3)),
+    "height_data_model": ({"data": 4, "model": 2}, "height:(data, model)", (5, 3)),  # halo 2 = the whole block
+    "width_x8": ({"x": 8}, "width:x", (3, 3)),
+    "height_and_width": ({"data": 4, "model": 2}, "height:data; width:model", (3, 5)),
+    "channels_x8": ({"x": 8}, "channels:x", (3, 3)),  # pending psum
+    "out_channels": ({"data": 4, "model": 2}, "out_channels:model; batch:data", (3, 3)),  # local, no collective
+    "channels_and_height": ({"data": 4, "model": 2}, "channels:model; height:data", (3, 3)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_conv2d_matches_reference(case):
+    axes, layout, (kh, kw) = CASES[case]
+    mesh = md.Mesh(axes)
+    x, k, cot = _inputs(kh, kw)
+    want = ref_conv(x.astype(np.float64), k.astype(np.float64))
+    ref_loss = lambda x, k: jnp.sum(ref_conv(x, k) * cot)  # noqa: E731
+    want_gx, want_gk = jax.jit(jax.grad(ref_loss, argnums=(0, 1)))(jnp.asarray(x), jnp.asarray(k))
+    args = _named(x, k, cot)
+    compiled = {}
+    for backend in ("spmd", "gspmd"):
+        compiled[backend] = md.compile(forward_and_grads, mesh, layout, backend=backend)
+        out, gx, gk = compiled[backend](*args)
+        assert out.names == ("batch", "height", "width", "out_channels")
+        _close(out, want, TOL, f"{backend} forward")
+        _close(gx, np.asarray(want_gx), GRAD_TOL, f"{backend} d/dx")
+        _close(gk, np.asarray(want_gk), GRAD_TOL, f"{backend} d/dkernel")
+    predicted = md.explain(forward_and_grads, mesh, layout, *args).summary()
+    assert predicted == hlo.summary(compiled["spmd"].lower(*args).compile().as_text())
+
+
+@pytest.mark.parametrize("layout", ["height:x", "width:x"])
+def test_spatial_split_exchanges_halos_only(layout):
+    mesh = md.Mesh({"x": 8})
+    x, k, _ = _named(*_inputs(3, 3))
+    fn = lambda x, k: conv2d(x, k)  # noqa: E731
+    text = md.compile(fn, mesh, layout).lower(x, k).compile().as_text()
+    measured = hlo.summary(text)
+    # One halo row (or column) from each neighbour: two permutes of [B, 1, W, C] (or [B, H, 1, C]).
+    halo = B * C * 4 * (W if layout == "height:x" else H)
+    assert measured == {"collective-permute": {"count": 2, "bytes": 2.0 * halo}}
+    report = md.explain(fn, mesh, layout, x, k)
+    assert report.summary() == measured
+    assert {r.op for r in report.rows} == {"conv2d"}
+
+
+def test_block_shorter_than_halo_gathers():
+    mesh = md.Mesh({"x": 8})
+    x, k, _ = _inputs(7, 3)  # halo 3 > block 2: the height is gathered instead
+    xs, ks, _ = _named(x, k, k)
+    out = md.compile(lambda x, k: conv2d(x, k), mesh, "height:x")(xs, ks)
+    _close(out, ref_conv(x.astype(np.float64), k.astype(np.float64)), TOL, "forward")
+    assert "all-gather" in md.explain(lambda x, k: conv2d(x, k), mesh, "height:x", xs, ks).summary()
+
+
+def test_conv2d_eager_any_dim_order_and_batch_dims():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 6, 2, 5, 4)).astype(np.float32)  # [c, w, group, h, batch]
+    k = rng.standard_normal((4, 3, 3, 5)).astype(np.float32)  # [o, kw, c, kh]
+    out = conv2d(md.tensor(x, "c w group h batch"), md.tensor(k, "o kw c kh"), "h", "w", "c", "o", "kh", "kw")
+    assert out.names == ("o", "w", "group", "h", "batch")
+    flat = np.transpose(x, (2, 4, 3, 1, 0)).reshape(8, 5, 6, 3).astype(np.float64)
+    want = ref_conv(flat, np.transpose(k, (3, 1, 2, 0)).astype(np.float64)).reshape(2, 4, 5, 6, 4)
+    _close(out, np.transpose(want, (4, 3, 0, 2, 1)), TOL, "eager")
+
+
+def test_conv2d_errors():
+    x, k, _ = _named(*_inputs(3, 3))
+    with pytest.raises(md.ShapeError, match="even"):
+        conv2d(x, md.tensor(jnp.zeros((2, 3, C, O)), "kh kw channels out_channels"))
+    with pytest.raises(md.ShapeError, match="padding"):
+        conv2d(x, k, padding="VALID")
+    with pytest.raises(md.LayoutError, match="height and out_channels"):
+        md.compile(lambda x, k: md.reduce_sum(conv2d(x, k)), md.Mesh({"x": 2}), "height:x; out_channels:x")(x, k)
+
+
+# ---- the convnet model -------------------------------------------------------------------------
+
+STEPS = 20
+
+
+def _train(mesh: md.Mesh, layout: md.Layout, steps: int):
+    """(losses, trainer, final state, data key) of ``steps`` AdamW steps of the tiny convnet."""
+    trainer = Trainer(convnet.Model(convnet.Config.preset("tiny")), adamw(1e-2), mesh, layout)
+    state, data, losses = trainer.init(jax.random.key(0)), jax.random.key(1), []
+    for _ in range(steps):
+        state, loss = trainer.step(state, data)
+        losses.append(float(loss))
+    return np.asarray(losses), trainer, state, data
+
+
+@functools.cache
+def _single_device() -> np.ndarray:
+    return _train(md.Mesh({"x": 1}), md.Layout(), STEPS)[0]
+
+
+def test_convnet_loss_falls():
+    losses = _single_device()
+    assert np.all(np.isfinite(losses))
+    assert losses[-5:].mean() < 0.7 * losses[0], losses
+
+
+@pytest.mark.parametrize("path", ["layouts/spatial.toml", "layouts/data_parallel.toml"])
+def test_convnet_same_losses_under_layouts(path):
+    layout = md.Layout.load(path)
+    mesh = layout.mesh()
+    assert mesh.size == 8
+    losses, trainer, state, data = _train(mesh, layout, 5)
+    np.testing.assert_allclose(losses, _single_device()[:5], rtol=1e-4)
+    # The whole training step: md.explain predicts the compiled program's collectives exactly.
+    step = trainer.step
+    predicted = md.explain(step.fn, mesh, layout, state, data, in_layouts=step.in_layouts, out_layouts=step.out_layouts)
+    measured = hlo.summary(step.lower(state, data).compile().as_text())
+    assert predicted.summary() == measured
+    if "spatial" in path:  # halos, and all-reduces of the pooled features and of the weight gradients
+        assert set(measured) == {"collective-permute", "all-reduce"}
+    else:
+        assert set(measured) == {"all-reduce"}
+
+
+def test_convnet_presets():
+    for name in ("tiny", "small", "1b"):
+        config = convnet.Config.preset(name)
+        assert config.height % 8 == 0
+        model = convnet.Model(config)
+        assert model.flops_per_step() > 0 and model.examples_per_step() == config.batch
+    assert 0.9e9 < convnet.Model(convnet.Config.preset("1b")).parameter_count() < 1.2e9
+    params = jax.eval_shape(convnet.Model(convnet.Config.preset("tiny")).init, jax.random.key(0))
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda t: isinstance(t, md.Tensor))
+    assert sum(t.shape.size for t in leaves) == convnet.Model(convnet.Config.preset("tiny")).parameter_count()
