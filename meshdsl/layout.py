@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshdsl.dims import Shape, ShapeLike, as_shape
+from meshdsl.dims import ShapeLike, as_shape
 from meshdsl.errors import LayoutError
 from meshdsl.mesh import Mesh
 from meshdsl.relayout import Axes

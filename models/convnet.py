@@ -26,11 +26,13 @@ import jax
 import jax.numpy as jnp
 
 import meshdsl as md
+from meshdsl.errors import ConfigError
+from models.presets import Presets
 from meshdsl.ops.conv import conv2d
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(Presets):
     batch: int = 32
     height: int = 32
     width: int = 32
@@ -49,17 +51,12 @@ class Config:
         "1b": dict(batch=64, height=32, width=32, in_channels=3, channels=4096, layers=8, classes=1000),
     }
 
-    @classmethod
-    def preset(cls, name: str, **overrides: Any) -> "Config":
-        if name not in cls.PRESETS:
-            raise ValueError(f"unknown preset {name!r} for convnet; choose one of {', '.join(cls.PRESETS)}")
-        return cls(**{**cls.PRESETS[name], **overrides})
 
     def __post_init__(self) -> None:
         if self.kernel % 2 == 0:
-            raise ValueError(f"kernel must be odd ('SAME' convolution), got {self.kernel}")
+            raise ConfigError(f"kernel must be odd ('SAME' convolution), got {self.kernel}")
         if self.layers < 1:
-            raise ValueError(f"layers must be at least 1, got {self.layers}")
+            raise ConfigError(f"layers must be at least 1, got {self.layers}")
 
 
 class Model:

@@ -9,14 +9,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 import meshdsl as md
-from meshdsl.errors import ConfigError
+from models.presets import Presets
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(Presets):
     batch: int = 64
     d_io: int = 256
     d_ff: int = 1024
@@ -28,11 +27,6 @@ class Config:
         "1b": dict(batch=1024, d_io=8192, d_ff=65536),
     }
 
-    @classmethod
-    def preset(cls, name: str, **overrides) -> "Config":
-        if name not in cls.PRESETS:
-            raise ConfigError(f"unknown preset {name!r} for mlp; choose one of {', '.join(cls.PRESETS)}")
-        return cls(**{**cls.PRESETS[name], **overrides})
 
 
 class Model:

@@ -62,6 +62,7 @@ import jax
 import jax.numpy as jnp
 
 import meshdsl as md
+from meshdsl.errors import ConfigError
 from models import transformer
 
 
@@ -85,20 +86,15 @@ class Config(transformer.Config):
         ),
     }
 
-    @classmethod
-    def preset(cls, name: str, **overrides: Any) -> "Config":
-        if name not in cls.PRESETS:
-            raise ValueError(f"unknown preset {name!r} for moe; choose one of {', '.join(cls.PRESETS)}")
-        return cls(**{**cls.PRESETS[name], **overrides})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.experts < 2:
-            raise ValueError(f"top-2 routing needs at least 2 experts, got experts={self.experts}")
+            raise ConfigError(f"top-2 routing needs at least 2 experts, got experts={self.experts}")
         if self.capacity_factor <= 0:
-            raise ValueError(f"capacity_factor must be positive, got {self.capacity_factor}")
+            raise ConfigError(f"capacity_factor must be positive, got {self.capacity_factor}")
         if self.moe_every < 1 or self.layers % self.moe_every:
-            raise ValueError(f"layers ({self.layers}) must be a positive multiple of moe_every ({self.moe_every})")
+            raise ConfigError(f"layers ({self.layers}) must be a positive multiple of moe_every ({self.moe_every})")
 
     @property
     def expert_capacity(self) -> int:

@@ -19,11 +19,12 @@ import jax
 import jax.numpy as jnp
 
 import meshdsl as md
+from models.presets import Presets
 from meshdsl.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(Presets):
     batch: int = 32
     length: int = 128
     d_model: int = 256
@@ -42,11 +43,6 @@ class Config:
         "1b": dict(batch=256, length=2048, d_model=2048, heads=16, d_kv=128, d_ff=8192, vocab=32768, layers=18),
     }
 
-    @classmethod
-    def preset(cls, name: str, **overrides: Any) -> "Config":
-        if name not in cls.PRESETS:
-            raise ConfigError(f"unknown preset {name!r} for transformer; choose one of {', '.join(cls.PRESETS)}")
-        return cls(**{**cls.PRESETS[name], **overrides})
 
     def __post_init__(self) -> None:
         if self.norm not in ("rms", "layer"):
