@@ -12,6 +12,7 @@ from meshdsl.explain import Communication, Report, explain
 from meshdsl.layout import Layout
 from meshdsl.lowering.context import use_layout
 from meshdsl.mesh import Mesh
+from meshdsl.ops.conv import conv2d
 from meshdsl.ops.concat import concat, pad, slice, split, stack, unstack
 from meshdsl.ops.creation import full, ones, zeros
 from meshdsl.ops.einsum import einsum
@@ -37,6 +38,7 @@ __all__ = [
     "compile",
     "Compiled",
     "concat",
+    "conv2d",
     "ConfigError",
     "cumsum",
     "DataError",
