@@ -52,8 +52,27 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--baseline", choices=["jax"], default=None, help="also time a hand-written plain-JAX version")
     bench.add_argument("--optimizer", default="adamw")
     bench.add_argument("--grad-reduce-dtype", default=None, choices=["bfloat16"], help="sum gradients across devices in bf16")
+    bench.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a model config field, e.g. --set layers=32")
     bench.add_argument("--out", default="bench-results", help="folder for JSON, markdown and PNG charts")
     return parser
+
+
+def _overrides(items: Sequence[str]) -> dict[str, object]:
+    """``["layers=32", "norm=layer"]`` as ``{"layers": 32, "norm": "layer"}`` (numbers parsed)."""
+    from meshdsl.errors import ConfigError
+
+    out: dict[str, object] = {}
+    for item in items:
+        field, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"--set {item!r}: expected FIELD=VALUE, e.g. layers=32")
+        for cast in (int, float):
+            try:
+                out[field] = cast(value)
+                break
+            except ValueError:
+                out[field] = value
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,6 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from meshdsl.errors import MeshDslError
 
     try:
+        overrides = _overrides(getattr(args, "set", []))
         if args.command == "train":
             from meshdsl.train.loop import RunConfig, train
 
@@ -76,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run(BenchConfig(
                 models=args.model, preset=args.preset, layouts=args.layouts, rounds=args.rounds,
                 steps_per_round=args.steps_per_round, baseline=args.baseline, optimizer=args.optimizer, out=args.out,
-                grad_reduce_dtype=args.grad_reduce_dtype,
+                grad_reduce_dtype=args.grad_reduce_dtype, overrides=overrides,
             ))
     except MeshDslError as e:
         print(f"meshdsl {args.command}: error: {e}", file=sys.stderr)

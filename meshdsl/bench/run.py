@@ -38,6 +38,7 @@ class BenchConfig:
     out: str = "bench-results"
     seed: int = 0
     grad_reduce_dtype: str | None = None
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -122,7 +123,7 @@ def _layout_paths(names: list[str] | None, model: Any) -> list[Path]:
 def _prepare(model_name: str, cfg: BenchConfig, path: Path, out: Callable[[str], None]) -> tuple[Entry, Callable, Callable | None] | None:
     """Compile one model x layout; None (with a note) when the layout does not fit the model."""
     layout = md.Layout.load(path)
-    model = build_model(model_name, cfg.preset)
+    model = build_model(model_name, cfg.preset, **cfg.overrides)
     try:
         mesh = layout.mesh()
         optimizer = optim.make(cfg.optimizer)
@@ -175,7 +176,7 @@ def run(cfg: BenchConfig, out: Callable[[str], None] = print) -> list[dict[str, 
     out(f"meshdsl bench: {len(devices)} x {devices[0].device_kind} ({devices[0].platform})")
     prepared = []
     for model_name in cfg.models:
-        for path in _layout_paths(cfg.layouts, build_model(model_name, cfg.preset)):
+        for path in _layout_paths(cfg.layouts, build_model(model_name, cfg.preset, **cfg.overrides)):
             item = _prepare(model_name, cfg, path, out)
             if item is not None:
                 prepared.append(item)
