@@ -116,8 +116,11 @@ def _nbytes(aval: Any, widen: bool) -> int:
 
 
 def _cse_key(eqn: Any, alias: dict) -> tuple | None:
-    """What makes ``eqn`` the same computation as an earlier one (XLA merges those), or None."""
-    if eqn.effects:
+    """What makes ``eqn`` the same computation as an earlier one (XLA merges those), or None.
+
+    A collective's only effect is naming mesh axes; any other effect keeps the equation apart.
+    """
+    if any(type(e).__name__ != "NamedAxisEffect" for e in eqn.effects):
         return None
     ins = tuple(alias.get(v, v) if isinstance(v, jex_core.Var) else ("literal", repr(v)) for v in eqn.invars)
     params = tuple(

@@ -24,17 +24,21 @@ os.environ["XLA_FLAGS"] = " ".join([*_others, f"{_FLAG}={DEVICE_COUNT}"])
 # it on CPU unless the user chose the platform.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
 # derandomize: the same examples on every run and every machine (CI is reproducible);
 # database=None: no example database to make runs differ; deadline=None: the first example of
 # a test pays for jax's warm-up, which says nothing about the code under test.
-settings.register_profile(
-    "meshdsl",
+# Shrinking is off by default: an example compiles several XLA programs (about a second), so
+# shrinking a failure can take many minutes. The failing example is printed with its labelled
+# draws either way; to shrink it, run with --hypothesis-profile=meshdsl-shrink.
+_COMMON = dict(
     derandomize=True,
     database=None,
     deadline=None,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+settings.register_profile("meshdsl", phases=[Phase.explicit, Phase.generate], **_COMMON)
+settings.register_profile("meshdsl-shrink", **_COMMON)
 settings.load_profile("meshdsl")

@@ -10,9 +10,8 @@ layout cannot avoid; docs/performance.md writes them out. ``n`` is the size of t
 * megatron (transformer): per layer, the attention and feed-forward outputs are all-reduced
   forward and their inputs' gradients backward: ``4 L_layers AR(4BLD)``; the vocab-parallel
   embedding's lookup and the unembedding's input gradient: ``2 AR(4BLD)``; the loss's max, sum of
-  exponentials and target logit over the split vocab: ``3 AR(4BL)``. MLP: ``AR(4 B d_io)`` — the
-  student's and the teacher's outputs are both partial sums over ``d_ff``, and their difference
-  is summed once (lazy all-reduce).
+  exponentials and target logit over the split vocab: ``3 AR(4BL)``. MLP: ``AR(4 B d_io)``, the
+  output's partial sums over ``d_ff``.
 * with a clipping optimizer (AdamW's default), the global norm's scalar all-reduce over each axis
   that splits parameters: ``AR(4)`` for fsdp, megatron and dp_tp.
 * dp_tp: megatron's activation terms on the ``model`` axis with ``B`` the local batch, plus data

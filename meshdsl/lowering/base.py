@@ -98,7 +98,12 @@ class Lowering:
     def psum(self, x: Any, axes: Sequence[str]) -> Any:
         return x
 
+    def reduce_max(self, x: jax.Array, positions: tuple[int, ...], axes: Sequence[str]) -> jax.Array:
+        """Maximum over ``positions`` of ``x``, whose dims there are split over ``axes`` (differentiable, as ``jnp.max``)."""
+        return jax.numpy.max(x, axis=positions)
+
     def pmax(self, x: Any, axes: Sequence[str]) -> Any:
+        """Maximum across ``axes`` (not differentiated: for indices and stopped values)."""
         return x
 
     def pmin(self, x: Any, axes: Sequence[str]) -> Any:

@@ -54,18 +54,19 @@ def _vary_bwd(axes: tuple[str, ...], dtype: Any, _: None, ct: jax.Array) -> tupl
 _vary_summing_grads_in.defvjp(_vary_fwd, _vary_bwd)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def _pmax(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    return lax.pmax(x, axes)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _split_max(x: jax.Array, positions: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
+    """Maximum over ``positions`` of a tensor whose dims there are split over ``axes``."""
+    return lax.pmax(jnp.max(x, axis=positions), axes)
 
 
-@_pmax.defjvp
-def _pmax_jvp(axes: tuple[str, ...], primals, tangents):
-    """As ``jnp.max``: the tangent at the maximum, averaged over the devices that hold it."""
+@_split_max.defjvp
+def _split_max_jvp(positions: tuple[int, ...], axes: tuple[str, ...], primals, tangents):
+    """As ``jnp.max``: the tangent averaged over every entry that reaches the maximum, on any device."""
     (x,), (t,) = primals, tangents
-    out = lax.pmax(x, axes)
-    hit = (x == out).astype(t.dtype)
-    return out, lax.psum(t * hit, axes) / lax.psum(hit, axes)
+    out = _split_max(x, positions, axes)
+    hit = (x == jnp.expand_dims(out, positions)).astype(t.dtype)
+    return out, lax.psum(jnp.sum(t * hit, axis=positions), axes) / lax.psum(jnp.sum(hit, axis=positions), axes)
 
 
 class SpmdLowering(Lowering):
@@ -132,15 +133,14 @@ class SpmdLowering(Lowering):
     def psum(self, x: Any, axes: Sequence[str]) -> Any:
         return lax.psum(x, tuple(axes)) if axes else x
 
+    def reduce_max(self, x: jax.Array, positions: tuple[int, ...], axes: Sequence[str]) -> jax.Array:
+        return _split_max(x, positions, tuple(axes)) if axes else jnp.max(x, axis=positions)
+
     def pmax(self, x: Any, axes: Sequence[str]) -> Any:
-        if not axes:
-            return x
-        return _pmax(x, tuple(axes)) if jnp.issubdtype(x.dtype, jnp.inexact) else lax.pmax(x, tuple(axes))
+        return lax.pmax(x, tuple(axes)) if axes else x
 
     def pmin(self, x: Any, axes: Sequence[str]) -> Any:
-        if not axes:
-            return x
-        return -_pmax(-x, tuple(axes)) if jnp.issubdtype(x.dtype, jnp.inexact) else lax.pmin(x, tuple(axes))
+        return lax.pmin(x, tuple(axes)) if axes else x
 
     def all_gather(self, x: jax.Array, axes: Sequence[str], dim: int) -> jax.Array:
         return lax.all_gather(x, tuple(axes), axis=dim, tiled=True, to="invarying") if axes else x

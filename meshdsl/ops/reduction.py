@@ -26,7 +26,7 @@ def _reduced(x: Tensor, dims: Dims) -> tuple[int, ...]:
     return tuple(x.shape.index(d.name) for d in resolve(dims, x.shape))
 
 
-def _reduce(x: Tensor, dims: Dims, local_fn, combine: str) -> Tensor:
+def _reduce(x: Tensor, dims: Dims, combine: str) -> Tensor:
     lowering = current()
     positions = _reduced(x, dims)
     out = x.shape.without(x.shape[i] for i in positions)
@@ -34,17 +34,17 @@ def _reduce(x: Tensor, dims: Dims, local_fn, combine: str) -> Tensor:
     split = tuple(a for i in positions for a in axes[i])
     out_axes = tuple(a for i, a in enumerate(axes) if i not in positions)
     if combine == "sum":
-        local = local_fn(x._data if x.pending else lowering.prepare(x), axis=positions)
+        local = jnp.sum(x._data if x.pending else lowering.prepare(x), axis=positions)
         return lowering.finish(local, out, out_axes, pending=x.pending + split, lazy=True)
-    local = local_fn(lowering.prepare(x), axis=positions)
-    local = lowering.pmax(local, split) if combine == "max" else lowering.pmin(local, split)
+    array = lowering.prepare(x)
+    local = lowering.reduce_max(array, positions, split) if combine == "max" else -lowering.reduce_max(-array, positions, split)
     return lowering.finish(local, out, out_axes)
 
 
 @op("reduce_sum")
 def reduce_sum(x: Tensor, dims: Dims = None) -> Tensor:
     """Sum over ``dims`` (a name, a Dim or a list; None: all dims)."""
-    return _reduce(x, dims, jnp.sum, "sum")
+    return _reduce(x, dims, "sum")
 
 
 @op("reduce_mean")
@@ -59,13 +59,13 @@ def reduce_mean(x: Tensor, dims: Dims = None) -> Tensor:
 @op("reduce_max")
 def reduce_max(x: Tensor, dims: Dims = None) -> Tensor:
     """Maximum over ``dims``."""
-    return _reduce(x, dims, jnp.max, "max")
+    return _reduce(x, dims, "max")
 
 
 @op("reduce_min")
 def reduce_min(x: Tensor, dims: Dims = None) -> Tensor:
     """Minimum over ``dims``."""
-    return _reduce(x, dims, jnp.min, "min")
+    return _reduce(x, dims, "min")
 
 
 @op("logsumexp")

@@ -1,0 +1,293 @@
+"""The checks every op test runs: ``check(fn, args, reference, mesh, layout)``.
+
+For a meshdsl function ``fn`` of md tensors, its reference (see :mod:`reference`), a mesh and a
+layout, :func:`check` proves:
+
+1. *Forward*: ``md.compile(fn, mesh, layout, backend=b)(*args)`` for b in spmd and gspmd equals
+   the numpy reference run in float64: same dim names in the same order, same dtype kind, and
+   ``max|out - ref| <= tol * max(1, max|ref|)`` per result (booleans and ints: exactly equal).
+   Each result is sharded as the layout says.
+2. *Gradient*: with ``loss = sum over float results of sum(out * cotangent)`` (fixed random
+   cotangents), ``jax.grad`` taken inside the compiled function, for both backends, equals
+   ``jax.grad`` of the same loss built from the reference in jax.numpy on one device, for every
+   float input; each gradient is sharded like its input.
+3. *Communication*: ``md.explain(...).summary()`` equals :func:`meshdsl.hlo.summary` of the
+   compiled spmd program (counts and bytes exactly), for the forward and for the gradient
+   function.
+
+If the layout cannot apply to some tensor of the program (a split that does not divide a dim,
+or two dims of one tensor on one mesh axis: found from the reference's own shapes, not from
+meshdsl), ``check`` instead asserts that ``md.compile(...)(*args)`` raises ``md.LayoutError`` on
+both backends and returns False, so a hypothesis test writes ``assume(check(...))``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+import meshdsl as md
+from meshdsl import hlo
+from reference import Named, recording
+
+BACKENDS = ("spmd", "gspmd")
+TOL = 1e-5
+"""Forward tolerance, relative to ``max(1, max|ref|)`` (the worst case drawn so far is 2.5e-6)."""
+GRAD_TOL = 1e-5
+"""Gradient tolerance, the same measure: float32 meshdsl against a float32 jax.numpy reference."""
+
+MESHES: dict[str, dict[str, int]] = {
+    "x8": {"x": 8},
+    "data4_model2": {"data": 4, "model": 2},
+    "a2_b2_c2": {"a": 2, "b": 2, "c": 2},
+}
+
+
+@functools.cache
+def mesh(name: str) -> md.Mesh:
+    """The md.Mesh called ``name`` in :data:`MESHES`, built once per session."""
+    return md.Mesh(MESHES[name])
+
+
+def all_meshes() -> list[md.Mesh]:
+    return [mesh(name) for name in MESHES]
+
+
+# ---- inputs ------------------------------------------------------------------------------------
+
+
+def dims(spec: Mapping[str, int] | Sequence[tuple[str, int]]) -> list[md.Dim]:
+    items = spec.items() if isinstance(spec, Mapping) else spec
+    return [md.Dim(n, s) for n, s in items]
+
+
+def rand(rng: np.random.Generator, spec: Mapping[str, int] | Sequence[tuple[str, int]], kind: str = "normal") -> md.Tensor:
+    """A float32 md tensor of dims ``spec`` (``{"batch": 8, "d": 4}``).
+
+    ``kind``: ``normal``; ``positive`` (in [0.5, 2]); ``int`` (float32 holding small integers,
+    so equality comparisons hit); ``int32``.
+    """
+    ds = dims(spec)
+    shape = [d.size for d in ds]
+    if kind == "normal":
+        a = rng.standard_normal(shape)
+    elif kind == "positive":
+        a = rng.uniform(0.5, 2.0, shape)
+    elif kind == "int":
+        a = rng.integers(-2, 3, shape)
+    elif kind == "int32":
+        return from_numpy(rng.integers(-5, 6, shape).astype(np.int32), ds)
+    else:
+        raise ValueError(kind)
+    return from_numpy(np.asarray(a, np.float32), ds)
+
+
+def from_numpy(a: np.ndarray, ds: Sequence[md.Dim], sharding: Any = None) -> md.Tensor:
+    """``md.tensor`` of a host array, put on the default device uncommitted (or on ``sharding``).
+
+    (``md.tensor`` of a numpy array goes through ``jnp.asarray``, which compiles a small program
+    per shape; tests make thousands of inputs, so they skip that.)
+    """
+    return md.tensor(jax.device_put(a) if sharding is None else jax.device_put(a, sharding), list(ds))
+
+
+# ---- layouts, independently of meshdsl ---------------------------------------------------------
+
+
+def layout_problem(layout: md.Layout, mesh_: md.Mesh, shapes: Sequence[Mapping[str, int]]) -> str | None:
+    """Why ``layout`` cannot apply to some tensor of ``shapes`` on ``mesh_`` (None: it can).
+
+    Re-derived from the rule table: every axis exists, the product of a dim's axes divides
+    its size, and no mesh axis splits two dims of one tensor.
+    """
+    for shape in shapes:
+        owner: dict[str, str] = {}
+        for name, size in shape.items():
+            axes = layout.rules.get(name, ())
+            if any(a not in mesh_.axis_sizes for a in axes):
+                return f"{name}: unknown axis in {axes}"
+            if size % math.prod(mesh_.axis_sizes[a] for a in axes):
+                return f"{name}={size} is not divisible by {axes}"
+            for a in axes:
+                if a in owner:
+                    return f"{owner[a]} and {name} both split over {a} in {shape}"
+                owner[a] = name
+    return None
+
+
+def expected_sharding(layout: md.Layout, mesh_: md.Mesh, names: Sequence[str]) -> NamedSharding:
+    """The sharding a tensor with dims ``names`` must have, from the rule table."""
+    entries = []
+    for n in names:
+        axes = layout.rules.get(n, ())
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    return NamedSharding(mesh_.jax_mesh, PartitionSpec(*entries))
+
+
+def assert_laid_out(t: md.Tensor, layout: md.Layout, mesh_: md.Mesh, what: str) -> None:
+    """``t``'s array is sharded as the rule table says, which is also what ``layout.sharding`` says."""
+    want = expected_sharding(layout, mesh_, t.names)
+    got = t.array.sharding
+    assert got.is_equivalent_to(want, len(t.names)), f"{what} {t.shape}: sharding {got}, layout wants {want}"
+    assert got.is_equivalent_to(layout.sharding(mesh_, t.shape), len(t.names)), f"{what}: layout.sharding disagrees"
+
+
+# ---- comparisons -------------------------------------------------------------------------------
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, md.Tensor)
+
+
+def _is_float(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def assert_close(actual: md.Tensor, expected: Named, tol: float, what: str) -> None:
+    """Names, order and sizes equal; values within ``tol * max(1, max|expected|)`` (exact for non-floats)."""
+    assert isinstance(actual, md.Tensor), f"{what}: expected an md tensor, got {type(actual).__name__}"
+    assert actual.names == expected.names, f"{what}: dims {actual.names}, reference {expected.names}"
+    assert_values_close(actual.numpy(), expected.array, tol, what)
+
+
+def assert_values_close(got: Any, want: Any, tol: float = TOL, what: str = "value") -> None:
+    """Same shape; floats within ``tol * max(1, max|want|)``, anything else exactly equal."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, f"{what}: shape {got.shape}, reference {want.shape}"
+    if _is_float(want.dtype):
+        assert _is_float(got.dtype), f"{what}: dtype {got.dtype}, reference is float"
+        err = float(np.max(np.abs(got.astype(np.float64) - want), initial=0.0))
+        scale = max(1.0, float(np.max(np.abs(want), initial=0.0)))
+        assert np.all(np.isfinite(got)), f"{what}: non-finite values"
+        assert err <= tol * scale, f"{what}: max abs error {err:.3g} > {tol:g} * {scale:.3g}\n got {got}\n want {want}"
+    else:
+        assert got.dtype.kind == want.dtype.kind, f"{what}: dtype {got.dtype}, reference {want.dtype}"
+        np.testing.assert_array_equal(got, want, err_msg=what)
+
+
+def assert_tree_close(actual: Any, expected: Any, tol: float, what: str) -> None:
+    got, got_tree = jax.tree_util.tree_flatten(actual, is_leaf=_is_tensor)
+    want, want_tree = jax.tree_util.tree_flatten(expected)
+    assert got_tree == want_tree, f"{what}: result structure {got_tree}, reference {want_tree}"
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(expected)[0]]
+    for g, w, p in zip(got, want, paths):
+        assert_close(g, w, tol, f"{what}{p}")
+
+
+def assert_explain_matches_hlo(fn: Callable, mesh_: md.Mesh, layout: md.Layout | Any, args: Sequence[Any], compiled: md.Compiled | None = None) -> dict:
+    """``md.explain`` predicts exactly the collectives (count and bytes per kind) of the compiled spmd program; returns them."""
+    compiled = compiled if compiled is not None else md.compile(fn, mesh_, layout)
+    predicted = md.explain(fn, mesh_, layout, *args).summary()
+    actual = hlo.summary(compiled.lower(*args).compile().as_text())
+    assert predicted == actual, f"md.explain predicts {predicted}, the compiled HLO runs {actual}"
+    return actual
+
+
+# ---- the check ---------------------------------------------------------------------------------
+
+
+def _named(t: md.Tensor, to_jax: bool) -> Named:
+    a = t.numpy()
+    if to_jax:
+        return Named(jax.device_put(a, jax.devices()[0]), t.names)
+    return Named(a.astype(np.float64) if _is_float(a.dtype) else a, t.names)
+
+
+def check(
+    fn: Callable[..., Any],
+    args: Sequence[md.Tensor],
+    reference: Callable[..., Any],
+    mesh_: md.Mesh,
+    layout: md.Layout | str | Mapping,
+    *,
+    tol: float = TOL,
+    grad_tol: float = GRAD_TOL,
+    grad: bool = True,
+    explain: bool = True,
+    backends: Sequence[str] = BACKENDS,
+) -> bool:
+    """Run the checks of this module's docstring; False (after checking the error) if the layout cannot apply."""
+    layout = md.Layout(layout)
+    args = tuple(args)
+    with recording() as made:
+        expected = reference(*(_named(a, to_jax=False) for a in args))
+    shapes = [dict(zip(a.names, a.shape.sizes)) for a in args] + [x.sizes for x in made]
+    problem = layout_problem(layout, mesh_, shapes)
+    if problem is not None:
+        for b in backends:
+            with pytest.raises(md.LayoutError):
+                md.compile(fn, mesh_, layout, backend=b)(*args)
+        return False
+
+    # Arguments arrive laid out as the layout says, as a user's sharded data would (putting
+    # single-device arrays on the mesh inside the call would compile a slicing program per shape).
+    args = tuple(from_numpy(a.numpy(), a.shape.dims, expected_sharding(layout, mesh_, a.names)) for a in args)
+    compiled = {}
+    for b in backends:
+        compiled[b] = md.compile(fn, mesh_, layout, backend=b)
+        out = compiled[b](*args)
+        assert_tree_close(out, expected, tol, f"{b} forward")
+        for t in jax.tree_util.tree_leaves(out, is_leaf=_is_tensor):
+            assert_laid_out(t, layout, mesh_, f"{b} result")
+    if explain and "spmd" in backends:
+        assert_explain_matches_hlo(fn, mesh_, layout, args, compiled["spmd"])
+    if grad:
+        _check_gradients(fn, args, reference, expected, mesh_, layout, grad_tol, explain, backends)
+    return True
+
+
+def _check_gradients(fn, args, reference, expected, mesh_, layout, tol, explain, backends) -> None:
+    float_pos = [i for i, a in enumerate(args) if _is_float(a.dtype)]
+    outs = [o for o in jax.tree_util.tree_leaves(expected) if _is_float(o.array.dtype)]
+    if not float_pos or not outs:
+        return
+    rng = np.random.default_rng(len(outs))
+    cot_arrays = [rng.standard_normal(o.array.shape).astype(np.float32) for o in outs]
+    cots = [from_numpy(c, dims(o.sizes.items()), expected_sharding(layout, mesh_, o.names)) for c, o in zip(cot_arrays, outs)]
+
+    # Reference: jax.grad of the reference in jax.numpy, float32, on one device.
+    def ref_loss(floats):
+        named = [_named(a, to_jax=True) for a in args]
+        for i, f in zip(float_pos, floats):
+            named[i] = Named(f, args[i].names)
+        leaves = [o for o in jax.tree_util.tree_leaves(reference(*named)) if _is_float(o.array.dtype)]
+        return sum(jnp.sum(o.array * c) for o, c in zip(leaves, cot_arrays))
+
+    # One jitted program on one device (op-by-op eager dispatch would compile every op apart).
+    starts = [jax.device_put(args[i].numpy(), jax.devices()[0]) for i in float_pos]
+    want = [Named(g, args[i].names) for i, g in zip(float_pos, jax.jit(jax.grad(ref_loss))(starts))]
+
+    n = len(args)
+
+    def grad_fn(*inputs_and_cots):
+        inputs, cts = inputs_and_cots[:n], inputs_and_cots[n:]
+
+        def loss(floats):
+            full = list(inputs)
+            for i, f in zip(float_pos, floats):
+                full[i] = f
+            leaves = [o for o in jax.tree_util.tree_leaves(fn(*full), is_leaf=_is_tensor) if _is_float(o.dtype)]
+            total = None
+            for o, c in zip(leaves, cts):
+                term = md.reduce_sum(o * c)
+                total = term if total is None else total + term
+            return total.array
+
+        return jax.grad(loss)(tuple(inputs[i] for i in float_pos))
+
+    grad_args = (*args, *cots)
+    for b in backends:
+        compiled = md.compile(grad_fn, mesh_, layout, backend=b)
+        got = compiled(*grad_args)
+        assert_tree_close(got, tuple(want), tol, f"{b} gradient")
+        for g in got:
+            assert_laid_out(g, layout, mesh_, f"{b} gradient")
+        if explain and b == "spmd":
+            assert_explain_matches_hlo(grad_fn, mesh_, layout, grad_args, compiled)

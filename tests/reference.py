@@ -1,0 +1,216 @@
+"""Independent references: arrays with dim names, broadcasting by name, in numpy or jax.numpy.
+
+The harness checks meshdsl against functions written with these helpers. They share no code
+with meshdsl: broadcasting by name, reductions and einsum are re-implemented here in a few
+lines on plain arrays. A reference runs twice: in numpy on float64 copies of the inputs (the
+forward reference), and in jax.numpy on float32 arrays on one device, under ``jax.grad`` (the
+gradient reference). Every helper picks its array module from its inputs (:func:`xp_of`), so
+one reference function serves both.
+
+Writing a reference: take :class:`Named` inputs (``x.array``, ``x.names``), return a
+:class:`Named` or a pytree (tuple, list, dict) of them, with dims in the order meshdsl
+documents for the op's result; the harness compares names, order and values. For example::
+
+    def ref(x, w):  # md.relu(md.einsum(x, w, out="batch d_ff")) + 1
+        return R.relu(R.einsum("batch d_ff", x, w)) + 1
+
+Each Named built while :func:`recording` is active is recorded, so the harness knows every
+intermediate shape and can tell in advance whether a layout is legal for the program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import string
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_recorded: list["Named"] | None = None
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list["Named"]]:
+    """Collect every Named built inside the block (the reference's intermediates and results)."""
+    global _recorded
+    outer, _recorded = _recorded, []
+    try:
+        yield _recorded
+    finally:
+        _recorded = outer
+
+
+def xp_of(*values: Any):
+    """jax.numpy if any value is a jax array (or tracer), else numpy."""
+    for v in values:
+        a = v.array if isinstance(v, Named) else v
+        if isinstance(a, jax.Array):
+            return jnp
+    return np
+
+
+class Named:
+    """An array whose axes have names. ``Named(a, "batch d")`` or ``Named(a, ["batch", "d"])``."""
+
+    __slots__ = ("array", "names")
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, array: Any, names: str | Iterable[str]):
+        names = tuple(names.split()) if isinstance(names, str) else tuple(names)
+        if xp_of(array) is np:
+            array = np.asarray(array)
+        if array.ndim != len(names) or len(set(names)) != len(names):
+            raise ValueError(f"Named: array of shape {array.shape} with names {names}")
+        self.array = array
+        self.names = names
+        if _recorded is not None:
+            _recorded.append(self)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(zip(self.names, self.array.shape))
+
+    def to(self, names: str | Sequence[str]) -> "Named":
+        """The same array with its axes permuted to ``names``."""
+        names = tuple(names.split()) if isinstance(names, str) else tuple(names)
+        if sorted(names) != sorted(self.names):
+            raise ValueError(f"cannot permute {self.names} to {names}")
+        xp = xp_of(self)
+        return Named(xp.transpose(self.array, [self.names.index(n) for n in names]), names)
+
+    def __repr__(self) -> str:
+        return f"Named({self.sizes}, dtype={self.array.dtype})"
+
+    # Arithmetic broadcasts by name, like md tensors.
+    def __add__(self, o): return lift(lambda xp, a, b: a + b)(self, o)
+    def __radd__(self, o): return lift(lambda xp, a, b: a + b)(o, self)
+    def __sub__(self, o): return lift(lambda xp, a, b: a - b)(self, o)
+    def __rsub__(self, o): return lift(lambda xp, a, b: a - b)(o, self)
+    def __mul__(self, o): return lift(lambda xp, a, b: a * b)(self, o)
+    def __rmul__(self, o): return lift(lambda xp, a, b: a * b)(o, self)
+    def __truediv__(self, o): return lift(lambda xp, a, b: a / b)(self, o)
+    def __rtruediv__(self, o): return lift(lambda xp, a, b: a / b)(o, self)
+    def __pow__(self, o): return lift(lambda xp, a, b: a ** b)(self, o)
+    def __neg__(self): return lift(lambda xp, a: -a)(self)
+
+
+def union_names(*operands: Any) -> tuple[str, ...]:
+    """Dim names of the operands, in order of first appearance; a name with two sizes is an error."""
+    sizes: dict[str, int] = {}
+    for x in operands:
+        if isinstance(x, Named):
+            for n, s in x.sizes.items():
+                if sizes.setdefault(n, s) != s:
+                    raise ValueError(f"dim {n} has sizes {sizes[n]} and {s}")
+    return tuple(sizes)
+
+
+def expand(x: Named, names: Sequence[str]) -> Any:
+    """``x``'s array with axes in ``names`` order and size-1 axes for the names it lacks."""
+    xp = xp_of(x)
+    order = [n for n in names if n in x.names]
+    a = xp.transpose(x.array, [x.names.index(n) for n in order])
+    return xp.reshape(a, [x.sizes[n] if n in x.names else 1 for n in names])
+
+
+def lift(fn: Callable[..., Any]) -> Callable[..., Named]:
+    """``fn(xp, *arrays)`` as a function of Named (broadcast by name) and scalar operands."""
+
+    def apply(*operands: Any) -> Named:
+        xp = xp_of(*operands)
+        names = union_names(*operands)
+        arrays = [expand(x, names) if isinstance(x, Named) else x for x in operands]
+        out = fn(xp, *arrays)
+        return Named(xp.broadcast_to(out, [_size(names, operands, n) for n in names]), names)
+
+    return apply
+
+
+def _size(names: Sequence[str], operands: Sequence[Any], name: str) -> int:
+    for x in operands:
+        if isinstance(x, Named) and name in x.names:
+            return x.sizes[name]
+    raise AssertionError(name)
+
+
+def _stop_gradient(xp, a):
+    return jax.lax.stop_gradient(a) if xp is jnp else a
+
+
+def _gelu(xp, a):
+    """The tanh approximation (as Mesh-TF and jax.nn.gelu(approximate=True))."""
+    return 0.5 * a * (1 + xp.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a**3)))
+
+
+# Component-wise functions, written out from their definitions.
+exp = lift(lambda xp, a: xp.exp(a))
+log = lift(lambda xp, a: xp.log(a))
+sqrt = lift(lambda xp, a: xp.sqrt(a))
+rsqrt = lift(lambda xp, a: 1 / xp.sqrt(a))
+tanh = lift(lambda xp, a: xp.tanh(a))
+sigmoid = lift(lambda xp, a: 1 / (1 + xp.exp(-a)))
+relu = lift(lambda xp, a: xp.where(a > 0, a, 0 * a))
+gelu = lift(_gelu)
+square = lift(lambda xp, a: a * a)
+abs = lift(lambda xp, a: xp.abs(a))  # noqa: A001
+negative = lift(lambda xp, a: -a)
+stop_gradient = lift(_stop_gradient)
+maximum = lift(lambda xp, a, b: xp.maximum(a, b))
+minimum = lift(lambda xp, a, b: xp.minimum(a, b))
+power = lift(lambda xp, a, b: a**b)
+where = lift(lambda xp, c, a, b: xp.where(c, a, b))
+less = lift(lambda xp, a, b: a < b)
+less_equal = lift(lambda xp, a, b: a <= b)
+greater = lift(lambda xp, a, b: a > b)
+greater_equal = lift(lambda xp, a, b: a >= b)
+equal = lift(lambda xp, a, b: a == b)
+not_equal = lift(lambda xp, a, b: a != b)
+logical_and = lift(lambda xp, a, b: xp.logical_and(a, b))
+logical_or = lift(lambda xp, a, b: xp.logical_or(a, b))
+logical_not = lift(lambda xp, a: xp.logical_not(a))
+
+
+def cast(x: Named, dtype: Any) -> Named:
+    return lift(lambda xp, a: a.astype(dtype))(x)
+
+
+def _dims(x: Named, dims: str | Iterable[str] | None) -> tuple[str, ...]:
+    if dims is None:
+        return x.names
+    return tuple(dims.split()) if isinstance(dims, str) else tuple(dims)
+
+
+def reduce(kind: str, x: Named, dims: str | Iterable[str] | None = None) -> Named:
+    """``kind`` in sum, mean, max, min over the named dims (None: all); the others keep their order."""
+    xp = xp_of(x)
+    dims = _dims(x, dims)
+    axes = tuple(x.names.index(d) for d in dims)
+    fn = {"sum": xp.sum, "mean": xp.mean, "max": xp.max, "min": xp.min}[kind]
+    return Named(xp.asarray(fn(x.array, axis=axes)), [n for n in x.names if n not in dims])
+
+
+def logsumexp(x: Named, dims: str | Iterable[str] | None = None) -> Named:
+    top = stop_gradient(reduce("max", x, dims))
+    return log(reduce("sum", exp(x - top), dims)) + top
+
+
+def softmax(x: Named, dims: str | Iterable[str]) -> Named:
+    e = exp(x - stop_gradient(reduce("max", x, dims)))
+    return e / reduce("sum", e, dims)
+
+
+def log_softmax(x: Named, dims: str | Iterable[str]) -> Named:
+    return x - logsumexp(x, dims)
+
+
+def einsum(out: str | Sequence[str], *xs: Named) -> Named:
+    """Product of ``xs`` summed over every dim not in ``out`` (space-separated names or a list)."""
+    out = tuple(out.split()) if isinstance(out, str) else tuple(out)
+    union_names(*xs)  # sizes must agree
+    letters = {n: string.ascii_letters[i] for i, n in enumerate(dict.fromkeys(n for x in xs for n in x.names))}
+    spec = ",".join("".join(letters[n] for n in x.names) for x in xs) + "->" + "".join(letters[n] for n in out)
+    xp = xp_of(*xs)
+    return Named(xp.einsum(spec, *(x.array for x in xs)), out)

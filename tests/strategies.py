@@ -1,0 +1,98 @@
+"""Hypothesis strategies: meshes, dim sizes, layouts and input tensors.
+
+Sizes come from {2, 4, 8, 16, 6, 12}, so splits over axes of size 2, 4 and 8 often divide and
+sometimes do not. A drawn layout gives each dim one of: unsplit, one mesh axis, or an ordered
+pair of axes. Most choices are legal by construction (the axes divide the size and are not yet
+used by another dim); some reuse an axis another dim holds (legal when the two dims never meet
+in one tensor, which is the case that makes an op choose its compute layout) and a few ignore
+divisibility, so the harness also sees layouts meshdsl must reject.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Mapping, Sequence
+
+import numpy as np
+from hypothesis import strategies as st
+
+import harness
+import meshdsl as md
+
+SIZES = (2, 4, 8, 16, 6, 12)
+DIM_NAMES = ("batch", "seq", "d_model", "heads", "d_ff", "vocab")
+
+
+def meshes() -> st.SearchStrategy[md.Mesh]:
+    return st.sampled_from(list(harness.MESHES)).map(harness.mesh)
+
+
+def sizes() -> st.SearchStrategy[int]:
+    return st.sampled_from(SIZES)
+
+
+def dim_pool(n: int = 4) -> st.SearchStrategy[dict[str, int]]:
+    """``n`` distinct dim names with drawn sizes, e.g. ``{"batch": 8, "seq": 6, ...}``."""
+    return st.permutations(DIM_NAMES).flatmap(
+        lambda names: st.fixed_dictionaries({name: sizes() for name in names[:n]})
+    )
+
+
+@st.composite
+def sub_shape(draw, pool: Mapping[str, int], min_rank: int = 1, max_rank: int = 3) -> dict[str, int]:
+    """A few dims of ``pool``, in a drawn order."""
+    names = draw(st.permutations(list(pool)))
+    rank = draw(st.integers(min_rank, min(max_rank, len(names))))
+    return {n: pool[n] for n in names[:rank]}
+
+
+def axis_choices(mesh: md.Mesh) -> list[tuple[str, ...]]:
+    """Unsplit, every axis, every ordered pair of axes."""
+    axes = mesh.axis_names
+    return [(), *((a,) for a in axes), *itertools.permutations(axes, 2)]
+
+
+@st.composite
+def layouts(draw, mesh: md.Mesh, pool: Mapping[str, int], risk: float = 0.1) -> md.Layout:
+    """A layout for the dims of ``pool`` on ``mesh``; mostly legal (see the module docstring).
+
+    Each dim takes a risky choice with probability ``risk``: three times in four axes another
+    dim may hold too, once in four any axes at all (which may not divide the size).
+    """
+    rules: dict[str, tuple[str, ...]] = {}
+    used: set[str] = set()
+    sizes_ = dict(mesh.axis_sizes)
+    for name, size in pool.items():
+        mode = draw(st.integers(0, 99)) / 100
+        options = axis_choices(mesh)
+        if mode >= risk / 4:  # dividing the size
+            options = [o for o in options if size % math.prod(sizes_[a] for a in o) == 0]
+        if mode >= risk:  # and on axes no other dim holds
+            options = [o for o in options if not used & set(o)]
+        axes = draw(st.sampled_from(options))
+        used.update(axes)
+        if axes:
+            rules[name] = axes
+    return md.Layout(rules)
+
+
+@st.composite
+def legal_axes(draw, mesh: md.Mesh, shape: Sequence[int], exclude: Sequence[str] = ()) -> tuple[tuple[str, ...], ...]:
+    """Per-dim split axes for a tensor of ``shape``: each axis used once, dividing, none in ``exclude``."""
+    out = []
+    used = set(exclude)
+    for size in shape:
+        options = [
+            o for o in axis_choices(mesh)
+            if not used & set(o) and size % math.prod(mesh.axis_sizes[a] for a in o) == 0
+        ]
+        axes = draw(st.sampled_from(options))
+        used.update(axes)
+        out.append(axes)
+    return tuple(out)
+
+
+def rngs() -> st.SearchStrategy[np.random.Generator]:
+    """A numpy generator for input values (values need no shrinking, only a reproducible seed)."""
+    return st.integers(0, 2**16).map(np.random.default_rng)
