@@ -21,7 +21,7 @@ from meshdsl.ops.elementwise import (
     logical_not, logical_or, maximum, minimum, mod, multiply, negative, not_equal, power, relu, rsqrt, sigmoid,
     sqrt, square, stop_gradient, subtract, tanh, where,
 )
-from meshdsl.ops.indexing import argmax, cumsum, gather, one_hot, range, shift, top_k
+from meshdsl.ops.indexing import argmax, cumsum, gather, one_hot, range, shift, take_along, top_k
 from meshdsl.ops.reduction import log_softmax, logsumexp, reduce_max, reduce_mean, reduce_min, reduce_sum, softmax
 from meshdsl.ops.scan import scan
 from meshdsl.ops.reshape import rearrange, rename, replace_dimensions, reshape, transpose
@@ -102,6 +102,7 @@ __all__ = [
     "stack",
     "stop_gradient",
     "subtract",
+    "take_along",
     "tanh",
     "Tensor",
     "tensor",

@@ -95,14 +95,15 @@ class Model:
         h = self._norm(x, w["norm1"])
         # One fused projection: h meets the (possibly head-split) weights once, so its gradient is
         # summed over the split once.
-        qkv = md.einsum(h, w["wqkv"], out=[self.qkv, self.batch_dim, self.length, self.heads, self.d_kv])
+        # Dim orders follow the matmuls (heads before length) so XLA needs no transposes between them.
+        qkv = md.einsum(h, w["wqkv"], out=[self.qkv, self.batch_dim, self.heads, self.length, self.d_kv])
         q, k, v = md.unstack(qkv, self.qkv)
         q = q * (self.d_kv.size**-0.5)
         k, v = md.rename(k, "length", "memory"), md.rename(v, "length", "memory")
         scores = md.einsum(q, k, out=[self.batch_dim, self.heads, self.length, self.memory])
         causal = md.range(self.length) >= md.range(self.memory)
         probs = md.softmax(md.where(causal, scores, -1e9), self.memory)
-        attended = md.einsum(probs, v, out=[self.batch_dim, self.length, self.heads, self.d_kv])
+        attended = md.einsum(probs, v, out=[self.batch_dim, self.heads, self.length, self.d_kv])
         return x + md.einsum(attended, w["wo"], out=[self.batch_dim, self.length, self.d_model])
 
     def _feed_forward(self, x: md.Tensor, w: dict[str, md.Tensor]) -> md.Tensor:
@@ -126,7 +127,7 @@ class Model:
 
     def cross_entropy(self, logits: md.Tensor, targets: md.Tensor) -> md.Tensor:
         """Mean next-token cross-entropy; over a split ``vocab`` it costs one pmax and two small psums."""
-        target = md.reduce_sum(logits * md.one_hot(targets, self.vocab), self.vocab)
+        target = md.take_along(logits, targets, self.vocab)
         return md.reduce_mean(md.logsumexp(logits, self.vocab) - target)
 
     def logits(self, params: dict[str, Any], tokens: md.Tensor) -> md.Tensor:

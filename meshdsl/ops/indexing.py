@@ -29,6 +29,7 @@ from meshdsl.dims import Dim, DimLike, Shape
 from meshdsl.errors import ShapeError
 from meshdsl.lowering import compute_layout
 from meshdsl.lowering.context import current, op
+from meshdsl.ops import elementwise
 from meshdsl.tensor import Tensor
 
 
@@ -67,17 +68,38 @@ def gather(weights: Tensor, indices: Tensor, dim: DimLike) -> Tensor:
     layout = compute_layout.choose(lowering, [weights, indices], out, result, weights.dtype.itemsize)
     w = lowering.prepare(weights, tuple(layout[n] for n in weights.shape.names), beside=[indices])
     idx = lowering.prepare(indices, tuple(layout[n] for n in indices.shape.names), beside=[weights])
-    local, offset = lowering.shard(d.size, layout[d.name])
-    idx = idx - offset
-    inside = (idx >= 0) & (idx < local)
+    size, offset = lowering.shard(d.size, layout[d.name])
     position = weights.shape.index(d.name)
-    taken = jnp.take(w, jnp.clip(idx, 0, local - 1), axis=position)
+    local = idx - offset
+    local = jnp.where(local < 0, size, local)  # 'fill' mode would wrap a negative index
+    taken = jnp.take(w, local, axis=position, mode="fill", fill_value=0)
     k = indices.shape.rank
-    mask = jnp.reshape(inside, (1,) * position + inside.shape + (1,) * (weights.shape.rank - position - 1))
-    taken = jnp.where(mask, taken, 0)
     perm = [*builtins.range(position, position + k), *builtins.range(position), *builtins.range(position + k, taken.ndim)]
     out_axes, pending = result(layout)
     return lowering.finish(jnp.transpose(taken, perm), out, out_axes, pending, lazy=True)
+
+
+@op("take_along")
+def take_along(x: Tensor, indices: Tensor, dim: DimLike) -> Tensor:
+    """``x`` at position ``indices`` along ``dim``, entry by entry: ``out[i] = x[i, indices[i]]``.
+
+    ``indices`` has dims of ``x`` other than ``dim``; the result has ``x``'s dims without ``dim``
+    (broadcast over those ``indices`` lacks). An index outside ``dim`` gives zero. Over a split
+    ``dim`` each device looks up the indices in its block and leaves a pending ``psum``.
+    """
+    lowering = current()
+    d = x.shape[dim]
+    extra = [n for n in indices.shape.names if n not in x.shape or n == d.name]
+    if extra or not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise ShapeError(f"take_along: indices {indices.shape} ({indices.dtype}) must be integers over dims of {x.shape} other than {d.name}")
+    out = x.shape.without([d.name])
+    axes = lowering.axes(x.shape)
+    position = x.shape.index(d.name)
+    size, offset = lowering.shard(d.size, axes[position])
+    local = elementwise.align(lowering.prepare(indices, beside=[x]), indices.shape, out) - offset
+    local = jnp.where(local < 0, size, local)  # 'fill' mode would wrap a negative index
+    taken = jnp.take_along_axis(lowering.prepare(x, beside=[indices]), jnp.expand_dims(local, position), axis=position, mode="fill", fill_value=0)
+    return lowering.finish(jnp.squeeze(taken, position), out, axes[:position] + axes[position + 1 :], axes[position], lazy=True)
 
 
 @op("top_k")

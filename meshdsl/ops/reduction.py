@@ -8,8 +8,10 @@ over a split ``vocab`` with one ``pmax`` and one ``psum``.
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
+import jax
 import jax.numpy as jnp
 
 from meshdsl.dims import Dim, resolve
@@ -77,9 +79,25 @@ def logsumexp(x: Tensor, dims: Dims = None) -> Tensor:
 
 @op("softmax")
 def softmax(x: Tensor, dims: Dims) -> Tensor:
-    """exp(x) normalised to sum to 1 over ``dims``."""
-    e = ew.exp(x - ew.stop_gradient(reduce_max(x, dims)))
-    return e / reduce_sum(e, dims)
+    """exp(x) normalised to sum to 1 over ``dims``.
+
+    Its derivative is given directly (``y * (t - sum(y * t))``, as ``jax.nn.softmax`` does), which
+    saves the backward pass differentiating through the exponential and the division.
+    """
+    return _softmax(x, tuple(d.name for d in resolve(dims, x.shape)))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _softmax(x: Tensor, names: tuple[str, ...]) -> Tensor:
+    e = ew.exp(x - ew.stop_gradient(reduce_max(x, names)))
+    return e / reduce_sum(e, names)
+
+
+@_softmax.defjvp
+def _softmax_jvp(names: tuple[str, ...], primals: tuple, tangents: tuple) -> tuple[Tensor, Tensor]:
+    (x,), (t,) = primals, tangents
+    y = _softmax(x, names)
+    return y, y * (t - reduce_sum(y * t, names))
 
 
 @op("log_softmax")
