@@ -95,9 +95,6 @@ class Lowering:
         local = size // self.group_size(axes)
         return local, self.axis_index(axes) * local
 
-    def psum(self, x: Any, axes: Sequence[str]) -> Any:
-        return x
-
     def reduce_max(self, x: jax.Array, positions: tuple[int, ...], axes: Sequence[str]) -> jax.Array:
         """Maximum over ``positions`` of ``x``, whose dims there are split over ``axes`` (differentiable, as ``jnp.max``)."""
         return jax.numpy.max(x, axis=positions)

@@ -130,9 +130,6 @@ class SpmdLowering(Lowering):
     def axis_index(self, axes: Sequence[str]) -> Any:
         return relayout.axis_index(axes, self.axis_sizes) if axes else 0
 
-    def psum(self, x: Any, axes: Sequence[str]) -> Any:
-        return lax.psum(x, tuple(axes)) if axes else x
-
     def reduce_max(self, x: jax.Array, positions: tuple[int, ...], axes: Sequence[str]) -> jax.Array:
         return _split_max(x, positions, tuple(axes)) if axes else jnp.max(x, axis=positions)
 
