@@ -60,7 +60,7 @@ def _charts(summaries: list[dict[str, Any]], out: Path) -> list[Path]:
     labels = [f"{s['model']}\n{s['layout']}" for s in summaries]
     paths = []
     for name, values, errors, ylabel in [
-        ("step_time.png", [s["step_s_median"] * 1e3 for s in summaries], [s["step_s_spread"] * 1e3 for s in summaries], "step time (ms, median; bar: spread)"),
+        ("step_time.png", [s["step_s_median"] * 1e3 for s in summaries], [s["step_s_spread"] * 1e3 / 2 for s in summaries], "step time (ms, median; bar: interquartile range)"),
         ("bytes.png", [s["collective_bytes_per_device"] / 2**20 for s in summaries], None, "collective bytes per device per step (MiB)"),
     ]:
         fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(summaries)), 4))
