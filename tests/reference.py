@@ -214,3 +214,132 @@ def einsum(out: str | Sequence[str], *xs: Named) -> Named:
     spec = ",".join("".join(letters[n] for n in x.names) for x in xs) + "->" + "".join(letters[n] for n in out)
     xp = xp_of(*xs)
     return Named(xp.einsum(spec, *(x.array for x in xs)), out)
+
+
+# ---- reshapes, cuts and index ops (test_reshape, test_concat, test_indexing, test_scan) ----
+#
+# Written from the ops' documented meaning on whole arrays: a reshape reads the data row-major,
+# a shift is ``out[i] = x[i - offset]``, an out-of-range gather index gives zeros, top_k breaks
+# ties towards the lower index (a stable sort), argmax returns the first maximum.
+
+
+def _axis(x: Named, dim: str) -> int:
+    return x.names.index(dim)
+
+
+def reshape(x: Named, dims: Sequence[tuple[str, int]] | dict) -> Named:
+    """``x``'s data read row-major as the dims ``dims`` (``[(name, size), ...]`` or a dict)."""
+    items = list(dims.items()) if isinstance(dims, dict) else list(dims)
+    xp = xp_of(x)
+    return Named(xp.reshape(x.array, [s for _, s in items]), [n for n, _ in items])
+
+
+def rename(x: Named, old: str, new: str) -> Named:
+    return Named(x.array, [new if n == old else n for n in x.names])
+
+
+def concat(xs: Sequence[Named], dim: str) -> Named:
+    """Join along ``dim``; the other operands are first permuted to the first one's dim order."""
+    first = xs[0]
+    xp = xp_of(*xs)
+    arrays = [x.to(first.names).array for x in xs]
+    return Named(xp.concatenate(arrays, axis=_axis(first, dim)), first.names)
+
+
+def slice_(x: Named, begin: int, size: int, dim: str) -> Named:
+    index = [slice(None)] * len(x.names)
+    index[_axis(x, dim)] = slice(begin, begin + size)
+    return Named(x.array[tuple(index)], x.names)
+
+
+def split(x: Named, dim: str, sizes: int | Sequence[int]) -> list[Named]:
+    n = x.sizes[dim]
+    sizes = [n // sizes] * sizes if isinstance(sizes, int) else list(sizes)
+    starts = np.cumsum([0, *sizes[:-1]])
+    return [slice_(x, int(b), s, dim) for b, s in zip(starts, sizes)]
+
+
+def pad(x: Named, before: int, after: int, dim: str, value: float = 0.0) -> Named:
+    xp = xp_of(x)
+    widths = [(0, 0)] * len(x.names)
+    widths[_axis(x, dim)] = (before, after)
+    return Named(xp.pad(x.array, widths, constant_values=value), x.names)
+
+
+def stack(xs: Sequence[Named], name: str, axis: int = 0) -> Named:
+    xp = xp_of(*xs)
+    names = list(xs[0].names)
+    names.insert(axis, name)
+    return Named(xp.stack([x.to(xs[0].names).array for x in xs], axis=axis), names)
+
+
+def unstack(x: Named, dim: str) -> list[Named]:
+    xp = xp_of(x)
+    rest = [n for n in x.names if n != dim]
+    moved = xp.moveaxis(x.array, _axis(x, dim), 0)
+    return [Named(moved[i], rest) for i in range(x.sizes[dim])]
+
+
+def arange(name: str, size: int, dtype: Any = np.int32) -> Named:
+    return Named(np.arange(size, dtype=dtype), [name])
+
+
+def one_hot(indices: Named, name: str, size: int, on: float = 1.0, off: float = 0.0, dtype: Any = np.float32) -> Named:
+    xp = xp_of(indices)
+    hit = indices.array[..., None] == xp.arange(size)
+    return Named(xp.where(hit, on, off).astype(dtype), [*indices.names, name])
+
+
+def gather(weights: Named, indices: Named, dim: str) -> Named:
+    """``weights`` along ``dim`` at ``indices``: dims ``indices + (weights - dim)``; out of range -> 0."""
+    xp = xp_of(weights, indices)
+    n = weights.sizes[dim]
+    w = xp.moveaxis(weights.array, _axis(weights, dim), 0)
+    idx = indices.array
+    inside = (idx >= 0) & (idx < n)
+    taken = w[xp.clip(idx, 0, n - 1)]  # indices.shape + rest
+    mask = xp.reshape(inside, inside.shape + (1,) * (w.ndim - 1))
+    rest = [m for m in weights.names if m != dim]
+    return Named(xp.where(mask, taken, 0 * taken), [*indices.names, *rest])
+
+
+def _stable_descending(xp, a):
+    """Positions along the last axis, largest first, ties in index order (a stable sort of -a)."""
+    if xp is np:
+        return np.argsort(-a, axis=-1, kind="stable")
+    return jnp.argsort(-a, axis=-1, stable=True)
+
+
+def top_k(x: Named, dim: str, k_name: str, k: int) -> tuple[Named, Named]:
+    """(values, indices) of the ``k`` largest along ``dim``, largest first, ties to the lower index."""
+    xp = xp_of(x)
+    rest = [n for n in x.names if n != dim]
+    a = x.to([*rest, dim]).array
+    order = _stable_descending(xp, _stop_gradient(xp, a))[..., :k]
+    values = xp.take_along_axis(a, order, axis=-1)
+    return Named(values, [*rest, k_name]), Named(order.astype(np.int32), [*rest, k_name])
+
+
+def argmax(x: Named, dim: str) -> Named:
+    """Index of the first maximum along ``dim`` (numpy's tie rule)."""
+    xp = xp_of(x)
+    return Named(xp.argmax(x.array, axis=_axis(x, dim)).astype(np.int32), [n for n in x.names if n != dim])
+
+
+def cumsum(x: Named, dim: str, exclusive: bool = False) -> Named:
+    xp = xp_of(x)
+    total = xp.cumsum(x.array, axis=_axis(x, dim))
+    return Named(total - x.array if exclusive else total, x.names)
+
+
+def shift(x: Named, offset: int, dim: str, wrap: bool = False) -> Named:
+    """``out[i] = x[i - offset]`` along ``dim``: cyclic with ``wrap``, else zeros where ``i - offset`` is outside."""
+    xp = xp_of(x)
+    n, axis = x.sizes[dim], _axis(x, dim)
+    source = np.arange(n) - offset
+    inside = (source >= 0) & (source < n)
+    taken = xp.take(x.array, source % n, axis=axis)
+    if wrap:
+        return Named(taken, x.names)
+    mask = np.reshape(inside, [n if i == axis else 1 for i in range(len(x.names))])
+    return Named(xp.where(mask, taken, 0 * taken), x.names)

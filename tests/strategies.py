@@ -96,3 +96,37 @@ def legal_axes(draw, mesh: md.Mesh, shape: Sequence[int], exclude: Sequence[str]
 def rngs() -> st.SearchStrategy[np.random.Generator]:
     """A numpy generator for input values (values need no shrinking, only a reproducible seed)."""
     return st.integers(0, 2**16).map(np.random.default_rng)
+
+
+# ---- helpers for the reshape, concat, indexing, random and scan tests ----
+
+
+def factor_pairs(size: int) -> list[tuple[int, int]]:
+    """``(p, q)`` with ``p * q == size`` and both at least 2 (a dim that can be cut in two)."""
+    return [(p, size // p) for p in range(2, size // 2 + 1) if size % p == 0]
+
+
+@st.composite
+def layouts_any_order(draw, mesh: md.Mesh, pool: Mapping[str, int], risk: float = 0.1) -> md.Layout:
+    """:func:`layouts` over ``pool`` taken in a drawn order, so that no dim always chooses its axes first."""
+    names = draw(st.permutations(list(pool)))
+    return draw(layouts(mesh, {n: pool[n] for n in names}, risk))
+
+
+def group_size(mesh: md.Mesh, layout: md.Layout, name: str) -> int:
+    """Devices the dim called ``name`` is split over under ``layout`` (1: unsplit)."""
+    return math.prod(mesh.axis_sizes[a] for a in layout.rules.get(name, ()))
+
+
+@st.composite
+def layouts_splitting(draw, mesh: md.Mesh, pool: Mapping[str, int], name: str, risk: float = 0.05, p_split: float = 0.75) -> md.Layout:
+    """:func:`layouts_any_order`, but ``name`` is split with probability ``p_split`` (over one axis or a
+    pair that divides its size); other dims then give up the axes ``name`` took."""
+    base = draw(layouts_any_order(mesh, pool, risk))
+    options = [o for o in axis_choices(mesh) if o and pool[name] % math.prod(mesh.axis_sizes[a] for a in o) == 0]
+    if not options or draw(st.integers(0, 99)) >= 100 * p_split:
+        return base
+    axes = draw(st.sampled_from(options))
+    rules = {n: a for n, a in base.rules.items() if n != name and not set(a) & set(axes)}
+    rules[name] = axes
+    return md.Layout(rules)

@@ -1,0 +1,236 @@
+"""md.scan over a ``layers`` dim of stacked parameters, against a numpy loop over the layers.
+
+The body is a residual MLP layer, ``h + einsum(tanh(einsum(h, w)), v) * s``, that also emits a
+per-layer output (stacked along ``layers`` in front). The drawn test runs it under drawn meshes
+and layouts (``layers`` itself often split, so scan gathers it first) with and without
+``remat`` through the full harness check: carry and stacked outputs equal the loop, gradients of
+the initial carry and of every parameter equal jax.grad of the loop, shardings, and md.explain
+== the compiled HLO (collectives inside the loop counted once per layer on both sides).
+
+Unit tests: a split ``layers`` dim costs one all-gather per scanned tensor, before the loop; and
+parameters stored under another layout (``in_layouts``, FSDP style: ``d`` split over an axis the
+compute layout leaves alone) give the same values and gradients, gathered one layer at a time
+inside the loop, the gradients leaving reduce-scattered into the stored layout.
+"""
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings, strategies as st
+
+import harness
+import meshdsl as md
+import reference as R
+import strategies as S
+from meshdsl import hlo
+from reference import Named
+
+
+def layer(h, p):
+    u = md.tanh(md.einsum(h, p["w"], out=["batch", "d_ff"]))
+    h = h + md.einsum(u, p["v"], out=["batch", "d"]) * p["s"]
+    return h, md.reduce_sum(h, "d")
+
+
+def scan_fn(remat):
+    def fn(h0, w, v, s):
+        return md.scan(layer, h0, {"w": w, "v": v, "s": s}, "layers", remat=remat)
+
+    return fn
+
+
+def scan_ref(h0, w, v, s):
+    """The loop over layers, written out: (final carry, per-layer outputs stacked along layers)."""
+    h, ys = h0, []
+    for wi, vi, si in zip(R.unstack(w, "layers"), R.unstack(v, "layers"), R.unstack(s, "layers")):
+        u = R.tanh(R.einsum("batch d_ff", h, wi))
+        h = h + R.einsum("batch d", u, vi) * si
+        ys.append(R.reduce("sum", h, "d"))
+    return h, R.stack(ys, "layers", 0)
+
+
+def params(rng, sizes, orders=("layers d d_ff", "layers d_ff d", "layers d")):
+    """h0[batch, d] and the stacked w, v, s with their dims in the given orders (0.5-scaled)."""
+    h0 = harness.rand(rng, {"batch": sizes["batch"], "d": sizes["d"]})
+    out = [h0]
+    for order in orders:
+        t = harness.rand(rng, [(n, sizes[n]) for n in order.split()])
+        out.append(md.tensor(t.array * 0.5, t.shape))
+    return out
+
+
+@settings(max_examples=6)
+@given(
+    mesh=S.meshes(), data=st.data(), rng=S.rngs(), remat=st.booleans(),
+    layers=st.sampled_from([2, 4, 8]), sizes=st.fixed_dictionaries({"batch": S.sizes(), "d": S.sizes(), "d_ff": S.sizes()}),
+)
+def test_scan_matches_a_loop(mesh, data, rng, remat, layers, sizes):
+    sizes = {**sizes, "layers": layers}
+    w_order = data.draw(st.sampled_from(["layers d d_ff", "d layers d_ff", "d d_ff layers"]), label="w dims")
+    layout = data.draw(S.layouts_splitting(mesh, sizes, "layers", p_split=0.5), label="layout")
+    args = params(rng, sizes, (w_order, "layers d_ff d", "d layers"))
+    assume(harness.check(scan_fn(remat), args, scan_ref, mesh, layout, tol=1e-5 * layers, grad_tol=1e-5 * layers))
+
+
+# ---- by hand ----
+
+SIZES = {"batch": 8, "d": 16, "d_ff": 8, "layers": 4}
+
+
+@pytest.mark.parametrize(("mesh", "layout"), [
+    ("x8", {"layers": ("x",)}),
+    ("data4_model2", {"layers": ("data",), "batch": ("model",)}),
+    ("a2_b2_c2", {"layers": ("c", "a"), "d_ff": ("b",)}),
+])
+def test_split_layers_gathered_once_before_the_loop(mesh, layout):
+    # layers over A: w, v and s are each all-gathered along layers once (3 all-gathers, not one
+    # per layer); the layer body then needs nothing but d_ff's reduction, if d_ff is split.
+    m = harness.mesh(mesh)
+    sizes = {**SIZES, "layers": 8}
+    args = params(np.random.default_rng(0), sizes)
+    fn = scan_fn(False)
+    assert harness.check(fn, args, scan_ref, m, layout, grad=False)
+    s = md.explain(fn, m, layout, *args).summary()
+    assert s["all-gather"]["count"] == 3, s
+    # d_ff split: one all-reduce of the partial second einsum per layer.
+    assert s.get("all-reduce", {"count": 0})["count"] == (8 if "d_ff" in layout else 0), s
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_scan_gradients_with_remat(remat):
+    m, layout = harness.mesh("data4_model2"), {"batch": "data", "d_ff": "model"}
+    args = params(np.random.default_rng(1), SIZES)
+    assert harness.check(scan_fn(remat), args, scan_ref, m, layout)
+
+
+# Stored layout: the parameters (w, v, s) are kept with d split over mesh axes the compute
+# layout does not give d; h0 follows the compute layout. (mesh, compute rules, stored rules, the
+# gradients leave reduce-scattered: when the computation varies along the stored axes, i.e. FSDP.)
+STORED = [
+    ("x8", {}, {"d": "x"}, False),
+    ("data4_model2", {"batch": "data"}, {"d": "data"}, True),
+    pytest.param("data4_model2", {"batch": "data", "d_ff": "model"}, {"d": "data", "d_ff": "model"}, True, marks=pytest.mark.xfail(strict=True, raises=TypeError, reason="see PENDING_TIMES_STORED_BUG")),
+    ("a2_b2_c2", {"batch": ("a", "b")}, {"d": ("b", "a")}, True),
+]
+
+
+def _grad_fn(fn, cot_h, cot_y):
+    def grad(h0, w, v, s):
+        def loss(h0, w, v, s):
+            h, ys = fn(h0, w, v, s)
+            return (md.reduce_sum(h * cot_h) + md.reduce_sum(ys * cot_y)).array
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(h0, w, v, s)
+
+    return grad
+
+
+def _grad_ref(args, cot_h, cot_y):
+    """jax.grad of the loop in jax.numpy on one device."""
+    names = [a.names for a in args]
+
+    def loss(*arrays):
+        h, ys = scan_ref(*(Named(a, n) for a, n in zip(arrays, names)))
+        return (h.to("batch d").array * cot_h).sum() + (ys.to("layers batch").array * cot_y).sum()
+
+    dev = jax.devices()[0]
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*(jax.device_put(a.numpy(), dev) for a in args))
+
+
+@pytest.mark.parametrize(("mesh", "layout", "stored", "scattered"), STORED, ids=lambda v: str(v) if isinstance(v, (str, dict)) else None)
+def test_stored_parameter_layout(mesh, layout, stored, scattered):
+    m = harness.mesh(mesh)
+    compute, stored = md.Layout(layout), md.Layout({**layout, **stored})
+    rng = np.random.default_rng(2)
+    args = params(rng, SIZES)
+    in_layouts = (None, stored, stored, stored)
+    args = [harness.from_numpy(a.numpy(), a.shape.dims, harness.expected_sharding(lay or compute, m, a.names)) for a, lay in zip(args, in_layouts)]
+    want_h, want_ys = scan_ref(*(Named(a.numpy().astype(np.float64), a.names) for a in args))
+    fn = scan_fn(remat=False)
+
+    for backend in harness.BACKENDS:
+        h, ys = md.compile(fn, m, compute, backend=backend, in_layouts=in_layouts)(*args)
+        harness.assert_close(h, want_h, 1e-5, f"{backend} carry")
+        harness.assert_close(ys, want_ys, 1e-5, f"{backend} ys")
+        harness.assert_laid_out(h, compute, m, f"{backend} carry")
+    forward = _explain_equals_hlo(fn, m, compute, args, in_layouts, None)
+    # d's stored split is gathered layer by layer inside the loop: w, v and s, each once a layer.
+    assert forward["all-gather"]["count"] == 3 * SIZES["layers"], forward
+
+    cot_h = rng.standard_normal((SIZES["batch"], SIZES["d"])).astype(np.float32)
+    cot_y = rng.standard_normal((SIZES["layers"], SIZES["batch"])).astype(np.float32)
+    want = _grad_ref(args, cot_h, cot_y)
+    cots = (md.tensor(cot_h, harness.dims({"batch": 8, "d": 16})), md.tensor(cot_y, harness.dims({"layers": 4, "batch": 8})))
+    grad = _grad_fn(fn, *cots)
+    # gradients leave in the layout their parameters are stored in (FSDP's reduce-scatter).
+    out_layouts = (compute, stored, stored, stored)
+    for backend in harness.BACKENDS:
+        got = md.compile(grad, m, compute, backend=backend, in_layouts=in_layouts, out_layouts=out_layouts)(*args)
+        for g, w_, a, lay, what in zip(got, want, args, out_layouts, ["h0", "w", "v", "s"]):
+            harness.assert_close(g, Named(np.asarray(w_, np.float64), a.names), 1e-5, f"{backend} gradient of {what}")
+            harness.assert_laid_out(g, lay, m, f"{backend} gradient of {what}")
+    backward = _explain_equals_hlo(grad, m, compute, args, in_layouts, out_layouts)
+    assert ("reduce-scatter" in backward) == scattered, backward
+
+
+def _explain_equals_hlo(fn, m, layout, args, in_layouts, out_layouts):
+    compiled = md.compile(fn, m, layout, in_layouts=in_layouts, out_layouts=out_layouts)
+    predicted = md.explain(fn, m, layout, *args, in_layouts=in_layouts, out_layouts=out_layouts).summary()
+    actual = hlo.summary(compiled.lower(*args).compile().as_text())
+    assert predicted == actual
+    return actual
+
+
+PENDING_TIMES_STORED_BUG = (
+    "a pending partial sum (einsum over a split dim) multiplied by a tensor held in another "
+    "layout than the compute rules (an in_layouts argument, or md.scan's slice of a stored "
+    "parameter): elementwise._map's lazy path takes the factor's local array as it is, without "
+    "relayout, so the local shapes do not match (TypeError) or, when the factor's local block "
+    "has size 1, broadcast and vary along the stored axis (shard_map rejects the out_specs)"
+)
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError, reason=PENDING_TIMES_STORED_BUG)
+def test_pending_sum_times_a_stored_tensor():
+    m = harness.mesh("data4_model2")
+    rng = np.random.default_rng(5)
+    u, v, s = harness.rand(rng, {"batch": 2, "d_ff": 4}), harness.rand(rng, {"d_ff": 4, "d": 8}), harness.rand(rng, {"d": 8})
+
+    def fn(u, v, s):
+        return md.einsum(u, v, out=["batch", "d"]) * s
+
+    got = md.compile(fn, m, {"d_ff": "model"}, in_layouts=(None, None, {"d": "data"}))(u, v, s)
+    harness.assert_close(got, R.einsum("batch d", Named(u.numpy(), u.names), Named(v.numpy(), v.names)) * Named(s.numpy(), ["d"]), 1e-5, "spmd")
+
+
+EXPLAIN_LENGTH_ONE_BUG = (
+    "md.explain counts a collective of a length-1 md.scan whose result only the (dead) forward "
+    "carry needs: XLA removes the one-trip loop and then drops it as dead code; explain's jaxpr "
+    "DCE keeps the scan's carry live"
+)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=EXPLAIN_LENGTH_ONE_BUG)
+def test_explain_of_a_one_layer_scan_gradient():
+    m, layout = harness.mesh("x8"), {"d_ff": "x"}
+
+    def grad(h0, w):
+        def body(h, w):
+            return h + md.einsum(md.tanh(md.einsum(h, w, out=["d_ff"])), w, out=["d"]), None
+
+        return jax.grad(lambda h0: md.reduce_sum(md.scan(body, h0, w, "layers")[0]).array)(h0)
+
+    rng = np.random.default_rng(4)
+    h0, w = harness.rand(rng, {"d": 4}), harness.rand(rng, {"layers": 1, "d": 4, "d_ff": 8})
+    harness.assert_explain_matches_hlo(grad, m, layout, [h0, w])
+
+
+def test_scan_errors():
+    rng = np.random.default_rng(3)
+    h0, w, v, s = params(rng, SIZES)
+    with pytest.raises(md.ShapeError):
+        md.scan(layer, h0, {"w": w, "v": v, "s": harness.rand(rng, {"d": 16})}, "layers")  # s lacks layers
+    with pytest.raises(md.ShapeError):
+        md.scan(layer, h0, {"w": w, "v": v, "s": harness.rand(rng, {"layers": 3, "d": 16})}, "layers")  # another length
+    with pytest.raises(md.ShapeError):
+        md.scan(layer, h0, [], "layers")
