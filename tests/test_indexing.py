@@ -286,23 +286,6 @@ def test_argmax_over_split_dim_ties_to_lowest_index(mesh, layout):
 
 # ---- cumsum and shift ----
 
-SHIFT_AXIS_ORDER_BUG = (
-    "md.shift along a dim split over several mesh axes in another order than the mesh's "
-    "(e.g. n:(model, data) on data=4 model=2) moves blocks to the wrong devices on the spmd "
-    "backend: SpmdLowering.ppermute numbers devices along the axes as given (major to minor), "
-    "but lax.ppermute over a tuple of axes numbers them in mesh order"
-)
-
-
-def in_mesh_order(mesh, layout, name):
-    """``layout`` with ``name``'s axes put in the mesh's order (see SHIFT_AXIS_ORDER_BUG)."""
-    axes = layout.rules.get(name, ())
-    rules = dict(layout.rules)
-    if axes:
-        rules[name] = tuple(a for a in mesh.axis_names if a in axes)
-    return md.Layout(rules)
-
-
 
 def shift_offsets(n, block):
     """Offsets that exercise every case of a split shift: none, within a block, whole blocks,
@@ -317,7 +300,7 @@ def test_cumsum_and_shift(mesh, pool, data, rng):
     dim = data.draw(st.sampled_from(list(shape)), label="dim")
     # Axes of the shifted dim in mesh order: the other order is a known bug, pinned by the
     # strict xfail cases of test_shift_over_axis_tuples.
-    layout = in_mesh_order(mesh, data.draw(S.layouts_splitting(mesh, pool, dim), label="layout"), dim)
+    layout = data.draw(S.layouts_splitting(mesh, pool, dim), label="layout")
     n = shape[dim]
     block = max(n // S.group_size(mesh, layout, dim), 1)
     offsets = data.draw(st.lists(st.sampled_from(shift_offsets(n, block)), min_size=2, max_size=3, unique=True), label="offsets")
@@ -407,7 +390,6 @@ def test_shift_along_split_dim_collective_permutes(offset, wrap, permutes):
     assert s.get("collective-permute", {"count": 0})["count"] == permutes
 
 
-_REVERSED = pytest.mark.xfail(strict=True, reason=SHIFT_AXIS_ORDER_BUG)
 
 
 @pytest.mark.parametrize(("mesh", "layout"), [
@@ -416,9 +398,9 @@ _REVERSED = pytest.mark.xfail(strict=True, reason=SHIFT_AXIS_ORDER_BUG)
     ("a2_b2_c2", {"n": ("a", "c"), "b": "b"}),
     ("a2_b2_c2", {"n": ("a", "b", "c")}),
     ("a2_b2_c2", {"b": "a"}),
-    pytest.param("data4_model2", {"n": ("model", "data")}, marks=_REVERSED),
-    pytest.param("a2_b2_c2", {"n": ("c", "a"), "b": "b"}, marks=_REVERSED),
-    pytest.param("a2_b2_c2", {"n": ("b", "c", "a")}, marks=_REVERSED),
+    pytest.param("data4_model2", {"n": ("model", "data")}),
+    pytest.param("a2_b2_c2", {"n": ("c", "a"), "b": "b"}),
+    pytest.param("a2_b2_c2", {"n": ("b", "c", "a")}),
 ])
 def test_shift_over_axis_tuples(mesh, layout):
     m = harness.mesh(mesh)
@@ -434,7 +416,6 @@ def test_shift_over_axis_tuples(mesh, layout):
     assert ("collective-permute" in s) == ("n" in layout)
 
 
-@pytest.mark.xfail(strict=True, reason=SHIFT_AXIS_ORDER_BUG)
 def test_shift_over_axes_out_of_mesh_order_minimal():
     # The minimal repro: a wrap shift by one block of 2, n split over (model, data).
     m = harness.mesh("data4_model2")

@@ -123,7 +123,11 @@ def test_random_shape_forms_and_bad_keys():
 
 def keep_mask(key, noise: dict, rate: float) -> Named:
     """``jax.random.uniform(key, noise shape) >= rate``, computed on one device (outside any trace)."""
-    return Named(np.asarray(jax.random.uniform(key, tuple(noise.values()))) >= rate, list(noise))
+    return Named(np.asarray(_uniform(key, tuple(noise.values()))) >= rate, list(noise))
+
+
+_uniform = jax.jit(jax.random.uniform, static_argnums=1)
+"""jax.random.uniform in one program per shape (eagerly, each of its ops would compile apart)."""
 
 
 def dropout_ref(x: Named, rate: float, keep: Named) -> Named:

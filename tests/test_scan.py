@@ -109,7 +109,7 @@ def test_scan_gradients_with_remat(remat):
 STORED = [
     ("x8", {}, {"d": "x"}, False),
     ("data4_model2", {"batch": "data"}, {"d": "data"}, True),
-    pytest.param("data4_model2", {"batch": "data", "d_ff": "model"}, {"d": "data", "d_ff": "model"}, True, marks=pytest.mark.xfail(strict=True, raises=TypeError, reason="see PENDING_TIMES_STORED_BUG")),
+    pytest.param("data4_model2", {"batch": "data", "d_ff": "model"}, {"d": "data", "d_ff": "model"}, True),
     ("a2_b2_c2", {"batch": ("a", "b")}, {"d": ("b", "a")}, True),
 ]
 
@@ -181,16 +181,8 @@ def _explain_equals_hlo(fn, m, layout, args, in_layouts, out_layouts):
     return actual
 
 
-PENDING_TIMES_STORED_BUG = (
-    "a pending partial sum (einsum over a split dim) multiplied by a tensor held in another "
-    "layout than the compute rules (an in_layouts argument, or md.scan's slice of a stored "
-    "parameter): elementwise._map's lazy path takes the factor's local array as it is, without "
-    "relayout, so the local shapes do not match (TypeError) or, when the factor's local block "
-    "has size 1, broadcast and vary along the stored axis (shard_map rejects the out_specs)"
-)
-
-
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=PENDING_TIMES_STORED_BUG)
+# A pending partial sum times a tensor held in another layout than the compute rules (an
+# in_layouts argument, or md.scan's slice of a stored parameter): the factor is relayouted first.
 def test_pending_sum_times_a_stored_tensor():
     m = harness.mesh("data4_model2")
     rng = np.random.default_rng(5)

@@ -69,6 +69,17 @@ def _split_max_jvp(positions: tuple[int, ...], axes: tuple[str, ...], primals, t
     return out, lax.psum(jnp.sum(t * hit, axis=positions), axes) / lax.psum(jnp.sum(hit, axis=positions), axes)
 
 
+def _renumber(position: int, given: tuple[str, ...], ordered: tuple[str, ...], sizes: dict[str, int]) -> int:
+    """A device's position along ``given`` axes (major to minor), as a position along ``ordered``."""
+    index = {}
+    for a in reversed(given):
+        position, index[a] = divmod(position, sizes[a])
+    out = 0
+    for a in ordered:
+        out = out * sizes[a] + index[a]
+    return out
+
+
 class SpmdLowering(Lowering):
     """Local shards on ``mesh``, laid out by ``layout``.
 
@@ -150,4 +161,8 @@ class SpmdLowering(Lowering):
         pairs = [(i, j % n) for i, j in pairs if wrap or 0 <= j < n]
         if not pairs:
             return jnp.zeros_like(x)
-        return lax.ppermute(x, tuple(axes), perm=pairs)
+        # Our positions run over ``axes`` as given (major to minor); lax numbers the devices of a
+        # tuple of axes in mesh order.
+        ordered = tuple(a for a in self.mesh.axis_names if a in axes)
+        to_lax = [_renumber(i, tuple(axes), ordered, self.axis_sizes) for i in range(n)]
+        return lax.ppermute(x, ordered, perm=[(to_lax[i], to_lax[j]) for i, j in pairs])

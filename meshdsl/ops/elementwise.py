@@ -87,7 +87,7 @@ def _map(name: str, fn: Callable[..., jax.Array], *operands: Any) -> Tensor:
         locals_ = []
         for x in operands:
             if isinstance(x, Tensor):
-                data = x._data if pending else lowering.prepare(x, beside=tensors)
+                data = x._data if x.pending and pending else lowering.prepare(x, beside=tensors)
                 locals_.append(align(data, x.shape, out))
             else:
                 locals_.append(x)
