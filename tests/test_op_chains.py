@@ -148,13 +148,20 @@ def build_reduction(draw, h, pool):
     return Step(f"{name}({' '.join(dims)})", lambda x: fn(x, dims), lambda x: ref(x, dims))
 
 
-def build_einsum(draw, h, pool):
-    """einsum of h with a fresh weight: contracts some dims, keeps some, brings new ones."""
+def _draw_weight_and_out(draw, h, pool):
+    """A fresh weight's dims and an einsum output drawn from h's and the weight's; None if too big."""
     w = _draw_dims(draw, pool, min_rank=1)
     union = list(dict.fromkeys([*h, *w]))
     out = [n for n in draw(st.permutations(union)) if draw(st.booleans())][:MAX_RANK]
-    if len(w) > MAX_RANK:
+    return None if len(w) > MAX_RANK else (w, out)
+
+
+def build_einsum(draw, h, pool):
+    """einsum of h with a fresh weight: contracts some dims, keeps some, brings new ones."""
+    drawn = _draw_weight_and_out(draw, h, pool)
+    if drawn is None:
         return None
+    w, out = drawn
     return Step(
         f"einsum(h, w[{_names(w)}], out=[{' '.join(out)}])",
         lambda h, w: md.einsum(h, w, out=out),
@@ -165,11 +172,10 @@ def build_einsum(draw, h, pool):
 
 def build_einsum_sum(draw, h, pool):
     """einsum(h, w1) + einsum(h, w2) * s: pending partial sums added before the collective."""
-    w = _draw_dims(draw, pool, min_rank=1)
-    union = list(dict.fromkeys([*h, *w]))
-    out = [n for n in draw(st.permutations(union)) if draw(st.booleans())][:MAX_RANK]
-    if len(w) > MAX_RANK:
+    drawn = _draw_weight_and_out(draw, h, pool)
+    if drawn is None:
         return None
+    w, out = drawn
     return Step(
         f"einsum(h, w1[{_names(w)}]) + 0.5 * einsum(h, w2) over [{' '.join(out)}]",
         lambda h, w1, w2: md.einsum(h, w1, out=out) + 0.5 * md.einsum(h, w2, out=out),
