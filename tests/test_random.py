@@ -148,30 +148,28 @@ def test_dropout_and_constants(mesh, pool, data, rng, seed, rate):
     key = jax.random.key(seed)
     dims = harness.dims(shape)
 
-    def fn(x, y):
+    def fn(x):
         return {
             "dropout": md.dropout(key, x, rate, None if noise is None else harness.dims(noise)),
-            "dropout all dims": md.dropout(key, y, rate),
             "zeros": md.zeros(dims),
             "ones int32": md.ones(dims, jnp.int32),
             "full": md.full(dims, 2.5),
             "full bool": md.full(dims, True, jnp.bool_),
         }
 
-    keep, keep_all = keep_mask(key, noise if noise is not None else shape, rate), keep_mask(key, shape, rate)
+    keep = keep_mask(key, noise if noise is not None else shape, rate)
 
-    def ref(x, y):
+    def ref(x):
         sizes = tuple(shape.values())
         return {
             "dropout": dropout_ref(x, rate, keep),
-            "dropout all dims": dropout_ref(y, rate, keep_all),
             "zeros": Named(np.zeros(sizes, np.float32), list(shape)),
             "ones int32": Named(np.ones(sizes, np.int32), list(shape)),
             "full": Named(np.full(sizes, 2.5, np.float32), list(shape)),
             "full bool": Named(np.ones(sizes, bool), list(shape)),
         }
 
-    args = [harness.rand(rng, shape), harness.rand(rng, shape)]
+    args = [harness.rand(rng, shape)]
     assume(harness.check(fn, args, ref, mesh, layout))
     assert md.explain(fn, mesh, layout, *args).summary() == {}
 
