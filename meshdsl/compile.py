@@ -79,7 +79,8 @@ class Compiled:
             self.out_layouts: Layout | tuple[Layout, ...] = _as_layout(out_layouts, self.layout)
         else:
             self.out_layouts = tuple(_as_layout(x, self.layout) for x in out_layouts)
-        for lay in {self.layout, *(self.in_layouts or ()), *(self.out_layouts if isinstance(self.out_layouts, tuple) else [self.out_layouts])}:
+        outs = self.out_layouts if isinstance(self.out_layouts, tuple) else (self.out_layouts,)
+        for lay in (self.layout, *(self.in_layouts or ()), *outs):
             lay.check_mesh(mesh)
         self._jitted = jax.jit(self.spmd_function if self.backend is Backend.SPMD else self._gspmd)
 
@@ -95,7 +96,7 @@ class Compiled:
         if isinstance(layouts, tuple):
             if not isinstance(tree, (tuple, list)) or len(tree) != len(layouts):
                 raise ValueError(f"{len(layouts)} layouts given for the {prefix}s, which do not form a sequence of that length")
-            return [item for sub, lay, i in zip(tree, layouts, range(len(layouts))) for item in self._leaves(sub, lay, f"{prefix}[{i}]")]
+            return [item for i, (sub, lay) in enumerate(zip(tree, layouts)) for item in self._leaves(sub, lay, f"{prefix}[{i}]")]
         leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_tensor)[0]
         return [(prefix + jax.tree_util.keystr(p), x, layouts or self.layout) for p, x in leaves]
 
@@ -114,7 +115,7 @@ class Compiled:
         with use(Lowering()):
             shapes = jax.eval_shape(self.fn, *args)
         out_tree = jax.tree_util.tree_structure(shapes, is_leaf=_is_tensor)
-        outs = self._leaves(shapes, self.out_layouts if isinstance(self.out_layouts, tuple) else self.out_layouts, "result")
+        outs = self._leaves(shapes, self.out_layouts, "result")
         out_axes = [self._axes(*item) for item in outs]
 
         def body(*local: Any) -> tuple:
