@@ -57,6 +57,8 @@ class Compiled:
     ``in_layouts``: one entry per positional argument (a layout, or None for ``layout``).
     ``out_layouts``: a layout for every result, or one entry per element of a tuple result.
     ``grad_reduce_dtype`` (spmd): sum gradients across devices in this dtype, e.g. bfloat16.
+    ``donate_argnums``: positional arguments whose buffers the call may reuse for its results
+    (as ``jax.jit``'s): a training step donates its state, so old and new state never coexist.
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class Compiled:
         in_layouts: Sequence[LayoutLike | None] | None = None,
         out_layouts: LayoutLike | Sequence[LayoutLike | None] | None = None,
         grad_reduce_dtype: Any = None,
+        donate_argnums: Sequence[int] = (),
     ):
         self.fn = fn
         self.grad_reduce_dtype = grad_reduce_dtype
@@ -82,7 +85,8 @@ class Compiled:
         outs = self.out_layouts if isinstance(self.out_layouts, tuple) else (self.out_layouts,)
         for lay in (self.layout, *(self.in_layouts or ()), *outs):
             lay.check_mesh(mesh)
-        self._jitted = jax.jit(self.spmd_function if self.backend is Backend.SPMD else self._gspmd)
+        program = self.spmd_function if self.backend is Backend.SPMD else self._gspmd
+        self._jitted = jax.jit(program, donate_argnums=tuple(donate_argnums))
 
     def __call__(self, *args: Any) -> Any:
         return self._jitted(*args)
@@ -159,6 +163,7 @@ def compile(  # noqa: A001  (md.compile)
     in_layouts: Sequence[LayoutLike | None] | None = None,
     out_layouts: LayoutLike | Sequence[LayoutLike | None] | None = None,
     grad_reduce_dtype: Any = None,
+    donate_argnums: Sequence[int] = (),
 ) -> Compiled:
     """Compile ``fn`` (md tensors in, md tensors out) for ``mesh`` under ``layout``; see :class:`Compiled`."""
-    return Compiled(fn, mesh, layout, backend, in_layouts, out_layouts, grad_reduce_dtype)
+    return Compiled(fn, mesh, layout, backend, in_layouts, out_layouts, grad_reduce_dtype, donate_argnums)

@@ -49,7 +49,7 @@ class Run:
 
     def __init__(self, model: moe.Model, name: str, steps: int, start: dict | None = None):
         self.mesh, self.layout = _layout(name)
-        self.trainer = Trainer(model, adamw(1e-2), self.mesh, self.layout)
+        self.trainer = Trainer(model, adamw(1e-2), self.mesh, self.layout, donate=False)  # state0 is reused
         self.data = jax.random.key(1)
         self.state0 = self.trainer.init(jax.random.key(0)) if start is None else self._put(start)
         state, losses = self.state0, []
