@@ -4,7 +4,7 @@ Write a model once with named dims, pick a mesh and a layout (which dim is split
 axis), and ``md.compile`` runs it with the collectives the layout needs. See docs/api.md.
 """
 
-from meshdsl import random
+from meshdsl import checkpoint, pipeline, random
 from meshdsl.compile import Backend, Compiled, compile
 from meshdsl.dims import Dim, Shape
 from meshdsl.errors import ConfigError, DataError, LayoutError, MeshDslError, ShapeError
@@ -34,6 +34,7 @@ __all__ = [
     "argmax",
     "Backend",
     "cast",
+    "checkpoint",
     "Communication",
     "compile",
     "Compiled",
@@ -75,6 +76,7 @@ __all__ = [
     "one_hot",
     "ones",
     "pad",
+    "pipeline",
     "power",
     "random",
     "range",

@@ -1,4 +1,8 @@
-"""The ``meshdsl`` command: ``train`` and ``bench``.
+"""The ``meshdsl`` command: ``train``, ``bench``, and ``launch`` (several processes of either).
+
+``--coordinator``, ``--num-processes`` and ``--process-id`` (or the ``MESHDSL_*`` variables, or a
+detected cluster) make ``train`` and ``bench`` one process of a multi-process run: see
+:mod:`meshdsl.distributed`.
 
 On a machine without an accelerator and without a device count in ``XLA_FLAGS``, the command
 simulates ``--devices`` CPU devices (8 by default) so layouts can be compared on a laptop; on a
@@ -10,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from typing import Sequence
 
 DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -27,6 +32,9 @@ def _simulate_devices(count: int | None) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshdsl", description="Named-tensor models on a device mesh: train and benchmark layouts.")
     parser.add_argument("--devices", type=int, default=None, help="simulated CPU devices when no accelerator is present (default 8)")
+    parser.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="multi-process run: where process 0 listens (or MESHDSL_COORDINATOR)")
+    parser.add_argument("--num-processes", type=int, default=None, help="multi-process run: how many processes (or MESHDSL_NUM_PROCESSES)")
+    parser.add_argument("--process-id", type=int, default=None, help="multi-process run: this process, 0..N-1 (or MESHDSL_PROCESS_ID)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model under a layout")
@@ -42,6 +50,13 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--compute-dtype", default=None, choices=["float32", "bfloat16"], help="compute in bf16 with f32 master parameters")
     train.add_argument("--remat", action="store_true", help="recompute each layer's activations in the backward pass")
     train.add_argument("--grad-reduce-dtype", default=None, choices=["bfloat16"], help="sum gradients across devices in bf16 (half the bytes)")
+    train.add_argument("--log-json", default=None, metavar="FILE", help="also write each step's loss and time to FILE, one JSON object a line")
+    train.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="save checkpoints step_<N> here (and after the last step)")
+    train.add_argument("--save-every", type=int, default=0, metavar="N", help="save a checkpoint every N steps (default: only after the last)")
+    train.add_argument("--keep", type=int, default=3, metavar="K", help="keep the newest K checkpoints (default 3)")
+    train.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches per step (default: the layout's [pipeline], else 1)")
+    train.add_argument("--schedule", default=None, choices=["gpipe", "1f1b"], help="pipeline schedule (default: the layout's [pipeline], else 1f1b)")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir (any mesh, layout or device count)")
 
     bench = sub.add_parser("bench", help="compare layouts: step time, throughput, memory and communication")
     bench.add_argument("--model", nargs="+", default=["transformer"], help="models to benchmark")
@@ -53,7 +68,18 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--optimizer", default="adamw")
     bench.add_argument("--grad-reduce-dtype", default=None, choices=["bfloat16"], help="sum gradients across devices in bf16")
     bench.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a model config field, e.g. --set layers=32")
+    bench.add_argument("--microbatches", type=int, nargs="+", default=None, help="pipelined layouts: microbatch counts to measure (default: the layout's)")
+    bench.add_argument("--schedule", nargs="+", default=None, choices=["gpipe", "1f1b"], help="pipelined layouts: schedules to measure (default: the layout's)")
     bench.add_argument("--out", default="bench-results", help="folder for JSON, markdown and PNG charts")
+
+    from meshdsl.planner.commands import add_parsers
+
+    add_parsers(sub)
+
+    launch = sub.add_parser("launch", help="run 'train' or 'bench' as several processes on this host")
+    launch.add_argument("--local", type=int, required=True, metavar="N", help="number of processes")
+    launch.add_argument("--devices-per-process", type=int, default=None, metavar="D", help="simulated CPU devices in each (default 8 // N)")
+    launch.add_argument("run", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- train --preset tiny")
     return parser
 
 
@@ -77,10 +103,21 @@ def _overrides(items: Sequence[str]) -> dict[str, object]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    _simulate_devices(args.devices)
     from meshdsl.errors import MeshDslError
 
+    if args.command == "launch":
+        from meshdsl.launch import launch
+
+        try:
+            return launch(args.run, args.local, args.devices_per_process)
+        except MeshDslError as e:
+            print(f"meshdsl launch: error: {e}", file=sys.stderr)
+            return 2
+    _simulate_devices(args.devices or (getattr(args, "plan_devices", None) if getattr(args, "measure", 0) else None))
+    from meshdsl import distributed
+
     try:
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         overrides = _overrides(getattr(args, "set", []))
         if args.command == "train":
             from meshdsl.train.loop import RunConfig, train
@@ -89,18 +126,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                 model=args.model, preset=args.preset, layout=args.layout, steps=args.steps, optimizer=args.optimizer,
                 learning_rate=args.learning_rate, backend=args.backend, seed=args.seed, data=args.data,
                 compute_dtype=args.compute_dtype, remat=args.remat, grad_reduce_dtype=args.grad_reduce_dtype,
+                log_json=args.log_json, checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, keep=args.keep,
+                resume=args.resume, microbatches=args.microbatches, schedule=args.schedule,
             ))
+        elif args.command in ("explain", "calibrate", "search"):
+            from meshdsl.planner import commands
+
+            commands.run(args, overrides)
         else:
             from meshdsl.bench.run import BenchConfig, run
 
             run(BenchConfig(
                 models=args.model, preset=args.preset, layouts=args.layouts, rounds=args.rounds,
                 steps_per_round=args.steps_per_round, baseline=args.baseline, optimizer=args.optimizer, out=args.out,
-                grad_reduce_dtype=args.grad_reduce_dtype, overrides=overrides,
-            ))
+                grad_reduce_dtype=args.grad_reduce_dtype, overrides=overrides, microbatches=args.microbatches, schedules=args.schedule,
+            ), out=print if distributed.is_primary() else lambda line: None)
     except MeshDslError as e:
         print(f"meshdsl {args.command}: error: {e}", file=sys.stderr)
+        if distributed.joined():
+            distributed.exit_now(2)
         return 2
+    except (Exception, KeyboardInterrupt) as e:
+        if distributed.joined():
+            traceback.print_exc()
+            distributed.exit_now(130 if isinstance(e, KeyboardInterrupt) else 1)
+        raise
     return 0
 
 

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshdsl.dims import ShapeLike, as_shape
-from meshdsl.errors import LayoutError
+from meshdsl.errors import ConfigError, LayoutError
 from meshdsl.mesh import Mesh
 from meshdsl.relayout import Axes
 
@@ -104,6 +104,8 @@ class Layout:
 
     ``params``: optional separate rules for parameters and optimizer state (FSDP / ZeRO-3: stored
     split, gathered for compute). ``mesh_axes``: the mesh a layout file asks for, if any.
+    ``pipeline``: microbatches and schedule (:class:`meshdsl.pipeline.PipelineConfig`, or a
+    ``[pipeline]`` table) for a layout that splits ``layers`` into pipeline stages.
     """
 
     def __init__(
@@ -111,17 +113,22 @@ class Layout:
         rules: "str | Mapping[str, RuleValue] | Layout | None" = None,
         params: "str | Mapping[str, RuleValue] | Layout | None" = None,
         mesh_axes: Mapping[str, int] | None = None,
+        pipeline: Any = None,
     ):
+        from meshdsl.pipeline import PipelineConfig
+
         self.rules: dict[str, tuple[str, ...]] = _parse(rules)
+        self.pipeline: PipelineConfig = PipelineConfig.of(pipeline)
         self.params: Layout | None = None if params is None else Layout(params)
         self.mesh_axes: dict[str, int] | None = None if mesh_axes is None else dict(mesh_axes)
         if isinstance(rules, Layout):
             self.params = self.params or rules.params
             self.mesh_axes = self.mesh_axes or rules.mesh_axes
+            self.pipeline = rules.pipeline if pipeline is None else self.pipeline
 
     @classmethod
     def load(cls, path: str | Path) -> "Layout":
-        """Read a TOML layout file: ``[mesh]`` axis sizes, ``[rules]``, optional ``[params]`` (see ``layouts/``)."""
+        """Read a TOML layout file: ``[mesh]`` axis sizes, ``[rules]``, optional ``[params]`` and ``[pipeline]`` (see ``layouts/``)."""
         path = Path(path)
         if not path.is_file():
             raise LayoutError(f"layout file {str(path)!r} not found")
@@ -129,16 +136,16 @@ class Layout:
             data = tomllib.loads(path.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise LayoutError(f"layout file {str(path)!r} is not valid TOML: {e}") from None
-        unknown = set(data) - {"mesh", "rules", "params", "description"}
+        unknown = set(data) - {"mesh", "rules", "params", "pipeline", "description"}
         if unknown:
-            raise LayoutError(f"layout file {str(path)!r}: unknown table(s) {sorted(unknown)}; expected [mesh], [rules], [params]")
-        for table in ("mesh", "rules", "params"):
+            raise LayoutError(f"layout file {str(path)!r}: unknown table(s) {sorted(unknown)}; expected [mesh], [rules], [params], [pipeline]")
+        for table in ("mesh", "rules", "params", "pipeline"):
             if not isinstance(data.get(table, {}), dict):
                 raise LayoutError(f"layout file {str(path)!r}: [{table}] must be a table")
         try:
-            return cls(data.get("rules", {}), data.get("params"), data.get("mesh"))
-        except LayoutError as e:
-            raise LayoutError(f"layout file {str(path)!r}: {e}") from None
+            return cls(data.get("rules", {}), data.get("params"), data.get("mesh"), data.get("pipeline"))
+        except (LayoutError, ConfigError) as e:
+            raise type(e)(f"layout file {str(path)!r}: {e}") from None
 
     @property
     def param_layout(self) -> "Layout":

@@ -135,8 +135,32 @@ class Model:
         return self.head(params, x)
 
     def loss(self, params: dict[str, Any], batch: dict[str, md.Tensor]) -> md.Tensor:
-        """Mean next-token cross-entropy."""
-        return self.cross_entropy(self.logits(params, batch["inputs"]), batch["targets"])
+        """Mean next-token cross-entropy: ``post(layers(pre))``, as ``meshdsl.pipeline`` runs it in stages."""
+        x, _ = md.scan(lambda x, p: (self.layer(x, p), None), self.pre(params, batch), params["layers"], "layers", remat=self.config.remat)
+        return self.post(params, x, batch)
+
+    # The pipeline parts (``meshdsl.pipeline``): embedding, one layer, head and loss.
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether ``loss`` is ``post(layers(pre))``; a subclass that changes the loss (the MoE) is not."""
+        return type(self).loss is Model.loss
+
+    def with_batch(self, size: int) -> "Model":
+        """This model for batches of ``size`` rows (a pipeline's microbatches)."""
+        return type(self)(dataclasses.replace(self.config, batch=size))
+
+    def pre(self, params: dict[str, Any], batch: dict[str, md.Tensor]) -> md.Tensor:
+        """The residual stream entering the first layer."""
+        return self.embed(params, batch["inputs"])
+
+    def layer(self, x: md.Tensor, p: dict[str, md.Tensor]) -> md.Tensor:
+        """One layer, ``p`` its slice of ``params["layers"]``."""
+        return self._layer(x, p)
+
+    def post(self, params: dict[str, Any], x: md.Tensor, batch: dict[str, md.Tensor]) -> md.Tensor:
+        """The loss of the residual stream leaving the last layer."""
+        return self.cross_entropy(self.head(params, x), batch["targets"])
 
     def batch(self, key: jax.Array) -> dict[str, md.Tensor]:
         """A synthetic batch of the task in the module docstring."""

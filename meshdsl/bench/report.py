@@ -21,6 +21,13 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def _bubbles(p: dict[str, Any] | None) -> str:
+    """Pipelined entries: the bubble fraction in theory, of the schedule's ticks, and measured."""
+    if p is None:
+        return "-"
+    return "/".join("-" if p[k] is None else f"{p[k]:.2f}" for k in ("bubble_theoretical", "bubble_schedule", "bubble_measured"))
+
+
 COLUMNS = [
     ("model", lambda s: s["model"]),
     ("layout", lambda s: s["layout"]),
@@ -36,6 +43,8 @@ COLUMNS = [
     ("explain", lambda s: _fmt_bytes(s["predicted_bytes_per_device"]) + ("" if s["bytes_match_prediction"] else " (differs)")),
     ("÷ minimum", lambda s: _ratio(s["bytes_over_minimum"])),
     ("÷ jax", lambda s: _ratio(s["overhead_vs_jax"])),
+    ("bubble theory/ticks/measured", lambda s: _bubbles(s.get("pipeline"))),
+    ("temp/device", lambda s: _fmt_bytes(s["memory_bytes_per_device"]["temporaries"])),
 ]
 
 

@@ -21,6 +21,7 @@ from meshdsl import hlo
 from meshdsl.bench import analytic, baselines
 from meshdsl.bench.peaks import peak_flops
 from meshdsl.bench.report import write_reports
+from meshdsl.pipeline import PipelineConfig, bubble, schedule_bubble, stages
 from meshdsl.train import optim
 from meshdsl.train.loop import LAYOUTS, build_model
 from meshdsl.train.step import Trainer
@@ -39,6 +40,10 @@ class BenchConfig:
     seed: int = 0
     grad_reduce_dtype: str | None = None
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    microbatches: list[int] | None = None
+    """Pipelined layouts: the microbatch counts to measure, at a fixed microbatch size (None: the layout's)."""
+    schedules: list[str] | None = None
+    """Pipelined layouts: the schedules to measure (None: the layout's)."""
 
 
 @dataclasses.dataclass
@@ -61,6 +66,8 @@ class Entry:
     step_times: list[float] = dataclasses.field(default_factory=list)
     baseline_step_times: list[float] = dataclasses.field(default_factory=list)
     peak_flops: float | None = None
+    pipeline: dict[str, Any] | None = None
+    """Pipelined layouts: schedule, stages, microbatches and rows per microbatch, bubble fractions."""
 
     @property
     def step_s(self) -> float:
@@ -101,6 +108,7 @@ class Entry:
             "analytic_minimum_bytes": self.minimum_bytes,
             "bytes_over_minimum": None if not self.minimum_bytes else self.measured_bytes / self.minimum_bytes,
             "baseline_jax_step_s": baseline, "overhead_vs_jax": None if baseline is None else self.step_s / baseline,
+            "pipeline": self.pipeline,
         }
 
 
@@ -120,34 +128,53 @@ def _layout_paths(names: list[str] | None, model: Any) -> list[Path]:
     return [Path(n) if Path(n).exists() or n.endswith(".toml") else LAYOUTS / f"{n}.toml" for n in names]
 
 
-def _prepare(model_name: str, cfg: BenchConfig, path: Path, out: Callable[[str], None]) -> tuple[Entry, Callable, Callable | None] | None:
-    """Compile one model x layout; None (with a note) when the layout does not fit the model."""
+def _pipeline_variants(cfg: BenchConfig, path: Path, model_name: str) -> list[tuple[PipelineConfig, int] | None]:
+    """For a layout that splits ``layers``: each schedule x microbatch count asked for, with its batch
+    (microbatches x the rows per microbatch of the layout's own setting); else ``[None]``."""
     layout = md.Layout.load(path)
-    model = build_model(model_name, cfg.preset, **cfg.overrides)
+    if not layout.axes_of("layers"):
+        return [None]
+    own = layout.pipeline
+    rows = build_model(model_name, cfg.preset, **cfg.overrides).config.batch // own.microbatches
+    return [
+        (PipelineConfig(m, s), rows * m) for s in (cfg.schedules or [own.schedule]) for m in (cfg.microbatches or [own.microbatches])
+    ]
+
+
+def _prepare(
+    model_name: str, cfg: BenchConfig, path: Path, out: Callable[[str], None], variant: tuple[PipelineConfig, int] | None = None
+) -> tuple[Entry, Callable, Callable | None] | None:
+    """Compile one model x layout (x pipeline variant); None (with a note) when the layout does not fit the model."""
+    layout = md.Layout.load(path)
+    overrides = cfg.overrides if variant is None else {**cfg.overrides, "batch": variant[1]}
+    model = build_model(model_name, cfg.preset, **overrides)
+    label = path.stem if variant is None else f"{path.stem}[{variant[0].schedule} M={variant[0].microbatches}]"
+    optimizer = optim.make(cfg.optimizer)
     try:
         mesh = layout.mesh()
-        optimizer = optim.make(cfg.optimizer)
-        trainer = Trainer(model, optimizer, mesh, layout, grad_reduce_dtype=cfg.grad_reduce_dtype)
+        pipe = None if variant is None else variant[0]
+        trainer = Trainer(model, optimizer, mesh, layout, grad_reduce_dtype=cfg.grad_reduce_dtype, pipeline=pipe)
         key = jax.random.key(cfg.seed)
         state = trainer.init(jax.random.key_data(key))
         data = jax.random.key_data(jax.random.fold_in(key, 1))
         start = time.perf_counter()
         compiled = trainer.step.lower(state, data).compile()
         compile_s = time.perf_counter() - start
-    except md.LayoutError as e:
-        out(f"  {model_name} x {path.stem}: skipped, the layout does not fit: {e}")
+    except (md.LayoutError, md.ConfigError) as e:  # ConfigError: a pipeline the model or batch cannot take
+        out(f"  {model_name} x {label}: skipped, the layout does not fit: {e}")
         return None
     text = compiled.as_text()
     device = jax.devices()[0]
     dtype = getattr(model.config, "compute_dtype", "float32")
     entry = Entry(
-        model=model_name, preset=cfg.preset, layout=path.stem, mesh=str(mesh), devices=mesh.size, compile_s=compile_s,
+        model=model_name, preset=cfg.preset, layout=label, mesh=str(mesh), devices=mesh.size, compile_s=compile_s,
         flops_per_step=model.flops_per_step(), examples_per_step=model.examples_per_step(),
         example_unit="tokens" if hasattr(model.config, "length") else "examples",
         memory_bytes=_memory(compiled), measured=hlo.summary(text, num_devices=mesh.size),
         predicted=trainer.explain(state, data).summary(),
         minimum_bytes=analytic.minimum_bytes(path.stem, model, state["params"], mesh, layout, getattr(optimizer, "clip_norm", None) is not None),
         peak_flops=peak_flops(device.device_kind, dtype),
+        pipeline=None if pipe is None else _pipeline_fields(pipe, trainer, model),
     )
     holder = {"state": state}
 
@@ -161,6 +188,35 @@ def _prepare(model_name: str, cfg: BenchConfig, path: Path, out: Callable[[str],
         if baseline is None:
             out(f"  {model_name} x {path.stem}: no hand-written JAX baseline for this model")
     return entry, step, baseline
+
+
+def _pipeline_fields(pipe: PipelineConfig, trainer: Trainer, model: Any) -> dict[str, Any]:
+    from meshdsl.lowering.spmd import SpmdLowering
+
+    p = stages(SpmdLowering(trainer.mesh, trainer.layout), model.layers)[1]
+    m = pipe.microbatches
+    return {
+        "schedule": pipe.schedule, "stages": p, "microbatches": m, "microbatch_rows": model.config.batch // m,
+        "bubble_theoretical": bubble(p, m), "bubble_schedule": schedule_bubble(pipe.schedule, p, m), "bubble_measured": None,
+    }
+
+
+def _measure_bubbles(entries: list[Entry]) -> None:
+    """Measured bubble fraction of pipelined entries: ``1 - a M / t(M)``, with ``t(M) = a M + c`` fitted
+    (least squares) over the microbatch counts measured for one model x layout x schedule. ``c`` is
+    the step time that does not grow with M at a fixed microbatch size: pipeline fill and drain,
+    plus per-step work such as the optimizer. Needs two or more microbatch counts."""
+    groups: dict[tuple, list[Entry]] = {}
+    for e in entries:
+        if e.pipeline is not None:
+            groups.setdefault((e.model, e.layout.split("[")[0], e.pipeline["schedule"]), []).append(e)
+    for group in groups.values():
+        ms = [e.pipeline["microbatches"] for e in group]
+        if len(set(ms)) < 2:
+            continue
+        slope, _ = np.polyfit(ms, [e.step_s for e in group], 1)
+        for e, m in zip(group, ms):
+            e.pipeline["bubble_measured"] = 1 - slope * m / e.step_s
 
 
 def _timed(step: Callable[[], None], n: int) -> float:
@@ -177,10 +233,11 @@ def run(cfg: BenchConfig, out: Callable[[str], None] = print) -> list[dict[str, 
     prepared = []
     for model_name in cfg.models:
         for path in _layout_paths(cfg.layouts, build_model(model_name, cfg.preset, **cfg.overrides)):
-            item = _prepare(model_name, cfg, path, out)
-            if item is not None:
-                prepared.append(item)
-                out(f"  compiled {model_name} x {path.stem} in {item[0].compile_s:.1f} s")
+            for variant in _pipeline_variants(cfg, path, model_name):
+                item = _prepare(model_name, cfg, path, out, variant)
+                if item is not None:
+                    prepared.append(item)
+                    out(f"  compiled {model_name} x {item[0].layout} in {item[0].compile_s:.1f} s")
     for entry, step, baseline in prepared:
         step()
         if baseline is not None:
@@ -190,6 +247,8 @@ def run(cfg: BenchConfig, out: Callable[[str], None] = print) -> list[dict[str, 
             entry.step_times.append(_timed(step, cfg.steps_per_round))
             if baseline is not None:
                 entry.baseline_step_times.append(_timed(baseline, cfg.steps_per_round))
+    _measure_bubbles([entry for entry, _, _ in prepared])
     summaries = [entry.summary() for entry, _, _ in prepared]
-    out(write_reports(summaries, Path(cfg.out)))
+    if jax.process_index() == 0:  # a multi-process run: process 0 writes the reports
+        out(write_reports(summaries, Path(cfg.out)))
     return summaries

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import io
+import json
 import sys
 import time
 from pathlib import Path
@@ -12,6 +14,7 @@ import jax
 
 import meshdsl as md
 import models
+from meshdsl import distributed
 from meshdsl.errors import ConfigError
 from meshdsl.train import optim
 from meshdsl.train.data import TokenFile
@@ -34,6 +37,13 @@ class RunConfig:
     compute_dtype: str | None = None
     remat: bool = False
     grad_reduce_dtype: str | None = None
+    log_json: str | None = None
+    checkpoint_dir: str | None = None
+    save_every: int = 0
+    keep: int = 3
+    resume: bool = False
+    microbatches: int | None = None
+    schedule: str | None = None
 
 
 LAYOUTS = Path(__file__).resolve().parents[2] / "layouts"
@@ -66,15 +76,23 @@ def build_trainer(run: RunConfig, mesh: md.Mesh | None = None) -> Trainer:
     layout = load_layout(run.layout)
     kwargs = {} if run.learning_rate is None else {"learning_rate": run.learning_rate}
     optimizer = optim.make(run.optimizer, **kwargs)
-    return Trainer(model, optimizer, mesh or layout.mesh(), layout, run.backend, run.grad_reduce_dtype)
+    pipeline = layout.pipeline.replace(run.microbatches, run.schedule)
+    return Trainer(model, optimizer, mesh or layout.mesh(), layout, run.backend, run.grad_reduce_dtype, pipeline=pipeline)
 
 
 class Progress:
-    """One status line: step, a bar, loss, step time and examples (tokens) per second."""
+    """One status line: step, a bar, loss, step time and examples (tokens) per second.
 
-    def __init__(self, total: int, unit: str, out: TextIO):
+    With ``log_json``, also every step as a line ``{"step", "loss", "seconds"}`` in that file.
+    """
+
+    def __init__(self, total: int, unit: str, out: TextIO, log_json: str | None = None):
         self.total, self.unit, self.out = total, unit, out
         self.live = out.isatty()
+        try:
+            self.log = open(log_json, "w") if log_json else None
+        except OSError as e:
+            raise ConfigError(f"--log-json {log_json}: cannot write it: {e.strerror}") from None
 
     def update(self, step: int, loss: float, seconds: float, examples: int) -> None:
         done = int(20 * step / self.total)
@@ -89,27 +107,97 @@ class Progress:
         elif step == 1 or step == self.total or step % max(1, self.total // 20) == 0:
             self.out.write(line + "\n")
         self.out.flush()
+        if self.log:
+            self.log.write(json.dumps({"step": step, "loss": loss, "seconds": seconds}) + "\n")
+            self.log.flush()
+
+    def close(self) -> None:
+        if self.log:
+            self.log.close()
 
 
-def train(run: RunConfig, out: TextIO = sys.stdout) -> list[float]:
-    """Train as ``run`` says and return the loss of every step."""
-    trainer = build_trainer(run)
-    model, mesh, layout = trainer.model, trainer.mesh, trainer.layout
+def _run_metadata(run: RunConfig, model: Any) -> dict[str, Any]:
+    """What a checkpoint records about the run beside its state: model, config, optimizer, seed, data."""
+    config = json.loads(json.dumps(dataclasses.asdict(model.config)))
+    return {"model": run.model, "preset": run.preset, "config": config, "optimizer": run.optimizer,
+            "learning_rate": run.learning_rate, "seed": run.seed, "data": run.data, "layout": run.layout}
+
+
+def _check_resumable(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -> None:
+    """ConfigError unless the checkpoint was saved by the same model and optimizer (``remat`` may differ)."""
+    if not isinstance(saved.get("step"), int):
+        raise md.DataError(f"checkpoint {path} records no training step in its metadata; it was not saved by meshdsl train")
+    if saved.get("model") != mine["model"] or saved.get("optimizer") != mine["optimizer"]:
+        raise ConfigError(
+            f"checkpoint {path} holds model {saved.get('model')!r} with optimizer {saved.get('optimizer')!r}; "
+            f"this run has model {mine['model']!r} with optimizer {mine['optimizer']!r}"
+        )
+    config = saved.get("config") or {}
+    diffs = [f"{k}={config.get(k)!r} (this run: {v!r})" for k, v in mine["config"].items() if k != "remat" and config.get(k) != v]
+    if diffs:
+        raise ConfigError(f"checkpoint {path} was saved with a different {mine['model']} config: {', '.join(diffs)}")
+
+
+def _start(run: RunConfig, trainer: Trainer, manager: md.checkpoint.CheckpointManager | None, out: TextIO) -> tuple[Any, jax.Array, int]:
+    """State, data key and first step: fresh, or from the latest checkpoint when resuming."""
     key = jax.random.key(run.seed)
-    state = trainer.init(jax.random.key_data(key))
     data_key = jax.random.key_data(jax.random.fold_in(key, 1))
+    found = manager.latest() if manager is not None else None
+    if found is not None and not run.resume:
+        raise ConfigError(f"checkpoint dir {run.checkpoint_dir!r} already holds {found.name}; pass --resume to continue that run, or choose another dir")
+    if found is None:
+        if run.resume:
+            out.write(f"no checkpoint in {run.checkpoint_dir}; starting from step 0\n")
+        return trainer.init(jax.random.key_data(key)), data_key, 0
+    saved = md.checkpoint.read_manifest(found)["metadata"]
+    _check_resumable(found, saved, _run_metadata(run, trainer.model))
+    like = {**jax.eval_shape(trainer.init, jax.random.key_data(key)), "data_key": data_key}
+    state, _ = md.checkpoint.restore(found, trainer.mesh, trainer.layout.param_layout, like=like)
+    out.write(f"resuming from {found} at step {saved['step']}\n")
+    return state, state.pop("data_key"), int(saved["step"])
+
+
+def _save(manager: md.checkpoint.CheckpointManager, step: int, state: Any, data_key: jax.Array, metadata: dict[str, Any], out: TextIO) -> None:
+    """Save the state and data key as ``step_<step>`` and print one line."""
+    start = time.perf_counter()
+    path = manager.save(step, {**state, "data_key": data_key}, metadata)
+    size = sum(a.nbytes for a in jax.tree_util.tree_leaves(state)) / 2**20
+    out.write(f"saved checkpoint {path} ({size:.1f} MiB in {time.perf_counter() - start:.2f} s)\n")
+
+
+def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None) -> list[float]:
+    """Train as ``run`` says and return the loss of every step it ran.
+
+    In a multi-process run only process 0 writes to ``out`` and ``run.log_json``. ``mesh``
+    overrides the layout file's mesh. With ``run.checkpoint_dir`` it saves ``step_<N>`` every
+    ``run.save_every`` steps and after the last; with ``run.resume`` it continues from the latest
+    checkpoint there, so the losses returned are those of steps ``run.steps - len(losses) + 1``
+    to ``run.steps``.
+    """
+    if not distributed.is_primary():
+        out = io.StringIO()
+    if (run.resume or run.save_every) and run.checkpoint_dir is None:
+        raise ConfigError("--resume and --save-every need --checkpoint-dir")
+    manager = None if run.checkpoint_dir is None else md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
+    trainer = build_trainer(run, mesh)
+    model, mesh, layout = trainer.model, trainer.mesh, trainer.layout
     tokens = None
     if run.data is not None:
         c = model.config
         tokens = TokenFile(run.data, c.batch, c.length, c.vocab)
     out.write(f"meshdsl train: {run.model} {run.preset} on mesh {mesh} ({jax.devices()[0].platform}) under {layout}\n")
+    state, data_key, first = _start(run, trainer, manager, out)
+    metadata = _run_metadata(run, model)
     unit = "tokens" if hasattr(model.config, "length") else "examples"
-    progress = Progress(run.steps, unit, out)
+    progress = Progress(run.steps, unit, out, run.log_json if distributed.is_primary() else None)
     losses = []
-    for step in range(run.steps):
+    for step in range(first, run.steps):
         batch = data_key if tokens is None else tokens.batch_at(step, mesh, layout)
         start = time.perf_counter()
         state, loss = trainer.step(state, batch)
-        losses.append(float(loss))
+        losses.append(float(distributed.local_value(loss)))
         progress.update(step + 1, losses[-1], time.perf_counter() - start, model.examples_per_step())
+        if manager is not None and (manager.due(step + 1) or step + 1 == run.steps):
+            _save(manager, step + 1, state, data_key, metadata, out)
+    progress.close()
     return losses

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 
 import meshdsl as md
+from meshdsl import pipeline
+from meshdsl.pipeline import PipelineConfig
 from meshdsl.train.optim import Optimizer
 
 
@@ -31,13 +33,30 @@ class Trainer:
     layout: md.Layout
     backend: str = "spmd"
     grad_reduce_dtype: str | None = None
+    donate: bool = True
+    """The step reuses its input state's buffers for the new state (halves the state's memory);
+    a state passed to ``step`` cannot be used again. Pass False to keep it."""
+    pipeline: PipelineConfig | None = None
+    """Microbatches and schedule; None: the layout's ``[pipeline]``. The step is pipelined
+    (:mod:`meshdsl.pipeline`) when the layout splits ``layers`` or microbatches exceed 1."""
 
     def __post_init__(self) -> None:
+        self.pipeline = self.pipeline or self.layout.pipeline
+        layers = getattr(self.model, "layers", None)
+        split = self.layout.axes_of(layers.name) if isinstance(layers, md.Dim) else ()
+        self.pipelined = bool(split) or self.pipeline.microbatches > 1
+        if self.pipelined:
+            pipeline.check_model(self.model)
+            if self.backend != "spmd":
+                raise md.ConfigError(
+                    f"pipelining (layers split over {', '.join(split) or 'no axis'}, {self.pipeline.microbatches} microbatches) "
+                    f"needs the spmd backend, not {self.backend}"
+                )
         stored = self.layout.param_layout
         self.init = md.compile(self._init, self.mesh, self.layout, self.backend, out_layouts=stored)
         self.step = md.compile(
             self._step, self.mesh, self.layout, self.backend, in_layouts=(stored, None), out_layouts=(stored, None),
-            grad_reduce_dtype=self.grad_reduce_dtype,
+            grad_reduce_dtype=self.grad_reduce_dtype, donate_argnums=(0,) if self.donate else (),
         )
 
     def explain(self, state: dict[str, Any], data: Any) -> md.Report:
@@ -55,6 +74,8 @@ class Trainer:
         return {"params": params, "opt": opt, "step": jnp.zeros((), jnp.int32)}
 
     def loss_and_grads(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
+        if self.pipelined:
+            return pipeline.value_and_grad(self.model, params, batch, self.pipeline)
         return jax.value_and_grad(lambda p: self.model.loss(p, batch).array)(params)
 
     def _step(self, state: dict[str, Any], data: Any) -> tuple[dict[str, Any], jax.Array]:

@@ -1,0 +1,436 @@
+"""Checkpoints that describe themselves and reshard on load.
+
+A checkpoint is a directory: ``manifest.json`` (format version, each leaf's pytree path, kind,
+dtype, global shape and, for an ``md.Tensor``, its named dims; plus the caller's metadata) and
+one zarr v3 array per array leaf under ``arrays/``, written and read with tensorstore.
+
+``save`` writes each array in chunks of the shard shape it has on the saving mesh, and each
+process writes only the shards its devices hold with ``replica_id == 0``: replicated data is
+written once, and no two processes touch one chunk. Everything goes into a sibling directory
+``<path>.partial-<token>``; when every process has finished, process 0 writes the manifest,
+fsyncs, and renames it to ``path``. A crash leaves at most a ``.partial-`` directory, which
+nothing takes for a checkpoint.
+
+``restore`` lays every ``md.Tensor`` out on any mesh under any layout: each process reads only
+the slices its own devices hold (``jax.make_array_from_callback``), whatever the saving mesh was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import tensorstore as ts
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshdsl.dims import Dim, Shape
+from meshdsl.errors import ConfigError, DataError, LayoutError
+from meshdsl.layout import Layout
+from meshdsl.mesh import Mesh
+from meshdsl.tensor import Tensor
+
+FORMAT = "meshdsl-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+_STEP = re.compile(r"^step_(\d+)$")
+_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+_PLAIN = (bool, int, float, str)
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, Tensor)
+
+
+def _key(entry: Any) -> dict[str, Any]:
+    """A pytree path entry as JSON: ``{"key": k}``, ``{"attr": name}`` or ``{"index": i}``."""
+    if isinstance(entry, jax.tree_util.DictKey):
+        if not isinstance(entry.key, (str, int)):
+            raise DataError(f"checkpoint: dict key {entry.key!r} is neither a str nor an int")
+        return {"key": entry.key}
+    if isinstance(entry, jax.tree_util.GetAttrKey):
+        return {"attr": entry.name}
+    if isinstance(entry, jax.tree_util.SequenceKey):
+        return {"index": entry.idx}
+    if isinstance(entry, jax.tree_util.FlattenedIndexKey):
+        return {"index": entry.key}
+    raise DataError(f"checkpoint: unsupported pytree path entry {entry!r}")
+
+
+def _leaves(tree: Any) -> list[tuple[str, list[dict[str, Any]], Any]]:
+    """(path string, path as JSON, leaf) for every leaf; an ``md.Tensor`` is one leaf."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_tensor)[0]
+    return [(jax.tree_util.keystr(path), [_key(e) for e in path], leaf) for path, leaf in flat]
+
+
+def _process_zero() -> bool:
+    return jax.process_index() == 0
+
+
+def _barrier(name: str) -> None:
+    """Wait for every process (a no-op with one)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _token() -> str:
+    """A random token, the same on every process (process 0's, broadcast)."""
+    token = uuid.uuid4().bytes
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        token = np.asarray(multihost_utils.broadcast_one_to_all(np.frombuffer(token, np.uint8))).tobytes()
+    return token.hex()[:12]
+
+
+def _ts_spec(path: Path) -> dict[str, Any]:
+    return {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}
+
+
+def _describe(where: str, leaf: Any, index: int) -> dict[str, Any]:
+    """The manifest record of one leaf (without its path)."""
+    if isinstance(leaf, _PLAIN):
+        return {"kind": "value", "value": leaf}
+    if _is_tensor(leaf):
+        if leaf.pending:
+            raise DataError(f"checkpoint: leaf {where} holds pending partial sums; save the global value")
+        kind, array = "tensor", leaf.array
+    elif isinstance(leaf, jax.Array):
+        kind, array = "array", leaf
+    elif isinstance(leaf, (np.ndarray, np.generic)):
+        kind, array = "numpy", np.asarray(leaf)
+    else:
+        raise DataError(f"checkpoint: leaf {where} is a {type(leaf).__name__}; a checkpoint holds md.Tensors, arrays and plain scalars")
+    if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):
+        raise DataError(f"checkpoint: leaf {where} is a typed PRNG key; save jax.random.key_data(key) instead")
+    try:
+        ts.dtype(np.dtype(array.dtype).name)
+    except (ValueError, TypeError):
+        raise DataError(f"checkpoint: leaf {where} has dtype {array.dtype}, which tensorstore's zarr3 cannot store") from None
+    record = {"kind": kind, "array": f"arrays/{index}", "dtype": np.dtype(array.dtype).name, "shape": list(array.shape)}
+    if kind == "tensor":
+        record["dims"] = [[d.name, d.size] for d in leaf.shape]
+    return record
+
+
+def _chunks(array: Any) -> list[int]:
+    """Chunk shape: the shard shape on the saving mesh, so each chunk has one writer."""
+    shape = array.sharding.shard_shape(array.shape) if isinstance(array, jax.Array) else array.shape
+    return [max(1, n) for n in shape]
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root``, so the rename commits data already on disk."""
+    for folder, _, files in os.walk(root, topdown=False):
+        for name in files:
+            _fsync(Path(folder) / name)
+        _fsync(Path(folder))
+
+
+def _commit(tmp: Path, path: Path) -> None:
+    """Rename the finished ``tmp`` to ``path``; an existing ``path`` is swapped out, then deleted."""
+    _fsync_tree(tmp)
+    old = None
+    if path.exists():
+        old = path.with_name(f"{path.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync(path.parent)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def _create(tmp: Path, arrays: list[tuple[dict[str, Any], Any]]) -> None:
+    """Create ``tmp`` and an empty zarr3 array per record, chunked by the saving shard shape."""
+    tmp.mkdir(parents=True)
+    for record, array in arrays:
+        layout = {"shape": record["shape"], "data_type": record["dtype"], "codecs": _CODECS,
+                  "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": _chunks(array)}}}
+        ts.open({**_ts_spec(tmp / record["array"]), "metadata": layout}, create=True).result()
+
+
+def _write(tmp: Path, arrays: list[tuple[dict[str, Any], Any]]) -> None:
+    """Write this process's share: its devices' shards with ``replica_id == 0`` (numpy leaves: process 0)."""
+    writes = []
+    for record, array in arrays:
+        store = ts.open({**_ts_spec(tmp / record["array"]), "store_data_equal_to_fill_value": True}, open=True).result()
+        if isinstance(array, jax.Array):
+            writes += [store[s.index].write(np.asarray(s.data)) for s in array.addressable_shards if s.replica_id == 0]
+        elif _process_zero():
+            writes.append(store.write(np.asarray(array)))
+    for w in writes:
+        w.result()
+
+
+def save(path: str | Path, state: Any, *, metadata: dict[str, Any] | None = None) -> Path:
+    """Write ``state`` (a pytree of md Tensors, arrays and plain scalars) to the directory ``path``.
+
+    Every process must call it with the same tree. Returns ``path`` once committed. An existing
+    checkpoint at ``path`` is replaced only after the new one is complete.
+    """
+    path = Path(path)
+    metadata = dict(metadata or {})
+    try:
+        json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise DataError(f"checkpoint {str(path)!r}: metadata is not plain JSON: {e}") from None
+    leaves = _leaves(state)
+    records = [{"path": where, "keys": keys, **_describe(where, leaf, i)} for i, (where, keys, leaf) in enumerate(leaves)]
+    arrays = [(r, leaf.array if _is_tensor(leaf) else leaf) for r, (_, _, leaf) in zip(records, leaves) if r["kind"] != "value"]
+    tmp = path.with_name(f"{path.name}.partial-{_token()}")
+    if _process_zero():
+        _create(tmp, arrays)
+    _barrier(f"meshdsl.checkpoint.created:{tmp.name}")
+    _write(tmp, arrays)
+    _barrier(f"meshdsl.checkpoint.written:{tmp.name}")
+    if _process_zero():
+        manifest = {"format": FORMAT, "version": VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "processes": jax.process_count(), "leaves": records, "metadata": metadata}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _commit(tmp, path)
+    _barrier(f"meshdsl.checkpoint.committed:{tmp.name}")
+    return path
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``path``; DataError if missing, foreign or malformed."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DataError(f"checkpoint {str(path)!r} not found")
+    file = path / MANIFEST
+    if not file.is_file():
+        raise DataError(f"{str(path)!r} is not a meshdsl checkpoint (foreign directory: no {MANIFEST})")
+    try:
+        manifest = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{str(path)!r} is not a meshdsl checkpoint (foreign directory: {MANIFEST} is not JSON: {e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise DataError(f"{str(path)!r} is not a meshdsl checkpoint (foreign directory: {MANIFEST} has no format {FORMAT!r})")
+    if manifest.get("version") != VERSION:
+        raise DataError(f"checkpoint {str(path)!r} has format version {manifest.get('version')!r}; this meshdsl reads version {VERSION}")
+    if not isinstance(manifest.get("leaves"), list) or not isinstance(manifest.get("metadata"), dict):
+        raise DataError(f"checkpoint {str(path)!r} is corrupt: {MANIFEST} lacks its leaves or metadata")
+    for record in manifest["leaves"]:
+        if not _well_formed(record):
+            raise DataError(f"checkpoint {str(path)!r} is corrupt: malformed leaf record in {MANIFEST}: {json.dumps(record)[:200]}")
+    return manifest
+
+
+def _well_formed(record: Any) -> bool:
+    """Whether a manifest leaf record has the fields its kind needs, with the right types."""
+    if not isinstance(record, dict) or not isinstance(record.get("path"), str) or not isinstance(record.get("keys"), list):
+        return False
+    if not all(isinstance(e, dict) and len(e) == 1 and next(iter(e)) in ("key", "attr", "index") for e in record["keys"]):
+        return False
+    kind = record.get("kind")
+    if kind == "value":
+        return "value" in record
+    shape = record.get("shape")
+    if kind not in ("tensor", "array", "numpy") or not isinstance(record.get("array"), str) or not isinstance(record.get("dtype"), str):
+        return False
+    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        return False
+    dims = record.get("dims")
+    return kind != "tensor" or (isinstance(dims, list) and [d[1] if isinstance(d, list) and len(d) == 2 else None for d in dims] == shape)
+
+
+def _shape_of(record: dict[str, Any]) -> Shape:
+    return Shape(Dim(name, size) for name, size in record["dims"])
+
+
+def _check_like(path: Path, records: list[dict[str, Any]], like: Any) -> tuple[Any, list[dict[str, Any]]]:
+    """The tree structure of ``like`` and the records in its leaf order, after checking them against each other."""
+    expected = _leaves(like)
+    saved = {r["path"]: r for r in records}
+    missing = [w for w, _, _ in expected if w not in saved]
+    extra = sorted(set(saved) - {w for w, _, _ in expected})
+    if missing or extra:
+        raise DataError(f"checkpoint {str(path)!r} does not match the expected state: missing leaves {missing}, unexpected leaves {extra}")
+    for where, _, leaf in expected:
+        record = saved[where]
+        if record["kind"] == "value":
+            continue
+        if _is_tensor(leaf):
+            have = str(_shape_of(record)) if record["kind"] == "tensor" else f"an array of shape {tuple(record['shape'])}"
+            if record["kind"] != "tensor" or _shape_of(record) != leaf.shape:
+                raise DataError(f"checkpoint {str(path)!r}: leaf {where} is {have}, but the expected state has {leaf.shape}")
+        elif tuple(record["shape"]) != tuple(np.shape(leaf)):
+            raise DataError(f"checkpoint {str(path)!r}: leaf {where} has shape {tuple(record['shape'])}, but the expected state has {tuple(np.shape(leaf))}")
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and np.dtype(dtype).name != record["dtype"]:
+            raise DataError(f"checkpoint {str(path)!r}: leaf {where} has dtype {record['dtype']}, but the expected state has {np.dtype(dtype).name}")
+    return jax.tree_util.tree_structure(like, is_leaf=_is_tensor), [saved[w] for w, _, _ in expected]
+
+
+def _open(path: Path, record: dict[str, Any]) -> ts.TensorStore:
+    """The stored array of ``record``, checked against the manifest; DataError when missing or altered."""
+    where = f"checkpoint {str(path)!r}: leaf {record['path']}"
+    try:
+        store = ts.open({**_ts_spec(path / record["array"]), "fill_missing_data_reads": False}, open=True).result()
+    except ValueError as e:
+        raise DataError(f"{where}: array {record['array']} is missing or unreadable (corrupt checkpoint): {e}") from None
+    if tuple(store.shape) != tuple(record["shape"]) or store.dtype.name != record["dtype"]:
+        raise DataError(
+            f"{where}: array {record['array']} holds {store.dtype.name}{list(store.shape)}, but the manifest says "
+            f"{record['dtype']}{record['shape']} (corrupt checkpoint)"
+        )
+    return store
+
+
+def _result(path: Path, record: dict[str, Any], future: Any) -> np.ndarray:
+    """A read's data; DataError when the stored chunks are missing, truncated or fail their checksum."""
+    try:
+        return future.result()
+    except ValueError as e:
+        raise DataError(f"checkpoint {str(path)!r}: leaf {record['path']}: array {record['array']} is corrupt: {e}") from None
+
+
+def _span(index: tuple) -> tuple:
+    return tuple((s.start, s.stop, s.step) for s in index)
+
+
+def _load(path: Path, record: dict[str, Any], mesh: Mesh, layout: Layout) -> Any:
+    """One leaf, laid out on ``mesh``; each process reads only its devices' slices."""
+    if record["kind"] == "value":
+        return record["value"]
+    store = _open(path, record)
+    if record["kind"] == "numpy":
+        return _result(path, record, store.read())
+    shape = tuple(record["shape"])
+    if record["kind"] == "tensor":
+        named = _shape_of(record)
+        layout.axes(named, mesh, tensor=f"checkpoint leaf {record['path']}")
+        sharding = NamedSharding(mesh.jax_mesh, layout.spec(named))
+    else:
+        sharding = NamedSharding(mesh.jax_mesh, PartitionSpec())
+    wanted = {_span(i): i for i in sharding.addressable_devices_indices_map(shape).values()}
+    pending = {span: store[index].read() for span, index in wanted.items()}
+    blocks = {span: _result(path, record, future) for span, future in pending.items()}
+    array = jax.make_array_from_callback(shape, sharding, lambda index: blocks[_span(index)])
+    return Tensor(array, _shape_of(record)) if record["kind"] == "tensor" else array
+
+
+def _nest(node: Any) -> Any:
+    """Dicts keyed ``(is_index, key)`` as lists (all keys indices) or dicts (keys and attributes)."""
+    if not isinstance(node, dict):
+        return node
+    items = {k: _nest(v) for k, v in node.items()}
+    if items and all(is_index for is_index, _ in items):
+        return [v for (_, _), v in sorted(items.items(), key=lambda kv: kv[0][1])]
+    return {key: v for (_, key), v in items.items()}
+
+
+def _rebuild(records: list[dict[str, Any]], leaves: list[Any]) -> Any:
+    """The tree from the saved paths: dicts for keys and attributes, lists for indices."""
+    root: dict = {}
+    for record, leaf in zip(records, leaves):
+        keys = [("index" in e, e.get("key", e.get("attr", e.get("index")))) for e in record["keys"]]
+        if not keys:
+            return leaf
+        node = root
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = leaf
+    return _nest(root)
+
+
+def restore(path: str | Path, mesh: Mesh, layout: Layout | str | None = None, *, like: Any = None) -> tuple[Any, dict[str, Any]]:
+    """``(state, metadata)`` from the checkpoint at ``path``, laid out on ``mesh`` under ``layout``.
+
+    Every md Tensor is split as ``layout`` says for its named dims (pass ``layout.param_layout``
+    for parameters and optimizer state); other jax arrays come back replicated over ``mesh``,
+    numpy arrays as numpy arrays, plain scalars as they were. With ``like`` (a pytree of the
+    expected leaves: arrays, md Tensors, ``jax.ShapeDtypeStruct``, e.g. from ``jax.eval_shape``)
+    the state has ``like``'s tree structure and every leaf's shape and dtype are checked;
+    without it, the structure is rebuilt from the saved paths as nested dicts and lists.
+    """
+    path = Path(path)
+    manifest = read_manifest(path)
+    layout = layout if isinstance(layout, Layout) else Layout(layout)
+    records = manifest["leaves"]
+    if like is not None:
+        treedef, records = _check_like(path, records, like)
+    try:
+        leaves = [_load(path, r, mesh, layout) for r in records]
+    except LayoutError as e:
+        raise LayoutError(f"checkpoint {str(path)!r} does not fit mesh {mesh} under layout {layout}: {e}") from None
+    state = treedef.unflatten(leaves) if like is not None else _rebuild(records, leaves)
+    return state, manifest["metadata"]
+
+
+def steps(directory: str | Path) -> list[int]:
+    """Steps of the committed checkpoints ``step_<N>`` in ``directory``, ascending (partial ones never count)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP.match(p.name))]
+    return sorted(step for step, p in found if (p / MANIFEST).is_file())
+
+
+def latest(directory: str | Path) -> Path | None:
+    """The committed checkpoint with the highest step in ``directory``, or None."""
+    found = steps(directory)
+    return Path(directory) / f"step_{found[-1]}" if found else None
+
+
+class CheckpointManager:
+    """Checkpoints ``step_<N>`` of one training run in ``directory``.
+
+    ``save_every``: save when the step is a multiple of it (0: only when asked). ``keep``: after
+    each commit, delete all but the newest ``keep`` checkpoints (None: keep all).
+    """
+
+    def __init__(self, directory: str | Path, save_every: int = 0, keep: int | None = 3):
+        if save_every < 0:
+            raise ConfigError(f"save_every is {save_every}; it must be 0 (only at the end) or a positive step count")
+        if keep is not None and keep < 1:
+            raise ConfigError(f"keep is {keep}; a run keeps at least 1 checkpoint")
+        self.directory, self.save_every, self.keep = Path(directory), save_every, keep
+
+    def path(self, step: int) -> Path:
+        return self.directory / f"step_{step}"
+
+    def steps(self) -> list[int]:
+        return steps(self.directory)
+
+    def latest(self) -> Path | None:
+        return latest(self.directory)
+
+    def due(self, step: int) -> bool:
+        """Whether ``save_every`` asks for a checkpoint after ``step``."""
+        return self.save_every > 0 and step % self.save_every == 0
+
+    def save(self, step: int, state: Any, metadata: dict[str, Any] | None = None) -> Path:
+        """Save ``state`` as ``step_<step>`` (``metadata["step"] = step``), then drop stale and old checkpoints."""
+        if _process_zero():
+            self._remove_partials()
+        path = save(self.path(step), state, metadata={**(metadata or {}), "step": step})
+        if _process_zero() and self.keep is not None:
+            for old in self.steps()[: -self.keep]:
+                shutil.rmtree(self.path(old))
+        _barrier(f"meshdsl.checkpoint.pruned:{path.name}")
+        return path
+
+    def _remove_partials(self) -> None:
+        """Delete what crashed saves left (``step_<N>.partial-*``, ``step_<N>.old-*``)."""
+        if self.directory.is_dir():
+            for p in self.directory.iterdir():
+                if re.match(r"^step_\d+\.(partial|old)-", p.name):
+                    shutil.rmtree(p)

@@ -1,0 +1,188 @@
+"""``meshdsl launch --local N -- train ...``: a multi-process run on this host.
+
+Starts N processes of ``python -m meshdsl.cli <command>``, each with its own simulated CPU
+devices, joined through a coordinator on a free port of 127.0.0.1 (the ``MESHDSL_*`` variables
+that :mod:`meshdsl.distributed` reads). Their output is forwarded line by line as ``[p0] ...``.
+
+When a process ends badly (non-zero exit or a signal), the launcher says which one and how, gives
+the others the heartbeat timeout plus a margin to stop on their own (JAX ends them with a message
+naming the lost process), then sends SIGTERM and, 5 s later, SIGKILL: it never waits forever.
+Ctrl-C (SIGINT) and SIGTERM are forwarded to every process; a second one kills them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Sequence, TextIO
+
+from meshdsl import distributed
+from meshdsl.errors import ConfigError
+
+COMMANDS = ("train", "bench")
+MARGIN_S = 10
+"""Seconds beyond the heartbeat timeout that the others get to stop by themselves after a failure."""
+KILL_AFTER_S = 5
+"""Seconds between SIGTERM and SIGKILL."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def describe(code: int) -> str:
+    """How a process ended, from ``Popen.returncode``: ``exited with code 2``, ``was killed by SIGKILL``."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _exit_code(code: int) -> int:
+    """A shell-style exit status: 128 + signal for a process a signal ended."""
+    return 128 - code if code < 0 else code
+
+
+class _Forwarder:
+    """Copies each child's lines to our stdout / stderr with a ``[pI] `` prefix, whole lines at a time."""
+
+    def __init__(self, out: TextIO, err: TextIO):
+        self.out, self.err = out, err
+        self.lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+
+    def follow(self, rank: int, stream: IO[bytes], sink: TextIO) -> None:
+        def copy() -> None:
+            for raw in iter(stream.readline, b""):
+                line = raw.decode(errors="replace").rstrip("\r\n")
+                with self.lock:
+                    sink.write(f"[p{rank}] {line}\n")
+                    sink.flush()
+            stream.close()
+
+        thread = threading.Thread(target=copy, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(timeout=KILL_AFTER_S)
+
+
+def _command(command: Sequence[str]) -> list[str]:
+    command = list(command[1:] if command and command[0] == "--" else command)
+    if not command or command[0] not in COMMANDS:
+        got = f"{command[0]!r}" if command else "nothing"
+        raise ConfigError(f"meshdsl launch runs {' or '.join(COMMANDS)}, e.g. 'meshdsl launch --local 2 -- train --preset tiny'; got {got}")
+    return command
+
+
+def launch(command: Sequence[str], processes: int, devices_per_process: int | None = None,
+           out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """Run ``meshdsl <command>`` as ``processes`` processes on this host; the worst exit status.
+
+    ``devices_per_process``: simulated CPU devices in each (default ``8 // processes``, at least 1,
+    so that N processes together have the 8 devices of a one-process run).
+    """
+    command = _command(command)
+    if processes < 1:
+        raise ConfigError(f"--local {processes}: launch at least 1 process")
+    devices = max(1, 8 // processes) if devices_per_process is None else devices_per_process
+    if devices < 1:
+        raise ConfigError(f"--devices-per-process {devices}: each process needs at least 1 device")
+    grace = distributed.heartbeat_timeout() + MARGIN_S
+    coordinator = f"127.0.0.1:{free_port()}"
+    forward = _Forwarder(out, err)
+    children: list[subprocess.Popen] = []
+    try:
+        for rank in range(processes):
+            env = {
+                **os.environ, "PYTHONUNBUFFERED": "1", distributed.COORDINATOR_ENV: coordinator,
+                distributed.NUM_PROCESSES_ENV: str(processes), distributed.PROCESS_ID_ENV: str(rank),
+            }
+            child = subprocess.Popen(
+                [sys.executable, "-m", "meshdsl.cli", "--devices", str(devices), *command],
+                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+            )
+            children.append(child)
+            forward.follow(rank, child.stdout, out)
+            forward.follow(rank, child.stderr, err)
+        pids = ", ".join(f"process {r} pid {c.pid}" for r, c in enumerate(children))
+        _say(err, forward, f"{processes} processes x {devices} devices, coordinator {coordinator}: {pids}")
+        codes = _supervise(children, grace, err, forward)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                _signal(child, signal.SIGKILL)
+                child.wait()
+        forward.join()
+    return max(_exit_code(c) for c in codes)
+
+
+def _say(err: TextIO, forward: _Forwarder, message: str) -> None:
+    with forward.lock:
+        err.write(f"meshdsl launch: {message}\n")
+        err.flush()
+
+
+def _signal(child: subprocess.Popen, sig: signal.Signals) -> None:
+    """Send ``sig`` to the child's process group (it and anything it started)."""
+    try:
+        os.killpg(child.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _supervise(children: list[subprocess.Popen], grace: float, err: TextIO, forward: _Forwarder) -> list[int]:
+    """Wait for every child; after the first failure or interrupt, stop the rest by the deadlines."""
+    interrupts: list[signal.Signals] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        interrupts.append(signal.Signals(signum))
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
+    try:
+        stop_at: float | None = None
+        terminated = False
+        forwarded = 0
+        while None in (now := [c.poll() for c in children]):
+            if len(interrupts) > forwarded:
+                sig = signal.SIGKILL if forwarded else interrupts[forwarded]
+                forwarded = len(interrupts)
+                _say(err, forward, f"{interrupts[-1].name}: sending {sig.name} to every process")
+                for child in children:
+                    _signal(child, sig)
+                stop_at = stop_at or time.monotonic() + grace
+            failed = [(rank, code) for rank, code in enumerate(now) if code not in (None, 0)]
+            if failed and stop_at is None:
+                stop_at = time.monotonic() + grace
+                rank, code = failed[0]
+                _say(err, forward, f"process {rank} {describe(code)}; stopping the others (at most {grace + KILL_AFTER_S:.0f} s)")
+            if stop_at is not None and time.monotonic() > stop_at and not terminated:
+                terminated = True
+                _say(err, forward, "sending SIGTERM to the processes still running")
+                for child in children:
+                    _signal(child, signal.SIGTERM)
+            if terminated and time.monotonic() > stop_at + KILL_AFTER_S:
+                for child in children:
+                    _signal(child, signal.SIGKILL)
+            time.sleep(0.1)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    codes = [c.wait() for c in children]
+    failed = [f"process {r} {describe(c)}" for r, c in enumerate(codes) if c != 0]
+    if failed:
+        _say(err, forward, "; ".join(failed))
+    return codes

@@ -1,0 +1,160 @@
+"""``meshdsl calibrate``: measure the devices at hand into a :class:`DeviceProfile`.
+
+Every measurement runs on all devices at once (one ``shard_map``), as a training step does, so
+devices that share hardware (simulated CPU devices share the host's cores) are measured as they
+will run. Measured: the matmul rate (f32, and bf16 where the device has it), the memory
+bandwidth of element-wise work, and for each collective kind, each mesh axis of a 1-D and a 2-D
+mesh and several buffer sizes, the time of one call. Latency and bandwidth per kind are the
+least-squares line ``time = latency + bytes / bandwidth`` through those points, with bytes from
+:func:`meshdsl.collectives.bytes_moved` (the cost model's own rule).
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshdsl.collectives import Collective, bytes_moved
+from meshdsl.planner.profile import KINDS, DeviceProfile, Link
+
+SIZES = (2**14, 2**17, 2**20)
+"""Buffer bytes per device the collectives are measured at."""
+
+
+def _time(fn: Callable[[], Any], repeats: int = 5, inner: int = 3) -> float:
+    """Median seconds of one call of ``fn`` (after a warm-up call)."""
+    jax.block_until_ready(fn())
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            out = fn()
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / inner)
+    return statistics.median(samples)
+
+
+def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> jax.sharding.Mesh:
+    return jax.sharding.Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
+
+
+def _per_device(mesh: jax.sharding.Mesh, body: Callable, local_shape: tuple[int, ...], dtype: Any) -> Callable[[], Any]:
+    """``body`` run on every device of ``mesh`` on a local array of ``local_shape``."""
+    names = mesh.axis_names
+    global_shape = (local_shape[0] * mesh.size, *local_shape[1:])
+    spec = P(names)
+    x = jax.device_put(jnp.ones(global_shape, dtype), NamedSharding(mesh, spec))
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    return functools.partial(fn, x)
+
+
+def matmul_rate(mesh: jax.sharding.Mesh, dtype: Any, n: int = 512) -> float:
+    """FLOP/s of one device doing ``n x n`` matmuls while every device does."""
+    seconds = _time(_per_device(mesh, lambda x: x @ x, (n, n), dtype))
+    return 2.0 * n**3 / seconds
+
+
+def memory_bandwidth(mesh: jax.sharding.Mesh, nbytes: int = 2**24) -> float:
+    """Bytes/s of element-wise work per device (written and read once, as the cost model counts)."""
+    seconds = _time(_per_device(mesh, lambda x: x * 1.5 + 1.0, (nbytes // 4,), jnp.float32))
+    return 2.0 * nbytes / seconds
+
+
+def _collective(kind: str, axis: str) -> Callable[[jax.Array], jax.Array]:
+    if kind == Collective.ALL_REDUCE.value:
+        return lambda x: lax.psum(x, axis)
+    if kind == Collective.ALL_GATHER.value:
+        return lambda x: lax.all_gather(x, axis, tiled=True)
+    if kind == Collective.REDUCE_SCATTER.value:
+        return lambda x: lax.psum_scatter(x, axis, tiled=True)
+    if kind == Collective.ALL_TO_ALL.value:
+        return lambda x: lax.all_to_all(x, axis, 0, 0, tiled=True)
+
+    def shift(x: jax.Array) -> jax.Array:  # collective-permute: every device sends to the next along the axis
+        size = lax.axis_size(axis)
+        return lax.ppermute(x, axis, [(i, (i + 1) % size) for i in range(size)])
+
+    return shift
+
+
+def _buffer(kind: str, nbytes: int, n: int) -> int:
+    """The buffer ``bytes_moved`` prices (see meshdsl.collectives) for a local input of ``nbytes``."""
+    return nbytes * n if kind == Collective.ALL_GATHER.value else nbytes
+
+
+def collective_times(mesh: jax.sharding.Mesh, axis: str, kind: str, sizes: tuple[int, ...] = SIZES) -> list[tuple[float, float]]:
+    """(bytes moved per device, seconds) of ``kind`` over ``axis`` of ``mesh`` at each local input size."""
+    n = mesh.shape[axis]
+    out = []
+    for nbytes in sizes:
+        local = (max(n, nbytes // 4 // n * n),)
+        names = mesh.axis_names
+        spec = P(names)
+        x = jax.device_put(jnp.ones((local[0] * mesh.size,), jnp.float32), NamedSharding(mesh, spec))
+        fn = jax.jit(jax.shard_map(_collective(kind, axis), mesh=mesh, in_specs=spec, out_specs=P(names), check_vma=False))
+        seconds = _time(functools.partial(fn, x))
+        out.append((bytes_moved(Collective(kind), _buffer(kind, local[0] * 4, n), n), seconds))
+    return out
+
+
+def fit(points: list[tuple[float, float]]) -> Link:
+    """Least-squares ``seconds = latency + bytes / bandwidth`` (latency and 1/bandwidth kept positive)."""
+    x = np.array([b for b, _ in points])
+    y = np.array([s for _, s in points])
+    slope, intercept = np.polyfit(x, y, 1)
+    slope = max(slope, 1e-15)
+    return Link(latency_s=float(max(intercept, 0.0)), bandwidth=float(1.0 / slope))
+
+
+def _meshes(count: int) -> list[jax.sharding.Mesh]:
+    meshes = [_mesh((count,), ("all",))]
+    if count >= 4 and count % 2 == 0:
+        meshes.append(_mesh((2, count // 2), ("outer", "inner")))
+    return meshes
+
+
+def calibrate(name: str, out: Callable[[str], None] = print) -> tuple[DeviceProfile, list[dict[str, Any]]]:
+    """Measure the devices at hand; the profile and every raw measurement."""
+    devices = jax.devices()
+    count = len(devices)
+    meshes = _meshes(count)
+    rates = {"float32": matmul_rate(meshes[0], jnp.float32)}
+    out(f"  matmul float32: {rates['float32'] / 1e9:.2f} GFLOP/s per device")
+    bandwidth = memory_bandwidth(meshes[0])
+    out(f"  element-wise: {bandwidth / 1e9:.2f} GB/s per device")
+    raw: list[dict[str, Any]] = []
+    links = {}
+    for kind in KINDS:
+        points = []
+        for mesh in meshes:
+            for axis in mesh.axis_names:
+                for moved, seconds in collective_times(mesh, axis, kind):
+                    points.append((moved, seconds))
+                    raw.append({"collective": kind, "mesh": dict(mesh.shape), "axis": axis, "bytes_moved": moved, "seconds": seconds})
+        links[kind] = fit(points)
+        out(f"  {kind}: latency {links[kind].latency_s * 1e6:.1f} us, {links[kind].bandwidth / 1e9:.2f} GB/s per device")
+    device = devices[0]
+    profile = DeviceProfile(
+        name=name, source=f"measured by meshdsl calibrate on {count} x {device.device_kind} ({device.platform})",
+        platform=device.platform, device_kind=device.device_kind, memory_bytes=_memory_bytes(device),
+        memory_bandwidth=bandwidth, node_size=count, intra=links, inter=links, matmul_flops=rates,
+    )
+    return profile, raw
+
+
+def _memory_bytes(device: Any) -> float:
+    """The device's memory (its allocator's limit, or the host's RAM shared by every simulated device)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return float(stats["bytes_limit"])
+    import os
+
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / len(jax.devices())

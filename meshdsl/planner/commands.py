@@ -1,0 +1,131 @@
+"""The planner's commands: ``meshdsl explain``, ``meshdsl calibrate`` and ``meshdsl search``.
+
+Imports of JAX and the planner happen inside the handlers, after the CLI has chosen the devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Callable
+
+COMMANDS = ("explain", "calibrate", "search")
+
+
+def add_parsers(sub: Any) -> None:
+    """Add the planner's subcommands to the ``meshdsl`` parser's subparsers."""
+    explain = sub.add_parser("explain", help="predict one layout: communication per op, memory, FLOPs, step time")
+    explain.add_argument("--model", default="transformer", help="mlp, transformer, moe or convnet")
+    explain.add_argument("--preset", default="small", help="tiny, small or 1b")
+    explain.add_argument("--layout", default="data_parallel", help="a layout TOML file, a shipped layout name, or rules")
+    explain.add_argument("--optimizer", default="adamw")
+    explain.add_argument("--profile", default=None, help="device profile (shipped name or JSON file; default: the devices at hand)")
+    explain.add_argument("--no-compile", action="store_true", help="skip compiling the step for its own memory figure")
+    explain.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a model config field")
+
+    calibrate = sub.add_parser("calibrate", help="measure the devices at hand into a device profile (JSON)")
+    calibrate.add_argument("--name", default=None, help="the profile's name (default: from the device)")
+    calibrate.add_argument("--out", default=None, help="where to write it (default: <name>.json)")
+
+    search = sub.add_parser("search", help="rank meshes and layouts of a model by predicted step time")
+    search.add_argument("--model", default="transformer")
+    search.add_argument("--preset", default="small")
+    search.add_argument("--devices", dest="plan_devices", type=int, default=None, help="devices to plan for (default: those at hand)")
+    search.add_argument("--memory-gb", type=float, default=None, help="memory per device in GB (default: the profile's)")
+    search.add_argument("--profile", default=None, help="device profile (shipped name or JSON file; default: the devices at hand)")
+    search.add_argument("--optimizer", default="adamw")
+    search.add_argument("--top", type=int, default=5, help="candidates to print")
+    search.add_argument("--out", default=None, metavar="FILE", help="write the best layout as a TOML file")
+    search.add_argument("--measure", type=int, default=0, metavar="K", help="compile and time the top K on the devices at hand")
+    search.add_argument("--no-pipeline", action="store_true", help="leave out pipelined (layers: stage) candidates")
+    search.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a model config field")
+
+
+def run(args: argparse.Namespace, overrides: dict[str, object], out: Callable[[str], None] = print) -> None:
+    """Run the planner command ``args.command``."""
+    {"explain": _explain, "calibrate": _calibrate, "search": _search}[args.command](args, overrides, out)
+
+
+def _profile(spec: str | None) -> Any:
+    from meshdsl.planner.profile import default_profile, load_profile
+
+    return default_profile() if spec is None else load_profile(spec)
+
+
+def _explain(args: argparse.Namespace, overrides: dict[str, object], out: Callable[[str], None]) -> None:
+    from meshdsl.planner.cost import predict
+    from meshdsl.planner.measure import compile_step, compiled_memory
+    from meshdsl.planner.search import Candidate
+    from meshdsl.train import optim
+    from meshdsl.train.loop import build_model, load_layout
+
+    model = build_model(args.model, args.preset, **overrides)
+    layout = load_layout(args.layout)
+    mesh = layout.mesh()
+    profile = _profile(args.profile)
+    optimizer = optim.make(args.optimizer)
+    prediction = predict(model, optimizer, mesh.axis_sizes, layout, profile)
+    compiled = None
+    if not args.no_compile:
+        compiled = compiled_memory(compile_step(model, optimizer, Candidate(mesh.axis_sizes, layout), 0)[1])
+    out(f"meshdsl explain: {args.model} {args.preset} on mesh {mesh} under {layout}" + (f" | params {layout.params}" if layout.params else ""))
+    out(f"profile {profile.name} ({profile.source})\n")
+    out(str(prediction.report) + "\n")
+    out(prediction.table(compiled))
+
+
+def _calibrate(args: argparse.Namespace, overrides: dict[str, object], out: Callable[[str], None]) -> None:
+    import jax
+
+    from meshdsl.planner.calibrate import calibrate
+
+    device = jax.devices()[0]
+    name = args.name or ("cpu-sim" if device.platform == "cpu" else device.device_kind.lower().replace(" ", "-"))
+    out(f"meshdsl calibrate: {len(jax.devices())} x {device.device_kind} ({device.platform})")
+    profile, raw = calibrate(name, out)
+    path = Path(args.out or f"{name}.json")
+    profile.save(path, measurements=raw)
+    out(f"wrote {path}")
+
+
+def _search(args: argparse.Namespace, overrides: dict[str, object], out: Callable[[str], None]) -> None:
+    import time
+
+    import jax
+
+    from meshdsl.errors import ConfigError
+    from meshdsl.planner.measure import measure
+    from meshdsl.planner.search import GiB, search, write_layout
+    from meshdsl.train import optim
+    from meshdsl.train.loop import build_model
+
+    devices = args.plan_devices or jax.device_count()
+    profile = _profile(args.profile)
+    model = build_model(args.model, args.preset, **overrides)
+    optimizer = optim.make(args.optimizer)
+    limit = None if args.memory_gb is None else args.memory_gb * 1e9
+    start = time.perf_counter()
+    result = search(model, optimizer, devices, profile, limit, pipeline=not args.no_pipeline)
+    seconds = time.perf_counter() - start
+    out(
+        f"meshdsl search: {args.model} {args.preset} on {devices} devices, profile {profile.name}, "
+        f"{(limit or profile.memory_bytes) / GiB:.2f} GiB per device: {len(result.ranked)} fit, {len(result.dropped)} dropped, "
+        f"{result.traced} traced, nothing compiled, {seconds:.1f} s"
+    )
+    top = result.ranked[: args.top]
+    measured: list[float | None] = [None] * len(top)
+    if args.measure:
+        if devices != jax.device_count():
+            raise ConfigError(f"--measure times layouts on the devices at hand ({jax.device_count()}), but the search planned for {devices}")
+        k = min(args.measure, len(result.ranked))
+        times = measure(model, optimizer, [c for c, _ in result.ranked[:k]])
+        top = result.ranked[: max(k, len(top))]
+        measured = times + [None] * (len(top) - k)
+    header = f"{'#':>3}  {'predicted ms':>12}  {'measured ms':>11}  {'memory GiB':>10}  {'moved GiB':>9}  layout"
+    out(header)
+    for i, ((cand, pred), meas) in enumerate(zip(top, measured), 1):
+        m = "" if meas is None else f"{meas * 1e3:.2f}"
+        out(f"{i:>3}  {pred.step_s * 1e3:12.2f}  {m:>11}  {pred.memory.total / GiB:10.3f}  {pred.total_bytes / GiB:9.3f}  {cand.name}")
+    if args.out:
+        write_layout(*result.best, args.out, profile)
+        out(f"wrote the best layout to {args.out}")

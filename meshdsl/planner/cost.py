@@ -1,0 +1,107 @@
+"""The cost model: one model x mesh x layout priced on a device profile, without running it.
+
+Communication is ``md.explain``'s (the traced program's own collectives, priced by
+:func:`meshdsl.collectives.bytes_moved`, equal to the compiled HLO's); memory is
+:mod:`~meshdsl.planner.memory`'s; work is :mod:`~meshdsl.planner.flops`'. Time is
+
+    compute = matmul FLOPs / matmul rate + memory bytes / memory bandwidth
+    each collective = calls x latency + bytes / bandwidth (its kind, on the link its axes span)
+
+and the step time is their sum (no overlap assumed: meshdsl's collectives sit between the ops
+that need them). A pipelined step's bubble is in its traced program (idle stages still run
+their masked iterations), so it needs no term of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import meshdsl as md
+from meshdsl.explain import Report, _merge, _walk
+from meshdsl.planner import memory as memory_model
+from meshdsl.planner.flops import Work, work
+from meshdsl.planner.profile import DeviceProfile
+from meshdsl.planner.program import block
+from meshdsl.planner.trace import Traced, shard_map_body, trace_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """What one step of a model under a layout costs per device."""
+
+    axis_sizes: Mapping[str, int]
+    layout: md.Layout
+    report: Report
+    memory: memory_model.MemoryBreakdown
+    work: Work
+    compute_s: float
+    collective_s: Mapping[str, float]
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + sum(self.collective_s.values())
+
+    @property
+    def total_bytes(self) -> float:
+        return self.report.total_bytes
+
+    def bytes_by_kind(self) -> dict[str, float]:
+        return {k: v["bytes"] for k, v in self.report.summary().items()}
+
+    def table(self, compiled_memory: int | None = None) -> str:
+        """The memory, work and time breakdown as aligned text (the collectives are ``str(report)``)."""
+        mib = 2.0**20
+        m = self.memory
+        lines = [
+            "memory per device (MiB)",
+            f"  parameters          {m.parameters / mib:12.3f}",
+            f"  optimizer state     {m.optimizer_state / mib:12.3f}",
+            f"  gradients           {m.gradients / mib:12.3f}",
+            f"  peak activations    {m.activations / mib:12.3f}",
+            f"  total (predicted)   {m.total / mib:12.3f}",
+        ]
+        if compiled_memory is not None:
+            lines.append(f"  total (compiled)    {compiled_memory / mib:12.3f}   ({m.total / compiled_memory - 1:+.1%})")
+        lines += [
+            f"FLOPs per device      {self.work.matmul_flops:14.4g}",
+            "predicted step time (ms)",
+            f"  compute             {self.compute_s * 1e3:12.3f}",
+        ]
+        lines += [f"  {kind:<20}{s * 1e3:12.3f}" for kind, s in self.collective_s.items()]
+        lines.append(f"  total               {self.step_s * 1e3:12.3f}")
+        return "\n".join(lines)
+
+
+def span(axes: tuple[str, ...], axis_sizes: Mapping[str, int]) -> int:
+    """How many consecutive devices a group over ``axes`` spans (the last mesh axis varies fastest)."""
+    names = list(axis_sizes)
+    stride = {a: math.prod(axis_sizes[b] for b in names[i + 1:]) for i, a in enumerate(names)}
+    return max((stride[a] * axis_sizes[a] for a in axes), default=1)
+
+
+def _dtype(model: Any) -> str:
+    return str(getattr(model.config, "compute_dtype", "float32"))
+
+
+def price(traced: Traced, model: Any, profile: DeviceProfile) -> Prediction:
+    """The :class:`Prediction` of an already traced step."""
+    sizes = traced.mesh.axis_sizes
+    rows: list = []
+    _walk(traced.jaxpr, 1, sizes, profile.platform == "cpu", rows)
+    report = Report(_merge(rows))
+    body = block(shard_map_body(traced.jaxpr))
+    mem = memory_model.breakdown(traced.state, traced.batch, traced.layout, traced.mesh, body)
+    done = work(body)
+    compute = done.matmul_flops / profile.matmul_rate(_dtype(model)) + done.memory_bytes / profile.memory_bandwidth
+    comm: dict[str, float] = {}
+    for r in report.rows:
+        link = profile.link(r.collective.value, span(r.axes, sizes))
+        comm[r.collective.value] = comm.get(r.collective.value, 0.0) + link.seconds(r.bytes, r.count)
+    return Prediction(dict(sizes), traced.layout, report, mem, done, compute, comm)
+
+
+def predict(model: Any, optimizer: Any, axis_sizes: Mapping[str, int], layout: md.Layout, profile: DeviceProfile, grad_reduce_dtype: str | None = None) -> Prediction:
+    """Trace one training step of ``model`` on a mesh of ``axis_sizes`` under ``layout`` and price it."""
+    return price(trace_step(model, optimizer, axis_sizes, layout, grad_reduce_dtype), model, profile)

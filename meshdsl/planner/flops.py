@@ -1,0 +1,71 @@
+"""The work one device does in a traced step: matmul FLOPs and bytes written to memory.
+
+Counted on the per-device program, so replicated work (every device of a ``model`` axis
+computing the same thing) counts as often as it runs, and loop bodies count once per iteration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from meshdsl.planner.memory import FUSIBLE, materialised
+from meshdsl.planner.program import Block, Step, nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """``matmul_flops``: 2 x multiply-adds of dots and convolutions; ``memory_bytes``: bytes of
+    buffers written, plus bytes of buffers read (once per reading step)."""
+
+    matmul_flops: float
+    memory_bytes: float
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(self.matmul_flops + other.matmul_flops, self.memory_bytes + other.memory_bytes)
+
+    def __mul__(self, k: float) -> "Work":
+        return Work(self.matmul_flops * k, self.memory_bytes * k)
+
+
+def _dot_flops(step: Step) -> float:
+    (contract, _), _ = step.params["dimension_numbers"]
+    lhs = step.in_avals[0].shape
+    return 2.0 * math.prod(step.out_avals[0].shape) * math.prod(lhs[d] for d in contract)
+
+
+def _conv_flops(step: Step) -> float:
+    rhs = step.in_avals[1].shape
+    spec = step.params["dimension_numbers"].rhs_spec  # (out feature, in feature, spatial...)
+    kernel = math.prod(rhs[d] for d in spec[1:])
+    return 2.0 * math.prod(step.out_avals[0].shape) * kernel
+
+
+def work(block: Block) -> Work:
+    """The :class:`Work` of ``block``, loop bodies times their trip counts.
+
+    Memory bytes: each buffer is written once, and read once by every non-fusible step that uses
+    it plus once by the element-wise steps that use it (XLA fuses those into one loop).
+    """
+    keep = materialised(block) | set(block.inputs)
+    readers: dict[int, int] = {}
+    fused_read: set[int] = set()
+    size: dict[int, int] = {}
+    total = Work(0.0, 0.0)
+    for step in block.steps:
+        for v, aval in zip(step.ins, step.in_avals):
+            if v in keep:
+                size[v] = nbytes(aval)
+                if step.name in FUSIBLE:
+                    fused_read.add(v)
+                else:
+                    readers[v] = readers.get(v, 0) + 1
+        if step.name == "dot_general":
+            total += Work(_dot_flops(step), 0.0)
+        elif step.name == "conv_general_dilated":
+            total += Work(_conv_flops(step), 0.0)
+        total += Work(0.0, float(sum(b for v, b in step.outs if v in keep)))
+        for body, times in step.bodies:
+            total += work(body) * times
+    reads = sum(b * (readers.get(v, 0) + (v in fused_read)) for v, b in size.items())
+    return total + Work(0.0, float(reads))

@@ -1,0 +1,120 @@
+"""Device profiles: how fast a device computes and how fast its collectives run.
+
+A profile gives the matmul rate, the memory bandwidth (for element-wise work), the memory size,
+and for each collective kind a latency and a bandwidth, once for links inside a node (NVLink,
+ICI) and once across nodes. A mesh axis whose devices all sit in one node (``node_size``
+consecutive devices; the last mesh axis is the fastest-varying) uses the inside link.
+
+Shipped profiles (``meshdsl/planner/profiles/*.json``) come from vendor datasheets, except
+``cpu-sim``, which ``meshdsl calibrate`` measured on the simulated CPU mesh. A datasheet profile
+leaves its matmul rate to :mod:`meshdsl.bench.peaks` (the one table of peak FLOP/s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping
+
+from meshdsl.bench.peaks import peak_flops
+from meshdsl.collectives import Collective
+from meshdsl.errors import ConfigError
+
+KINDS = tuple(c.value for c in Collective)
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One collective kind on one kind of link: ``latency_s`` per call plus bytes / ``bandwidth`` (bytes/s per device)."""
+
+    latency_s: float
+    bandwidth: float
+
+    def seconds(self, nbytes: float, calls: int) -> float:
+        return calls * self.latency_s + nbytes / self.bandwidth
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    """What the cost model needs to know about one device kind (see the module docstring)."""
+
+    name: str
+    source: str
+    platform: str
+    device_kind: str
+    memory_bytes: float
+    memory_bandwidth: float
+    node_size: int
+    intra: Mapping[str, Link]
+    inter: Mapping[str, Link]
+    matmul_flops: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    def matmul_rate(self, dtype: str = "float32") -> float:
+        """Matmul FLOP/s of one device in ``dtype``: measured, else the datasheet peak from bench.peaks."""
+        if dtype in self.matmul_flops:
+            return self.matmul_flops[dtype]
+        peak = peak_flops(self.device_kind, dtype)
+        if peak is None:
+            raise ConfigError(f"device profile {self.name!r} has no matmul rate for {dtype} and bench.peaks knows no peak for {self.device_kind!r}")
+        return peak
+
+    def link(self, kind: str, span: int) -> Link:
+        """The link a collective of ``kind`` over a group spanning ``span`` consecutive devices uses."""
+        return (self.intra if span <= self.node_size else self.inter)[kind]
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["intra"] = {k: dataclasses.asdict(v) for k, v in self.intra.items()}
+        data["inter"] = {k: dataclasses.asdict(v) for k, v in self.inter.items()}
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], where: str) -> "DeviceProfile":
+        try:
+            links = {side: {k: Link(**data[side][k]) for k in KINDS} for side in ("intra", "inter")}
+            fields = {k: data[k] for k in ("name", "source", "platform", "device_kind", "memory_bytes", "memory_bandwidth", "node_size")}
+        except (KeyError, TypeError) as e:
+            raise ConfigError(f"device profile {where}: missing or malformed field {e}") from None
+        return cls(**fields, **links, matmul_flops=dict(data.get("matmul_flops", {})))
+
+    def save(self, path: str | Path, measurements: list[dict[str, Any]] | None = None) -> None:
+        """Write as JSON; ``measurements``: calibration's raw points, kept beside the fit for reference."""
+        data = self.to_json() | ({"measurements": measurements} if measurements else {})
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def shipped() -> list[str]:
+    """Names of the shipped profiles."""
+    return sorted(p.name[:-5] for p in resources.files("meshdsl.planner").joinpath("profiles").iterdir() if p.name.endswith(".json"))
+
+
+def load_profile(spec: str | Path) -> DeviceProfile:
+    """A profile from a JSON file, or a shipped one by name (``h100``, ``cpu-sim``, ...)."""
+    path = Path(spec)
+    if path.is_file():
+        text, where = path.read_text(), repr(str(path))
+    elif str(spec) in shipped():
+        text, where = resources.files("meshdsl.planner").joinpath("profiles", f"{spec}.json").read_text(), repr(str(spec))
+    else:
+        raise ConfigError(f"device profile {str(spec)!r} is neither a file nor a shipped profile ({', '.join(shipped())})")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"device profile {where} is not valid JSON: {e}") from None
+    return DeviceProfile.from_json(data, where)
+
+
+def default_profile() -> DeviceProfile:
+    """The profile of the devices at hand: ``cpu-sim`` on CPU, else the shipped one whose device kind matches."""
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return load_profile("cpu-sim")
+    for name in shipped():
+        profile = load_profile(name)
+        if profile.device_kind.lower() in device.device_kind.lower() or device.device_kind.lower() in profile.device_kind.lower():
+            return profile
+    raise ConfigError(f"no shipped device profile matches {device.device_kind!r}; run meshdsl calibrate and pass --profile FILE")

@@ -1,0 +1,85 @@
+"""The per-device program of one training step, traced on an abstract mesh.
+
+``jax.sharding.AbstractMesh`` has axis names and sizes but no devices; ``jax.shard_map`` over it
+traces to a jaxpr with the local (per-device) shapes and every collective meshdsl emits, exactly
+as ``md.explain`` sees them on real devices. So a 64-device layout is planned on a laptop, and
+nothing is compiled or computed: tracing costs the same for a tiny model and a 1B one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: drop what XLA drops as dead
+from jax.sharding import AbstractMesh, AxisType
+
+import meshdsl as md
+from meshdsl.lowering.base import Lowering
+from meshdsl.lowering.context import use
+from meshdsl.planner.memory import peak_bytes
+from meshdsl.planner.program import block
+from meshdsl.train.step import Trainer
+
+
+def abstract_mesh(axis_sizes: Mapping[str, int]) -> md.Mesh:
+    """An ``md.Mesh`` of ``axis_sizes`` over no devices: enough to trace, not to run."""
+    mesh = object.__new__(md.Mesh)
+    mesh.axis_sizes = {k: int(v) for k, v in axis_sizes.items()}
+    mesh.jax_mesh = AbstractMesh(tuple(mesh.axis_sizes.values()), tuple(mesh.axis_sizes), axis_types=(AxisType.Auto,) * len(axis_sizes))
+    return mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A model's synthetic batch: its global shapes, and the peak bytes of making it on one device."""
+
+    shapes: Any
+    making_peak: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """A traced training step: its jaxpr (dead code dropped), the abstract state and batch, the mesh."""
+
+    jaxpr: Any
+    state: Any
+    batch: Batch
+    mesh: md.Mesh
+    layout: md.Layout
+
+
+def abstract_batch(model: Any) -> Batch:
+    """The synthetic batch of ``model``, traced once on global arrays (the same under every layout)."""
+    with use(Lowering()):
+        closed, shapes = jax.make_jaxpr(model.batch, return_shape=True)(jax.ShapeDtypeStruct((2,), jnp.uint32))
+    return Batch(shapes, peak_bytes(block(closed.jaxpr), count_outputs=False))
+
+
+def trace_step(
+    model: Any, optimizer: Any, axis_sizes: Mapping[str, int], layout: md.Layout, grad_reduce_dtype: str | None = None, batch: Batch | None = None
+) -> Traced:
+    """Trace one step of ``model`` under ``layout`` on a mesh of ``axis_sizes``; LayoutError if illegal.
+
+    The step is traced on a batch of ``batch``'s shapes (default :func:`abstract_batch`) given as
+    an input, not on the synthetic batch made from a key inside the step: making that batch has
+    no collectives, and tracing it costs far more than the step itself for long sequences.
+    """
+    mesh = abstract_mesh(axis_sizes)
+    trainer = Trainer(model, optimizer, mesh, layout, grad_reduce_dtype=grad_reduce_dtype)
+    with use(Lowering()):
+        state = jax.eval_shape(trainer._init, jax.ShapeDtypeStruct((2,), jnp.uint32))
+    batch = abstract_batch(model) if batch is None else batch
+    closed = jax.make_jaxpr(trainer.step.spmd_function)(state, batch.shapes)
+    jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    return Traced(jaxpr, state, batch, mesh, layout)
+
+
+def shard_map_body(jaxpr: Any) -> Any:
+    """The per-device jaxpr inside the program's one ``shard_map``."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            return eqn.params["jaxpr"]
+    raise ValueError("the traced step has no shard_map")

@@ -1,0 +1,213 @@
+"""Multi-process runs: ``meshdsl launch`` against a one-process run, a killed process, bad flags.
+
+These start real processes (2 x 4 simulated CPU devices, joined through gloo), so each launch
+costs a JAX start-up and a compile; the models are the smallest presets.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meshdsl import distributed
+from meshdsl import launch as launch_module
+from meshdsl.errors import ConfigError
+from meshdsl.launch import describe, free_port
+from meshdsl.train.loop import RunConfig, train
+
+ROOT = Path(__file__).resolve().parents[1]
+HANG_GUARD_S = 600  # only stops a hung run from stalling CI; never a performance bound
+# The launched processes compile with XLA's cheap CPU pipeline (half the compile time); the losses
+# still agree with the fully optimized one-process reference to 1e-5.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}", **extra}
+
+
+def _launch_cmd(*run: str, processes: int = 2) -> list[str]:
+    return [sys.executable, "-m", "meshdsl.cli", "launch", "--local", str(processes), "--devices-per-process", "4", "--", *run]
+
+
+def _pids(output: str) -> list[int]:
+    """The children's pids from the launcher's first line."""
+    return [int(p) for p in re.findall(r"process \d+ pid (\d+)", output)]
+
+
+def _kill_leftovers(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+LAYOUTS = ["dp_tp", "fsdp"]
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[subprocess.Popen, Path]]]:
+    """Both layouts' 2-process runs, started together: they overlap each other and the references."""
+    runs = {}
+    for layout in LAYOUTS:
+        folder = tmp_path_factory.mktemp(layout)
+        cmd = _launch_cmd("train", "--model", "transformer", "--preset", "tiny", "--layout", layout, "--steps", str(STEPS),
+                          "--log-json", str(folder / "losses.jsonl"))
+        with open(folder / "output.txt", "w") as output:
+            runs[layout] = (subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=output, stderr=subprocess.STDOUT), folder)
+    yield runs
+    for proc, folder in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        _kill_leftovers(_pids((folder / "output.txt").read_text()))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_processes_match_one(layout: str, launched: dict[str, tuple[subprocess.Popen, Path]]) -> None:
+    """2 processes x 4 devices train exactly as 1 process x 8 devices, and only process 0 prints."""
+    reference = train(RunConfig(model="transformer", preset="tiny", layout=layout, steps=STEPS), out=io.StringIO())
+    proc, folder = launched[layout]
+    try:
+        code = proc.wait(timeout=HANG_GUARD_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"meshdsl launch hung:\n{(folder / 'output.txt').read_text()}")
+    output = (folder / "output.txt").read_text()
+    assert code == 0, output
+    got = [json.loads(line) for line in (folder / "losses.jsonl").read_text().splitlines()]
+    assert [g["step"] for g in got] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([g["loss"] for g in got], reference, rtol=1e-5)
+    assert "[p0] meshdsl train: transformer tiny on mesh" in output
+    assert re.search(rf"\[p0\] step +{STEPS}/{STEPS} ", output)
+    assert not re.search(r"\[p1\] (meshdsl train|step)", output), output
+
+
+def test_killed_process_stops_the_run() -> None:
+    """SIGKILL process 1 mid-run: process 0 and the launcher stop, each naming process 1."""
+    env = _env(**{distributed.HEARTBEAT_ENV: "5"})
+    cmd = _launch_cmd("train", "--model", "mlp", "--preset", "tiny", "--layout", "data_parallel", "--steps", "100000")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    guard = threading.Timer(HANG_GUARD_S, proc.kill)
+    guard.start()
+    lines: list[str] = []
+    pids: list[int] = []
+    killed = False
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            pids = pids or _pids(line)
+            if not killed and re.match(r"\[p0\] step +1/", line):
+                os.kill(pids[1], signal.SIGKILL)
+                killed = True
+        code = proc.wait()
+    finally:
+        guard.cancel()
+        if proc.poll() is None:
+            proc.kill()
+        _kill_leftovers(pids)
+    output = "".join(lines)
+    assert killed, output
+    assert code not in (0, -signal.SIGKILL), output  # the launcher ended with an error, not by the hang guard
+    assert "meshdsl launch: process 1 was killed by SIGKILL" in output
+    # process 0 stops by itself: JAX's coordinator names the task whose heartbeats stopped
+    assert re.search(r"\[p0\] .*tasks are unhealthy \(stopped sending heartbeats\):", output), output
+    assert "\n[p0] 1\n" in output
+    assert not any(_alive(pid) for pid in pids)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"coordinator": "127.0.0.1:1234", "num_processes": 2, "process_id": 3}, "--process-id 3 is outside 0..1 for --num-processes 2"),
+        ({"coordinator": "127.0.0.1:1234", "num_processes": 2}, "needs --process-id"),
+        ({"num_processes": 2, "process_id": 0}, "needs --coordinator HOST:PORT"),
+        ({"coordinator": "127.0.0.1", "num_processes": 2, "process_id": 0}, "'127.0.0.1' is not HOST:PORT"),
+        ({"coordinator": "127.0.0.1:1234", "process_id": 0}, "needs --num-processes"),
+    ],
+)
+def test_bad_process_flags(flags: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        distributed.resolve(**flags, environ={})
+
+
+def test_process_group_from_flags_environment_and_cluster() -> None:
+    env = {distributed.COORDINATOR_ENV: "h:1", distributed.NUM_PROCESSES_ENV: "4", distributed.PROCESS_ID_ENV: "2"}
+    assert distributed.resolve(environ=env) == distributed.ProcessGroup("h:1", 4, 2)
+    assert distributed.resolve(process_id=3, environ=env) == distributed.ProcessGroup("h:1", 4, 3)
+    assert distributed.resolve(environ={}) is None
+    assert distributed.resolve(num_processes=1, process_id=0, environ={}) is None
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+    assert distributed.resolve(environ={**slurm, "SLURM_NTASKS": "2"}) == distributed.ProcessGroup(None, None, None)
+    assert distributed.resolve(environ={**slurm, "SLURM_NTASKS": "1"}) is None
+    with pytest.raises(ConfigError, match="MESHDSL_NUM_PROCESSES='two' is not an integer"):
+        distributed.resolve(environ={distributed.NUM_PROCESSES_ENV: "two"})
+
+
+def test_wait_for_coordinator() -> None:
+    """A process other than 0 waits for the coordinator to listen, and says so when it never does."""
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        distributed.wait_for_coordinator(f"127.0.0.1:{listening.getsockname()[1]}", timeout=5)
+    port = free_port()
+    with pytest.raises(ConfigError, match=rf"no coordinator answers at 127.0.0.1:{port} after 1 s"):
+        distributed.wait_for_coordinator(f"127.0.0.1:{port}", timeout=1)
+
+
+def test_bad_process_id_on_the_command_line() -> None:
+    """The CLI prints the mistake as one line and exits with 2 before starting anything."""
+    cmd = [sys.executable, "-m", "meshdsl.cli", "--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "3", "train"]
+    done = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "meshdsl train: error: --process-id 3 is outside 0..1 for --num-processes 2"
+
+
+def test_launch_rejects_other_commands() -> None:
+    with pytest.raises(ConfigError, match="meshdsl launch runs train or bench.*got 'explain'"):
+        launch_module.launch(["--", "explain"], 2)
+    with pytest.raises(ConfigError, match="--local 0"):
+        launch_module.launch(["train"], 0)
+
+
+def test_launcher_stops_processes_that_outlive_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a failure: the grace period, then SIGTERM, then SIGKILL for one that ignores SIGTERM."""
+    monkeypatch.setattr(launch_module, "KILL_AFTER_S", 0.5)
+    shell = ["exit 3", "sleep 60", "trap '' TERM; sleep 60"]
+    children = [subprocess.Popen(["sh", "-c", s], start_new_session=True) for s in shell]
+    err = io.StringIO()
+    try:
+        codes = launch_module._supervise(children, 0.5, err, launch_module._Forwarder(io.StringIO(), err))
+    finally:
+        _kill_leftovers([c.pid for c in children])
+    assert codes == [3, -signal.SIGTERM, -signal.SIGKILL]
+    lines = err.getvalue().splitlines()
+    assert lines[0] == "meshdsl launch: process 0 exited with code 3; stopping the others (at most 1 s)"
+    assert lines[1] == "meshdsl launch: sending SIGTERM to the processes still running"
+    assert lines[-1] == "meshdsl launch: process 0 exited with code 3; process 1 was killed by SIGTERM; process 2 was killed by SIGKILL"
+
+
+def test_describe_exit() -> None:
+    assert describe(2) == "exited with code 2"
+    assert describe(-signal.SIGKILL) == "was killed by SIGKILL"
