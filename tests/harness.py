@@ -291,3 +291,14 @@ def _check_gradients(fn, args, reference, expected, mesh_, layout, tol, explain,
             assert_laid_out(g, layout, mesh_, f"{b} gradient")
         if explain and b == "spmd":
             assert_explain_matches_hlo(grad_fn, mesh_, layout, grad_args, compiled)
+
+
+def train(trainer: Any, steps: int) -> tuple[np.ndarray, Any]:
+    """``steps`` steps of ``trainer`` on the synthetic task from seed 0 (data key 1): (losses, final state)."""
+    state = trainer.init(jax.random.key_data(jax.random.key(0)))
+    key = jax.random.key_data(jax.random.key(1))
+    losses = []
+    for _ in range(steps):
+        state, loss = trainer.step(state, key)
+        losses.append(float(loss))
+    return np.array(losses), state

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+import harness
 import meshdsl as md
 from meshdsl import hlo, pipeline
 from meshdsl.train import optim
@@ -72,14 +73,6 @@ def test_schedule_matches_one_device_and_explain_matches_hlo(schedule):
     assert predicted == hlo.summary(compiled.as_text(), num_devices=mesh.size)
 
 
-def _train(trainer: Trainer, steps: int = 3) -> list[float]:
-    state = trainer.init(jax.random.key_data(jax.random.key(0)))
-    key = jax.random.key_data(jax.random.key(1))
-    losses = []
-    for _ in range(steps):
-        state, loss = trainer.step(state, key)
-        losses.append(float(loss))
-    return losses
 
 
 def test_trainer_with_shipped_pipeline_layout_trains_like_one_device():
@@ -89,7 +82,7 @@ def test_trainer_with_shipped_pipeline_layout_trains_like_one_device():
     pipelined = Trainer(model, optim.adamw(1e-2), layout.mesh(), layout)
     assert pipelined.pipelined
     single = Trainer(model, optim.adamw(1e-2), md.Mesh({"x": 1}), md.Layout())
-    np.testing.assert_allclose(_train(pipelined), _train(single), rtol=1e-5)
+    np.testing.assert_allclose(harness.train(pipelined, 3)[0], harness.train(single, 3)[0], rtol=1e-5)
 
 
 def _temp_bytes(schedule: str, microbatches: int, rows: int = 2) -> int:

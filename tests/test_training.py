@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+import harness
 import meshdsl as md
 import models.mlp as mlp
 import models.transformer as transformer
@@ -24,14 +25,7 @@ SINGLE = (md.Mesh({"x": 1}), md.Layout())
 
 
 def _losses(model, optimizer, mesh, layout, steps=5):
-    trainer = Trainer(model, optimizer, mesh, layout)
-    state = trainer.init(jax.random.key_data(jax.random.key(0)))
-    key = jax.random.key_data(jax.random.key(1))
-    out = []
-    for _ in range(steps):
-        state, loss = trainer.step(state, key)
-        out.append(float(loss))
-    return np.array(out), state
+    return harness.train(Trainer(model, optimizer, mesh, layout), steps)
 
 
 MODELS = {
