@@ -5,8 +5,9 @@ in it: the forward ops', and those of any ``jax.grad`` inside the function. Each
 meshdsl op that emitted it (from the ``md.<op>`` name scope every op opens), the tensor, the
 collective, its mesh axes and the bytes one device moves, priced by
 :func:`meshdsl.collectives.bytes_moved`. Loops count once per iteration (``scan`` multiplies by
-its length); dead code is dropped and repeated identical computations are counted once, as XLA
-drops and merges them. The compiled program runs exactly
+its length); a length-1 ``scan`` is replaced by its body, as XLA removes a one-trip loop; then
+dead code is dropped and repeated identical computations are counted once, as XLA drops and
+merges them. The compiled program runs exactly
 these collectives, which the tests check against
 its HLO (:mod:`meshdsl.hlo`).
 """
@@ -16,11 +17,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: drop what XLA would drop as dead
 from jax.extend import core as jex_core
 
@@ -176,6 +178,124 @@ def _merge(rows: list[Communication]) -> tuple[Communication, ...]:
     return tuple(merged.values())
 
 
+_Memo = dict[int, tuple[Any, Any]]
+"""Rewritten jaxprs by ``id`` of the original (kept alongside, so the id stays its own)."""
+
+
+def _same(new: Sequence[Any], old: Sequence[Any]) -> bool:
+    """Whether ``new`` holds exactly the objects of ``old`` (identity: jaxpr variables have no value equality)."""
+    return len(new) == len(old) and all(a is b for a, b in zip(new, old))
+
+
+def _atom(v: Any, env: Mapping[Any, Any]) -> Any:
+    """What ``v`` stands for under ``env`` (literals and unmapped variables are themselves)."""
+    return env.get(v, v) if isinstance(v, jex_core.Var) else v
+
+
+def _defined(v: Any, env: dict[Any, Any]) -> Any:
+    """A fresh variable for the binder ``v`` of an inlined body, recorded in ``env`` (drop-vars stay).
+
+    Fresh, so that a body inlined twice does not define one variable twice.
+    """
+    if isinstance(v, jex_core.DropVar):
+        return v
+    env[v] = jex_core.Var(v.aval)
+    return env[v]
+
+
+def _reshape(primitive: Any, params: dict[str, Any], source: Any, target: Any, scan: jex_core.JaxprEqn) -> jex_core.JaxprEqn:
+    """``target = primitive(source)``: the leading length-1 axis a scan adds to or takes from its slices."""
+    return jex_core.new_jaxpr_eqn([source], [target], primitive, params, jex_core.no_effects, scan.source_info)
+
+
+def _body_inlined(scan: jex_core.JaxprEqn, subst: dict[Any, Any]) -> list[jex_core.JaxprEqn]:
+    """The equations of the length-1 ``scan``'s body, wired to its operands and results.
+
+    Each ``xs`` operand loses its leading axis of 1 and each ``ys`` result gains it back; the
+    carried results are recorded in ``subst`` for the equations after ``scan`` to read instead.
+    """
+    closed, n_carry = scan.params["jaxpr"], scan.params["num_carry"]
+    body, n_in = closed.jaxpr, scan.params["num_consts"] + n_carry
+    env: dict[Any, Any] = {v: jex_core.Literal(c, v.aval) for v, c in zip(body.constvars, closed.consts)}
+    env.update(zip(body.invars[:n_in], scan.invars[:n_in]))
+    eqns = [
+        _reshape(lax.squeeze_p, {"dimensions": (0,)}, x, _defined(v, env), scan)
+        for x, v in zip(scan.invars[n_in:], body.invars[n_in:])
+    ]
+    for e in body.eqns:
+        invars = [_atom(v, env) for v in e.invars]
+        eqns.append(e.replace(invars=invars, outvars=[_defined(v, env) for v in e.outvars]))
+    results = [_atom(v, env) for v in body.outvars]
+    subst.update((v, r) for v, r in zip(scan.outvars[:n_carry], results[:n_carry]) if not isinstance(v, jex_core.DropVar))
+    for v, y in zip(scan.outvars[n_carry:], results[n_carry:]):
+        params = {"shape": v.aval.shape, "broadcast_dimensions": tuple(range(1, v.aval.ndim)), "sharding": None}
+        eqns.append(_reshape(lax.broadcast_in_dim_p, params, y, v, scan))
+    return eqns
+
+
+def _memoized(key: Any, make: Callable[[], Any], memo: _Memo) -> Any:
+    """``make()``, once per ``key`` object: a jaxpr that equations share stays shared, so
+    :func:`_cse_key` (which compares sub-jaxprs by identity) still finds them equal."""
+    if id(key) not in memo:
+        memo[id(key)] = (key, make())
+    return memo[id(key)][1]
+
+
+def _param_inlined(value: Any, memo: _Memo) -> Any:
+    """An equation parameter with the one-trip scans of the jaxprs in it inlined (``value`` itself if none)."""
+    if isinstance(value, (tuple, list)):
+        items = [_param_inlined(v, memo) for v in value]
+        return value if _same(items, value) else type(value)(items)
+    if isinstance(value, jex_core.ClosedJaxpr):
+        inner = _one_trip_scans_inlined(value.jaxpr, memo)
+        return value if inner is value.jaxpr else _memoized(value, lambda: value.replace(jaxpr=inner), memo)
+    if isinstance(value, jex_core.Jaxpr):
+        return _one_trip_scans_inlined(value, memo)
+    return value
+
+
+def _one_trip_scans_inlined(jaxpr: jex_core.Jaxpr, memo: _Memo) -> jex_core.Jaxpr:
+    """``jaxpr`` with every length-1 ``scan``, at any depth, replaced by its body (``jaxpr`` itself if none).
+
+    XLA removes a one-trip loop, after which the parts of its body that only the loop's dead
+    results need are dead code. Jaxpr DCE cannot see that inside a scan: it keeps a carry live
+    when the next iteration would read it, and one trip has no next iteration.
+    """
+    return _memoized(jaxpr, lambda: _eqns_inlined(jaxpr, memo), memo)
+
+
+def _eqns_inlined(jaxpr: jex_core.Jaxpr, memo: _Memo) -> jex_core.Jaxpr:
+    """One pass of :func:`_one_trip_scans_inlined` over ``jaxpr``'s equations, sub-jaxprs first."""
+    eqns: list[jex_core.JaxprEqn] = []
+    subst: dict[Any, Any] = {}
+    for eqn in jaxpr.eqns:
+        params = {k: _param_inlined(v, memo) for k, v in eqn.params.items()}
+        invars = [_atom(v, subst) for v in eqn.invars]
+        if not (_same(list(params.values()), list(eqn.params.values())) and _same(invars, eqn.invars)):
+            eqn = eqn.replace(params=params, invars=invars)
+        if eqn.primitive.name == "scan" and eqn.params["length"] == 1:
+            eqns += _body_inlined(eqn, subst)
+        else:
+            eqns.append(eqn)
+    if _same(eqns, jaxpr.eqns):
+        return jaxpr
+    return jaxpr.replace(eqns=eqns, outvars=[_atom(v, subst) for v in jaxpr.outvars])
+
+
+def report_of_jaxpr(jaxpr: jex_core.Jaxpr, axis_sizes: Mapping[str, int], cpu: bool) -> Report:
+    """The collectives of a traced spmd program (``make_jaxpr(...).jaxpr``) on a mesh of ``axis_sizes``.
+
+    What :func:`explain` reports, for a jaxpr already traced: the planner prices the program it
+    traced itself with it. One-trip scans are inlined and dead code dropped first, as XLA does;
+    ``cpu``: 16-bit float reductions count as f32, as XLA on CPU runs them.
+    """
+    inlined = _one_trip_scans_inlined(jaxpr, {})
+    live, _ = pe.dce_jaxpr(inlined, [True] * len(inlined.outvars))
+    rows: list[Communication] = []
+    _walk(live, 1, axis_sizes, cpu, rows)
+    return Report(_merge(rows))
+
+
 def explain(
     fn: Any,
     mesh: Mesh,
@@ -188,7 +308,4 @@ def explain(
     """The collectives ``md.compile(fn, mesh, layout, ...)`` runs on ``args``, per op, with bytes per device."""
     program = Compiled(fn, mesh, layout, in_layouts=in_layouts, out_layouts=out_layouts, grad_reduce_dtype=grad_reduce_dtype).spmd_function
     closed = jax.make_jaxpr(program)(*args)
-    jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
-    rows: list[Communication] = []
-    _walk(jaxpr, 1, mesh.axis_sizes, mesh.devices.flat[0].platform == "cpu", rows)
-    return Report(_merge(rows))
+    return report_of_jaxpr(closed.jaxpr, mesh.axis_sizes, mesh.devices.flat[0].platform == "cpu")

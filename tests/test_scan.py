@@ -195,15 +195,8 @@ def test_pending_sum_times_a_stored_tensor():
     harness.assert_close(got, R.einsum("batch d", Named(u.numpy(), u.names), Named(v.numpy(), v.names)) * Named(s.numpy(), ["d"]), 1e-5, "spmd")
 
 
-EXPLAIN_LENGTH_ONE_BUG = (
-    "md.explain counts a collective of a length-1 md.scan whose result only the (dead) forward "
-    "carry needs: XLA removes the one-trip loop and then drops it as dead code; explain's jaxpr "
-    "DCE keeps the scan's carry live"
-)
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=EXPLAIN_LENGTH_ONE_BUG)
 def test_explain_of_a_one_layer_scan_gradient():
+    # XLA removes the one-trip loop, then drops the sum only the dead forward carry needs: explain must too.
     m, layout = harness.mesh("x8"), {"d_ff": "x"}
 
     def grad(h0, w):
