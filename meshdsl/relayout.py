@@ -26,9 +26,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from meshdsl.collectives import Collective, bytes_moved
@@ -179,6 +180,20 @@ def local_sizes(sizes: Sequence[int], axes: Axes, axis_sizes: Mapping[str, int])
     return tuple(s // group_size(a, axis_sizes) for s, a in zip(sizes, axes))
 
 
+def _leading(x: jax.Array, dim: int, collective: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """``collective`` (which gathers or scatters along dim 0) run along ``dim`` of ``x``.
+
+    Along a dim other than the first, the blocks are strided in memory: XLA then copies the shard
+    and the whole result to and from a transposed layout (on the CPU, two copies of the gathered
+    array per step, forward and backward). Moved to the front, the collective works on contiguous
+    blocks and XLA folds the two transposes into the neighbouring dots. The collective's values
+    are the same (a dot reading the result may add its products in another order).
+    """
+    if dim == 0:
+        return collective(x)
+    return jnp.moveaxis(collective(jnp.moveaxis(x, dim, 0)), 0, dim)
+
+
 def apply(
     x: jax.Array, steps: Iterable[Step], axis_sizes: Mapping[str, int], varying: frozenset[str] = frozenset()
 ) -> jax.Array:
@@ -192,10 +207,10 @@ def apply(
         if step.kind is StepKind.PSUM:
             x = lax.psum(x, step.axes)
         elif step.kind is StepKind.PSUM_SCATTER:
-            x = lax.psum_scatter(x, step.axes, scatter_dimension=step.dim, tiled=True)
+            x = _leading(x, step.dim, lambda a: lax.psum_scatter(a, step.axes, scatter_dimension=0, tiled=True))
         elif step.kind is StepKind.ALL_GATHER:
             to = "varying" if varying.issuperset(step.axes) else "invarying"
-            x = lax.all_gather(x, step.axes, axis=step.dim, tiled=True, to=to)
+            x = _leading(x, step.dim, lambda a: lax.all_gather(a, step.axes, axis=0, tiled=True, to=to))
         elif step.kind is StepKind.ALL_TO_ALL:
             x = lax.all_to_all(x, step.axes, split_axis=step.dim, concat_axis=step.from_dim, tiled=True)
         else:

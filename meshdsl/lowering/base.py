@@ -82,6 +82,12 @@ class Lowering:
         that do not unify that themselves)."""
         return x
 
+    def vary_operand(self, x: jax.Array, *others: jax.Array) -> jax.Array:
+        """``x``, an operand that ops will meet with ``others``, made varying along their axes once,
+        here, rather than by each op: its gradient is then summed over those axes here, once (in
+        ``grad_reduce_dtype`` where one is set), as an op's ``prepare`` would."""
+        return x
+
     def group_size(self, axes: Sequence[str]) -> int:
         """Number of devices along ``axes``."""
         return 1

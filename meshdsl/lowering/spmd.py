@@ -113,10 +113,16 @@ class SpmdLowering(Lowering):
         varying = frozenset().union(*(_varying_axes(o._data) - set(o.pending) for o in beside if o is not t))
         x = self._relayout(t._data, t.shape, src, own if axes is None else axes, t.pending, varying)
         missing = tuple(sorted(varying - _varying_axes(x)))
+        return _vary_summing_grads_in(x, missing, jnp.dtype(self.grad_reduce_dtype)) if self._narrow_grads(x, missing) else x
+
+    def _narrow_grads(self, x: jax.Array, axes: tuple[str, ...]) -> bool:
+        """Whether ``x``'s gradient, summed over ``axes``, is summed in the narrower ``grad_reduce_dtype``."""
         low = self.grad_reduce_dtype
-        if missing and low is not None and jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(low).itemsize < x.dtype.itemsize:
-            x = _vary_summing_grads_in(x, missing, jnp.dtype(low))
-        return x
+        return bool(axes) and low is not None and jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(low).itemsize < x.dtype.itemsize
+
+    def _vary(self, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+        """``x`` marked varying along ``axes``; its gradient summed over them (in ``grad_reduce_dtype`` where narrower)."""
+        return _vary_summing_grads_in(x, axes, jnp.dtype(self.grad_reduce_dtype)) if self._narrow_grads(x, axes) else _pvary(x, axes)
 
     def finish(self, array, shape, axes=None, pending=(), lazy=False, tensor="output") -> Tensor:
         own = self.axes(shape, tensor)
@@ -134,6 +140,10 @@ class SpmdLowering(Lowering):
     def vary_like(self, x: jax.Array, *others: jax.Array) -> jax.Array:
         missing = frozenset().union(*(_varying_axes(o) for o in others)) - _varying_axes(x)
         return _pvary(x, tuple(sorted(missing)))
+
+    def vary_operand(self, x: jax.Array, *others: jax.Array) -> jax.Array:
+        missing = frozenset().union(*(_varying_axes(o) for o in others)) - _varying_axes(x)
+        return self._vary(x, tuple(sorted(missing)))
 
     def group_size(self, axes: Sequence[str]) -> int:
         return relayout.group_size(axes, self.axis_sizes)

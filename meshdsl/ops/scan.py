@@ -43,15 +43,6 @@ def scan(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: Dim
             raise ShapeError("md.scan: xs holds no md tensor to scan over")
         name = tensors[0].shape[dim].name
         length = tensors[0].shape[name].size
-        arrays, slices = [], []
-        for x in leaves:
-            if not isinstance(x, Tensor) or name not in x.shape or x.shape[name].size != length:
-                raise ShapeError(f"md.scan over {name}={length}: every tensor in xs needs that dim, got {getattr(x, 'shape', x)}")
-            position = x.shape.index(name)
-            axes = tuple(() if i == position else a for i, a in enumerate(lowering.layout_of(x)))
-            arrays.append(jax.numpy.moveaxis(lowering.prepare(x, axes), position, 0))
-            rest = axes[:position] + axes[position + 1 :]
-            slices.append((x.shape.without([name]), rest))
 
         def settle(carry: Any) -> Any:
             """The carry in its own layout with no pending sums, so every step's carry has one type."""
@@ -59,12 +50,28 @@ def scan(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: Dim
                 lambda t: lowering.finish(lowering.prepare(t), t.shape) if isinstance(t, Tensor) else t, carry, is_leaf=_is_tensor
             )
 
+        init = settle(init)
+        carried = [a._data if isinstance(a, Tensor) else a for a in jax.tree_util.tree_leaves(init, is_leaf=_is_tensor)]
+        carried = [a for a in carried if isinstance(a, jax.Array)]
+        arrays, slices = [], []
+        for x in leaves:
+            if not isinstance(x, Tensor) or name not in x.shape or x.shape[name].size != length:
+                raise ShapeError(f"md.scan over {name}={length}: every tensor in xs needs that dim, got {getattr(x, 'shape', x)}")
+            position = x.shape.index(name)
+            axes = tuple(() if i == position else a for i, a in enumerate(lowering.layout_of(x)))
+            # Varying along the carry's axes before the loop, not inside it: the body's ops then
+            # use the slices of ``xs`` as they are, and the backward pass reads them from ``xs``
+            # rather than from a stacked copy of every step's (varying) slice.
+            arrays.append(lowering.vary_operand(jax.numpy.moveaxis(lowering.prepare(x, axes), position, 0), *carried))
+            rest = axes[:position] + axes[position + 1 :]
+            slices.append((x.shape.without([name]), rest))
+
         def body(carry: Any, local: list) -> tuple[Any, Any]:
             x = jax.tree_util.tree_unflatten(treedef, [lowering.keep(a, shape, axes) for a, (shape, axes) in zip(local, slices)])
             carry, y = fn(carry, x)
             return settle(carry), settle(y)
 
-        carry, ys = jax.lax.scan(jax.checkpoint(body) if remat else body, settle(init), arrays)
+        carry, ys = jax.lax.scan(jax.checkpoint(body) if remat else body, init, arrays)
 
         def stack(t: Any) -> Any:
             if not isinstance(t, Tensor):
