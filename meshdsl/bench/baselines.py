@@ -72,6 +72,20 @@ def _transformer_loss(p: dict, key: jax.Array, config: Any, mesh: md.Mesh, layou
 _LOSSES = {"mlp": _mlp_loss, "transformer": _transformer_loss}
 
 
+def _like_params(state: Any, params: dict, shardings: dict, other: NamedSharding) -> Any:
+    """Shardings for optimizer ``state``: a leaf that mirrors a parameter (its path ends with the
+    parameter's, same shape: Adam's moments) is split as that parameter is, as meshdsl stores it;
+    the rest (step counts) get ``other``. ``tx.init``'s zeros carry no sharding of their own."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    mirrors = [(jax.tree_util.keystr(p), x.shape, s) for (p, x), s in zip(flat, jax.tree_util.tree_leaves(shardings))]
+
+    def pick(path: Any, leaf: Any) -> NamedSharding:
+        key = jax.tree_util.keystr(path)
+        return next((s for name, shape, s in mirrors if key.endswith(name) and leaf.shape == shape), other)
+
+    return jax.tree_util.tree_map_with_path(pick, state)
+
+
 def make_step(model: Any, layout: md.Layout, mesh: md.Mesh, state: dict, data: jax.Array, optimizer: str) -> Callable[[], None] | None:
     """A timed step of the plain-JAX version of ``model`` (None if there is none), starting from ``state``'s parameters."""
     kind = type(model).__module__.split(".")[-1]
@@ -87,9 +101,8 @@ def make_step(model: Any, layout: md.Layout, mesh: md.Mesh, state: dict, data: j
     params = jax.tree_util.tree_map(jnp.copy, jax.device_put(params, shardings))  # its own buffers: both steps donate
     tx = _optimizer(optimizer)
     scalar = NamedSharding(mesh.jax_mesh, PartitionSpec())
-    opt_state = jax.jit(tx.init)(params)
-    opt_shardings = jax.tree_util.tree_map(lambda x: x.sharding if len(x.sharding.device_set) == mesh.size else scalar, opt_state)
-    opt_state = jax.device_put(opt_state, opt_shardings)
+    opt_shardings = _like_params(jax.eval_shape(tx.init, params), params, shardings, scalar)
+    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
 
     def step(params, opt_state, count):
         key = jax.random.wrap_key_data(data)

@@ -79,6 +79,14 @@ class Entry:
         return float(q[1] - q[0])
 
     @property
+    def overhead_spread(self) -> float | None:
+        """Spread (75th minus 25th percentile) of the per-round ratios of this step time to the baseline's."""
+        if not self.baseline_step_times:
+            return None
+        q = np.percentile([a / b for a, b in zip(self.step_times, self.baseline_step_times)], [25, 75])
+        return float(q[1] - q[0])
+
+    @property
     def measured_bytes(self) -> float:
         return sum(v["bytes"] for v in self.measured.values())
 
@@ -107,7 +115,8 @@ class Entry:
             "bytes_match_prediction": self.measured == self.predicted,
             "analytic_minimum_bytes": self.minimum_bytes,
             "bytes_over_minimum": None if not self.minimum_bytes else self.measured_bytes / self.minimum_bytes,
-            "baseline_jax_step_s": baseline, "overhead_vs_jax": None if baseline is None else self.step_s / baseline,
+            "baseline_jax_step_s": baseline, "baseline_jax_step_times_s": self.baseline_step_times,
+            "overhead_vs_jax": None if baseline is None else self.step_s / baseline, "overhead_vs_jax_spread": self.overhead_spread,
             "pipeline": self.pipeline,
         }
 

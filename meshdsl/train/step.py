@@ -19,6 +19,8 @@ import jax.numpy as jnp
 
 import meshdsl as md
 from meshdsl import pipeline
+from meshdsl.lowering.base import Lowering
+from meshdsl.lowering.context import use
 from meshdsl.pipeline import PipelineConfig
 from meshdsl.train.optim import Optimizer
 
@@ -66,6 +68,11 @@ class Trainer:
             self._step, self.mesh, self.layout, state, data, in_layouts=(stored, None), out_layouts=(stored, None),
             grad_reduce_dtype=self.grad_reduce_dtype,
         )
+
+    def abstract_state(self) -> dict[str, Any]:
+        """The state's global shapes and dtypes (``jax.eval_shape`` of init): nothing computed, any mesh, abstract too."""
+        with use(Lowering()):
+            return jax.eval_shape(self._init, jax.ShapeDtypeStruct((2,), jnp.uint32))
 
     def _init(self, key: jax.Array) -> dict[str, Any]:
         params = self.model.init(key)
