@@ -63,6 +63,15 @@ class Mesh:
         grid = np.array(devices[: self.size], dtype=object).reshape(tuple(self.axis_sizes.values()))
         self.jax_mesh = jax.sharding.Mesh(grid, tuple(self.axis_sizes))
 
+    @classmethod
+    def abstract(cls, axis_sizes: Mapping[str, int]) -> "Mesh":
+        """A mesh with axis names and sizes but no devices: enough to trace, not to run."""
+        mesh = cls.__new__(cls)
+        mesh.axis_sizes = {str(k): int(v) for k, v in axis_sizes.items()}
+        auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_sizes)
+        mesh.jax_mesh = jax.sharding.AbstractMesh(mesh.shape, mesh.axis_names, axis_types=auto)
+        return mesh
+
     @property
     def axis_names(self) -> tuple[str, ...]:
         return tuple(self.axis_sizes)

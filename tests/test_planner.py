@@ -13,14 +13,11 @@ import jax
 import pytest
 
 import meshdsl as md
-from meshdsl import hlo
 from meshdsl.cli import main
-from meshdsl.planner import commands
+from meshdsl.planner import commands, validate
 from meshdsl.planner.cost import predict, span
-from meshdsl.planner.measure import compile_step, compiled_memory
 from meshdsl.planner.profile import DeviceProfile, load_profile, shipped
-from meshdsl.planner.search import Candidate, candidates, model_dims, search
-from meshdsl.planner.trace import abstract_batch
+from meshdsl.planner.search import Candidate, legal_candidates, search
 from meshdsl.train import optim
 from meshdsl.train.loop import build_model
 
@@ -29,37 +26,28 @@ CPU = load_profile("cpu-sim")
 
 def _legal(name: str) -> list[Candidate]:
     """Every candidate of ``name`` (tiny) on 8 devices whose rules divide their dims."""
-    from meshdsl.planner.search import abstract_state, indivisible
-
-    model = build_model(name, "tiny")
-    batch = abstract_batch(model)
-    dims = model_dims(model, abstract_state(model, optim.make("adamw")), batch.shapes)
-    return [c for c in candidates(model, dims, 8) if indivisible(c, dims) is None]
+    return legal_candidates(build_model(name, "tiny"), optim.make("adamw"), 8)
 
 
 def _pick(name: str, wanted: list[str]) -> list[Candidate]:
     """The legal candidates of ``name`` named in ``wanted`` (compiling every one is too slow for CI:
-    the docs' table covers them all)."""
+    ``python -m meshdsl.planner.validate`` covers them all)."""
     legal = {c.name: c for c in _legal(name)}
     return [legal[w] for w in wanted]
 
 
-MEMORY_TOLERANCE = 0.20
-"""The issue asks for 10%, which holds for 59 of the 68 legal layouts (docs/performance.md): all MLP
-and MoE ones; tensor-parallel Transformer layouts with a small data axis over-predict by up to
-19.5%, pipelined ones by 65-99% (xfail below)."""
-
-PIPELINE_MISMATCH = pytest.mark.xfail(
-    reason="pipelined steps: md.explain (whose rows the planner uses) counts 6 more all-reduces than XLA keeps, "
-    "and the planner over-predicts their memory by 65-99%",
+HEAP_GAPS = pytest.mark.xfail(
+    reason="memory 12% under: a 6.7 KiB program whose peak is making the batch, where XLA's heap leaves "
+    "1.6 KiB of gaps between buffers (32% over its own live peak), which the planner does not model",
     strict=True,
 )
+MEMORY_MISSES = {"[data=2 model=4] batch:data; d_ff:model | params d_ff:model; d_io:data"}
+"""The one legal layout of the tiny presets whose memory is not within 10% (see the validate command)."""
+
 CASES = (
-    [pytest.param("mlp", c, id=f"mlp-{c.name}") for c in _legal("mlp")]
+    [pytest.param("mlp", c, id=f"mlp-{c.name}", marks=[HEAP_GAPS] if c.name in MEMORY_MISSES else []) for c in _legal("mlp")]
     + [pytest.param("transformer", c, id=f"transformer-{c.name}") for c in _pick("transformer", [
         "[data=4 model=2] batch:data; heads:model; d_ff:model; vocab:model",
-    ])]
-    + [pytest.param("transformer", c, id=f"transformer-{c.name}", marks=PIPELINE_MISMATCH) for c in _pick("transformer", [
         "[stage=2 data=2 model=2] batch:data; heads:model; d_ff:model; vocab:model; layers:stage | 4 microbatches",
     ])]
     + [pytest.param("moe", c, id=f"moe-{c.name}") for c in _pick("moe", ["[data=8] batch:data; experts:data"])]
@@ -68,14 +56,11 @@ CASES = (
 
 @pytest.mark.parametrize("name,candidate", CASES)
 def test_prediction_matches_the_compiled_program(name: str, candidate: Candidate) -> None:
-    """Collective bytes equal the compiled HLO's exactly; predicted peak memory is close to XLA's."""
+    """Collective bytes equal the compiled HLO's exactly; predicted peak memory is within 10% of XLA's."""
     model = build_model(name, "tiny")
-    optimizer = optim.make("adamw")
-    prediction = predict(model, optimizer, candidate.axis_sizes, candidate.layout, CPU)
-    _, compiled = compile_step(model, optimizer, candidate, 0)
-    assert prediction.report.summary() == hlo.summary(compiled.as_text(), num_devices=8)
-    actual = compiled_memory(compiled)
-    assert abs(prediction.memory.total / actual - 1) <= MEMORY_TOLERANCE, (prediction.memory, actual)
+    check = validate.check(name, model, optim.make("adamw"), candidate, 8)
+    assert check is not None and check.bytes_equal, check
+    assert check.memory_close, check
 
 
 def test_bytes_equal_explain_on_the_real_mesh() -> None:

@@ -19,7 +19,7 @@ import math
 from typing import Any, Mapping
 
 import meshdsl as md
-from meshdsl.explain import Report, _merge, _walk
+from meshdsl.explain import Report, report_of_jaxpr
 from meshdsl.planner import memory as memory_model
 from meshdsl.planner.flops import Work, work
 from meshdsl.planner.profile import DeviceProfile
@@ -88,9 +88,7 @@ def _dtype(model: Any) -> str:
 def price(traced: Traced, model: Any, profile: DeviceProfile) -> Prediction:
     """The :class:`Prediction` of an already traced step."""
     sizes = traced.mesh.axis_sizes
-    rows: list = []
-    _walk(traced.jaxpr, 1, sizes, profile.platform == "cpu", rows)
-    report = Report(_merge(rows))
+    report = report_of_jaxpr(traced.jaxpr, sizes, profile.platform == "cpu")
     body = block(shard_map_body(traced.jaxpr))
     mem = memory_model.breakdown(traced.state, traced.batch, traced.layout, traced.mesh, body)
     done = work(body)

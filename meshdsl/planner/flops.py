@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from meshdsl.planner.memory import FUSIBLE, materialised
+from meshdsl.planner.memory import FUSIBLE, computed
 from meshdsl.planner.program import Block, Step, nbytes
 
 
@@ -47,7 +47,7 @@ def work(block: Block) -> Work:
     Memory bytes: each buffer is written once, and read once by every non-fusible step that uses
     it plus once by the element-wise steps that use it (XLA fuses those into one loop).
     """
-    keep = materialised(block) | set(block.inputs)
+    keep = computed(block) | set(block.outputs) | set(block.inputs)
     readers: dict[int, int] = {}
     fused_read: set[int] = set()
     size: dict[int, int] = {}

@@ -1,8 +1,9 @@
 """A traced per-device jaxpr as a flat list of steps, for the memory and FLOP walks.
 
 Calls (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``checkpoint``, ``closed_call``) are
-inlined, as XLA inlines them; loops (``scan``, ``while``) and ``cond`` keep their bodies, which
-run ``times`` times (or one branch of several).
+inlined, as XLA inlines them, and so are scans of one iteration (XLA removes such loops); other
+loops (``scan``, ``while``) and ``cond`` keep their bodies, which run ``times`` times (or one
+branch of several).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from jax.extend import core as jex_core
 
 _INLINE = {"jit", "pjit", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint", "remat", "closed_call", "core_call"}
 _LOOPS = {"scan", "while", "cond"}
-_ALIASES = {"pvary", "pcast", "stop_gradient", "reshape", "squeeze", "expand_dims"}
-"""Steps whose result is their input's buffer (a type change or a bitcast), not a new one."""
+_ALIASES = {"pvary", "pcast", "stop_gradient", "reshape", "squeeze", "expand_dims", "transpose"}
+"""Steps whose result is their input's buffer, not a new one: a type change, a bitcast, or a
+transpose (XLA folds it into its neighbours: a dot's dimension numbers, a fusion, a layout)."""
 
 
 @dataclasses.dataclass
@@ -91,7 +93,7 @@ def _flatten(jaxpr: Any, env: dict, ids: _Ids, steps: list[Step]) -> None:
         name = eqn.primitive.name
         subs = _sub_jaxprs(eqn)
         ins = [ids.get(env, v) for v in eqn.invars]
-        if name in _INLINE and len(subs) >= 1:
+        if (name in _INLINE or _times(eqn) == 1 and name == "scan") and len(subs) >= 1:
             inner = subs[0]
             sub_env = dict(zip(inner.invars, ins[len(ins) - len(inner.invars):]))
             _flatten(inner, sub_env, ids, steps)

@@ -30,12 +30,10 @@ import jax
 
 import meshdsl as md
 from meshdsl.errors import ConfigError
-from meshdsl.lowering.base import Lowering
-from meshdsl.lowering.context import use
 from meshdsl.planner import memory as memory_model
 from meshdsl.planner.cost import Prediction, price
 from meshdsl.planner.profile import DeviceProfile
-from meshdsl.planner.trace import abstract_batch, abstract_mesh, trace_step
+from meshdsl.planner.trace import abstract_batch, trace_step
 from meshdsl.train.step import Trainer
 
 BATCH_DIMS = ("batch", "groups")
@@ -172,9 +170,13 @@ def indivisible(candidate: Candidate, dims: Mapping[str, int]) -> str | None:
 
 def abstract_state(model: Any, optimizer: Any) -> Any:
     """Global shapes of the training state (layout-independent)."""
-    trainer = Trainer(model, optimizer, abstract_mesh({"data": 1}), md.Layout())
-    with use(Lowering()):
-        return jax.eval_shape(trainer._init, jax.ShapeDtypeStruct((2,), jax.numpy.uint32))
+    return Trainer(model, optimizer, md.Mesh.abstract({"data": 1}), md.Layout()).abstract_state()
+
+
+def legal_candidates(model: Any, optimizer: Any, devices: int, pipeline: bool = True) -> list[Candidate]:
+    """Every candidate of ``model`` on ``devices`` devices whose rules divide their dims (what search traces)."""
+    dims = model_dims(model, abstract_state(model, optimizer), abstract_batch(model).shapes)
+    return [c for c in candidates(model, dims, devices, pipeline) if indivisible(c, dims) is None]
 
 
 def search(
@@ -201,7 +203,7 @@ def search(
         if why is not None:
             dropped.append(Dropped(cand, why))
             continue
-        mesh = abstract_mesh(cand.axis_sizes)
+        mesh = md.Mesh.abstract(cand.axis_sizes)
         try:
             stored = memory_model.local_bytes({"params": state["params"], "opt": state["opt"]}, cand.layout.param_layout, mesh)
         except md.LayoutError as e:

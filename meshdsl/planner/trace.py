@@ -14,7 +14,6 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: drop what XLA drops as dead
-from jax.sharding import AbstractMesh, AxisType
 
 import meshdsl as md
 from meshdsl.lowering.base import Lowering
@@ -22,14 +21,6 @@ from meshdsl.lowering.context import use
 from meshdsl.planner.memory import peak_bytes
 from meshdsl.planner.program import block
 from meshdsl.train.step import Trainer
-
-
-def abstract_mesh(axis_sizes: Mapping[str, int]) -> md.Mesh:
-    """An ``md.Mesh`` of ``axis_sizes`` over no devices: enough to trace, not to run."""
-    mesh = object.__new__(md.Mesh)
-    mesh.axis_sizes = {k: int(v) for k, v in axis_sizes.items()}
-    mesh.jax_mesh = AbstractMesh(tuple(mesh.axis_sizes.values()), tuple(mesh.axis_sizes), axis_types=(AxisType.Auto,) * len(axis_sizes))
-    return mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +46,8 @@ def abstract_batch(model: Any) -> Batch:
     """The synthetic batch of ``model``, traced once on global arrays (the same under every layout)."""
     with use(Lowering()):
         closed, shapes = jax.make_jaxpr(model.batch, return_shape=True)(jax.ShapeDtypeStruct((2,), jnp.uint32))
-    return Batch(shapes, peak_bytes(block(closed.jaxpr), count_outputs=False))
+    made = block(closed.jaxpr)
+    return Batch(shapes, peak_bytes(made, set(made.outputs)))
 
 
 def trace_step(
@@ -67,10 +59,9 @@ def trace_step(
     an input, not on the synthetic batch made from a key inside the step: making that batch has
     no collectives, and tracing it costs far more than the step itself for long sequences.
     """
-    mesh = abstract_mesh(axis_sizes)
+    mesh = md.Mesh.abstract(axis_sizes)
     trainer = Trainer(model, optimizer, mesh, layout, grad_reduce_dtype=grad_reduce_dtype)
-    with use(Lowering()):
-        state = jax.eval_shape(trainer._init, jax.ShapeDtypeStruct((2,), jnp.uint32))
+    state = trainer.abstract_state()
     batch = abstract_batch(model) if batch is None else batch
     closed = jax.make_jaxpr(trainer.step.spmd_function)(state, batch.shapes)
     jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))

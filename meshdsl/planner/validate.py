@@ -1,0 +1,136 @@
+"""Check the planner against the compiled program, layout by layout.
+
+``python -m meshdsl.planner.validate --models mlp transformer moe [--preset tiny] [--devices 8]``
+
+For every legal candidate of each model (the search's enumeration), predict the step on the
+``cpu-sim`` profile and compile it on the simulated devices; print one markdown table row per
+layout (predicted collective bytes per device and whether they equal the compiled HLO's, the
+predicted and the compiled memory per device, and the memory error), then a summary line. The
+references are the compiler's own: the HLO's collectives (:mod:`meshdsl.hlo`) and
+``compiled.memory_analysis()`` (:func:`~meshdsl.planner.measure.compiled_memory`). Exits 1 when
+a row misses (bytes unequal, or memory off by more than 10%).
+
+JAX and meshdsl are imported inside the functions, after :func:`simulate_devices` has chosen the
+devices (as the ``meshdsl`` command does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+MEMORY_TOLERANCE = 0.10
+"""The issue's bound on the predicted peak memory's relative error."""
+
+HEADER = (
+    "| model | layout | predicted bytes/device | equals HLO | predicted memory | compiled memory | error |\n"
+    "|---|---|---:|:---:|---:|---:|---:|"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One layout's prediction beside its compiled program."""
+
+    model: str
+    layout: str
+    predicted_bytes: float
+    bytes_equal: bool
+    predicted_memory: int
+    compiled_memory: int
+
+    @property
+    def memory_error(self) -> float:
+        return self.predicted_memory / self.compiled_memory - 1
+
+    @property
+    def memory_close(self) -> bool:
+        return abs(self.memory_error) <= MEMORY_TOLERANCE
+
+    @property
+    def cell(self) -> str:
+        """The layout's name as a markdown table cell (its ``|`` escaped)."""
+        return f"`{self.layout}`".replace("|", "\\|")
+
+    def row(self) -> str:
+        kib = 2.0**10
+        return (
+            f"| {self.model} | {self.cell} | {self.predicted_bytes:,.0f} | {'yes' if self.bytes_equal else 'NO'} | "
+            f"{self.predicted_memory / kib:,.1f} KiB | {self.compiled_memory / kib:,.1f} KiB | {self.memory_error:+.1%} |"
+        )
+
+
+def simulate_devices(count: int) -> None:
+    """Run on ``count`` simulated CPU devices unless XLA_FLAGS already sets a device count (before JAX starts)."""
+    from meshdsl.cli import DEVICE_FLAG
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if DEVICE_FLAG in os.environ.get("XLA_FLAGS", ""):
+        return
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", count)
+
+
+def check(name: str, model: Any, optimizer: Any, candidate: Any, devices: int) -> Check | None:
+    """Predict ``candidate`` of ``model`` (profile cpu-sim) and compare it with its compiled step;
+    None when tracing it raises a layout or shape error (the search drops it as illegal)."""
+    import meshdsl as md
+    from meshdsl import hlo
+    from meshdsl.planner.cost import predict
+    from meshdsl.planner.measure import compile_step, compiled_memory
+    from meshdsl.planner.profile import load_profile
+
+    try:
+        prediction = predict(model, optimizer, candidate.axis_sizes, candidate.layout, load_profile("cpu-sim"))
+    except (md.LayoutError, md.ShapeError):
+        return None
+    _, compiled = compile_step(model, optimizer, candidate, 0)
+    equal = prediction.report.summary() == hlo.summary(compiled.as_text(), num_devices=devices)
+    return Check(name, candidate.name, prediction.total_bytes, equal, prediction.memory.total, compiled_memory(compiled))
+
+
+def validate(models: Sequence[str], preset: str, devices: int, out: Callable[[str], None] = print) -> list[Check]:
+    """Check every legal layout of ``models`` on ``devices`` devices, printing a table row for each."""
+    from meshdsl.planner.search import legal_candidates
+    from meshdsl.train import optim
+    from meshdsl.train.loop import build_model
+
+    optimizer = optim.make("adamw")
+    out(HEADER)
+    checks = []
+    for name in models:
+        model = build_model(name, preset)
+        for candidate in legal_candidates(model, optimizer, devices):
+            result = check(name, model, optimizer, candidate, devices)
+            if result is not None:
+                checks.append(result)
+                out(result.row())
+    return checks
+
+
+def summary(checks: Sequence[Check]) -> str:
+    """How many layouts' bytes equal the HLO's and how many memory predictions are within tolerance."""
+    equal = sum(c.bytes_equal for c in checks)
+    close = sum(c.memory_close for c in checks)
+    return f"bytes equal {equal}/{len(checks)}; memory within {MEMORY_TOLERANCE:.0%} {close}/{len(checks)}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the validation from the command line; the exit status says whether every row is within bounds."""
+    parser = argparse.ArgumentParser(prog="python -m meshdsl.planner.validate", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["mlp", "transformer", "moe"])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (unless XLA_FLAGS sets a count)")
+    args = parser.parse_args(argv)
+    simulate_devices(args.devices)
+    checks = validate(args.models, args.preset, args.devices, lambda line: print(line, flush=True))
+    print(f"\n{summary(checks)}")
+    return 0 if all(c.bytes_equal and c.memory_close for c in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
