@@ -48,8 +48,10 @@ def bits(key: Any, shape: ShapeLike) -> Tensor:
         stride *= shape[i].size
     k1, k2 = _key_words(key)
     # The primitive neither unifies its operands' manual-axis types nor passes them on: give every
-    # operand and the result those of the positions.
-    k1, k2, hi = (lowering.vary_like(jnp.broadcast_to(a, position.shape), position) for a in (k1, k2, jnp.uint32(0)))
+    # operand and the result those of the positions. The key words stay scalars (the primitive
+    # broadcasts them), so its loop carries two arrays, not four.
+    k1, k2 = (lowering.vary_like(a, position) for a in (k1, k2))
+    hi = lowering.vary_like(jnp.zeros_like(position), position)
     b1, b2 = threefry2x32_p.bind(k1, k2, hi, position)
     return lowering.finish(lowering.vary_like(b1 ^ b2, position), shape, axes)
 
