@@ -10,6 +10,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -74,7 +75,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tup
     for layout in LAYOUTS:
         folder = tmp_path_factory.mktemp(layout)
         cmd = _launch_cmd("train", "--model", "transformer", "--preset", "tiny", "--layout", layout, "--steps", str(STEPS),
-                          "--log-json", str(folder / "losses.jsonl"))
+                          "--log-json", str(folder / "losses.jsonl"), "--checkpoint-dir", str(folder / "ckpt"), "--save-every", "2")
         with open(folder / "output.txt", "w") as output:
             runs[layout] = (subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=output, stderr=subprocess.STDOUT), folder)
     yield runs
@@ -102,6 +103,21 @@ def test_two_processes_match_one(layout: str, launched: dict[str, tuple[subproce
     assert "[p0] meshdsl train: transformer tiny on mesh" in output
     assert re.search(rf"\[p0\] step +{STEPS}/{STEPS} ", output)
     assert not re.search(r"\[p1\] (meshdsl train|step)", output), output
+
+
+def test_checkpoint_saved_by_two_processes_resumes_in_one(launched: dict[str, tuple[subprocess.Popen, Path]], tmp_path: Path) -> None:
+    """Each of 2 processes wrote its own shards of step 2 (dp_tp); one process on 8 devices resumes it
+    under fsdp (resharding) and its step 3 has the loss the 2-process run logged."""
+    proc, folder = launched["dp_tp"]
+    assert proc.wait(timeout=HANG_GUARD_S) == 0, (folder / "output.txt").read_text()
+    logged = [json.loads(line)["loss"] for line in (folder / "losses.jsonl").read_text().splitlines()]
+    resumed_dir = tmp_path / "ckpt"
+    shutil.copytree(folder / "ckpt" / "step_2", resumed_dir / "step_2")
+    manifest = json.loads((resumed_dir / "step_2" / "manifest.json").read_text())
+    assert manifest["processes"] == 2
+    run = RunConfig(model="transformer", preset="tiny", layout="fsdp", steps=STEPS, checkpoint_dir=str(resumed_dir), resume=True)
+    resumed = train(run, out=io.StringIO())
+    np.testing.assert_allclose(resumed, logged[2:], rtol=1e-5)
 
 
 def test_killed_process_stops_the_run() -> None:

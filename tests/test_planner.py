@@ -37,7 +37,7 @@ def _pick(name: str, wanted: list[str]) -> list[Candidate]:
 
 
 HEAP_GAPS = pytest.mark.xfail(
-    reason="memory 12% under: a 6.7 KiB program whose peak is making the batch, where XLA's heap leaves "
+    reason="memory 11% under: a 6.0 KiB program whose peak is making the batch, where XLA's heap leaves "
     "1.6 KiB of gaps between buffers (32% over its own live peak), which the planner does not model",
     strict=True,
 )

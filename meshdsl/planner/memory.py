@@ -105,7 +105,8 @@ def computed(block: Block) -> set[int]:
 
 
 def carried(step: Step) -> list[tuple[int, int]]:
-    """``(output, input)`` pairs of a loop whose output is the next value of that input (its carry).
+    """``(output, input)`` pairs of a loop whose output is the next value of that input (its carry);
+    ``threefry2x32`` is one (XLA runs its rounds as a loop over the two counter words).
 
     XLA runs a loop in place: each carry has one buffer, the initial value's when nothing reads
     that value after the loop.
@@ -115,6 +116,8 @@ def carried(step: Step) -> list[tuple[int, int]]:
         inits = step.ins[start:start + step.params["num_carry"]]
     elif step.name == "while":
         inits = step.ins[step.params["cond_nconsts"] + step.params["body_nconsts"]:]
+    elif step.name == "threefry2x32":  # a loop in XLA too, over its two counter words (the keys are scalars)
+        inits = step.ins[2:]
     else:
         return []
     return [(out, init) for (out, _), init in zip(step.outs, inits)]
