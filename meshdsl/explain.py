@@ -5,7 +5,8 @@ in it: the forward ops', and those of any ``jax.grad`` inside the function. Each
 meshdsl op that emitted it (from the ``md.<op>`` name scope every op opens), the tensor, the
 collective, its mesh axes and the bytes one device moves, priced by
 :func:`meshdsl.collectives.bytes_moved`. Loops count once per iteration (``scan`` multiplies by
-its length); a length-1 ``scan`` is replaced by its body, as XLA removes a one-trip loop; then
+its length); a length-1 ``scan`` and a ``jax.checkpoint`` call are replaced by their bodies, as
+XLA removes a one-trip loop and inlines a call; then
 dead code is dropped and repeated identical computations are counted once, as XLA drops and
 merges them. The compiled program runs exactly
 these collectives, which the tests check against
@@ -208,6 +209,17 @@ def _reshape(primitive: Any, params: dict[str, Any], source: Any, target: Any, s
     return jex_core.new_jaxpr_eqn([source], [target], primitive, params, jex_core.no_effects, scan.source_info)
 
 
+def _call_inlined(call: jex_core.JaxprEqn, subst: dict[Any, Any]) -> list[jex_core.JaxprEqn]:
+    """The equations of the rematerialised call ``call`` (``jax.checkpoint``), wired to its operands;
+    its results recorded in ``subst`` for the equations after it to read instead."""
+    body = call.params["jaxpr"]
+    body = body.jaxpr if isinstance(body, jex_core.ClosedJaxpr) else body
+    env: dict[Any, Any] = dict(zip(body.invars, call.invars))
+    eqns = [e.replace(invars=[_atom(v, env) for v in e.invars], outvars=[_defined(v, env) for v in e.outvars]) for e in body.eqns]
+    subst.update((v, _atom(r, env)) for v, r in zip(call.outvars, body.outvars) if not isinstance(v, jex_core.DropVar))
+    return eqns
+
+
 def _body_inlined(scan: jex_core.JaxprEqn, subst: dict[Any, Any]) -> list[jex_core.JaxprEqn]:
     """The equations of the length-1 ``scan``'s body, wired to its operands and results.
 
@@ -242,30 +254,33 @@ def _memoized(key: Any, make: Callable[[], Any], memo: _Memo) -> Any:
 
 
 def _param_inlined(value: Any, memo: _Memo) -> Any:
-    """An equation parameter with the one-trip scans of the jaxprs in it inlined (``value`` itself if none)."""
+    """An equation parameter with the jaxprs in it inlined (``value`` itself if none; see :func:`_inlined`)."""
     if isinstance(value, (tuple, list)):
         items = [_param_inlined(v, memo) for v in value]
         return value if _same(items, value) else type(value)(items)
     if isinstance(value, jex_core.ClosedJaxpr):
-        inner = _one_trip_scans_inlined(value.jaxpr, memo)
+        inner = _inlined(value.jaxpr, memo)
         return value if inner is value.jaxpr else _memoized(value, lambda: value.replace(jaxpr=inner), memo)
     if isinstance(value, jex_core.Jaxpr):
-        return _one_trip_scans_inlined(value, memo)
+        return _inlined(value, memo)
     return value
 
 
-def _one_trip_scans_inlined(jaxpr: jex_core.Jaxpr, memo: _Memo) -> jex_core.Jaxpr:
-    """``jaxpr`` with every length-1 ``scan``, at any depth, replaced by its body (``jaxpr`` itself if none).
+def _inlined(jaxpr: jex_core.Jaxpr, memo: _Memo) -> jex_core.Jaxpr:
+    """``jaxpr`` with every length-1 ``scan`` and every ``jax.checkpoint`` call, at any depth,
+    replaced by its body (``jaxpr`` itself if none), as XLA inlines them.
 
     XLA removes a one-trip loop, after which the parts of its body that only the loop's dead
     results need are dead code. Jaxpr DCE cannot see that inside a scan: it keeps a carry live
-    when the next iteration would read it, and one trip has no next iteration.
+    when the next iteration would read it, and one trip has no next iteration. XLA inlines a
+    rematerialised call too, and then merges a recomputed collective with the forward pass's
+    identical one where both sit in one computation (outside a loop).
     """
     return _memoized(jaxpr, lambda: _eqns_inlined(jaxpr, memo), memo)
 
 
 def _eqns_inlined(jaxpr: jex_core.Jaxpr, memo: _Memo) -> jex_core.Jaxpr:
-    """One pass of :func:`_one_trip_scans_inlined` over ``jaxpr``'s equations, sub-jaxprs first."""
+    """One pass of :func:`_inlined` over ``jaxpr``'s equations, sub-jaxprs first."""
     eqns: list[jex_core.JaxprEqn] = []
     subst: dict[Any, Any] = {}
     for eqn in jaxpr.eqns:
@@ -275,6 +290,8 @@ def _eqns_inlined(jaxpr: jex_core.Jaxpr, memo: _Memo) -> jex_core.Jaxpr:
             eqn = eqn.replace(params=params, invars=invars)
         if eqn.primitive.name == "scan" and eqn.params["length"] == 1:
             eqns += _body_inlined(eqn, subst)
+        elif eqn.primitive.name == "remat2":
+            eqns += _call_inlined(eqn, subst)
         else:
             eqns.append(eqn)
     if _same(eqns, jaxpr.eqns):
@@ -286,10 +303,10 @@ def report_of_jaxpr(jaxpr: jex_core.Jaxpr, axis_sizes: Mapping[str, int], cpu: b
     """The collectives of a traced spmd program (``make_jaxpr(...).jaxpr``) on a mesh of ``axis_sizes``.
 
     What :func:`explain` reports, for a jaxpr already traced: the planner prices the program it
-    traced itself with it. One-trip scans are inlined and dead code dropped first, as XLA does;
+    traced itself with it. One-trip scans and checkpointed calls are inlined and dead code dropped first, as XLA does;
     ``cpu``: 16-bit float reductions count as f32, as XLA on CPU runs them.
     """
-    inlined = _one_trip_scans_inlined(jaxpr, {})
+    inlined = _inlined(jaxpr, {})
     live, _ = pe.dce_jaxpr(inlined, [True] * len(inlined.outvars))
     rows: list[Communication] = []
     _walk(live, 1, axis_sizes, cpu, rows)

@@ -5,8 +5,11 @@ layout cannot avoid; docs/performance.md writes them out. ``n`` is the size of t
 ``P`` the parameter count (4-byte f32), ``B, L, D`` batch, length and d_model.
 
 * data_parallel: all-reduce of every gradient, plus the loss: ``AR(4P) + AR(4)``.
-* fsdp: all-gather of every parameter forward, reduce-scatter of every gradient, plus the loss:
-  ``AG(4P) + RS(4P) + AR(4)`` (equal to data parallel's bytes, with 1/n of the memory).
+* fsdp (ZeRO-3): all-gather of every parameter forward, reduce-scatter of every gradient, and a
+  second all-gather of each weight matrix of the layer loop in the backward pass (so a device
+  holds one layer's gathered weights at a time, never all layers'), plus the loss:
+  ``AG(4P) + RS(4P) + AG(4 P_loop) + AR(4)``. ``P_loop``: parameters stacked along ``layers``
+  with two or more other dims (the transformer's projections; the MLP has none).
 * megatron (transformer): per layer, the attention and feed-forward outputs are all-reduced
   forward and their inputs' gradients backward: ``4 L_layers AR(4BLD)``; the vocab-parallel
   embedding's lookup and the unembedding's input gradient: ``2 AR(4BLD)``; the loss's max, sum of
@@ -44,6 +47,14 @@ def _local_param_bytes(params: Any, mesh: md.Mesh, layout: md.Layout) -> float:
     return total
 
 
+def _loop_matrices(params: Any) -> Any:
+    """The weight matrices of the layer loop: parameters stacked along ``layers`` with two or more other dims."""
+    return [
+        t for t in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, md.Tensor))
+        if "layers" in t.shape and t.shape.rank >= 3
+    ]
+
+
 def minimum_bytes(name: str, model: Any, params: Any, mesh: md.Mesh, layout: md.Layout, clips: bool) -> float | None:
     """Least bytes per device one training step moves under the shipped layout ``name``; None if no formula.
 
@@ -60,7 +71,9 @@ def minimum_bytes(name: str, model: Any, params: Any, mesh: md.Mesh, layout: md.
     if name == "fsdp":
         n = sizes["data"]
         stored = _local_param_bytes(params, mesh, layout.param_layout) * n
-        return 2 * bytes_moved(Collective.ALL_GATHER, stored, n) + _ar(4, n) + clips * _ar(4, n)
+        regathered = _local_param_bytes(_loop_matrices(params), mesh, layout.param_layout) * n
+        gathers = bytes_moved(Collective.ALL_GATHER, stored + regathered, n)
+        return gathers + bytes_moved(Collective.REDUCE_SCATTER, stored, n) + _ar(4, n) + clips * _ar(4, n)
     if name not in ("megatron", "dp_tp"):
         return None
     m = sizes["model"]

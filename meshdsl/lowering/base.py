@@ -49,6 +49,11 @@ class Lowering:
         """
         return t._data
 
+    def gathers_stored(self, t: "Tensor", axes: Axes) -> bool:
+        """Whether laying ``t`` out as ``axes`` gathers a tensor held in another layout than its
+        rules give it: a parameter stored split (FSDP), met by the op that first uses it."""
+        return False
+
     def finish(
         self,
         array: jax.Array,

@@ -115,6 +115,11 @@ class SpmdLowering(Lowering):
         missing = tuple(sorted(varying - _varying_axes(x)))
         return _vary_summing_grads_in(x, missing, jnp.dtype(self.grad_reduce_dtype)) if self._narrow_grads(x, missing) else x
 
+    def gathers_stored(self, t: Tensor, axes: Axes) -> bool:
+        if t.layout is None or t.layout == self.axes(t.shape):
+            return False
+        return any(step.kind is relayout.StepKind.ALL_GATHER for step in relayout.plan(t.layout, axes, t.pending))
+
     def _narrow_grads(self, x: jax.Array, axes: tuple[str, ...]) -> bool:
         """Whether ``x``'s gradient, summed over ``axes``, is summed in the narrower ``grad_reduce_dtype``."""
         low = self.grad_reduce_dtype

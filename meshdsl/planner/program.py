@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import numpy as np
 from jax.extend import core as jex_core
 
-_INLINE = {"jit", "pjit", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint", "remat", "closed_call", "core_call"}
+_INLINE = {"jit", "pjit", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint", "remat", "remat2", "closed_call", "core_call"}
 _LOOPS = {"scan", "while", "cond"}
 _ALIASES = {"pvary", "pcast", "stop_gradient", "reshape", "squeeze", "expand_dims", "transpose"}
 """Steps whose result is their input's buffer, not a new one: a type change, a bitcast, or a
