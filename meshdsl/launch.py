@@ -13,6 +13,7 @@ Ctrl-C (SIGINT) and SIGTERM are forwarded to every process; a second one kills t
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -53,19 +54,31 @@ def _exit_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+_NATIVE_FRAME = re.compile(r"^\*\*\* Check failure stack trace: \*\*\*$|^\s+@\s+0x[0-9a-f]+\s")
+"""A line of the C++ stack trace JAX's runtime prints when it aborts a process (after another died)."""
+
+
 class _Forwarder:
-    """Copies each child's lines to our stdout / stderr with a ``[pI] `` prefix, whole lines at a time."""
+    """Copies each child's lines to our stdout / stderr with a ``[pI] `` prefix, whole lines at a time.
+
+    C++ stack-trace lines are counted, not copied: JAX's runtime prints one when it stops a process
+    whose peer died, and its frames say nothing about the user's run. :meth:`native_frames` counts them.
+    """
 
     def __init__(self, out: TextIO, err: TextIO):
         self.out, self.err = out, err
         self.lock = threading.Lock()
         self.threads: list[threading.Thread] = []
+        self.omitted: dict[int, int] = {}
 
     def follow(self, rank: int, stream: IO[bytes], sink: TextIO) -> None:
         def copy() -> None:
             for raw in iter(stream.readline, b""):
                 line = raw.decode(errors="replace").rstrip("\r\n")
                 with self.lock:
+                    if _NATIVE_FRAME.match(line):
+                        self.omitted[rank] = self.omitted.get(rank, 0) + 1
+                        continue
                     sink.write(f"[p{rank}] {line}\n")
                     sink.flush()
             stream.close()
@@ -182,7 +195,9 @@ def _supervise(children: list[subprocess.Popen], grace: float, err: TextIO, forw
         for s, handler in previous.items():
             signal.signal(s, handler)
     codes = [c.wait() for c in children]
+    forward.join()
     failed = [f"process {r} {describe(c)}" for r, c in enumerate(codes) if c != 0]
     if failed:
-        _say(err, forward, "; ".join(failed))
+        omitted = ", ".join(f"{n} from process {r}" for r, n in sorted(forward.omitted.items()))
+        _say(err, forward, "; ".join(failed) + (f" (C++ stack-trace lines omitted: {omitted})" if omitted else ""))
     return codes

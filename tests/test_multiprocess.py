@@ -150,6 +150,8 @@ def test_killed_process_stops_the_run() -> None:
     # process 0 stops by itself: JAX's coordinator names the task whose heartbeats stopped
     assert re.search(r"\[p0\] .*tasks are unhealthy \(stopped sending heartbeats\):", output), output
     assert "\n[p0] 1\n" in output
+    # JAX's C++ stack trace of the stopped process is counted, not printed
+    assert "Check failure stack trace" not in output and not re.search(r"\]\s+@\s+0x", output), output
     assert not any(_alive(pid) for pid in pids)
 
 
