@@ -8,8 +8,10 @@ each layout on the simulated devices. No timing is asserted anywhere.
 from __future__ import annotations
 
 import json
+import re
 
 import jax
+import numpy as np
 import pytest
 
 import meshdsl as md
@@ -199,5 +201,25 @@ def test_calibrate_cli_writes_a_loadable_profile(tmp_path, monkeypatch) -> None:
 
 def test_search_cli_measure_prints_predicted_beside_measured(capsys) -> None:
     assert main(["search", "--model", "mlp", "--preset", "tiny", "--profile", "cpu-sim", "--measure", "2", "--top", "2", "--no-pipeline"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:2] in ("1 ", "2 ")]
+    printed = capsys.readouterr().out
+    rows = [line.split() for line in printed.splitlines() if line.strip()[:2] in ("1 ", "2 ")]
     assert len(rows) == 2 and all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)
+    measured = [float(r[2]) for r in rows]
+    verdict = re.search(r"the chosen layout \(#1\) measured ([\d.]+) ms, ([+-][\d.]+)% against the fastest measured \(#\d, ([\d.]+) ms\)", printed)
+    assert verdict, printed
+    chosen, over, fastest = (float(g) for g in verdict.groups())
+    assert chosen == measured[0] and fastest == min(measured)
+    assert over == pytest.approx(100 * (chosen / fastest - 1), abs=0.2)
+
+
+def test_spearman_is_the_correlation_of_ranks() -> None:
+    """Against numpy: the Pearson correlation of the ranks (no ties), and a worked example with ties."""
+    from meshdsl.planner.measure import ranks, spearman
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(12), rng.standard_normal(12)
+    expected = np.corrcoef(np.argsort(np.argsort(a)), np.argsort(np.argsort(b)))[0, 1]
+    assert spearman(list(a), list(b)) == pytest.approx(expected)
+    assert ranks([3.0, 1.0, 2.0, 2.0]) == [4.0, 1.0, 2.5, 2.5]
+    # ranks (1, 2.5, 2.5, 4) against (1, 2, 3, 4): covariance 4.5, spreads 4.5 and 5
+    assert spearman([1.0, 2.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0]) == pytest.approx(4.5 / np.sqrt(4.5 * 5))

@@ -37,6 +37,7 @@ def add_parsers(sub: Any) -> None:
     search.add_argument("--top", type=int, default=5, help="candidates to print")
     search.add_argument("--out", default=None, metavar="FILE", help="write the best layout as a TOML file")
     search.add_argument("--measure", type=int, default=0, metavar="K", help="compile and time the top K on the devices at hand")
+    search.add_argument("--rounds", type=int, default=5, help="with --measure: interleaved timing rounds (2 steps each)")
     search.add_argument("--no-pipeline", action="store_true", help="leave out pipelined (layers: stage) candidates")
     search.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a model config field")
 
@@ -94,11 +95,13 @@ def _search(args: argparse.Namespace, overrides: dict[str, object], out: Callabl
     import jax
 
     from meshdsl.errors import ConfigError
-    from meshdsl.planner.measure import measure
+    from meshdsl.planner.measure import measure, verdict
     from meshdsl.planner.search import GiB, search, write_layout
     from meshdsl.train import optim
     from meshdsl.train.loop import build_model
 
+    if args.rounds < 1:
+        raise ConfigError(f"--rounds {args.rounds}: time at least 1 round")
     devices = args.plan_devices or jax.device_count()
     profile = _profile(args.profile)
     model = build_model(args.model, args.preset, **overrides)
@@ -118,7 +121,7 @@ def _search(args: argparse.Namespace, overrides: dict[str, object], out: Callabl
         if devices != jax.device_count():
             raise ConfigError(f"--measure times layouts on the devices at hand ({jax.device_count()}), but the search planned for {devices}")
         k = min(args.measure, len(result.ranked))
-        times = measure(model, optimizer, [c for c, _ in result.ranked[:k]])
+        times = measure(model, optimizer, [c for c, _ in result.ranked[:k]], rounds=args.rounds)
         top = result.ranked[: max(k, len(top))]
         measured = times + [None] * (len(top) - k)
     header = f"{'#':>3}  {'predicted ms':>12}  {'measured ms':>11}  {'memory GiB':>10}  {'moved GiB':>9}  layout"
@@ -126,6 +129,8 @@ def _search(args: argparse.Namespace, overrides: dict[str, object], out: Callabl
     for i, ((cand, pred), meas) in enumerate(zip(top, measured), 1):
         m = "" if meas is None else f"{meas * 1e3:.2f}"
         out(f"{i:>3}  {pred.step_s * 1e3:12.2f}  {m:>11}  {pred.memory.total / GiB:10.3f}  {pred.total_bytes / GiB:9.3f}  {cand.name}")
+    if args.measure and len(times) > 1:
+        out(verdict([p.step_s for _, p in result.ranked[:k]], times))
     if args.out:
         write_layout(*result.best, args.out, profile)
         out(f"wrote the best layout to {args.out}")

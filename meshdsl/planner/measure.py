@@ -53,3 +53,43 @@ def measure(model: Any, optimizer: Any, candidates: Sequence[Candidate], rounds:
                 fn()
             samples[i].append((time.perf_counter() - start) / steps)
     return [statistics.median(s) for s in samples]
+
+
+def ranks(values: Sequence[float]) -> list[float]:
+    """1-based ranks of ``values`` (ties share the mean of their ranks)."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rank correlation: the Pearson correlation of the ranks of ``a`` and ``b``."""
+    ra, rb = ranks(a), ranks(b)
+    n = len(ra)
+    ma, mb = sum(ra) / n, sum(rb) / n
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    spread = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / spread if spread else 0.0
+
+
+def verdict(predicted: Sequence[float], measured: Sequence[float]) -> str:
+    """How well predictions ranked the measured times: Spearman, and the predicted best against the measured best.
+
+    ``predicted`` is sorted fastest first (the search's order), so entry 0 is the chosen layout.
+    """
+    best = min(range(len(measured)), key=lambda i: measured[i])
+    over = measured[0] / measured[best] - 1
+    return (
+        f"Spearman rank correlation, predicted vs measured: {spearman(predicted, measured):.3f} over {len(measured)} layouts; "
+        f"the chosen layout (#1) measured {measured[0] * 1e3:.2f} ms, {over:+.1%} against the fastest measured "
+        f"(#{best + 1}, {measured[best] * 1e3:.2f} ms)"
+    )
+
