@@ -221,6 +221,25 @@ def apply(
     return x
 
 
+def gather_together(arrays: Sequence[jax.Array], dims: Sequence[int], axes: Axes, n: int, to: str) -> list[jax.Array]:
+    """Each of ``arrays`` gathered along its dim in ``dims`` over mesh ``axes`` (``n`` devices), by one ``all_gather``.
+
+    The shards are flattened (gathered dim first) into one buffer, gathered once and cut apart
+    again: one collective for a layer's stored parameters instead of one per parameter (PyTorch
+    FSDP's flat parameter), and the same bytes. Its gradient is one ``psum_scatter`` (``to``
+    "varying") for them all. The arrays share a dtype.
+    """
+    moved = [jnp.moveaxis(a, d, 0) for a, d in zip(arrays, dims)]
+    flat = jnp.concatenate([m.reshape(-1) for m in moved])
+    rows = lax.all_gather(flat, axes, axis=0, tiled=True, to=to).reshape(n, -1)
+    out, start = [], 0
+    for m, d in zip(moved, dims):
+        whole = rows[:, start : start + m.size].reshape((n * m.shape[0], *m.shape[1:]))
+        out.append(jnp.moveaxis(whole, 0, d))
+        start += m.size
+    return out
+
+
 def step_bytes(
     steps: Sequence[Step],
     start: State,

@@ -75,12 +75,12 @@ def test_bench_measures_what_explain_predicts(tmp_path):
         assert r["memory_bytes_per_device"]["total"] > 0 and len(r["step_times_s"]) == 2
     by = {r["layout"]: r for r in rows}
     # fsdp stores parameters split: less memory than data parallel; it moves data parallel's bytes
-    # (gather + reduce-scatter = all-reduce) plus a second gather of each layer's weight matrices.
+    # (gather + reduce-scatter = all-reduce) plus a second gather of each layer's parameters.
     assert by["fsdp"]["memory_bytes_per_device"]["arguments"] < by["data_parallel"]["memory_bytes_per_device"]["arguments"]
     c = transformer.Config.preset("tiny")
-    matrices = c.layers * (c.d_model * 3 * c.heads * c.d_kv + c.heads * c.d_kv * c.d_model + 2 * c.d_model * c.d_ff)
+    per_layer = c.d_model * 3 * c.heads * c.d_kv + c.heads * c.d_kv * c.d_model + 2 * c.d_model * c.d_ff + 2 * c.d_model
     extra = by["fsdp"]["collective_bytes_per_device"] - by["data_parallel"]["collective_bytes_per_device"]
-    assert extra == pytest.approx(4 * matrices * 7 / 8, rel=1e-3)
+    assert extra == pytest.approx(4 * c.layers * per_layer * 7 / 8, rel=1e-3)
 
 
 def _affine_tokens(n: int, vocab: int) -> np.ndarray:

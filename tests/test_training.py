@@ -97,12 +97,15 @@ def test_fsdp_stores_parameters_split_and_reduce_scatters_gradients():
     assert wqkv.array.sharding.shard_shape(wqkv.array.shape)[1] == wqkv.shape["d_model"].size // 8
     report = trainer.explain(state, jax.random.key_data(jax.random.key(1)))
     summary = report.summary()
-    # Every parameter is gathered once and its gradient reduce-scattered once; the layers' matmul
-    # weights are gathered again in the backward loop (ZeRO-3: one layer's gathered copy at a
-    # time). Outside the loop XLA merges the unembedding's second gather with its first.
-    layers = state["params"]["layers"]
-    regathered = sum(layers[k].shape.size for k in ("wqkv", "wo", "w_in", "w_out")) * 4 * 7 / 8
+    # Every parameter is gathered once and its gradient reduce-scattered once; the layers'
+    # parameters are gathered again in the backward loop (ZeRO-3: one layer's gathered copy at a
+    # time), each layer's together: one all-gather forward, one backward, one reduce-scatter.
+    layers = jax.tree_util.tree_leaves(state["params"]["layers"], is_leaf=lambda x: isinstance(x, md.Tensor))
+    regathered = sum(t.shape.size for t in layers) * 4 * 7 / 8
     assert summary["reduce-scatter"]["bytes"] > 0
     assert summary["all-gather"]["bytes"] == summary["reduce-scatter"]["bytes"] + regathered
+    outside = len(state["params"]) - 1  # embed, final_norm, unembed: gathered once each, outside the loop
+    assert summary["reduce-scatter"]["count"] == model.config.layers + outside
+    assert summary["all-gather"]["count"] == 2 * model.config.layers + outside
     # Only scalars are all-reduced: the loss and the global norm that AdamW clips by.
     assert {(r.op, r.buffer_bytes) for r in report.rows if r.collective.value == "all-reduce"} == {("array", 4), ("sqrt", 4)}

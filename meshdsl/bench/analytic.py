@@ -6,10 +6,10 @@ layout cannot avoid; docs/performance.md writes them out. ``n`` is the size of t
 
 * data_parallel: all-reduce of every gradient, plus the loss: ``AR(4P) + AR(4)``.
 * fsdp (ZeRO-3): all-gather of every parameter forward, reduce-scatter of every gradient, and a
-  second all-gather of each weight matrix of the layer loop in the backward pass (so a device
-  holds one layer's gathered weights at a time, never all layers'), plus the loss:
-  ``AG(4P) + RS(4P) + AG(4 P_loop) + AR(4)``. ``P_loop``: parameters stacked along ``layers``
-  with two or more other dims (the transformer's projections; the MLP has none).
+  second all-gather of the layer loop's parameters in the backward pass (so a device holds one
+  layer's gathered weights at a time, never all layers'), plus the loss:
+  ``AG(4P) + RS(4P) + AG(4 P_loop) + AR(4)``. ``P_loop``: the parameters stacked along
+  ``layers`` (the transformer's layers; the MLP has none).
 * megatron (transformer): per layer, the attention and feed-forward outputs are all-reduced
   forward and their inputs' gradients backward: ``4 L_layers AR(4BLD)``; the vocab-parallel
   embedding's lookup and the unembedding's input gradient: ``2 AR(4BLD)``; the loss's max, sum of
@@ -47,12 +47,9 @@ def _local_param_bytes(params: Any, mesh: md.Mesh, layout: md.Layout) -> float:
     return total
 
 
-def _loop_matrices(params: Any) -> Any:
-    """The weight matrices of the layer loop: parameters stacked along ``layers`` with two or more other dims."""
-    return [
-        t for t in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, md.Tensor))
-        if "layers" in t.shape and t.shape.rank >= 3
-    ]
+def _loop_params(params: Any) -> Any:
+    """The parameters of the layer loop: those stacked along ``layers``."""
+    return [t for t in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, md.Tensor)) if "layers" in t.shape]
 
 
 def minimum_bytes(name: str, model: Any, params: Any, mesh: md.Mesh, layout: md.Layout, clips: bool) -> float | None:
@@ -71,7 +68,7 @@ def minimum_bytes(name: str, model: Any, params: Any, mesh: md.Mesh, layout: md.
     if name == "fsdp":
         n = sizes["data"]
         stored = _local_param_bytes(params, mesh, layout.param_layout) * n
-        regathered = _local_param_bytes(_loop_matrices(params), mesh, layout.param_layout) * n
+        regathered = _local_param_bytes(_loop_params(params), mesh, layout.param_layout) * n
         gathers = bytes_moved(Collective.ALL_GATHER, stored + regathered, n)
         return gathers + bytes_moved(Collective.REDUCE_SCATTER, stored, n) + _ar(4, n) + clips * _ar(4, n)
     if name not in ("megatron", "dp_tp"):

@@ -115,10 +115,26 @@ class SpmdLowering(Lowering):
         missing = tuple(sorted(varying - _varying_axes(x)))
         return _vary_summing_grads_in(x, missing, jnp.dtype(self.grad_reduce_dtype)) if self._narrow_grads(x, missing) else x
 
-    def gathers_stored(self, t: Tensor, axes: Axes) -> bool:
-        if t.layout is None or t.layout == self.axes(t.shape):
-            return False
-        return any(step.kind is relayout.StepKind.ALL_GATHER for step in relayout.plan(t.layout, axes, t.pending))
+    def stored_gather(self, shape: Shape, axes: Axes) -> tuple[int, Axes] | None:
+        steps = relayout.plan(axes, self.axes(shape), ())
+        if len(steps) == 1 and steps[0].kind is relayout.StepKind.ALL_GATHER:
+            return steps[0].dim, steps[0].axes
+        return None
+
+    def gather_stored(self, arrays: list[jax.Array], gathers: Sequence[tuple[int, Axes] | None], *others: jax.Array) -> list[jax.Array]:
+        varying = frozenset().union(*(_varying_axes(o) for o in others))
+        groups: dict[tuple[Axes, Any], list[int]] = {}
+        for i, g in enumerate(gathers):
+            if g is not None:
+                groups.setdefault((g[1], arrays[i].dtype), []).append(i)
+        out = list(arrays)
+        for (axes, _), members in groups.items():
+            to = "varying" if varying.issuperset(axes) else "invarying"
+            with jax.named_scope(f"[{len(members)} stored tensors]"):
+                gathered = relayout.gather_together([arrays[i] for i in members], [gathers[i][0] for i in members], axes, self.group_size(axes), to)
+            for i, a in zip(members, gathered):
+                out[i] = a
+        return out
 
     def _narrow_grads(self, x: jax.Array, axes: tuple[str, ...]) -> bool:
         """Whether ``x``'s gradient, summed over ``axes``, is summed in the narrower ``grad_reduce_dtype``."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import string
 from typing import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -71,15 +70,6 @@ def einsum(*tensors: Tensor, out: Sequence[DimLike] | Shape | str | None = None)
     letters = {n: string.ascii_letters[i] for i, n in enumerate(dict.fromkeys(n for t in tensors for n in t.shape.names))}
     spec = ",".join("".join(letters[n] for n in t.shape.names) for t in tensors)
     spec += "->" + "".join(letters[n] for n in out_shape.names)
-    operand_axes = [tuple(layout[n] for n in t.shape.names) for t in tensors]
-
-    def product(*arrays: jax.Array) -> jax.Array:
-        held = [Tensor(a, t.shape, t.pending, t.layout) for a, t in zip(arrays, tensors)]
-        return jnp.einsum(spec, *(lowering.prepare(t, axes, beside=held) for t, axes in zip(held, operand_axes)))
-
-    if any(lowering.gathers_stored(t, axes) for t, axes in zip(tensors, operand_axes)):
-        # ZeRO-3: the backward pass gathers a stored-split parameter again rather than keeping the
-        # forward's gathered copy, so a device holds one layer's gathered weights at a time, not all.
-        product = jax.checkpoint(product, policy=jax.checkpoint_policies.nothing_saveable)
+    arrays = [lowering.prepare(t, tuple(layout[n] for n in t.shape.names), beside=tensors) for t in tensors]
     out_axes, pending = result(layout)
-    return lowering.finish(product(*(t._data for t in tensors)), out_shape, out_axes, pending, lazy=True)
+    return lowering.finish(jnp.einsum(spec, *arrays), out_shape, out_axes, pending, lazy=True)

@@ -8,8 +8,11 @@ one, and per-layer rematerialisation (``remat=True``) bounds activation memory t
 inputs per step.
 
 The scanned dim is taken whole on every device (gathered first if a layout splits it); the other
-dims of ``xs`` keep their layout, so parameters stored split (FSDP) are gathered one layer at a
-time inside the loop, by the op that first needs them.
+dims of ``xs`` keep their layout. Parameters stored split in another layout than the rules (FSDP)
+are gathered one layer at a time inside the loop, all of a layer's in one all-gather at the start
+of its step, and gathered again for its backward step rather than kept (ZeRO-3): memory holds one
+layer's gathered weights, and the backward loop runs one all-gather and one reduce-scatter per
+layer instead of one per parameter.
 """
 
 from __future__ import annotations
@@ -26,6 +29,24 @@ from meshdsl.tensor import Tensor
 
 def _is_tensor(x: Any) -> bool:
     return isinstance(x, Tensor)
+
+
+_DATA_MOVEMENT = frozenset(
+    "all_gather reshape transpose slice dynamic_slice concatenate squeeze expand_dims broadcast_in_dim "
+    "convert_element_type copy pvary".split()
+)
+
+
+def _refetch_gathered(primitive: Any, *args: Any, **params: Any) -> bool:
+    """``jax.checkpoint`` policy of a layer step that gathers stored parameters (ZeRO-3).
+
+    Values made by data movement alone (the gather, and the reshapes, slices and casts of what it
+    gathered) are recomputed in the backward pass from the stored shards rather than saved, so a
+    device holds one layer's gathered weights at a time, not every layer's: autodiff of the scan
+    would otherwise stack them all as residuals, which is the unsplit model FSDP exists to avoid.
+    Everything else is saved as without a policy (the recomputed reshapes of activations are free).
+    """
+    return primitive.name not in _DATA_MOVEMENT
 
 
 def scan(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: DimLike, *, remat: bool = False) -> tuple[Any, Any]:
@@ -66,12 +87,22 @@ def scan(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: Dim
             rest = axes[:position] + axes[position + 1 :]
             slices.append((x.shape.without([name]), rest))
 
+        # Slices stored split in another layout than the rules (FSDP parameters) are gathered at the
+        # start of each step, all of a step's in one all-gather (see relayout.gather_together).
+        gathers = [lowering.stored_gather(shape, axes) for shape, axes in slices]
+        held = [(shape, axes if g is None else lowering.axes(shape)) for (shape, axes), g in zip(slices, gathers)]
+
         def body(carry: Any, local: list) -> tuple[Any, Any]:
-            x = jax.tree_util.tree_unflatten(treedef, [lowering.keep(a, shape, axes) for a, (shape, axes) in zip(local, slices)])
+            local = lowering.gather_stored(list(local), gathers, *carried)
+            x = jax.tree_util.tree_unflatten(treedef, [lowering.keep(a, shape, axes) for a, (shape, axes) in zip(local, held)])
             carry, y = fn(carry, x)
             return settle(carry), settle(y)
 
-        carry, ys = jax.lax.scan(jax.checkpoint(body) if remat else body, init, arrays)
+        if remat:
+            body = jax.checkpoint(body)
+        elif any(g is not None for g in gathers):
+            body = jax.checkpoint(body, policy=_refetch_gathered)
+        carry, ys = jax.lax.scan(body, init, arrays)
 
         def stack(t: Any) -> Any:
             if not isinstance(t, Tensor):
