@@ -123,12 +123,14 @@ class SpmdLowering(Lowering):
 
     def gather_stored(self, arrays: list[jax.Array], gathers: Sequence[tuple[int, Axes] | None], *others: jax.Array) -> list[jax.Array]:
         varying = frozenset().union(*(_varying_axes(o) for o in others))
-        groups: dict[tuple[Axes, Any], list[int]] = {}
+        # One group per gather axes, dtype and manual-axis type: concatenating shards that vary along
+        # different axes would make every part vary along them all.
+        groups: dict[tuple[Axes, Any, frozenset[str]], list[int]] = {}
         for i, g in enumerate(gathers):
             if g is not None:
-                groups.setdefault((g[1], arrays[i].dtype), []).append(i)
+                groups.setdefault((g[1], arrays[i].dtype, _varying_axes(arrays[i])), []).append(i)
         out = list(arrays)
-        for (axes, _), members in groups.items():
+        for (axes, _, _), members in groups.items():
             to = "varying" if varying.issuperset(axes) else "invarying"
             with jax.named_scope(f"[{len(members)} stored tensors]"):
                 gathered = relayout.gather_together([arrays[i] for i in members], [gathers[i][0] for i in members], axes, self.group_size(axes), to)
