@@ -321,8 +321,14 @@ def explain(
     in_layouts: Sequence[Any] | None = None,
     out_layouts: Any = None,
     grad_reduce_dtype: Any = None,
+    platform: str | None = None,
 ) -> Report:
-    """The collectives ``md.compile(fn, mesh, layout, ...)`` runs on ``args``, per op, with bytes per device."""
+    """The collectives ``md.compile(fn, mesh, layout, ...)`` runs on ``args``, per op, with bytes per device.
+
+    ``platform``: price them as on that platform (default: the mesh's devices'). On ``"cpu"`` a
+    16-bit float reduction counts as f32, as XLA's CPU backend runs it; on an accelerator it moves
+    its own 2 bytes an element (what ``grad_reduce_dtype="bfloat16"`` saves).
+    """
     program = Compiled(fn, mesh, layout, in_layouts=in_layouts, out_layouts=out_layouts, grad_reduce_dtype=grad_reduce_dtype).spmd_function
     closed = jax.make_jaxpr(program)(*args)
-    return report_of_jaxpr(closed.jaxpr, mesh.axis_sizes, mesh.devices.flat[0].platform == "cpu")
+    return report_of_jaxpr(closed.jaxpr, mesh.axis_sizes, (platform or mesh.devices.flat[0].platform) == "cpu")

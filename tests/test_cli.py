@@ -60,6 +60,7 @@ FIELDS = {
     "model", "preset", "layout", "mesh", "devices", "compile_s", "step_s_median", "step_s_spread", "step_times_s",
     "tokens_per_s", "flops_per_step", "flops_per_s", "mfu", "memory_bytes_per_device", "collectives_measured",
     "collectives_predicted", "collective_count", "collective_bytes_per_device", "predicted_bytes_per_device",
+    "predicted_bytes_per_device_on_accelerator",
     "bytes_match_prediction", "analytic_minimum_bytes", "bytes_over_minimum", "baseline_jax_step_s", "overhead_vs_jax",
 }
 
@@ -123,6 +124,19 @@ def test_training_on_a_token_file_learns(tmp_path):
     assert result.returncode == 0, result.stderr
     losses = [float(line.split("loss ")[1].split()[0]) for line in result.stdout.splitlines() if " loss " in line]
     assert losses[-1] < 0.8 * losses[0]
+
+
+def test_bench_shows_bf16_gradient_reduction_halving_the_bytes(tmp_path):
+    """The gradient all-reduce in bf16 moves half the bytes on an accelerator; XLA on CPU widens it
+    to f32, so the CPU's HLO moves what f32 does, and the bench reports both."""
+    cfg = dict(models=["transformer"], preset="tiny", layouts=["data_parallel"], rounds=1, steps_per_round=1, out=str(tmp_path))
+    (f32,) = run(BenchConfig(**cfg), out=lambda s: None)
+    (bf16,) = run(BenchConfig(**cfg, grad_reduce_dtype="bfloat16"), out=lambda s: None)
+    loss = 2 * 7 / 8 * 4  # the f32 loss all-reduce, the one sum left in f32
+    assert f32["predicted_bytes_per_device_on_accelerator"] == f32["collective_bytes_per_device"]
+    assert bf16["collective_bytes_per_device"] == f32["collective_bytes_per_device"]
+    assert bf16["predicted_bytes_per_device_on_accelerator"] == pytest.approx((f32["collective_bytes_per_device"] - loss) / 2 + loss)
+    assert "(accel. " in (tmp_path / "results.md").read_text()
 
 
 def test_bf16_gradient_reduction_trains():

@@ -28,6 +28,12 @@ def _bubbles(p: dict[str, Any] | None) -> str:
     return "/".join("-" if p[k] is None else f"{p[k]:.2f}" for k in ("bubble_theoretical", "bubble_schedule", "bubble_measured"))
 
 
+def _accelerator(s: dict[str, Any]) -> str:
+    """Where an accelerator would move other bytes than this CPU run (16-bit reductions XLA's CPU widens)."""
+    accel = s["predicted_bytes_per_device_on_accelerator"]
+    return "" if accel == s["predicted_bytes_per_device"] else f" (accel. {_fmt_bytes(accel)})"
+
+
 COLUMNS = [
     ("model", lambda s: s["model"]),
     ("layout", lambda s: s["layout"]),
@@ -40,7 +46,7 @@ COLUMNS = [
     ("mem/device", lambda s: _fmt_bytes(s["memory_bytes_per_device"]["total"])),
     ("collectives", lambda s: str(s["collective_count"])),
     ("bytes/device", lambda s: _fmt_bytes(s["collective_bytes_per_device"])),
-    ("explain", lambda s: _fmt_bytes(s["predicted_bytes_per_device"]) + ("" if s["bytes_match_prediction"] else " (differs)")),
+    ("explain", lambda s: _fmt_bytes(s["predicted_bytes_per_device"]) + ("" if s["bytes_match_prediction"] else " (differs)") + _accelerator(s)),
     ("÷ minimum", lambda s: _ratio(s["bytes_over_minimum"])),
     ("÷ jax", lambda s: _ratio(s["overhead_vs_jax"])),
     ("bubble theory/ticks/measured", lambda s: _bubbles(s.get("pipeline"))),

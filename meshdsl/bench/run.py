@@ -62,6 +62,9 @@ class Entry:
     memory_bytes: dict[str, int]
     measured: dict[str, dict[str, float]]
     predicted: dict[str, dict[str, float]]
+    predicted_on_accelerator: dict[str, dict[str, float]]
+    """``predicted`` priced as on an accelerator: differs on CPU only for 16-bit reductions (XLA's
+    CPU backend widens them to f32; ``--grad-reduce-dtype bfloat16`` halves them on a GPU or TPU)."""
     minimum_bytes: float | None
     step_times: list[float] = dataclasses.field(default_factory=list)
     baseline_step_times: list[float] = dataclasses.field(default_factory=list)
@@ -95,6 +98,10 @@ class Entry:
         return sum(v["bytes"] for v in self.predicted.values())
 
     @property
+    def accelerator_bytes(self) -> float:
+        return sum(v["bytes"] for v in self.predicted_on_accelerator.values())
+
+    @property
     def collectives(self) -> int:
         return int(sum(v["count"] for v in self.measured.values()))
 
@@ -112,6 +119,7 @@ class Entry:
             "collectives_measured": self.measured, "collectives_predicted": self.predicted,
             "collective_count": self.collectives, "collective_bytes_per_device": self.measured_bytes,
             "predicted_bytes_per_device": self.predicted_bytes,
+            "predicted_bytes_per_device_on_accelerator": self.accelerator_bytes,
             "bytes_match_prediction": self.measured == self.predicted,
             "analytic_minimum_bytes": self.minimum_bytes,
             "bytes_over_minimum": None if not self.minimum_bytes else self.measured_bytes / self.minimum_bytes,
@@ -174,13 +182,16 @@ def _prepare(
         return None
     text = compiled.as_text()
     device = jax.devices()[0]
+    narrow_on_cpu = cfg.grad_reduce_dtype is not None and device.platform == "cpu"
+    predicted = trainer.explain(state, data).summary()
     dtype = getattr(model.config, "compute_dtype", "float32")
     entry = Entry(
         model=model_name, preset=cfg.preset, layout=label, mesh=str(mesh), devices=mesh.size, compile_s=compile_s,
         flops_per_step=model.flops_per_step(), examples_per_step=model.examples_per_step(),
         example_unit="tokens" if hasattr(model.config, "length") else "examples",
         memory_bytes=_memory(compiled), measured=hlo.summary(text, num_devices=mesh.size),
-        predicted=trainer.explain(state, data).summary(),
+        predicted=predicted,
+        predicted_on_accelerator=trainer.explain(state, data, platform="gpu").summary() if narrow_on_cpu else predicted,
         minimum_bytes=analytic.minimum_bytes(path.stem, model, state["params"], mesh, layout, getattr(optimizer, "clip_norm", None) is not None),
         peak_flops=peak_flops(device.device_kind, dtype),
         pipeline=None if pipe is None else _pipeline_fields(pipe, trainer, model),

@@ -61,12 +61,12 @@ class Trainer:
             grad_reduce_dtype=self.grad_reduce_dtype, donate_argnums=(0,) if self.donate else (),
         )
 
-    def explain(self, state: dict[str, Any], data: Any) -> md.Report:
-        """``md.explain`` of one step: every collective, forward, backward and optimizer."""
+    def explain(self, state: dict[str, Any], data: Any, platform: str | None = None) -> md.Report:
+        """``md.explain`` of one step: every collective, forward, backward and optimizer (priced as on ``platform``)."""
         stored = self.layout.param_layout
         return md.explain(
             self._step, self.mesh, self.layout, state, data, in_layouts=(stored, None), out_layouts=(stored, None),
-            grad_reduce_dtype=self.grad_reduce_dtype,
+            grad_reduce_dtype=self.grad_reduce_dtype, platform=platform,
         )
 
     def abstract_state(self) -> dict[str, Any]:
