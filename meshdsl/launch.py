@@ -62,7 +62,7 @@ class _Forwarder:
     """Copies each child's lines to our stdout / stderr with a ``[pI] `` prefix, whole lines at a time.
 
     C++ stack-trace lines are counted, not copied: JAX's runtime prints one when it stops a process
-    whose peer died, and its frames say nothing about the user's run. :meth:`native_frames` counts them.
+    whose peer died, and its frames say nothing about the user's run. ``omitted`` counts them per process.
     """
 
     def __init__(self, out: TextIO, err: TextIO):
