@@ -92,4 +92,3 @@ def verdict(predicted: Sequence[float], measured: Sequence[float]) -> str:
         f"the chosen layout (#1) measured {measured[0] * 1e3:.2f} ms, {over:+.1%} against the fastest measured "
         f"(#{best + 1}, {measured[best] * 1e3:.2f} ms)"
     )
-
