@@ -1,11 +1,12 @@
 """Compile and time candidates on the devices at hand, side by side, to check the predictions.
 
-Timing is interleaved (every candidate once per round) and each candidate's time is the median
+Timing is interleaved (every candidate once per round, in a shuffled order) and each candidate's time is the median
 over rounds, as ``meshdsl bench`` does: slow drifts of a shared machine hit every candidate alike.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -41,16 +42,23 @@ def compiled_memory(compiled: Any) -> int:
 
 
 def measure(model: Any, optimizer: Any, candidates: Sequence[Candidate], rounds: int = 5, steps: int = 2, seed: int = 0) -> list[float]:
-    """Median seconds per step of each candidate, timed in ``rounds`` interleaved rounds of ``steps`` steps."""
+    """Median seconds per step of each candidate, timed in ``rounds`` interleaved rounds of ``steps`` steps.
+
+    Each round visits the candidates in a fresh order (drawn from ``seed``): a step just after a
+    much larger program runs with cold caches, so a fixed order would tax one candidate every round.
+    """
     steps_fns = [compile_step(model, optimizer, c, seed)[0] for c in candidates]
     for fn in steps_fns:
         fn()
+    shuffle = random.Random(seed).shuffle
     samples: list[list[float]] = [[] for _ in candidates]
     for _ in range(rounds):
-        for i, fn in enumerate(steps_fns):
+        order = list(range(len(candidates)))
+        shuffle(order)
+        for i in order:
             start = time.perf_counter()
             for _ in range(steps):
-                fn()
+                steps_fns[i]()
             samples[i].append((time.perf_counter() - start) / steps)
     return [statistics.median(s) for s in samples]
 
