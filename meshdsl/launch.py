@@ -167,6 +167,7 @@ def _supervise(children: list[subprocess.Popen], grace: float, err: TextIO, forw
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
     try:
         stop_at: float | None = None
+        first: int | None = None
         terminated = False
         forwarded = 0
         while None in (now := [c.poll() for c in children]):
@@ -181,6 +182,7 @@ def _supervise(children: list[subprocess.Popen], grace: float, err: TextIO, forw
             if failed and stop_at is None:
                 stop_at = time.monotonic() + grace
                 rank, code = failed[0]
+                first = rank
                 _say(err, forward, f"process {rank} {describe(code)}; stopping the others (at most {grace + KILL_AFTER_S:.0f} s)")
             if stop_at is not None and time.monotonic() > stop_at and not terminated:
                 terminated = True
@@ -196,8 +198,18 @@ def _supervise(children: list[subprocess.Popen], grace: float, err: TextIO, forw
             signal.signal(s, handler)
     codes = [c.wait() for c in children]
     forward.join()
-    failed = [f"process {r} {describe(c)}" for r, c in enumerate(codes) if c != 0]
-    if failed:
+    if any(codes):
         omitted = ", ".join(f"{n} from process {r}" for r, n in sorted(forward.omitted.items()))
-        _say(err, forward, "; ".join(failed) + (f" (C++ stack-trace lines omitted: {omitted})" if omitted else ""))
+        _say(err, forward, _summary(codes, None if interrupts else first) + (f" (C++ stack-trace lines omitted: {omitted})" if omitted else ""))
     return codes
+
+
+def _summary(codes: list[int], first: int | None) -> str:
+    """How the processes ended; with ``first`` (the rank that failed first, unprompted), it leads
+    and the others are said to have stopped because of it: a survivor's own last words (JAX's
+    heartbeat abort, or gloo's transport error when a collective was in flight) may not name it."""
+    if first is None:
+        return "; ".join(f"process {r} {describe(c)}" for r, c in enumerate(codes) if c != 0)
+    after = [f"process {r} {describe(c)}" for r, c in enumerate(codes) if c != 0 and r != first]
+    cause = f"process {first} {describe(codes[first])} first"
+    return cause + (f"; then, because of it: {', '.join(after)}" if after else "")
