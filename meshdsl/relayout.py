@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -194,14 +195,41 @@ def _leading(x: jax.Array, dim: int, collective: Callable[[jax.Array], jax.Array
     return jnp.moveaxis(collective(jnp.moveaxis(x, dim, 0)), 0, dim)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather_summing_grads_in(x: jax.Array, axes: tuple[str, ...], dtype: Any) -> jax.Array:
+    """``all_gather`` of ``x`` along dim 0 (varying); its gradient is reduce-scattered in ``dtype``."""
+    return lax.all_gather(x, axes, axis=0, tiled=True, to="varying")
+
+
+def _gather_fwd(x: jax.Array, axes: tuple[str, ...], dtype: Any) -> tuple[jax.Array, None]:
+    return _gather_summing_grads_in(x, axes, dtype), None
+
+
+def _gather_bwd(axes: tuple[str, ...], dtype: Any, _: None, ct: jax.Array) -> tuple[jax.Array]:
+    return (lax.psum_scatter(ct.astype(dtype), axes, scatter_dimension=0, tiled=True).astype(ct.dtype),)
+
+
+_gather_summing_grads_in.defvjp(_gather_fwd, _gather_bwd)
+
+
+def _gather(x: jax.Array, axes: tuple[str, ...], to: str, grad_dtype: Any) -> jax.Array:
+    """``x`` gathered along dim 0 over ``axes``. A varying result's gradient is one ``psum_scatter``,
+    in ``grad_dtype`` when that is a narrower float (an invariant result's gradient is a local slice)."""
+    narrow = grad_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(grad_dtype).itemsize < x.dtype.itemsize
+    if to == "varying" and narrow:
+        return _gather_summing_grads_in(x, axes, jnp.dtype(grad_dtype))
+    return lax.all_gather(x, axes, axis=0, tiled=True, to=to)
+
+
 def apply(
-    x: jax.Array, steps: Iterable[Step], axis_sizes: Mapping[str, int], varying: frozenset[str] = frozenset()
+    x: jax.Array, steps: Iterable[Step], axis_sizes: Mapping[str, int], varying: frozenset[str] = frozenset(), grad_dtype: Any = None
 ) -> jax.Array:
     """Run ``steps`` on the local shard ``x`` (inside ``shard_map`` over a mesh with ``axis_sizes``).
 
     A gather over axes in ``varying`` (axes the consuming op's result varies over anyway) yields a
-    value JAX tracks as varying, whose gradient is one ``psum_scatter``; other gathers yield a
-    replicated (invariant) value, whose gradient is a local slice of a replicated cotangent.
+    value JAX tracks as varying, whose gradient is one ``psum_scatter`` (in ``grad_dtype`` where
+    that is narrower: ZeRO's gradient reduce-scatter in bf16); other gathers yield a replicated
+    (invariant) value, whose gradient is a local slice of a replicated cotangent.
     """
     for step in steps:
         if step.kind is StepKind.PSUM:
@@ -210,7 +238,7 @@ def apply(
             x = _leading(x, step.dim, lambda a: lax.psum_scatter(a, step.axes, scatter_dimension=0, tiled=True))
         elif step.kind is StepKind.ALL_GATHER:
             to = "varying" if varying.issuperset(step.axes) else "invarying"
-            x = _leading(x, step.dim, lambda a: lax.all_gather(a, step.axes, axis=0, tiled=True, to=to))
+            x = _leading(x, step.dim, lambda a: _gather(a, step.axes, to, grad_dtype))
         elif step.kind is StepKind.ALL_TO_ALL:
             x = lax.all_to_all(x, step.axes, split_axis=step.dim, concat_axis=step.from_dim, tiled=True)
         else:
@@ -221,17 +249,19 @@ def apply(
     return x
 
 
-def gather_together(arrays: Sequence[jax.Array], dims: Sequence[int], axes: Axes, n: int, to: str) -> list[jax.Array]:
+def gather_together(
+    arrays: Sequence[jax.Array], dims: Sequence[int], axes: Axes, n: int, to: str, grad_dtype: Any = None
+) -> list[jax.Array]:
     """Each of ``arrays`` gathered along its dim in ``dims`` over mesh ``axes`` (``n`` devices), by one ``all_gather``.
 
     The shards are flattened (gathered dim first) into one buffer, gathered once and cut apart
     again: one collective for a layer's stored parameters instead of one per parameter (PyTorch
     FSDP's flat parameter), and the same bytes. Its gradient is one ``psum_scatter`` (``to``
-    "varying") for them all. The arrays share a dtype.
+    "varying"; in ``grad_dtype`` where narrower) for them all. The arrays share a dtype.
     """
     moved = [jnp.moveaxis(a, d, 0) for a, d in zip(arrays, dims)]
     flat = jnp.concatenate([m.reshape(-1) for m in moved])
-    rows = lax.all_gather(flat, axes, axis=0, tiled=True, to=to).reshape(n, -1)
+    rows = _gather(flat, axes, to, grad_dtype).reshape(n, -1)
     out, start = [], 0
     for m, d in zip(moved, dims):
         whole = rows[:, start : start + m.size].reshape((n * m.shape[0], *m.shape[1:]))

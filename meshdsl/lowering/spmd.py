@@ -85,7 +85,8 @@ class SpmdLowering(Lowering):
 
     ``grad_reduce_dtype``: sum gradients across devices in this (narrower) dtype. Where an op meets
     an operand that is replicated along axes its other operands vary along, the operand's gradient
-    is a sum over those axes; it is then cast, summed and cast back (bf16 halves those bytes).
+    is a sum over those axes; where a stored shard is gathered (FSDP), its gradient is a
+    reduce-scatter. Both cast, sum and cast back (bf16 halves those bytes).
     """
 
     def __init__(self, mesh: Mesh, layout: Layout, grad_reduce_dtype: Any = None):
@@ -104,7 +105,7 @@ class SpmdLowering(Lowering):
         if not steps:
             return array
         with jax.named_scope(str(shape)):
-            return relayout.apply(array, steps, self.axis_sizes, varying)
+            return relayout.apply(array, steps, self.axis_sizes, varying, self.grad_reduce_dtype)
 
     def prepare(self, t: Tensor, axes: Axes | None = None, beside: Sequence[Tensor] = ()) -> jax.Array:
         own = self.axes(t.shape)
@@ -133,7 +134,9 @@ class SpmdLowering(Lowering):
         for (axes, _, _), members in groups.items():
             to = "varying" if varying.issuperset(axes) else "invarying"
             with jax.named_scope(f"[{len(members)} stored tensors]"):
-                gathered = relayout.gather_together([arrays[i] for i in members], [gathers[i][0] for i in members], axes, self.group_size(axes), to)
+                gathered = relayout.gather_together(
+                    [arrays[i] for i in members], [gathers[i][0] for i in members], axes, self.group_size(axes), to, self.grad_reduce_dtype
+                )
             for i, a in zip(members, gathered):
                 out[i] = a
         return out

@@ -37,6 +37,15 @@ _DATA_MOVEMENT = frozenset(
 )
 
 
+def _moves_data(primitive: Any, params: dict[str, Any]) -> bool:
+    """Whether an equation only moves data: a data-movement primitive, or a call (a ``custom_vjp``
+    such as the gather whose gradient is reduce-scattered in bf16) whose body does nothing else."""
+    bodies = [v for v in params.values() if isinstance(v, jax.extend.core.ClosedJaxpr)]
+    if bodies and primitive.name not in _DATA_MOVEMENT:
+        return all(_moves_data(e.primitive, e.params) for body in bodies for e in body.jaxpr.eqns)
+    return primitive.name in _DATA_MOVEMENT
+
+
 def _refetch_gathered(primitive: Any, *args: Any, **params: Any) -> bool:
     """``jax.checkpoint`` policy of a layer step that gathers stored parameters (ZeRO-3).
 
@@ -46,7 +55,7 @@ def _refetch_gathered(primitive: Any, *args: Any, **params: Any) -> bool:
     would otherwise stack them all as residuals, which is the unsplit model FSDP exists to avoid.
     Everything else is saved as without a policy (the recomputed reshapes of activations are free).
     """
-    return primitive.name not in _DATA_MOVEMENT
+    return not _moves_data(primitive, params)
 
 
 def scan(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: DimLike, *, remat: bool = False) -> tuple[Any, Any]:
