@@ -212,11 +212,15 @@ def _gather_bwd(axes: tuple[str, ...], dtype: Any, _: None, ct: jax.Array) -> tu
 _gather_summing_grads_in.defvjp(_gather_fwd, _gather_bwd)
 
 
+def narrower(dtype: Any, grad_dtype: Any) -> bool:
+    """Whether gradients of a ``dtype`` value are summed in ``grad_dtype``: a float, narrower than it."""
+    return grad_dtype is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(grad_dtype).itemsize < jnp.dtype(dtype).itemsize
+
+
 def _gather(x: jax.Array, axes: tuple[str, ...], to: str, grad_dtype: Any) -> jax.Array:
     """``x`` gathered along dim 0 over ``axes``. A varying result's gradient is one ``psum_scatter``,
-    in ``grad_dtype`` when that is a narrower float (an invariant result's gradient is a local slice)."""
-    narrow = grad_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(grad_dtype).itemsize < x.dtype.itemsize
-    if to == "varying" and narrow:
+    in ``grad_dtype`` when that is :func:`narrower` (an invariant result's gradient is a local slice)."""
+    if to == "varying" and narrower(x.dtype, grad_dtype):
         return _gather_summing_grads_in(x, axes, jnp.dtype(grad_dtype))
     return lax.all_gather(x, axes, axis=0, tiled=True, to=to)
 

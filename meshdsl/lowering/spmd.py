@@ -143,8 +143,7 @@ class SpmdLowering(Lowering):
 
     def _narrow_grads(self, x: jax.Array, axes: tuple[str, ...]) -> bool:
         """Whether ``x``'s gradient, summed over ``axes``, is summed in the narrower ``grad_reduce_dtype``."""
-        low = self.grad_reduce_dtype
-        return bool(axes) and low is not None and jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(low).itemsize < x.dtype.itemsize
+        return bool(axes) and relayout.narrower(x.dtype, self.grad_reduce_dtype)
 
     def _vary(self, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
         """``x`` marked varying along ``axes``; its gradient summed over them (in ``grad_reduce_dtype`` where narrower)."""

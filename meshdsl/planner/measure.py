@@ -1,7 +1,8 @@
 """Compile and time candidates on the devices at hand, side by side, to check the predictions.
 
-Timing is interleaved (every candidate once per round, in a shuffled order) and each candidate's time is the median
-over rounds, as ``meshdsl bench`` does: slow drifts of a shared machine hit every candidate alike.
+Timing is interleaved (every candidate once per round, in a shuffled order) and each
+candidate's time is the median over rounds, as ``meshdsl bench`` does: slow drifts of a shared
+machine hit every candidate alike.
 """
 
 from __future__ import annotations
