@@ -200,7 +200,8 @@ def _supervise(children: list[subprocess.Popen], grace: float, err: TextIO, forw
     forward.join()
     if any(codes):
         omitted = ", ".join(f"{n} from process {r}" for r, n in sorted(forward.omitted.items()))
-        _say(err, forward, _summary(codes, None if interrupts else first) + (f" (C++ stack-trace lines omitted: {omitted})" if omitted else ""))
+        note = f" (C++ stack-trace lines omitted: {omitted})" if omitted else ""
+        _say(err, forward, _summary(codes, None if interrupts else first) + note)
     return codes
 
 

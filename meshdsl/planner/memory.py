@@ -1,4 +1,4 @@
-"""Per-device memory of a training step: state from the shapes, peak temporaries from a liveness walk.
+"""Per-device memory of a training step: state from the shapes, temporaries from a liveness walk packed as XLA packs them.
 
 The state (parameters, optimizer state, step counter) is exact: each tensor's bytes divided by
 the product of the mesh axes its stored layout splits it over. The temporaries (activations kept
