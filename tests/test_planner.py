@@ -231,12 +231,12 @@ def test_search_cli_measure_prints_predicted_beside_measured(capsys) -> None:
 
 def test_spearman_is_the_correlation_of_ranks() -> None:
     """Against numpy: the Pearson correlation of the ranks (no ties), and a worked example with ties."""
-    from meshdsl.planner.measure import ranks, spearman
+    from meshdsl.planner.measure import spearman
 
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal(12), rng.standard_normal(12)
     expected = np.corrcoef(np.argsort(np.argsort(a)), np.argsort(np.argsort(b)))[0, 1]
     assert spearman(list(a), list(b)) == pytest.approx(expected)
-    assert ranks([3.0, 1.0, 2.0, 2.0]) == [4.0, 1.0, 2.5, 2.5]
     # ranks (1, 2.5, 2.5, 4) against (1, 2, 3, 4): covariance 4.5, spreads 4.5 and 5
     assert spearman([1.0, 2.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0]) == pytest.approx(4.5 / np.sqrt(4.5 * 5))
+    assert spearman([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]) == 0.0

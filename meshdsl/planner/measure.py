@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
+import scipy.stats
 
 import meshdsl as md
 from meshdsl.planner.search import Candidate
@@ -64,29 +65,12 @@ def measure(model: Any, optimizer: Any, candidates: Sequence[Candidate], rounds:
     return [statistics.median(s) for s in samples]
 
 
-def ranks(values: Sequence[float]) -> list[float]:
-    """1-based ranks of ``values`` (ties share the mean of their ranks)."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    out = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            out[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return out
-
-
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:
-    """Spearman's rank correlation: the Pearson correlation of the ranks of ``a`` and ``b``."""
-    ra, rb = ranks(a), ranks(b)
-    n = len(ra)
-    ma, mb = sum(ra) / n, sum(rb) / n
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    spread = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
-    return cov / spread if spread else 0.0
+    """Spearman's rank correlation: the Pearson correlation of the ranks of ``a`` and ``b`` (ties
+    share their mean rank); 0 when either is constant (no ranking to agree with)."""
+    if len(set(a)) < 2 or len(set(b)) < 2:
+        return 0.0
+    return float(scipy.stats.spearmanr(a, b).statistic)
 
 
 def verdict(predicted: Sequence[float], measured: Sequence[float]) -> str:
