@@ -40,10 +40,10 @@ _DATA_MOVEMENT = frozenset(
 def _moves_data(primitive: Any, params: dict[str, Any]) -> bool:
     """Whether an equation only moves data: a data-movement primitive, or a call (a ``custom_vjp``
     such as the gather whose gradient is reduce-scattered in bf16) whose body does nothing else."""
-    bodies = [v for v in params.values() if isinstance(v, jax.extend.core.ClosedJaxpr)]
-    if bodies and primitive.name not in _DATA_MOVEMENT:
-        return all(_moves_data(e.primitive, e.params) for body in bodies for e in body.jaxpr.eqns)
-    return primitive.name in _DATA_MOVEMENT
+    if primitive.name in _DATA_MOVEMENT:
+        return True
+    bodies = [v.jaxpr for v in params.values() if isinstance(v, jax.extend.core.ClosedJaxpr)]
+    return bool(bodies) and all(_moves_data(e.primitive, e.params) for body in bodies for e in body.eqns)
 
 
 def _refetch_gathered(primitive: Any, *args: Any, **params: Any) -> bool:
