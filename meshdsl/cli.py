@@ -20,8 +20,9 @@ from typing import Sequence
 DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
-def _simulate_devices(count: int | None) -> None:
-    """Ask for ``count`` CPU devices before JAX starts, unless the user's XLA_FLAGS already chose."""
+def simulate_devices(count: int | None) -> None:
+    """Ask for ``count`` CPU devices (None: 8) before JAX starts, unless ``count`` is None and the
+    user's XLA_FLAGS already chose."""
     if DEVICE_FLAG in os.environ.get("XLA_FLAGS", "") and count is None:
         return
     import jax
@@ -113,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except MeshDslError as e:
             print(f"meshdsl launch: error: {e}", file=sys.stderr)
             return 2
-    _simulate_devices(args.devices or (getattr(args, "plan_devices", None) if getattr(args, "measure", 0) else None))
+    simulate_devices(args.devices or (getattr(args, "plan_devices", None) if getattr(args, "measure", 0) else None))
     from meshdsl import distributed
 
     try:

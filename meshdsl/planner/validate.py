@@ -10,8 +10,8 @@ references are the compiler's own: the HLO's collectives (:mod:`meshdsl.hlo`) an
 ``compiled.memory_analysis()`` (:func:`~meshdsl.planner.measure.compiled_memory`). Exits 1 when
 a row misses (bytes unequal, or memory off by more than 10%).
 
-JAX and meshdsl are imported inside the functions, after :func:`simulate_devices` has chosen the
-devices (as the ``meshdsl`` command does).
+The devices are chosen (``meshdsl.cli.simulate_devices``) before JAX runs anything, as the
+``meshdsl`` command does; ``--devices`` defaults to XLA_FLAGS' count, else 8.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import dataclasses
 import os
 import sys
 from typing import Any, Callable, Sequence
+
+from meshdsl.cli import simulate_devices
 
 MEMORY_TOLERANCE = 0.10
 """The issue's bound on the predicted peak memory's relative error."""
@@ -61,18 +63,6 @@ class Check:
             f"| {self.model} | {self.cell} | {self.predicted_bytes:,.0f} | {'yes' if self.bytes_equal else 'NO'} | "
             f"{self.predicted_memory / kib:,.1f} KiB | {self.compiled_memory / kib:,.1f} KiB | {self.memory_error:+.1%} |"
         )
-
-
-def simulate_devices(count: int) -> None:
-    """Run on ``count`` simulated CPU devices unless XLA_FLAGS already sets a device count (before JAX starts)."""
-    from meshdsl.cli import DEVICE_FLAG
-
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if DEVICE_FLAG in os.environ.get("XLA_FLAGS", ""):
-        return
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", count)
 
 
 def check(name: str, model: Any, optimizer: Any, candidate: Any, devices: int) -> Check | None:
@@ -124,10 +114,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m meshdsl.planner.validate", description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["mlp", "transformer", "moe"])
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (unless XLA_FLAGS sets a count)")
+    parser.add_argument("--devices", type=int, default=None, help="simulated CPU devices (default: XLA_FLAGS' count, else 8)")
     args = parser.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     simulate_devices(args.devices)
-    checks = validate(args.models, args.preset, args.devices, lambda line: print(line, flush=True))
+    import jax
+
+    checks = validate(args.models, args.preset, jax.device_count(), lambda line: print(line, flush=True))
     print(f"\n{summary(checks)}")
     return 0 if all(c.bytes_equal and c.memory_close for c in checks) else 1
 
