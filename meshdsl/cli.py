@@ -22,7 +22,11 @@ DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 def simulate_devices(count: int | None) -> None:
     """Ask for ``count`` CPU devices (None: 8) before JAX starts, unless ``count`` is None and the
-    user's XLA_FLAGS already chose."""
+    user's XLA_FLAGS already chose. ConfigError for a count below 1."""
+    if count is not None and count < 1:
+        from meshdsl.errors import ConfigError
+
+        raise ConfigError(f"--devices {count}: simulate at least 1 device")
     if DEVICE_FLAG in os.environ.get("XLA_FLAGS", "") and count is None:
         return
     import jax
@@ -114,10 +118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except MeshDslError as e:
             print(f"meshdsl launch: error: {e}", file=sys.stderr)
             return 2
-    simulate_devices(args.devices or (getattr(args, "plan_devices", None) if getattr(args, "measure", 0) else None))
     from meshdsl import distributed
 
     try:
+        planned = getattr(args, "plan_devices", None) if getattr(args, "measure", 0) else None
+        simulate_devices(planned if args.devices is None else args.devices)
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         overrides = _overrides(getattr(args, "set", []))
         if args.command == "train":

@@ -43,6 +43,9 @@ def test_train_reports_user_mistakes_without_a_traceback(tmp_path):
     assert "dim d_kv (size 4)" in misfit.stderr and "data (size 8)" in misfit.stderr
     preset = meshdsl("train", "--model", "mlp", "--preset", "huge", "--steps", "1", cwd=tmp_path)
     assert preset.returncode == 2 and "unknown preset 'huge'" in preset.stderr
+    no_devices = meshdsl("--devices", "0", "train", "--model", "mlp", "--preset", "tiny", "--steps", "1", cwd=tmp_path)
+    assert no_devices.returncode == 2 and "Traceback" not in no_devices.stderr
+    assert "--devices 0: simulate at least 1 device" in no_devices.stderr
 
 
 def test_bench_command_writes_every_report(tmp_path):

@@ -23,6 +23,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from meshdsl.cli import simulate_devices
+from meshdsl.errors import ConfigError
 
 MEMORY_TOLERANCE = 0.10
 """The issue's bound on the predicted peak memory's relative error."""
@@ -117,7 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=None, help="simulated CPU devices (default: XLA_FLAGS' count, else 8)")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    simulate_devices(args.devices)
+    try:
+        simulate_devices(args.devices)
+    except ConfigError as e:
+        parser.error(str(e))
     import jax
 
     checks = validate(args.models, args.preset, jax.device_count(), lambda line: print(line, flush=True))
