@@ -37,7 +37,9 @@ from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 # Each test asks for ``strategies.examples(n)`` examples: n under the default profile, and
 # n * max_examples / 100 under another, so the profile's max_examples is a percentage.
 # --hypothesis-profile=fuzz is the deep run: unseeded (new examples every run), 10x the
-# examples, shrinking on. A failure it finds becomes a named regression test.
+# examples, shrinking on. --hypothesis-profile=explore draws as many examples as CI, but other
+# ones: with --hypothesis-seed=N, a reproducible look beyond CI's draws. A failure either finds
+# becomes a named regression test.
 _COMMON = dict(
     database=None,
     deadline=None,
@@ -47,4 +49,5 @@ _COMMON = dict(
 settings.register_profile("meshdsl", derandomize=True, max_examples=100, phases=[Phase.explicit, Phase.generate], **_COMMON)
 settings.register_profile("meshdsl-shrink", derandomize=True, max_examples=100, **_COMMON)
 settings.register_profile("fuzz", derandomize=False, max_examples=1000, **_COMMON)
+settings.register_profile("explore", derandomize=False, max_examples=100, phases=[Phase.explicit, Phase.generate], **_COMMON)
 settings.load_profile("meshdsl")
