@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _overrides(items: Sequence[str]) -> dict[str, object]:
-    """``["layers=32", "norm=layer"]`` as ``{"layers": 32, "norm": "layer"}`` (numbers parsed)."""
+    """``["layers=32", "norm=layer", "remat=true"]`` as ``{"layers": 32, "norm": "layer", "remat": True}``."""
     from meshdsl.errors import ConfigError
 
     out: dict[str, object] = {}
@@ -113,12 +113,13 @@ def _overrides(items: Sequence[str]) -> dict[str, object]:
         field, eq, value = item.partition("=")
         if not eq:
             raise ConfigError(f"--set {item!r}: expected FIELD=VALUE, e.g. layers=32")
+        out[field] = {"true": True, "false": False}.get(value.lower(), value)
         for cast in (int, float):
             try:
                 out[field] = cast(value)
                 break
             except ValueError:
-                out[field] = value
+                pass
     return out
 
 

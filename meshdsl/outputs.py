@@ -35,9 +35,9 @@ def _writable_dir(path: Path, flag: str, shown: Path) -> None:
 
 def check_dir(path: str | Path, flag: str) -> None:
     """ConfigError (one line, naming ``flag``) unless ``path`` is, or can be created as, a writable directory."""
-    path = Path(path)
-    if str(path) == "":
+    if not str(path).strip():
         raise ConfigError(f"{flag} is empty: give a directory")
+    path = Path(path)
     _writable_dir(_nearest_existing(path), flag, path)
 
 
@@ -47,9 +47,9 @@ def check_file(path: str | Path, flag: str) -> None:
     An existing file (or device, such as ``/dev/null``) must be writable: it will be replaced; a
     missing one needs a directory that exists or can be created. Nothing is created or truncated here.
     """
-    path = Path(path)
-    if str(path) in ("", "."):
+    if not str(path).strip():
         raise ConfigError(f"{flag} is empty: give a file name")
+    path = Path(path)
     if path.is_dir():
         raise ConfigError(f"{flag} {str(path)!r} is a directory; give a file name")
     if os.path.lexists(path):

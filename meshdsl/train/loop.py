@@ -72,13 +72,33 @@ def load_layout(spec: str) -> md.Layout:
 
 
 def build_model(name: str, preset: str, **overrides: Any) -> Any:
-    """The model ``name`` at ``preset``; overrides that are None are left at the preset's values."""
+    """The model ``name`` at ``preset``; overrides that are None are left at the preset's values.
+
+    ConfigError for an unknown field, or a value unlike the field's default: integer fields
+    (sizes, counts) take integers of at least 1, float fields finite numbers of at least 0,
+    other fields values of their default's type.
+    """
     module = models.get(name)
-    fields = {f.name for f in dataclasses.fields(module.Config)}
-    unknown = [k for k, v in overrides.items() if v is not None and k not in fields]
+    fields = {f.name: f.default for f in dataclasses.fields(module.Config)}
+    given = {k: v for k, v in overrides.items() if v is not None}
+    unknown = [k for k in given if k not in fields]
     if unknown:
         raise ConfigError(f"model {name} has no option {', '.join(unknown)}")
-    return module.Model(module.Config.preset(preset, **{k: v for k, v in overrides.items() if v is not None}))
+    for field, value in given.items():
+        _check_field(name, field, value, fields[field])
+    return module.Model(module.Config.preset(preset, **given))
+
+
+def _check_field(model: str, field: str, value: Any, default: Any) -> None:
+    """ConfigError unless ``value`` suits a config field whose default is ``default``."""
+    if isinstance(default, bool) or not isinstance(default, (int, float)):
+        if not isinstance(value, type(default)):
+            raise ConfigError(f"model {model}: {field}={value!r}, but {field} takes a {type(default).__name__} such as {default!r}")
+    elif isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"model {model}: {field}={value!r}, but {field} takes an integer of at least 1")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"model {model}: {field}={value!r}, but {field} takes a finite number of at least 0")
 
 
 def _model(run: RunConfig) -> Any:
@@ -128,7 +148,7 @@ def check(run: RunConfig) -> None:
     if run.checkpoint_dir is not None:
         md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
         outputs.check_dir(run.checkpoint_dir, "--checkpoint-dir")
-    if run.log_json:
+    if run.log_json is not None:
         outputs.check_file(run.log_json, "--log-json")
 
 
@@ -148,7 +168,7 @@ class Progress:
         self.total, self.unit, self.out = total, unit, out
         self.live = out.isatty()
         try:
-            self.log = open(outputs.parent(log_json), "w") if log_json else None
+            self.log = open(outputs.parent(log_json), "w") if log_json is not None else None
         except OSError as e:
             raise ConfigError(f"--log-json {log_json}: cannot write it: {e.strerror}") from None
 
