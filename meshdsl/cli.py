@@ -210,8 +210,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             from meshdsl.bench.run import run
 
-            quiet = not distributed.is_primary()
-            run(config, out=(lambda line: None) if quiet else print, warn=(lambda line: None) if quiet else _stderr)
+            if distributed.is_primary():
+                run(config)
+            else:
+                run(config, out=lambda line: None, warn=lambda line: None)
     except MeshDslError as e:
         print(f"meshdsl {args.command}: error: {e}", file=sys.stderr)
         if distributed.joined():
@@ -223,10 +225,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             distributed.exit_now(130 if isinstance(e, KeyboardInterrupt) else 1)
         raise
     return 0
-
-
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr)
 
 
 if __name__ == "__main__":
