@@ -7,10 +7,10 @@ minor), plus the axes over which its local values are still partial sums waiting
 The lowering, ``md.explain`` and the planner all go through here.
 
 The steps: a local slice (adds axes at a dim's minor end; free), ``psum`` (adds pending sums),
-``psum_scatter`` (adds pending sums into a dim's minor end), ``all_gather`` (removes a dim's
-innermost axes) and ``all_to_all`` (moves a dim's innermost axes to another dim's minor end, in
-any order), each over any group of axes at once. Only these keep every shard one contiguous
-block per device, the layouts this module knows.
+``psum_scatter`` (adds pending sums, their axes at a dim's minor end), ``all_gather`` (removes a
+dim's innermost axes) and ``all_to_all`` (moves a dim's innermost axes to another dim's minor
+end), each over any group of axes at once, added in any order. Only these keep every shard one
+contiguous block per device, the layouts this module knows.
 
 :func:`plan` returns the cheapest sequence: fewest bytes per device as :func:`step_bytes` prices
 them (ring model, :mod:`meshdsl.collectives`), then fewest collectives, then fewest steps, then
@@ -23,7 +23,8 @@ gathering last all pay, and one collective over several axes can cost less than 
 relayout touches (each axis unused, pending, or splitting one dim at some position, every dim
 divisible by its axes), the moves are the steps above, each priced exactly; Dijkstra backwards
 from the destination prices every state, and the plan walks from the source along cheapest
-moves. Both are cached: the lowering asks for the same relayouts again and again.
+moves. The graph, the prices and the plans are cached: the lowering asks for the same
+relayouts again and again. tests/test_relayout.py proves the optimum by brute force.
 
 Only the axes of the source, the destination and the pending sums take part. Along any other
 axis the relayout cannot assume the tensor's values agree (inside a pipeline stage they differ
@@ -210,7 +211,9 @@ class _Space:
                 gathered = split // group_size(moved, sizes)
                 yield Step(StepKind.ALL_GATHER, moved, i), (_replace(axes, {i: kept}), pending), price(1, moved, gathered)
                 for j, other in enumerate(axes):
-                    for order in itertools.permutations(moved) if j != i else ():
+                    if j == i:
+                        continue
+                    for order in itertools.permutations(moved):
                         if self.fits(j, other + order):
                             step = Step(StepKind.ALL_TO_ALL, order, j, i, () if order == moved else moved)
                             yield step, (_replace(axes, {i: kept, j: other + order}), pending), price(1, moved, split)
