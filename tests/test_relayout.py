@@ -393,7 +393,7 @@ def relayout_cases(draw, max_rank=3):
     return mesh, shape, src, dst, pending
 
 
-@settings(max_examples=100)
+@settings(max_examples=S.examples(100))
 @given(case=relayout_cases())
 def test_plan_reaches_the_destination(case):
     mesh, shape, src, dst, pending = case
@@ -424,7 +424,7 @@ def _partial(x, y, pending, axis_sizes):
     return lax.select(i == 0, x - k * y, (i + 1).astype(x.dtype) * y)
 
 
-@settings(max_examples=20)
+@settings(max_examples=S.examples(20))
 @given(mesh=S.meshes(), data=st.data(), rng=S.rngs())
 def test_apply_keeps_the_value(mesh, data, rng):
     def case():
