@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -122,15 +121,11 @@ def test_checkpoint_saved_by_two_processes_resumes_in_one(launched: dict[str, tu
     np.testing.assert_allclose(resumed, logged[2:], rtol=1e-5)
 
 
-TEARDOWN_SLACK_S = 8
-"""Seconds beyond the heartbeat timeout for the survivor to be told, abort and be reaped, and for the
-launcher to notice (about 1 s measured at a load of 8 on 2 cores): a bound on the configured
-timeout's effect, not a performance claim."""
-
-
 def test_killed_process_stops_the_run() -> None:
-    """SIGKILL process 1 mid-run: process 0 stops by itself within the heartbeat timeout (given with
-    ``--heartbeat-timeout``, the default's value), and the launcher stops, naming process 1 as the cause."""
+    """SIGKILL process 1 mid-run: process 0 stops by itself (it aborts, told by the coordinator's
+    heartbeat check, given with ``--heartbeat-timeout`` at the default's value, or by gloo), not
+    by the launcher, and the launcher stops, naming process 1 as the cause. No wall-clock bound:
+    the hang guard only keeps a broken run from hanging the suite."""
     timeout = distributed.HEARTBEAT_TIMEOUT_S
     cmd = _launch_cmd("train", "--model", "mlp", "--preset", "tiny", "--layout", "data_parallel", "--steps", "100000",
                       top=("--heartbeat-timeout", str(timeout)))
@@ -140,16 +135,15 @@ def test_killed_process_stops_the_run() -> None:
     guard.start()
     lines: list[str] = []
     pids: list[int] = []
-    killed_at = stopped_at = None
+    killed = stopped = False
     try:
         for line in proc.stdout:
             lines.append(line)
             pids = pids or _pids(line)
-            if killed_at is None and re.match(r"\[p0\] step +1/", line):
+            if not killed and re.match(r"\[p0\] step +1/", line):
                 os.kill(pids[1], signal.SIGKILL)
-                killed_at = time.monotonic()
-            if "because of it" in line:  # the launcher's last line: every process has ended
-                stopped_at = time.monotonic()
+                killed = True
+            stopped = stopped or "because of it" in line  # the launcher's last line: every process has ended
         code = proc.wait()
     finally:
         guard.cancel()
@@ -157,9 +151,8 @@ def test_killed_process_stops_the_run() -> None:
             proc.kill()
         _kill_leftovers(pids)
     output = "".join(lines)
-    assert killed_at is not None and stopped_at is not None, output
+    assert killed and stopped, output
     assert code == 128 + signal.SIGKILL, output  # the first failure's status, not the hang guard's kill
-    assert stopped_at - killed_at < timeout + TEARDOWN_SLACK_S, output
     assert "meshdsl launch: process 1 was killed by SIGKILL; stopping the others" in output
     assert re.search(r"meshdsl launch: process 1 was killed by SIGKILL first; then, because of it: process 0 was killed by SIGABRT", output), output
     # process 0 stops by itself, told either by JAX's coordinator (which names the task whose
