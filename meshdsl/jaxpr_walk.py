@@ -7,13 +7,13 @@
 * Calls are inlined, as XLA inlines them: ``jit``, ``closed_call``, ``custom_jvp_call``,
   ``custom_vjp_call``, ``jax.checkpoint``'s ``remat`` and ``shard_map`` (its per-device body joins
   the program between markers of entering and leaving it, so two ``shard_map`` s of one program
-  share their identical computations, as XLA's partitioned program does); ``checkpoint_name`` is
-  dropped.
+  share their identical computations, as XLA's partitioned program does); ``checkpoint_name`` and
+  ``pvary``, which emit no HLO, are dropped.
 * A ``jax.checkpoint`` recomputation in a gradient (``differentiated``) whose ``prevent_cse`` is
   set (JAX's default) takes its operands through one ``optimization_barrier``, as JAX lowers it:
   what it recomputes is then not the forward pass's value, so XLA keeps both. With
   ``prevent_cse=False`` there is no barrier and XLA merges the recomputation with the forward
-  pass's identical computation. A ``policy`` only changes which operands the recomputation takes.
+  pass's identical computation. A ``policy`` only changes what is saved, hence what is recomputed.
 * A one-trip ``scan`` is replaced by its body, as XLA removes such a loop; other loops keep
   their bodies (:func:`trip_count` says how often a body runs).
 * Dead code is dropped (before inlining, as JAX does before lowering, and after), and
@@ -21,6 +21,9 @@
   is a computation of its own, so nothing merges across a loop's boundary). A global array that
   leaves one ``shard_map`` and enters another under the same spec is the same per-device block:
   XLA cancels that round trip, so what the second computes from it merges with the first's.
+  XLA's all-gather CSE merges more: equal all-gathers of one parameter of the computation, traced
+  back through converts and optimization barriers, so a recomputation behind its barrier still
+  shares the forward pass's gather of a parameter (an all-reduce behind it is not shared).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ _CALLS = {
 """Call primitives XLA inlines, with the parameter holding the called jaxpr (operands one to one)."""
 _REMATS = ("remat2", "checkpoint", "remat")
 """Names of ``jax.checkpoint``'s primitive across JAX versions."""
+_NO_OP = frozenset({"name", "pvary"})
+"""Primitives JAX lowers to nothing: ``checkpoint_name``'s, and ``pvary`` (a type change)."""
 
 ENTER_SHARD_MAP = jex_core.Primitive("enter_shard_map")
 """A global operand becoming a ``shard_map`` body's per-device block (``spec``, ``mesh``): no data moves."""
@@ -166,7 +171,7 @@ def _atom(v: Any, env: Mapping[Any, Any]) -> Any:
 
 
 def _inline_eqns(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dict[Any, Any]) -> list[jex_core.JaxprEqn]:
-    """Calls, ``shard_map`` s and one-trip scans replaced by their bodies; ``checkpoint_name`` dropped."""
+    """Calls, ``shard_map`` s and one-trip scans replaced by their bodies; :data:`_NO_OP` s dropped."""
     out: list[jex_core.JaxprEqn] = []
     for eqn in eqns:
         invars = [_atom(v, subst) for v in eqn.invars]
@@ -181,7 +186,7 @@ def _inline_eqns(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: di
             out += _shard_map_inlined(eqn)
         elif name == "scan" and eqn.params["length"] == 1:
             out += _one_trip(eqn, subst)
-        elif eqn.primitive is jex_primitives.name_p:
+        elif name in _NO_OP:
             subst[eqn.outvars[0]] = eqn.invars[0]
         else:
             out.append(eqn)
@@ -285,9 +290,9 @@ def _one_trip(scan: jex_core.JaxprEqn, subst: dict[Any, Any]) -> list[jex_core.J
 # ---- merging identical computations (XLA's CSE) ----------------------------------------------------
 
 
-_LOOKED_THROUGH = frozenset({"convert_element_type", "pvary", "pcast"})
-"""What XLA's all-gather CSE looks through back to a parameter (with optimization barriers; the
-``pvary`` / ``pcast`` type changes and entering a ``shard_map`` emit no HLO)."""
+_LOOKED_THROUGH = frozenset({"convert_element_type"})
+"""What XLA's all-gather CSE looks through back to a parameter, with optimization barriers and
+entering a ``shard_map`` (which emits no HLO once partitioned)."""
 _GATHERS = frozenset({"all_gather", "all_gather_invariant"})
 
 
