@@ -10,20 +10,20 @@
   share their identical computations, as XLA's partitioned program does); ``checkpoint_name`` and
   ``pvary``, which emit no HLO, are dropped.
 * A ``jax.checkpoint`` recomputation in a gradient (``differentiated``) whose ``prevent_cse`` is
-  set (JAX's default) takes its operands through one ``optimization_barrier``, as JAX lowers it:
-  what it recomputes is then not the forward pass's value, so XLA keeps both. With
-  ``prevent_cse=False`` there is no barrier and XLA merges the recomputation with the forward
-  pass's identical computation. A ``policy`` only changes what is saved, hence what is recomputed.
+  set (JAX's default) takes its operands through one ``optimization_barrier``, as JAX lowers it.
+  A ``policy`` only changes what is saved, hence what is recomputed.
 * A one-trip ``scan`` is replaced by its body, as XLA removes such a loop; other loops keep
   their bodies (:func:`trip_count` says how often a body runs).
-* Dead code is dropped (before inlining, as JAX does before lowering, and after), and
-  identical computations are merged within each computation (XLA's CSE; a loop body or branch
-  is a computation of its own, so nothing merges across a loop's boundary). A global array that
-  leaves one ``shard_map`` and enters another under the same spec is the same per-device block:
-  XLA cancels that round trip, so what the second computes from it merges with the first's.
-  XLA's all-gather CSE merges more: equal all-gathers of one parameter of the computation, traced
-  back through converts and optimization barriers, so a recomputation behind its barrier still
-  shares the forward pass's gather of a parameter (an all-reduce behind it is not shared).
+* Dead code is dropped (before inlining, as JAX does before lowering, and at the end).
+* Identical computations are merged within each computation (a loop body or branch is a
+  computation of its own, so nothing merges across a loop's boundary), twice, as XLA:CPU runs
+  its CSE: first with the optimization barriers keeping a recomputation apart from the forward
+  pass; then, the barriers expanded away (after XLA's all-reduce combiner has tupled the
+  all-reduces), merging what only a barrier kept apart, except all-reduces. So a recomputed
+  all-reduce runs again under ``prevent_cse=True`` and not under ``prevent_cse=False``, while a
+  recomputed all-gather, reduce-scatter, all-to-all or permute merges with the forward pass's
+  either way. A global array that leaves one ``shard_map`` and enters another under the same
+  spec is the same per-device block: XLA cancels that round trip.
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ def as_compiled(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
     """``jaxpr`` as XLA compiles it (see the module docstring); every output is kept."""
     live = _dead_dropped(jaxpr)
     inlined = _dead_dropped(_rewritten(live, _inline_eqns, {}))
-    merge = functools.partial(_merge_eqns, parameters=_loop_parameters(inlined))
-    return _dead_dropped(_rewritten(inlined, merge, {}))
+    merged = _rewritten(inlined, functools.partial(_merge_eqns, barriers=True), {})
+    return _dead_dropped(_rewritten(merged, functools.partial(_merge_eqns, barriers=False), {}))
 
 
 def _dead_dropped(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
@@ -290,51 +290,40 @@ def _one_trip(scan: jex_core.JaxprEqn, subst: dict[Any, Any]) -> list[jex_core.J
 # ---- merging identical computations (XLA's CSE) ----------------------------------------------------
 
 
-_LOOKED_THROUGH = frozenset({"convert_element_type"})
-"""What XLA's all-gather CSE looks through back to a parameter, with optimization barriers and
-entering a ``shard_map`` (which emits no HLO once partitioned)."""
-_GATHERS = frozenset({"all_gather", "all_gather_invariant"})
+_ALL_REDUCES = frozenset({"psum", "psum_invariant", "pmax", "pmin"})
 
 
-def _loop_parameters(jaxpr: jex_core.Jaxpr) -> dict[int, int]:
-    """For each ``scan`` body in ``jaxpr`` (by ``id``), how many of its inputs are loop parameters
-    (its constants and carries); the rest are slices of the scanned arrays, which are not."""
-    return {
-        id(body): eqn.params["num_consts"] + eqn.params["num_carry"]
-        for eqn, _ in walk(jaxpr) if eqn.primitive.name == "scan" for body in bodies(eqn)
-    }
-
-
-def _merge_eqns(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dict[Any, Any], parameters: Mapping[int, int]) -> list[jex_core.JaxprEqn]:
+def _merge_eqns(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dict[Any, Any], barriers: bool) -> list[jex_core.JaxprEqn]:
     """Each equation that repeats an earlier one of the same computation removed, its results
-    recorded in ``subst`` as the earlier one's; so is each all-gather that repeats an earlier one
-    of the same parameter (``parameters``: see :func:`_loop_parameters`; every input of a jaxpr
-    not listed is a parameter of its computation).
+    recorded in ``subst`` as the earlier one's (XLA's CSE).
 
-    XLA's CSE merges equal instructions with equal operands; XLA's all-gather CSE also merges
-    equal all-gathers whose operands come from one parameter of the computation through
-    optimization barriers and converts only: the recomputation of a checkpoint (behind its
-    barrier) then shares the forward pass's gather of a parameter.
+    ``barriers``: optimization barriers keep what they pass apart (XLA's CSE before it expands
+    them). Otherwise they are gone, and what only they kept apart merges, all-reduces excepted
+    (XLA:CPU's CSE after expanding the barriers, once its all-reduce combiner has run, merges
+    every other collective but no all-reduce).
     """
     out: list[jex_core.JaxprEqn] = []
     seen: dict[tuple, int] = {}
     left: dict[Any, tuple[Any, tuple]] = {}  # a global result of a shard_map -> (its per-device value, spec and mesh)
-    origin = {v: v for v in jaxpr.invars[: parameters.get(id(jaxpr), len(jaxpr.invars))]}
-    gathered: dict[tuple, int] = {}  # (parameter, dtype) -> the first all-gather of it
     for eqn in eqns:
         invars = [_atom(v, subst) for v in eqn.invars]
         if not _same(invars, eqn.invars):
             eqn = eqn.replace(invars=invars)
+        if eqn.primitive is barrier_primitive() and not barriers:
+            subst.update(zip(eqn.outvars, eqn.invars))
+            continue
         if eqn.primitive is LEAVE_SHARD_MAP:
             left[eqn.outvars[0]] = (eqn.invars[0], _marker_key(eqn))
         elif eqn.primitive is ENTER_SHARD_MAP and left.get(eqn.invars[0], (None, None))[1] == _marker_key(eqn):
             subst[eqn.outvars[0]] = left[eqn.invars[0]][0]  # the same blocks back again: XLA cancels the round trip
             continue
-        _trace_origin(eqn, origin)
-        first = _earlier(eqn, out, seen, gathered, origin)
-        if first is None:
+        key = None if eqn.primitive.name in _ALL_REDUCES and not barriers else _merge_key(eqn)
+        if key is None or key not in seen:
+            if key is not None:
+                seen[key] = len(out)
             out.append(eqn)
             continue
+        first = seen[key]
         outvars = list(out[first].outvars)
         for i, (mine, theirs) in enumerate(zip(eqn.outvars, outvars)):
             if isinstance(mine, jex_core.DropVar):
@@ -346,42 +335,6 @@ def _merge_eqns(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dic
         if not _same(outvars, out[first].outvars):
             out[first] = out[first].replace(outvars=outvars)
     return out
-
-
-def _trace_origin(eqn: jex_core.JaxprEqn, origin: dict[Any, Any]) -> None:
-    """Record in ``origin`` the parameter each result of ``eqn`` passes on unchanged, as XLA's
-    all-gather CSE traces it (through :data:`_LOOKED_THROUGH`, barriers and ``shard_map`` entries)."""
-    if eqn.primitive is barrier_primitive():
-        origin.update((out, origin[v]) for v, out in zip(eqn.invars, eqn.outvars) if _traced(v, origin))
-    elif (eqn.primitive.name in _LOOKED_THROUGH or eqn.primitive is ENTER_SHARD_MAP) and _traced(eqn.invars[0], origin):
-        origin[eqn.outvars[0]] = origin[eqn.invars[0]]
-
-
-def _traced(v: Any, origin: Mapping[Any, Any]) -> bool:
-    return isinstance(v, jex_core.Var) and v in origin
-
-
-def _earlier(eqn: jex_core.JaxprEqn, out: list[jex_core.JaxprEqn], seen: dict[tuple, int], gathered: dict[tuple, int], origin: Mapping[Any, Any]) -> int | None:
-    """The index in ``out`` of the earlier equation ``eqn`` repeats, or None (then ``eqn`` is
-    recorded as the first of its kind, at the index it is about to take)."""
-    key = _merge_key(eqn)
-    if key is not None and key in seen:
-        return seen[key]
-    if key is not None:
-        seen[key] = len(out)
-    if eqn.primitive.name in _GATHERS and _traced(eqn.invars[0], origin):
-        source = (origin[eqn.invars[0]], str(eqn.invars[0].aval.dtype))
-        if source not in gathered:
-            gathered[source] = len(out)
-        elif _gather_key(out[gathered[source]]) == _gather_key(eqn):
-            return gathered[source]
-    return None
-
-
-def _gather_key(eqn: jex_core.JaxprEqn) -> tuple:
-    """What XLA compares of two all-gathers (both primitives are one HLO all-gather)."""
-    params = tuple((k, repr(v)) for k, v in sorted(eqn.params.items()))
-    return params, tuple(eqn.outvars[0].aval.shape)
 
 
 def _marker_key(eqn: jex_core.JaxprEqn) -> tuple:

@@ -309,9 +309,14 @@ def _block(x: md.Tensor, w: md.Tensor, w2: md.Tensor) -> md.Tensor:
     return md.einsum(hidden, w2, out=["batch", "d_model"])
 
 
-def _explained_and_run(mesh_: md.Mesh, layout: md.Layout, args: list[md.Tensor], place: str, prevent_cse: bool, policy: str, scanned: bool, value: bool) -> tuple[dict, dict]:
+def _explained_and_run(
+    mesh_: md.Mesh, layout: md.Layout, args: list[md.Tensor], place: str, prevent_cse: bool, policy: str, scanned: bool, value: bool,
+    stored: md.Layout | None = None,
+) -> tuple[dict, dict]:
     """(md.explain's summary, the compiled HLO's) of the gradient of ``sum(block)`` (``scanned``: a
-    residual layer loop of blocks), with ``value``: the loss too (the forward pass stays live)."""
+    residual layer loop of blocks), with ``value``: the loss too (the forward pass stays live);
+    ``stored``: the weights' layout (FSDP), else the layout's."""
+    in_layouts = (None, stored, stored)
     remat = functools.partial(jax.checkpoint, prevent_cse=prevent_cse, policy=POLICIES[policy])
     inner = remat if place != PLACES[2] else (lambda f: f)
 
@@ -326,10 +331,10 @@ def _explained_and_run(mesh_: md.Mesh, layout: md.Layout, args: list[md.Tensor],
         def program(x, w, w2):
             return differentiate(lambda *a: forward(*a).array)(x, w, w2)
 
-        predicted = md.explain(program, mesh_, layout, *args).summary()
-        text = md.compile(program, mesh_, layout).lower(*args).compile().as_text()
+        predicted = md.explain(program, mesh_, layout, *args, in_layouts=in_layouts).summary()
+        text = md.compile(program, mesh_, layout, in_layouts=in_layouts).lower(*args).compile().as_text()
         return predicted, summary(text)
-    compiled = md.compile(forward, mesh_, layout)
+    compiled = md.compile(forward, mesh_, layout, in_layouts=in_layouts)
     call = remat(lambda *a: compiled(*a)) if place == PLACES[2] else compiled
 
     def program(*arrays):
@@ -351,8 +356,13 @@ def test_explain_equals_hlo_under_user_checkpoints(place, prevent_cse, axes, dat
     mesh_ = md.Mesh(axes)
     sizes = {"batch": 8, "d_model": 8, "d_ff": 8, "layers": 2}
     pool = sizes if scanned else {k: v for k, v in sizes.items() if k != "layers"}
-    # d_model mostly split: the first einsum's partial sum is then the collective a recomputation repeats.
+    # d_model mostly split: the first einsum's partial sum is then the collective a recomputation
+    # repeats; or the weights stored with d_model split (FSDP), gathered again by the recomputation.
     layout = data.draw(S.layouts_splitting(mesh_, pool, "d_model", risk=0.0), label="layout")
+    taken = {a for name in ("d_ff", "layers") for a in layout.rules.get(name, ())}
+    free = [axes for axes in S.axis_choices(mesh_) if axes and not taken & set(axes) and 8 % S.group_size(mesh_, md.Layout({"d": axes}), "d") == 0]
+    stored_axes = data.draw(st.sampled_from([None, *free]), label="weights stored with d_model over")
+    stored = None if stored_axes is None else md.Layout({**layout.rules, "d_model": stored_axes})
     rng = np.random.default_rng(0)
     stack = {"layers": 2} if scanned else {}
     args = [
@@ -360,7 +370,7 @@ def test_explain_equals_hlo_under_user_checkpoints(place, prevent_cse, axes, dat
         harness.rand(rng, {**stack, "d_model": 8, "d_ff": 8}),
         harness.rand(rng, {**stack, "d_ff": 8, "d_model": 8}),
     ]
-    predicted, actual = _explained_and_run(mesh_, layout, args, place, prevent_cse, policy, scanned, value)
+    predicted, actual = _explained_and_run(mesh_, layout, args, place, prevent_cse, policy, scanned, value, stored)
     assert predicted == actual
 
 
@@ -378,6 +388,32 @@ def test_checkpointed_recomputation_is_kept_apart_unless_cse_is_allowed():
     recomputed = 2 * 3 / 4 * (16 // 2) * 16 * 4  # tanh's input [batch/2, d_ff] f32, all-reduced over model's 4
     assert kept[1]["all-reduce"]["count"] == merged[1]["all-reduce"]["count"] + 1
     assert kept[1]["all-reduce"]["bytes"] == merged[1]["all-reduce"]["bytes"] + recomputed
+
+
+_BARRIER_CASES = {
+    "all-reduce": (lambda w: lax.psum(w, "a"), P()),
+    "all-gather": (lambda w: lax.all_gather(w, "a", tiled=True), P()),
+    "reduce-scatter": (lambda w: lax.psum_scatter(w, "a", tiled=True), P("a")),
+    "all-to-all": (lambda w: lax.all_to_all(w, "a", 0, 0, tiled=True), P("a")),
+    "collective-permute": (lambda w: lax.ppermute(w, "a", [(0, 1), (1, 2), (2, 3), (3, 0)]), P("a")),
+}
+
+
+@needs_8_devices
+@pytest.mark.parametrize("kind", list(_BARRIER_CASES))
+def test_an_optimization_barrier_keeps_only_all_reduces_apart(kind):
+    # XLA:CPU expands optimization barriers before its last CSE, after its all-reduce combiner:
+    # of a collective and its copy behind a barrier, only an all-reduce runs twice.
+    collective, out = _BARRIER_CASES[kind]
+
+    def f(w):
+        return collective(w), collective(lax.optimization_barrier(w))
+
+    program = jax.shard_map(f, mesh=_mesh(), in_specs=P("a"), out_specs=(out, out), check_vma=False)
+    w = jnp.ones((16, 4), jnp.float32)
+    actual = summary(jax.jit(program).lower(w).compile().as_text())
+    assert actual[kind]["count"] == (2 if kind == "all-reduce" else 1)
+    assert report_of_jaxpr(jax.make_jaxpr(program)(w).jaxpr, {"a": 4, "b": 2}, cpu=True).summary() == actual
 
 
 def test_explain_refuses_collectives_in_a_while_loop():

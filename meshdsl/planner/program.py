@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import numpy as np
 from jax.extend import core as jex_core
 
-from meshdsl.jaxpr_walk import ENTER_SHARD_MAP, LEAVE_SHARD_MAP, as_compiled, barrier_primitive, bodies, trip_count
+from meshdsl.jaxpr_walk import ENTER_SHARD_MAP, LEAVE_SHARD_MAP, as_compiled, bodies, trip_count
 
 _LOOPS = {"scan", "while", "cond"}
 _ALIASES = {"pcast", "stop_gradient", "reshape", "squeeze", "expand_dims", "transpose"}
@@ -24,9 +24,9 @@ transpose (XLA folds it into its neighbours: a dot's dimension numbers, a fusion
 
 
 def _passes_through(eqn: Any) -> bool:
-    """Whether each result of ``eqn`` is the buffer of its operand at the same position: an
-    optimization barrier, or a value entering or leaving a ``shard_map`` (each device's block)."""
-    return eqn.primitive is barrier_primitive() or eqn.primitive in (ENTER_SHARD_MAP, LEAVE_SHARD_MAP)
+    """Whether the result of ``eqn`` is its operand's buffer: a value entering or leaving a
+    ``shard_map`` (each device's block)."""
+    return eqn.primitive in (ENTER_SHARD_MAP, LEAVE_SHARD_MAP)
 
 
 @dataclasses.dataclass
