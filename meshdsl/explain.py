@@ -5,9 +5,9 @@ in it: the forward ops', and those of any ``jax.grad`` inside the function. Each
 meshdsl op that emitted it (from the ``md.<op>`` name scope every op opens), the tensor, the
 collective, its mesh axes and the bytes one device moves, priced by
 :func:`meshdsl.collectives.bytes_moved`. The program is read as XLA compiles it
-(:mod:`meshdsl.jaxpr_walk`: calls inlined, one-trip loops removed, a ``jax.checkpoint``
-recomputation kept apart from the forward pass behind its optimization barrier unless
-``prevent_cse=False``, dead code dropped, identical computations merged), and a loop's
+(:mod:`meshdsl.jaxpr_walk`: calls inlined, one-trip loops removed, dead code dropped, identical
+computations merged; a ``jax.checkpoint`` recomputation repeats its all-reduces behind its
+optimization barrier unless ``prevent_cse=False``), and a loop's
 collectives count once per iteration. The compiled program runs exactly these collectives,
 which the tests check against its HLO (:mod:`meshdsl.hlo`).
 """

@@ -287,9 +287,10 @@ def test_element_sizes():
 # ---- md.explain against the compiled program under a user's jax.checkpoint -------------------------
 #
 # JAX lowers the recomputation of a differentiated jax.checkpoint with prevent_cse=True (its
-# default) behind an optimization barrier on its operands, so XLA keeps the recomputed
-# collectives apart from the forward pass's identical ones; with prevent_cse=False it merges them.
-# A policy decides which values are saved, hence what is recomputed at all.
+# default) behind an optimization barrier on its operands. XLA:CPU's first CSE respects it; its
+# second, after expanding the barriers and combining all-reduces, merges every recomputed
+# collective with the forward pass's but the all-reduces. With prevent_cse=False all merge. A
+# policy decides which values are saved, hence what is recomputed at all.
 
 POLICIES = {
     "recompute all": None,
