@@ -7,14 +7,15 @@
 * Calls are inlined, as XLA inlines them: ``jit``, ``closed_call``, ``custom_jvp_call``,
   ``custom_vjp_call``, ``jax.checkpoint``'s ``remat`` and ``shard_map`` (its per-device body joins
   the program between markers of entering and leaving it, so two ``shard_map`` s of one program
-  share their identical computations, as XLA's partitioned program does); ``checkpoint_name`` and
-  ``pvary``, which emit no HLO, are dropped.
+  share their identical computations, as XLA's partitioned program does); ``checkpoint_name``,
+  which emits no HLO, is dropped.
 * A ``jax.checkpoint`` recomputation in a gradient (``differentiated``) whose ``prevent_cse`` is
   set (JAX's default) takes its operands through one ``optimization_barrier``, as JAX lowers it.
   A ``policy`` only changes what is saved, hence what is recomputed.
 * A one-trip ``scan`` is replaced by its body, as XLA removes such a loop; other loops keep
   their bodies (:func:`trip_count` says how often a body runs).
-* Dead code is dropped (before inlining, as JAX does before lowering, and at the end).
+* Dead code is dropped: before inlining, as JAX does before lowering, and after (with a loop's
+  carries no next iteration needs); and at the end, what merging left unused.
 * Identical computations are merged within each computation (a loop body or branch is a
   computation of its own, so nothing merges across a loop's boundary), twice, as XLA:CPU runs
   its CSE: first with the optimization barriers keeping a recomputation apart from the forward
@@ -50,8 +51,8 @@ _CALLS = {
 """Call primitives XLA inlines, with the parameter holding the called jaxpr (operands one to one)."""
 _REMATS = ("remat2", "checkpoint", "remat")
 """Names of ``jax.checkpoint``'s primitive across JAX versions."""
-_NO_OP = frozenset({"name", "pvary"})
-"""Primitives JAX lowers to nothing: ``checkpoint_name``'s, and ``pvary`` (a type change)."""
+_NO_OP = frozenset({"name"})
+"""Primitives JAX lowers to nothing whose result has its operand's type: ``checkpoint_name``'s."""
 
 ENTER_SHARD_MAP = jex_core.Primitive("enter_shard_map")
 """A global operand becoming a ``shard_map`` body's per-device block (``spec``, ``mesh``): no data moves."""
@@ -99,12 +100,34 @@ def as_compiled(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
     live = _dead_dropped(jaxpr)
     inlined = _dead_dropped(_rewritten(live, _inline_eqns, {}))
     merged = _rewritten(inlined, functools.partial(_merge_eqns, barriers=True), {})
-    return _dead_dropped(_rewritten(merged, functools.partial(_merge_eqns, barriers=False), {}))
+    merged = _rewritten(merged, functools.partial(_merge_eqns, barriers=False), {})
+    return _rewritten(merged, _unused_dropped, {})
 
 
 def _dead_dropped(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
     """``jaxpr`` without the equations no output needs (its inputs all kept, used or not)."""
     return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
+
+
+def _unused_dropped(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dict[Any, Any]) -> list[jex_core.JaxprEqn]:
+    """The equations whose results something reads, or that have an effect beyond naming mesh axes.
+
+    Unlike :func:`_dead_dropped` it keeps every loop as it is (JAX's rule for a ``scan`` checks
+    the types of its carries again, which merging values of equal buffers but different
+    varying-axes types would upset).
+    """
+    live = {v for v in jaxpr.outvars if isinstance(v, jex_core.Var)}
+    kept = []
+    for eqn in reversed(eqns):
+        if _effectful(eqn) or any(v in live for v in eqn.outvars if not isinstance(v, jex_core.DropVar)):
+            kept.append(eqn)
+            live.update(v for v in eqn.invars if isinstance(v, jex_core.Var))
+    return kept[::-1]
+
+
+def _effectful(eqn: jex_core.JaxprEqn) -> bool:
+    """Whether ``eqn`` has an effect beyond naming mesh axes (a collective's), which keeps it apart and alive."""
+    return any(type(e).__name__ != "NamedAxisEffect" for e in eqn.effects)
 
 
 def _jaxprs(value: Any) -> Iterator[jex_core.Jaxpr]:
@@ -348,7 +371,7 @@ def _merge_key(eqn: jex_core.JaxprEqn) -> tuple | None:
 
     A collective's only effect is naming mesh axes; any other effect keeps the equation apart.
     """
-    if any(type(e).__name__ != "NamedAxisEffect" for e in eqn.effects):
+    if _effectful(eqn):
         return None
     params = tuple((k, _param_key(v)) for k, v in sorted(eqn.params.items()))
     return (eqn.primitive.name, params, tuple(_operand_key(v) for v in eqn.invars))

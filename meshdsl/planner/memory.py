@@ -36,7 +36,7 @@ from meshdsl.planner.program import Block, Step, nbytes
 FUSIBLE = frozenset(
     "abs add add_any and broadcast_in_dim clamp convert_element_type cos copy div eq erf erf_inv exp exp2 expand_dims "
     "floor ceil ge gt imag integer_pow iota is_finite le log log1p logistic lt max min mul ne neg not or pcast pow "
-    "real reduce_precision rem reshape round rsqrt select_n shift_left shift_right_logical sign sin sqrt square "
+    "pvary real reduce_precision rem reshape round rsqrt select_n shift_left shift_right_logical sign sin sqrt square "
     "squeeze stop_gradient sub tan tanh xor".split()
 )
 FUSING_READERS = frozenset("reduce_sum reduce_max reduce_min reduce_prod argmax argmin".split())

@@ -18,7 +18,7 @@ from jax.extend import core as jex_core
 from meshdsl.jaxpr_walk import ENTER_SHARD_MAP, LEAVE_SHARD_MAP, as_compiled, bodies, trip_count
 
 _LOOPS = {"scan", "while", "cond"}
-_ALIASES = {"pcast", "stop_gradient", "reshape", "squeeze", "expand_dims", "transpose"}
+_ALIASES = {"pvary", "pcast", "stop_gradient", "reshape", "squeeze", "expand_dims", "transpose"}
 """Steps whose result is their input's buffer, not a new one: a type change, a bitcast, or a
 transpose (XLA folds it into its neighbours: a dot's dimension numbers, a fusion, a layout)."""
 
