@@ -7,9 +7,9 @@ collective, its mesh axes and the bytes one device moves, priced by
 :func:`meshdsl.collectives.bytes_moved`. The program is read as XLA compiles it
 (:mod:`meshdsl.jaxpr_walk`: calls inlined, one-trip loops removed, dead code dropped, identical
 computations merged; a ``jax.checkpoint`` recomputation repeats its all-reduces behind its
-optimization barrier unless ``prevent_cse=False``), and a loop's
-collectives count once per iteration. The compiled program runs exactly these collectives,
-which the tests check against its HLO (:mod:`meshdsl.hlo`).
+optimization barrier unless ``prevent_cse=False``), and a loop's collectives count once per
+iteration. The compiled program runs exactly these collectives, which the tests check against
+its HLO (:mod:`meshdsl.hlo`).
 """
 
 from __future__ import annotations
