@@ -348,7 +348,7 @@ def _explained_and_run(
 
 @pytest.mark.parametrize("prevent_cse", [True, False], ids=["prevent_cse", "allow_cse"])
 @pytest.mark.parametrize("place", PLACES)
-@settings(max_examples=5)
+@settings(max_examples=S.examples(5))
 @given(
     axes=st.sampled_from(CHECKPOINT_MESHES), data=st.data(), policy=st.sampled_from(list(POLICIES)), scanned=st.booleans(),
     value=st.sampled_from([True, True, False]),  # mostly with the loss, which keeps the forward pass live
