@@ -221,3 +221,39 @@ def test_scan_errors():
         md.scan(layer, h0, {"w": w, "v": v, "s": harness.rand(rng, {"layers": 3, "d": 16})}, "layers")  # another length
     with pytest.raises(md.ShapeError):
         md.scan(layer, h0, [], "layers")
+
+
+def _fsdp_temporaries(layers: int, stored_axis: str, sizes: dict[str, int]) -> int:
+    """Compiled temporaries (bytes per device) of the gradient of ``layers`` scanned layers on
+    ``data=2 model=4``, compute ``batch:data``, the two weights of a layer stored ``d_model`` over ``stored_axis``."""
+    m, compute = md.Mesh({"data": 2, "model": 4}), md.Layout({"batch": "data"})
+    stored = md.Layout({"batch": "data", "d_model": stored_axis})
+    rng = np.random.default_rng(6)
+    h0 = harness.rand(rng, {"batch": sizes["batch"], "d_model": sizes["d_model"]})
+    w = harness.rand(rng, {"layers": layers, "d_model": sizes["d_model"], "d_ff": sizes["d_ff"]})
+    v = harness.rand(rng, {"layers": layers, "d_ff": sizes["d_ff"], "d_model": sizes["d_model"]})
+
+    def step(h, p):
+        return h + md.einsum(md.tanh(md.einsum(h, p["w"], out=["batch", "d_ff"])), p["v"], out=["batch", "d_model"]), None
+
+    def grad(h0, w, v):
+        return jax.grad(lambda w, v: md.reduce_sum(md.scan(step, h0, {"w": w, "v": v}, "layers")[0]).array, argnums=(0, 1))(w, v)
+
+    compiled = md.compile(grad, m, compute, in_layouts=(None, stored, stored), out_layouts=stored)
+    return compiled.lower(h0, w, v).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("stored_axis", ["data", "model"], ids=["activations-vary-along-storage", "activations-invariant-along-storage"])
+def test_fsdp_layer_loop_holds_one_layers_gathered_weights(stored_axis):
+    # ZeRO-3: each layer's weights are gathered again for its backward step, not saved, so adding
+    # layers adds only their saved activations: the layer's input h [batch, d_model] and its two
+    # [batch, d_ff] intermediates, batch split over data. One layer's gathered weights (2 d_model
+    # d_ff floats) are over twice that; storing d_model over model gathers with the invariant
+    # all_gather (nothing varies along model), over data with the varying one: both re-gathered.
+    sizes = {"batch": 32, "d_model": 64, "d_ff": 256}
+    rows = sizes["batch"] // 2
+    activations = 4 * rows * (sizes["d_model"] + 2 * sizes["d_ff"])
+    weights = 4 * 2 * sizes["d_model"] * sizes["d_ff"]
+    assert weights > 2 * activations
+    growth = (_fsdp_temporaries(6, stored_axis, sizes) - _fsdp_temporaries(2, stored_axis, sizes)) / 4
+    assert growth <= activations, f"temporaries grow {growth:,.0f} B a layer; its activations are {activations:,} B"

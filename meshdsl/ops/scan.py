@@ -32,9 +32,12 @@ def _is_tensor(x: Any) -> bool:
 
 
 _DATA_MOVEMENT = frozenset(
-    "all_gather reshape transpose slice dynamic_slice concatenate squeeze expand_dims broadcast_in_dim "
-    "convert_element_type copy pvary".split()
+    "all_gather all_gather_invariant reshape transpose slice dynamic_slice concatenate squeeze expand_dims "
+    "broadcast_in_dim convert_element_type copy pvary".split()
 )
+"""Primitives that only move or retype data. Both gathers: ``all_gather_invariant`` is what
+``lax.all_gather(..., to="invarying")`` binds, the gather of weights stored over an axis the
+activations do not vary along."""
 
 
 def _moves_data(primitive: Any, params: dict[str, Any]) -> bool:
