@@ -16,6 +16,7 @@ and shown to run on each shard's local blocks.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -357,3 +358,9 @@ def test_dropout_deterministic_and_layout_free():
     assert set(np.unique(whole)) == {0.0, np.float32(1 / 0.75)} and 0.1 < np.mean(whole == 0) < 0.4
     split = md.compile(lambda k, x: md.nn.dropout(k, x, 0.25), harness.mesh("x8"), "batch:x")(key, x)
     np.testing.assert_array_equal(split.numpy(), whole)
+
+
+def test_every_md_nn_name_is_in_the_api_docs():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    missing = [n for n in md.nn.__all__ if f"md.nn.{n}" not in text]
+    assert not missing, f"docs/api.md does not mention md.nn.{missing}"
