@@ -344,6 +344,8 @@ def test_layer_errors_name_the_layer():
         md.nn.Linear(dim("d_model"), dim("d_model"))
     with pytest.raises(md.ShapeError, match="md.Dim"):
         md.nn.RMSNorm("d_model")
+    with pytest.raises(md.ShapeError, match="Linear outputs: expected an md.Dim .* got 8"):
+        md.nn.Linear(dim("d_model"), 8)
     with pytest.raises(md.ShapeError, match="MoE: input"):
         jax.eval_shape(MOE, jax.eval_shape(MOE.init, jax.random.key(0)), x)
     with pytest.raises(ValueError, match="dropout rate"):

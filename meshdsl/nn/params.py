@@ -22,7 +22,7 @@ stack, so its slices differ."""
 
 def as_dims(dims: Dims, what: str) -> tuple[Dim, ...]:
     """``dims`` as a tuple of Dims (one Dim, or a sequence of them); ShapeError naming ``what`` otherwise."""
-    out = (dims,) if isinstance(dims, Dim) else tuple(dims)
+    out = (dims,) if isinstance(dims, Dim) else tuple(dims) if isinstance(dims, (list, tuple)) else ()
     if not out or not all(isinstance(d, Dim) for d in out):
         raise ShapeError(f"{what}: expected an md.Dim or a non-empty sequence of md.Dims (sizes are needed), got {dims!r}")
     return out

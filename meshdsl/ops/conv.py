@@ -10,10 +10,10 @@ number of them, in any order).
 
 Written once on local blocks, like the other ops:
 
-* A spatial dim split over axes A, when each device's output rows come from its own block (stride
-  1 "SAME", or a stride dividing the block with windows no wider than needed: ``Window.halo``):
-  each device needs ``lo`` rows of the previous block and ``k - s - lo`` of the next (for stride 1
-  "SAME", ``(k - 1) / 2`` each). They come with two ``ppermute``\\ s over A (a halo exchange:
+* A spatial dim split over axes A, when each device's output rows read its own block and the
+  edges of its neighbours' (the stride divides the block: ``Window.halo``): each device needs
+  ``lo`` rows of the previous block and ``k - s - lo`` of the next (for stride 1 "SAME",
+  ``(k - 1) / 2`` each). They come with two ``ppermute``\\ s over A (a halo exchange:
   only the boundary rows move, not the whole dim as an ``all_gather`` would); the first and last
   devices receive zeros, which are the "SAME" padding. The local conv then runs "VALID" along
   that dim with the stride. Strided "VALID" windows no wider than the stride (patches) need no
