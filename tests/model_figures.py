@@ -7,8 +7,9 @@ and ``md.explain``'s summary of one step (``Trainer.explain``: count and bytes p
 
 ``tests/data/model_figures.json`` holds them as recorded from the models before they were rebuilt
 on ``md.nn``, with the commit they came from; ``tests/test_model_figures.py`` asserts the models
-of today reproduce them (every case's collectives; one layout's losses per model, the others
-following from the layout-invariance tests). To check every case's losses too (minutes)::
+of today reproduce every case's collectives, and the layout-invariance tests (test_training,
+test_moe, test_convnet) that their one-device losses equal every recorded layout's
+(:func:`recorded_losses_mismatch`). To check every case's losses too (minutes)::
 
     PYTHONPATH=$PWD:$PWD/tests XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
         python -m model_figures --check tests/data/model_figures.json
@@ -67,6 +68,21 @@ def losses(model_name: str, layout_name: str) -> list[float]:
     import harness
 
     return [float(x) for x in harness.train(trainer(model_name, layout_name), STEPS)[0]]
+
+
+def recorded_losses_mismatch(model_name: str, one_device_losses: Any) -> str | None:
+    """Why the one-device run's first losses differ from those recorded under each shipped layout (None: they agree).
+
+    The layout-invariance tests (test_training, test_moe, test_convnet) compute the one-device
+    losses anyway; checking them here against the recording proves the rebuilt model trains as
+    the old one did, under every layout it was recorded with, without compiling anything more.
+    """
+    recorded = json.loads(FIXTURE.read_text())["models"][model_name]
+    for layout_name, want in recorded.items():
+        why = mismatch({"losses": [float(x) for x in one_device_losses[:STEPS]]}, want)
+        if why is not None:
+            return f"{model_name} (recorded under {layout_name}): {why}"
+    return None
 
 
 def figures(model_name: str, layout_name: str) -> dict[str, Any]:

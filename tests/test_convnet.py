@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import meshdsl as md
+import model_figures
 from meshdsl import hlo
 from meshdsl.ops.conv import conv2d
 from meshdsl.train.optim import adamw
@@ -263,6 +264,8 @@ def _single_device() -> np.ndarray:
 
 def test_convnet_loss_falls():
     losses = _single_device()
+    why = model_figures.recorded_losses_mismatch("convnet", losses)
+    assert why is None, why
     assert np.all(np.isfinite(losses))
     assert losses[-5:].mean() < 0.7 * losses[0], losses
 
