@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import meshdsl as md
+import model_figures
 from meshdsl import hlo
 from meshdsl.ops.conv import conv2d
 from meshdsl.train.optim import adamw
@@ -135,12 +136,110 @@ def test_conv2d_eager_any_dim_order_and_batch_dims():
 
 def test_conv2d_errors():
     x, k, _ = _named(*_inputs(3, 3))
-    with pytest.raises(md.ShapeError, match="even"):
-        conv2d(x, md.tensor(jnp.zeros((2, 3, C, O)), "kh kw channels out_channels"))
-    with pytest.raises(md.ShapeError, match="padding"):
-        conv2d(x, k, padding="VALID")
+    with pytest.raises(md.ShapeError, match="padding 'FULL'"):
+        conv2d(x, k, padding="FULL")
+    with pytest.raises(md.ShapeError, match="stride 0 along height"):
+        conv2d(x, k, stride=(0, 1))
+    with pytest.raises(md.ShapeError, match="window 9 is longer than width=8"):
+        conv2d(x, md.tensor(jnp.zeros((3, 9, C, O)), "kh kw channels out_channels"), padding="VALID")
     with pytest.raises(md.LayoutError, match="height and out_channels"):
         md.compile(lambda x, k: md.reduce_sum(conv2d(x, k)), md.Mesh({"x": 2}), "height:x; out_channels:x")(x, k)
+    with pytest.raises(md.LayoutError, match="height .size 7. is split"):  # a result the layout cannot hold
+        md.compile(lambda x, k: conv2d(x, k, padding="VALID", stride=2), md.Mesh({"x": 2}), "height:x")(x, k)
+    with pytest.raises(md.ShapeError, match="no dim 'depth'"):
+        md.nn.max_pool(x, {"depth": 2})
+    with pytest.raises(md.ShapeError, match="same dims"):
+        md.nn.avg_pool(x, {"height": 2}, {"width": 2})
+
+
+# ---- strides and "VALID" padding, and pooling: against lax on global arrays ------------------------
+#
+# Each case compiles one program computing the result and the gradients of sum(result * cot),
+# on both backends, against lax.conv_general_dilated / lax.reduce_window (and jax.grad of them)
+# on global arrays; md.explain must equal the compiled spmd program's collectives, and they
+# must be those the case names.
+
+
+def _lax_conv(x, k, stride, padding):
+    return jax.lax.conv_general_dilated(x, k, stride, padding, dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def _check_against(fn, reference, args, mesh, layout, collectives):
+    """``fn(*args)`` and the gradients of ``sum(fn * cot)`` on both backends equal ``reference``'s on global arrays."""
+    want = reference(*(jnp.asarray(a.numpy()) for a in args))
+    cot = np.random.default_rng(9).standard_normal(want.shape).astype(np.float32)
+    want_grads = jax.jit(jax.grad(lambda *a: jnp.sum(reference(*a) * cot), argnums=tuple(range(len(args)))))(*(a.numpy() for a in args))
+
+    def forward_and_grads(*inputs):
+        cot_t = md.tensor(cot, fn(*inputs).shape)
+        out, grads = None, None
+
+        def loss(*a):
+            y = fn(*a)
+            return md.reduce_sum(y * cot_t).array, y
+
+        grads, out = jax.grad(loss, argnums=tuple(range(len(inputs))), has_aux=True)(*inputs)
+        return out, grads
+
+    compiled = {}
+    for backend in ("spmd", "gspmd"):
+        compiled[backend] = md.compile(forward_and_grads, mesh, layout, backend=backend)
+        out, grads = compiled[backend](*args)
+        _close(out, np.asarray(want), TOL, f"{backend} forward")
+        for i, (g, w) in enumerate(zip(grads, want_grads)):
+            _close(g, np.asarray(w), GRAD_TOL, f"{backend} gradient {i}")
+    predicted = md.explain(forward_and_grads, mesh, layout, *args).summary()
+    assert predicted == hlo.summary(compiled["spmd"].lower(*args).compile().as_text())
+    forward = md.explain(fn, mesh, layout, *args).summary()
+    assert {kind: v["count"] for kind, v in forward.items()} == collectives, forward
+
+
+STRIDED = {
+    # name: (mesh, layout, kernel, stride, padding, forward collectives)
+    "same_stride2_halo": ({"x": 4}, "height:x", (3, 3), (2, 2), "SAME", {"collective-permute": 1}),  # one row from the next block
+    "same_even_kernel_halo": ({"x": 4}, "height:x", (4, 2), (2, 1), "SAME", {"collective-permute": 2}),  # one row each way
+    "valid_patches_no_communication": ({"x": 8}, "height:x", (2, 2), (2, 2), "VALID", {}),  # windows within blocks
+    "valid_drifting_gathers": ({"x": 2}, "height:x", (3, 3), (1, 1), "VALID", {"all-gather": 1}),  # 14 rows from 16
+    "stride_not_dividing_block_gathers": ({"x": 2}, "height:x", (3, 3), (3, 1), "SAME", {"all-gather": 1}),  # 6 rows from 16
+    "both_spatial_and_batch": ({"data": 2, "model": 2, "x": 2}, "height:data; width:model; batch:x", (3, 3), (2, 2), "SAME", {"collective-permute": 2}),
+    "channels_split_strided": ({"data": 4, "model": 2}, "channels:model; batch:data", (3, 3), (2, 2), "VALID", {"all-reduce": 1}),
+}
+
+
+@pytest.mark.parametrize("case", list(STRIDED))
+def test_conv2d_strides_and_valid_padding(case):
+    axes, layout, (kh, kw), stride, padding, collectives = STRIDED[case]
+    x, k, _ = _inputs(kh, kw)
+    args = _named(x, k, k)[:2]
+    fn = lambda x, k: conv2d(x, k, padding=padding, stride=stride)  # noqa: E731
+    _check_against(fn, lambda x, k: _lax_conv(x, k, stride, padding), args, md.Mesh(axes), layout, collectives)
+
+
+def _lax_pools(x, window, stride, padding):
+    dims, steps = (1, *window, 1), (1, *stride, 1)
+    biggest = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, dims, steps, padding)
+    total = jax.lax.reduce_window(x, 0.0, jax.lax.add, dims, steps, padding)
+    count = jax.lax.reduce_window(jnp.ones_like(x), 0.0, jax.lax.add, dims, steps, padding)
+    return biggest + 2 * total / count  # both pools in one result
+
+
+POOLS = {
+    # name: (mesh, layout, (window h, w), (stride h, w), padding, forward collectives). The max and
+    # average pools of one program move the same rows of x: XLA keeps one of each pair (CSE).
+    "aligned_windows_no_communication": ({"x": 8}, "height:x", (2, 2), (2, 2), "VALID", {}),
+    "same_overlapping_halo": ({"x": 8}, "height:x", (3, 3), (1, 1), "SAME", {"collective-permute": 2}),  # a row each way
+    "same_strided_halo": ({"data": 4, "model": 2}, "height:data; width:model", (3, 2), (2, 2), "SAME", {"collective-permute": 1}),
+    "valid_drifting_gathers": ({"x": 2}, "height:x", (3, 1), (1, 1), "VALID", {"all-gather": 1}),
+}
+
+
+@pytest.mark.parametrize("case", list(POOLS))
+def test_pools_against_reduce_window(case):
+    axes, layout, window, stride, padding, collectives = POOLS[case]
+    args = _named(*_inputs(3, 3))[:1]
+    w, s = dict(zip(("height", "width"), window)), dict(zip(("height", "width"), stride))
+    fn = lambda x: md.nn.max_pool(x, w, s, padding) + 2 * md.nn.avg_pool(x, w, s, padding)  # noqa: E731
+    _check_against(fn, lambda x: _lax_pools(x, window, stride, padding), args, md.Mesh(axes), layout, collectives)
 
 
 # ---- the convnet model -------------------------------------------------------------------------
@@ -165,6 +264,8 @@ def _single_device() -> np.ndarray:
 
 def test_convnet_loss_falls():
     losses = _single_device()
+    why = model_figures.recorded_losses_mismatch("convnet", losses)
+    assert why is None, why
     assert np.all(np.isfinite(losses))
     assert losses[-5:].mean() < 0.7 * losses[0], losses
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import harness
+import model_figures
 import meshdsl as md
 from meshdsl import hlo
 import models.mlp as mlp
@@ -40,6 +41,8 @@ MODELS = {
 def test_every_layout_trains_like_one_device(name):
     model = MODELS[name]()
     reference, _ = _losses(model, optim.adamw(1e-2), *SINGLE)
+    why = model_figures.recorded_losses_mismatch(name, reference)
+    assert why is None, why
     for layout_name in model.LAYOUTS:
         layout = md.Layout.load(LAYOUTS / f"{layout_name}.toml")
         losses, _ = _losses(model, optim.adamw(1e-2), layout.mesh(), layout)
