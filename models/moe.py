@@ -63,7 +63,7 @@ import jax.numpy as jnp
 
 import meshdsl as md
 from meshdsl.errors import ConfigError
-from models import transformer
+from meshdsl.models import transformer
 
 
 @dataclasses.dataclass(frozen=True)

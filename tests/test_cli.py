@@ -15,7 +15,7 @@ import meshdsl as md
 from meshdsl.bench.run import BenchConfig, run
 from meshdsl.errors import DataError
 from meshdsl.train.data import TokenFile
-from models import transformer
+from meshdsl.models import transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,7 +144,7 @@ def test_bench_shows_bf16_gradient_reduction_halving_the_bytes(tmp_path):
 
 def test_bf16_gradient_reduction_trains():
     """``--grad-reduce-dtype bfloat16``: gradients are summed in bf16 (XLA on CPU widens them to f32)."""
-    import models.transformer as transformer
+    import meshdsl.models.transformer as transformer
     from meshdsl.train import optim
     from meshdsl.train.step import Trainer
 
