@@ -73,7 +73,7 @@ def configure(config_class: type, preset: str, overrides: dict[str, Any], model:
     """``config_class`` at the preset ``preset`` with ``overrides``.
 
     ConfigError for an unknown preset (naming the presets), an unknown field (naming the fields),
-    or a value unlike the field's (the preset's value, else the default): integer fields (sizes,
+    or a value unlike the field's (its default, else the preset's value): integer fields (sizes,
     counts) take integers of at least 1, float fields finite numbers of at least 0, other fields
     values of that value's type; and for a config that rejects the values (its ``__post_init__``).
     """
@@ -86,7 +86,8 @@ def configure(config_class: type, preset: str, overrides: dict[str, Any], model:
         raise ConfigError(f"model {model} has no option {', '.join(unknown)}; its fields are {', '.join(fields)}")
     values = {**presets[preset], **overrides}
     for name, value in overrides.items():
-        reference = presets[preset].get(name, _default(fields[name]))
+        reference = _default(fields[name])
+        reference = presets[preset].get(name, reference) if reference is dataclasses.MISSING else reference
         if reference is not dataclasses.MISSING:
             _check_field(model, name, value, reference)
     try:

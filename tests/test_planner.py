@@ -51,7 +51,7 @@ CASES = (
         "[data=8] batch:data | params d_io:data",
         "[data=4 model=2] batch:data; d_ff:model",
         "[data=4 model=2] batch:data; d_ff:model | params d_ff:model; d_io:data",
-        "[data=4 model=2] batch:data; d_io:model | params d_io:model; d_ff:data",
+        "[data=8] batch:data | params d_ff:data",
         "[data=2 model=4] batch:data; d_ff:model",
         "[data=2 model=4] batch:data; d_ff:model | params d_ff:model; d_io:data",
         "[model=8] d_ff:model",

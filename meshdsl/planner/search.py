@@ -30,8 +30,6 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
-import jax
-
 import meshdsl as md
 from meshdsl.errors import ConfigError
 from meshdsl.planner import memory as memory_model
