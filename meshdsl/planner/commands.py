@@ -158,6 +158,12 @@ def _search(args: argparse.Namespace, overrides: dict[str, object], out: Callabl
         f"{(limit or profile.memory_bytes) / GiB:.2f} GiB per device: {len(result.ranked)} fit, {len(result.dropped)} dropped, "
         f"{result.traced} traced, nothing compiled, {seconds:.1f} s"
     )
+    if result.failures:
+        first = result.failures[0]
+        print(
+            f"meshdsl search: warning: meshdsl failed to trace {len(result.failures)} candidate(s), left out; a bug to report, "
+            f"e.g. {first.candidate.name}: {first.reason}", file=sys.stderr,
+        )
     top = result.ranked[: args.top]
     measured: list[float | None] = [None] * len(top)
     if args.measure:

@@ -16,7 +16,9 @@ batch and every activation:
   is left to that one: splitting the other splits every tensor it is in, and more (the
   Transformer's ``d_kv`` and ``qkv`` beside ``heads``), unless that other is an expert dim (below),
   which may go on ``data`` and leave ``model`` to it (the MoE's ``d_ff`` beside ``experts``). Nor
-  the stacked layer dim (``model.layers``), which a pipelined model's stages split (its ``stage``).
+  a dim of weights holding under :data:`MIN_TENSOR_SHARE` of the parameter bytes (the MoE's
+  router, ``experts_unsplit``): splitting them saves next to nothing. Nor the stacked layer dim
+  (``model.layers``), which a pipelined model's stages split (its ``stage``).
 * ``fsdp`` (parameters stored split over ``data``, gathered where used): every parameter dim.
 
 Declared roles replace the inferred ones: ``DIM_ROLES = {"rows": "batch", "hidden": "tensor",
@@ -44,6 +46,8 @@ ROLES = ("batch", "tensor", "fsdp")
 """The roles ``DIM_ROLES`` may give a dim."""
 MAX_GROUPS = 8
 """At most this many Megatron groups (the largest first): each is a candidate to trace."""
+MIN_TENSOR_SHARE = 0.01
+"""An inferred tensor-parallel dim is held by weights of at least this share of the parameter bytes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +111,8 @@ def roles(model: Any, params: Any, batch: Any) -> DimRoles:
     meet = lambda a, b: frozenset((a, b)) in pairs  # noqa: E731
     if declared is None:
         batch_dims, tensor = _inferred(shapes, set(coverage), inputs, sizes)
-        tensor = [d for d in tensor if d != layers]
+        total = sum(w.shape.size * w.dtype.itemsize for w in weights)
+        tensor = [d for d in tensor if d != layers and coverage[d] >= MIN_TENSOR_SHARE * total]
         fsdp = list(coverage)
     else:
         batch_dims, tensor, fsdp = ([d for d, r in declared.items() if role in r] for role in ROLES)

@@ -8,7 +8,8 @@ factorisation ``N = stage x data x model`` (axes of size 1 left out), and on it
 * ``data``: the batch dims together, or beside an expert dim (a tensor-parallel dim that never
   meets the batch in one tensor: expert parallelism);
 * ``model``: each Megatron group of tensor-parallel dims (dims no tensor holds two of) together,
-  or each tensor-parallel dim alone;
+  or each tensor-parallel dim alone; on a mesh of ``model`` alone also nothing, every device
+  computing everything (on a small model no communication can beat any split);
 * parameter rules: none, or FSDP: the parameter dim(s) found in the most parameter bytes (of a
   size ``data`` divides, not already on ``model``) stored split over ``data``;
 * ``stage``: the stacked layers split into pipeline stages (1F1B), for models that can be
@@ -19,7 +20,9 @@ Pruning runs cheapest first: a rule whose axes do not divide its dim, then a sta
 plus optimizer state, exact from the shapes) over the memory limit, are dropped before anything
 is traced; the rest are traced once each (:mod:`~meshdsl.planner.trace`, nothing compiled) and
 priced (:mod:`~meshdsl.planner.cost`), and those whose predicted peak is over the limit dropped,
-as are those the model cannot take (a ``ConfigError``, e.g. a pipeline it has no parts for).
+as are those the model cannot take (a ``ConfigError``, e.g. a pipeline it has no parts for). A
+candidate whose trace raises any other error meets a bug in meshdsl: it is left out too, so one
+layout does not end the search, and listed as a failure the command reports.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ class Candidate:
         mesh = " ".join(f"{a}={n}" for a, n in self.axis_sizes.items())
         params = f" | params {self.layout.params}" if self.layout.params is not None else ""
         pipe = f" | {self.layout.pipeline.microbatches} microbatches" if "stage" in self.axis_sizes else ""
-        return f"[{mesh}] {self.layout}{params}{pipe}"
+        return f"[{mesh}] {str(self.layout) or 'replicated'}{params}{pipe}"
 
     def toml(self, description: str) -> str:
         """This candidate as a layout file ``md.Layout.load`` and ``meshdsl train --layout`` read."""
@@ -79,6 +82,8 @@ class Dropped:
     candidate: Candidate
     reason: str
     memory_bytes: float | None = None
+    failed: bool = False
+    """Tracing it raised an error other than meshdsl's own: a bug, not an illegal layout."""
 
 
 @dataclasses.dataclass
@@ -92,6 +97,11 @@ class SearchResult:
     @property
     def best(self) -> tuple[Candidate, Prediction]:
         return self.ranked[0]
+
+    @property
+    def failures(self) -> list[Dropped]:
+        """The candidates meshdsl failed to trace (a bug to report, not an illegal layout)."""
+        return [d for d in self.dropped if d.failed]
 
 
 def model_roles(model: Any, state: Any, batch: Any) -> DimRoles:
@@ -128,7 +138,7 @@ def candidates(model: Any, r: DimRoles, devices: int, pipeline: bool = True) -> 
     out = []
     for sizes in _meshes(devices, stages):
         data_rules = _data_choices(r) if sizes.get("data", 1) > 1 else [()]
-        model_rules = groups if "model" in sizes else [()]
+        model_rules = [*groups, *([()] if "data" not in sizes else [])] if "model" in sizes else [()]
         if "stage" in sizes and "model" in sizes:
             model_rules = list(r.groups) or groups
         for on_data, on_model in itertools.product(data_rules, model_rules):
@@ -210,6 +220,9 @@ def search(
             prediction = price(trace_step(model, optimizer, cand.axis_sizes, cand.layout, batch=batch), model, profile)
         except (md.LayoutError, md.ShapeError, md.ConfigError) as e:
             dropped.append(Dropped(cand, str(e)))
+            continue
+        except Exception as e:  # a bug met by one layout of many: left out, and reported (SearchResult.failures)
+            dropped.append(Dropped(cand, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}", failed=True))
             continue
         if progress is not None:
             progress(f"  {cand.name}: {prediction.step_s * 1e3:.2f} ms, {prediction.memory.total / GiB:.2f} GiB")
