@@ -69,6 +69,16 @@ def build_model(spec: str, preset: str, **overrides: Any) -> Any:
     return model
 
 
+def shipped_name(model: Any) -> str | None:
+    """The shipped model ``model`` is an instance of (``"mlp"``), or None for a model of the user's,
+    whatever its module is called: bench's byte formulas and plain-JAX baselines exist only for the
+    shipped models' own classes."""
+    name = type(model).__module__.removeprefix("meshdsl.models.")
+    if name not in NAMES or type(model) is not load_module(name).Model:
+        return None
+    return name
+
+
 def configure(config_class: type, preset: str, overrides: dict[str, Any], model: str) -> Any:
     """``config_class`` at the preset ``preset`` with ``overrides``.
 

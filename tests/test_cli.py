@@ -330,3 +330,21 @@ def test_optional_parts_missing_are_named_in_one_line(models_dir: Path, capsys) 
     losses = train(RunConfig(model="good.py", preset="tiny", layout="rows:data", steps=2), out, err=err)
     assert len(losses) == 2 and "examples/s" not in out.getvalue()
     assert err.getvalue() == "meshdsl train: note: model good.py has no examples_per_step(), so no throughput is shown\n"
+
+
+def test_a_users_model_is_never_taken_for_a_shipped_one(models_dir: Path) -> None:
+    """A user's module called mlp (userpkg.mlp) gets no byte formula and no plain-JAX baseline of the shipped MLP
+    (they would read fields it lacks); the shipped MLP gets both."""
+    from meshdsl.bench import analytic, baselines
+    from meshdsl.model_loader import build_model, shipped_name
+
+    (models_dir / "userpkg" / "mlp.py").write_text(MODEL)
+    mine, shipped = build_model("userpkg.mlp", "tiny"), build_model("mlp", "tiny")
+    assert (shipped_name(mine), shipped_name(shipped)) == (None, "mlp")
+    mesh = md.Mesh({"data": 8})
+    layout = md.Layout("rows:data")
+    params = mine.init(jax.random.key(0))
+    assert analytic.minimum_bytes("data_parallel", mine, params, mesh, layout, clips=False) is None
+    assert baselines.make_step(mine, layout, mesh, {"params": params}, None, "sgd") is None
+    shipped_params = shipped.init(jax.random.key(0))
+    assert analytic.minimum_bytes("data_parallel", shipped, shipped_params, mesh, md.Layout("batch:data"), clips=False) > 0
