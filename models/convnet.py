@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 import meshdsl as md
 from meshdsl.errors import ConfigError
-from models.presets import Presets
+from meshdsl.models.presets import Presets
 
 
 @dataclasses.dataclass(frozen=True)

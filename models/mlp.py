@@ -13,7 +13,7 @@ import dataclasses
 import jax
 
 import meshdsl as md
-from models.presets import Presets
+from meshdsl.models.presets import Presets
 
 
 @dataclasses.dataclass(frozen=True)

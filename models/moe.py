@@ -62,7 +62,7 @@ import jax
 
 import meshdsl as md
 from meshdsl.errors import ConfigError
-from models import transformer
+from meshdsl.models import transformer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 import meshdsl as md
-from models.presets import Presets
+from meshdsl.models.presets import Presets
 from meshdsl.errors import ConfigError
 
 

@@ -50,7 +50,7 @@ def trainer(model_name: str, layout_name: str) -> Any:
     from meshdsl.train.optim import adamw
     from meshdsl.train.step import Trainer
 
-    module = importlib.import_module(f"models.{model_name}")
+    module = importlib.import_module(f"meshdsl.models.{model_name}")
     layout = md.Layout.load(LAYOUTS_DIR / f"{layout_name}.toml")
     return Trainer(module.Model(module.Config.preset("tiny")), adamw(LEARNING_RATE), layout.mesh(), layout)
 

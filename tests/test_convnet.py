@@ -20,7 +20,7 @@ from meshdsl import hlo
 from meshdsl.ops.conv import conv2d
 from meshdsl.train.optim import adamw
 from meshdsl.train.step import Trainer
-from models import convnet
+from meshdsl.models import convnet
 
 B, H, W, C, O = 4, 16, 8, 8, 6
 TOL, GRAD_TOL = 1e-5, 2e-5

@@ -17,7 +17,7 @@ import model_figures
 from meshdsl import hlo
 from meshdsl.train.optim import adamw
 from meshdsl.train.step import Trainer
-from models import moe
+from meshdsl.models import moe
 
 LAYOUTS = Path(__file__).resolve().parent.parent / "layouts"
 STEPS = 5

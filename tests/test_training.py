@@ -18,8 +18,8 @@ import harness
 import model_figures
 import meshdsl as md
 from meshdsl import hlo
-import models.mlp as mlp
-import models.transformer as transformer
+import meshdsl.models.mlp as mlp
+import meshdsl.models.transformer as transformer
 from meshdsl.train import optim
 from meshdsl.train.step import Trainer
 

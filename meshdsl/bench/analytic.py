@@ -30,6 +30,7 @@ import jax
 
 import meshdsl as md
 from meshdsl.collectives import Collective, bytes_moved
+from meshdsl.model_loader import shipped_name
 
 
 def _ar(buffer: float, n: int) -> float:
@@ -59,7 +60,7 @@ def minimum_bytes(name: str, model: Any, params: Any, mesh: md.Mesh, layout: md.
     """
     sizes = mesh.axis_sizes
     config = model.config
-    kind = type(model).__module__.split(".")[-1]
+    kind = shipped_name(model)
     if kind not in ("mlp", "transformer"):
         return None
     if name == "data_parallel":

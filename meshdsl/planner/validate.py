@@ -88,7 +88,7 @@ def validate(models: Sequence[str], preset: str, devices: int, out: Callable[[st
     """Check every legal layout of ``models`` on ``devices`` devices, printing a table row for each."""
     from meshdsl.planner.search import legal_candidates
     from meshdsl.train import optim
-    from meshdsl.train.loop import build_model
+    from meshdsl.model_loader import build_model
 
     optimizer = optim.make("adamw")
     out(HEADER)
