@@ -1,8 +1,9 @@
 """Run the benchmark: compile every model x layout, time them side by side, report.
 
-Timing is interleaved: round 1 runs every entry (layout A, B, C...), then round 2, and so on, and
-each entry's step time is the median over rounds, with the spread (75th minus 25th percentile)
-beside it. Side by side, slow drifts of a shared machine hit every entry alike.
+Timing is interleaved (:mod:`meshdsl.bench.timing`): every round runs every entry once (its
+step, and its baseline when asked for), in an order shuffled per round from ``--seed``, and each
+entry's step time is the median over rounds, with the spread (75th minus 25th percentile) beside
+it. Side by side, slow drifts of a shared machine hit every entry alike.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,6 +22,7 @@ from meshdsl import hlo, outputs
 from meshdsl.bench import analytic, baselines
 from meshdsl.bench.peaks import peak_flops
 from meshdsl.bench.report import write_reports
+from meshdsl.bench.timing import compile_step, interleaved_rounds, memory_bytes
 from meshdsl.pipeline import PipelineConfig, bubble, schedule_bubble, stages
 from meshdsl.train import optim
 from meshdsl.errors import ConfigError
@@ -136,16 +137,6 @@ class Entry:
         }
 
 
-def _memory(compiled: Any) -> dict[str, int]:
-    m = compiled.memory_analysis()
-    fields = {
-        "arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
-        "temporaries": m.temp_size_in_bytes, "aliased": m.alias_size_in_bytes,
-    }
-    fields["total"] = fields["arguments"] + fields["outputs"] + fields["temporaries"] - fields["aliased"]
-    return {k: int(v) for k, v in fields.items()}
-
-
 def _layout_specs(names: list[str] | None, model: Any, model_name: str) -> list[str]:
     """The layouts asked for (files anywhere, shipped names, inline rules: as ``train --layout``
     takes them), or the shipped ones the model lists in ``LAYOUTS``."""
@@ -209,39 +200,28 @@ def _prepare(
     try:
         mesh = layout.mesh()
         pipe = None if variant is None else variant[0]
-        trainer = Trainer(model, optimizer, mesh, layout, grad_reduce_dtype=cfg.grad_reduce_dtype, pipeline=pipe)
-        key = jax.random.key(cfg.seed)
-        state = trainer.init(jax.random.key_data(key))
-        data = jax.random.key_data(jax.random.fold_in(key, 1))
-        start = time.perf_counter()
-        compiled = trainer.step.lower(state, data).compile()
-        compile_s = time.perf_counter() - start
+        step = compile_step(Trainer(model, optimizer, mesh, layout, grad_reduce_dtype=cfg.grad_reduce_dtype, pipeline=pipe), cfg.seed)
     except (md.LayoutError, md.ConfigError) as e:  # ConfigError: a pipeline the model or batch cannot take
         out(f"  {model_name} x {label}: skipped, the layout does not fit: {e}")
         return None
-    text = compiled.as_text()
+    trainer, state, data = step.trainer, step.state, step.data
+    text = step.compiled.as_text()
     device = jax.devices()[0]
     narrow_on_cpu = cfg.grad_reduce_dtype is not None and device.platform == "cpu"
     predicted = trainer.explain(state, data).summary()
     dtype = getattr(model.config, "compute_dtype", "float32")
     entry = Entry(
-        model=model_name, preset=cfg.preset, layout=label, mesh=str(mesh), devices=mesh.size, compile_s=compile_s,
+        model=model_name, preset=cfg.preset, layout=label, mesh=str(mesh), devices=mesh.size, compile_s=step.compile_s,
         flops_per_step=model.flops_per_step() if hasattr(model, "flops_per_step") else None,
         examples_per_step=model.examples_per_step() if hasattr(model, "examples_per_step") else None,
         example_unit="tokens" if hasattr(model.config, "length") else "examples",
-        memory_bytes=_memory(compiled), measured=hlo.summary(text, num_devices=mesh.size),
+        memory_bytes=memory_bytes(step.compiled), measured=hlo.summary(text, num_devices=mesh.size),
         predicted=predicted,
         predicted_on_accelerator=trainer.explain(state, data, platform="gpu").summary() if narrow_on_cpu else predicted,
         minimum_bytes=analytic.minimum_bytes(name, model, state["params"], mesh, layout, getattr(optimizer, "clip_norm", None) is not None),
         peak_flops=peak_flops(device.device_kind, dtype),
         pipeline=None if pipe is None else _pipeline_fields(pipe, trainer, model),
     )
-    holder = {"state": state}
-
-    def step() -> None:
-        holder["state"], loss = compiled(holder["state"], data)
-        jax.block_until_ready(loss)
-
     baseline = None
     if cfg.baseline == "jax":
         baseline = baselines.make_step(model, layout, mesh, state, data, cfg.optimizer)
@@ -279,13 +259,6 @@ def _measure_bubbles(entries: list[Entry]) -> None:
             e.pipeline["bubble_measured"] = 1 - slope * m / e.step_s
 
 
-def _timed(step: Callable[[], None], n: int) -> float:
-    start = time.perf_counter()
-    for _ in range(n):
-        step()
-    return (time.perf_counter() - start) / n
-
-
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
@@ -316,15 +289,11 @@ def run(cfg: BenchConfig, out: Callable[[str], None] = print, warn: Callable[[st
                     out(f"  compiled {model_name} x {item[0].layout} in {item[0].compile_s:.1f} s")
     if not prepared:
         raise ConfigError(f"nothing to measure: every layout was skipped as not fitting ({', '.join(dict.fromkeys(skipped))}; see why above)")
-    for entry, step, baseline in prepared:
-        step()
-        if baseline is not None:
-            baseline()
-    for _ in range(cfg.rounds):
-        for entry, step, baseline in prepared:
-            entry.step_times.append(_timed(step, cfg.steps_per_round))
-            if baseline is not None:
-                entry.baseline_step_times.append(_timed(baseline, cfg.steps_per_round))
+    timed = [(entry.step_times, step) for entry, step, _ in prepared]
+    timed += [(entry.baseline_step_times, baseline) for entry, _, baseline in prepared if baseline is not None]
+    samples = interleaved_rounds([step for _, step in timed], cfg.rounds, cfg.steps_per_round, cfg.seed)
+    for (times, _), seconds in zip(timed, samples):
+        times.extend(seconds)
     _measure_bubbles([entry for entry, _, _ in prepared])
     summaries = [entry.summary() for entry, _, _ in prepared]
     if jax.process_index() == 0:  # a multi-process run: process 0 writes the reports

@@ -93,9 +93,9 @@ def _profile(spec: str | None) -> Any:
 
 def _explain(args: argparse.Namespace, overrides: dict[str, object], out: Callable[[str], None]) -> None:
     from meshdsl.planner.cost import predict
-    from meshdsl.planner.measure import compile_step, compiled_memory
-    from meshdsl.planner.search import Candidate
+    from meshdsl.bench.timing import compile_step, memory_bytes
     from meshdsl.train import optim
+    from meshdsl.train.step import Trainer
     from meshdsl.model_loader import build_model
     from meshdsl.train.loop import load_layout, rule_warnings
 
@@ -109,7 +109,7 @@ def _explain(args: argparse.Namespace, overrides: dict[str, object], out: Callab
     prediction = predict(model, optimizer, mesh.axis_sizes, layout, profile)
     compiled = None
     if not args.no_compile:
-        compiled = compiled_memory(compile_step(model, optimizer, Candidate(mesh.axis_sizes, layout), 0)[1])
+        compiled = memory_bytes(compile_step(Trainer(model, optimizer, mesh, layout), 0).compiled)["total"]
     out(f"meshdsl explain: {args.model} {args.preset} on mesh {mesh} under {layout}" + (f" | params {layout.params}" if layout.params else ""))
     out(f"profile {profile.name} ({profile.source})\n")
     out(str(prediction.report) + "\n")
