@@ -143,6 +143,28 @@ def test_conv2d_errors():
         md.compile(lambda x, k: md.reduce_sum(conv2d(x, k)), md.Mesh({"x": 2}), "height:x; out_channels:x")(x, k)
 
 
+NAME_CLASHES = {
+    # (conv2d keyword arguments, the kernel's dims, what the message must name)
+    "height is width": (dict(width="height"), "kh kw channels out_channels", "width 'height'"),
+    "in_dim is height": (dict(in_dim="height"), "kh kw height out_channels", "in_dim 'height'"),
+    "kernel_width is an input dim": (dict(kernel_width="width"), "kh width channels out_channels", "kernel_width 'width'"),
+    "out_dim is an input batch dim": (dict(out_dim="batch"), "kh kw channels batch", "out_dim 'batch'"),
+    "out_dim is in_dim": (dict(out_dim="channels"), "kh kw channels out_channels", "out_dim 'channels'"),
+    "kernel dims one name": (dict(kernel_height="kw"), "kh kw channels out_channels", "kernel_height 'kw'"),
+}
+
+
+@pytest.mark.parametrize("backend", ["eager", "spmd", "gspmd"])
+def test_conv2d_one_name_for_two_dims_is_a_shape_error(backend):
+    x, _, _ = _named(*_inputs(3, 3))
+    for case, (kwargs, kernel_dims, named) in NAME_CLASHES.items():
+        k = md.tensor(jnp.zeros((3, 3, C, O)), kernel_dims)
+        fn = lambda x, k: conv2d(x, k, **kwargs)  # noqa: E731
+        with pytest.raises(md.ShapeError) as info:
+            (fn if backend == "eager" else md.compile(fn, md.Mesh({"x": 2}), "batch:x", backend=backend))(x, k)
+        assert str(info.value).startswith("conv2d: ") and named in str(info.value), f"{case}: {info.value}"
+
+
 # ---- the convnet model -------------------------------------------------------------------------
 
 STEPS = 20

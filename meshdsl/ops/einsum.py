@@ -34,6 +34,10 @@ def _output_shape(tensors: Sequence[Tensor], out: Sequence[DimLike] | Shape | st
     if out is None:
         return Shape(d for n, d in dims.items() if count[n] == 1)
     items = out.split() if isinstance(out, str) else [out] if isinstance(out, Dim) else list(out)
+    names = [item.name if isinstance(item, Dim) else item for item in items]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ShapeError(f"einsum output {names} repeats dim name(s) {', '.join(repeated)}")
     result = []
     for item in items:
         name = item.name if isinstance(item, Dim) else item

@@ -33,6 +33,11 @@ from meshdsl.ops import elementwise
 from meshdsl.tensor import Tensor
 
 
+def _describe(x: Any) -> str:
+    """``x`` in a message: an md tensor's shape and dtype, else its type."""
+    return f"{x.shape} of {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
+
+
 def _local_iota(lowering, dim: Dim, axes: tuple[str, ...], dtype: Any) -> jax.Array:
     local, offset = lowering.shard(dim.size, axes)
     return (jnp.arange(local) + offset).astype(dtype)
@@ -41,6 +46,10 @@ def _local_iota(lowering, dim: Dim, axes: tuple[str, ...], dtype: Any) -> jax.Ar
 @op("one_hot")
 def one_hot(indices: Tensor, output_dim: Dim, on_value: float = 1.0, off_value: float = 0.0, dtype: Any = jnp.float32) -> Tensor:
     """``on_value`` where ``indices`` equals the position along the new dim ``output_dim``, else ``off_value``."""
+    if not isinstance(indices, Tensor) or not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise ShapeError(f"one_hot: indices must be an md tensor of integers, got {_describe(indices)}")
+    if output_dim.name in indices.shape:
+        raise ShapeError(f"one_hot: output_dim {output_dim} is already a dim of the indices {indices.shape}; name the new dim differently")
     lowering = current()
     out = indices.shape + [output_dim]
     axes = lowering.axes(out)
@@ -60,6 +69,17 @@ def gather(weights: Tensor, indices: Tensor, dim: DimLike) -> Tensor:
     if not jnp.issubdtype(indices.dtype, jnp.integer):
         raise ShapeError(f"gather: indices must be integers, got {indices.dtype}")
     rest = weights.shape.without([d.name])
+    if d.name in indices.shape:
+        raise ShapeError(
+            f"gather: the indices {indices.shape} have a dim named {d.name}, like the dim {d} gathered from the weights "
+            f"{weights.shape}; the result's {d.name} would be another dim of the same name: rename one (md.rename)"
+        )
+    shared = [n for n in indices.shape.names if n in rest]
+    if shared:
+        raise ShapeError(
+            f"gather: the indices {indices.shape} and the weights {weights.shape} both have dim(s) {', '.join(shared)}; "
+            f"the result (the indices' dims, then the weights' without {d.name}) would hold them twice"
+        )
     out = indices.shape + rest
 
     def result(layout: compute_layout.NameAxes):
@@ -89,9 +109,13 @@ def take_along(x: Tensor, indices: Tensor, dim: DimLike) -> Tensor:
     """
     lowering = current()
     d = x.shape[dim]
-    extra = [n for n in indices.shape.names if n not in x.shape or n == d.name]
-    if extra or not jnp.issubdtype(indices.dtype, jnp.integer):
-        raise ShapeError(f"take_along: indices {indices.shape} ({indices.dtype}) must be integers over dims of {x.shape} other than {d.name}")
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise ShapeError(f"take_along: indices {indices.shape} must be integers, got {indices.dtype}")
+    if d.name in indices.shape:
+        raise ShapeError(f"take_along: the indices {indices.shape} have the looked-up dim {d.name}; they index along it, over dims of x {x.shape} other than {d.name}")
+    extra = [n for n in indices.shape.names if n not in x.shape]
+    if extra:
+        raise ShapeError(f"take_along: the indices {indices.shape} have dim(s) {', '.join(extra)} that x {x.shape} lacks; they index over dims of x other than {d.name}")
     out = x.shape.without([d.name])
     axes = lowering.axes(x.shape)
     position = x.shape.index(d.name)
@@ -113,6 +137,8 @@ def top_k(x: Tensor, reduced_dim: DimLike, k_dim: Dim) -> tuple[Tensor, Tensor]:
     d, k = x.shape[position], k_dim.size
     if k > d.size:
         raise ShapeError(f"top_k: k_dim {k_dim} is larger than {d}")
+    if k_dim.name != d.name and k_dim.name in x.shape:
+        raise ShapeError(f"top_k: k_dim {k_dim} is named like the dim {x.shape[k_dim.name]} of x {x.shape}, which the result keeps")
     out = x.shape.without([d.name]) + [k_dim]
     axes = list(lowering.axes(x.shape))
     split = axes[position]
