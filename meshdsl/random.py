@@ -18,16 +18,16 @@ from jax import lax
 from jax.extend.random import threefry2x32_p
 
 from meshdsl.dims import ShapeLike, as_shape
-from meshdsl.errors import ShapeError
+from meshdsl.errors import ConfigError, ShapeError
 from meshdsl.lowering.context import current, op
-from meshdsl.tensor import Tensor
+from meshdsl.tensor import Tensor, describe
 
 
 def _key_words(key: Any) -> tuple[jax.Array, jax.Array]:
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if hasattr(key, "dtype") and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.key_data(key)
-    if key.shape != (2,) or key.dtype != jnp.uint32:
-        raise ValueError(f"md.random needs a threefry key (jax.random.key(seed) or PRNGKey), got {key.dtype}{list(key.shape)}")
+    if not hasattr(key, "dtype") or key.shape != (2,) or key.dtype != jnp.uint32:
+        raise ShapeError(f"md.random needs a threefry key (jax.random.key(seed) or PRNGKey), got {describe(key)}")
     return key[0], key[1]
 
 
@@ -87,8 +87,8 @@ def dropout(key: Any, x: Tensor, rate: float, noise_shape: ShapeLike | None = No
 
     ``noise_shape`` (a subset of ``x``'s dims) shares one draw across the dims it leaves out.
     """
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
+        raise ConfigError(f"dropout: rate must be a number in [0, 1), got {rate!r}")
     if rate == 0.0:
         return x
     keep = uniform(key, x.shape if noise_shape is None else as_shape(noise_shape)) >= rate

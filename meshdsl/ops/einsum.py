@@ -18,7 +18,7 @@ from meshdsl.dims import Dim, DimLike, Shape
 from meshdsl.errors import ShapeError
 from meshdsl.lowering import compute_layout
 from meshdsl.lowering.context import current, op
-from meshdsl.tensor import Tensor
+from meshdsl.tensor import Tensor, describe
 
 
 def _output_shape(tensors: Sequence[Tensor], out: Sequence[DimLike] | Shape | str | None) -> Shape:
@@ -59,9 +59,9 @@ def einsum(*tensors: Tensor, out: Sequence[DimLike] | Shape | str | None = None)
     """
     if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
         tensors = tuple(tensors[0])
-    for t in tensors:
+    for i, t in enumerate(tensors):
         if not isinstance(t, Tensor):
-            raise ShapeError(f"einsum takes md tensors, got {type(t).__name__}")
+            raise ShapeError(f"einsum: input {i} must be an md tensor, got {describe(t)}")
     lowering = current()
     out_shape = _output_shape(tensors, out)
     summed = [n for n in dict.fromkeys(n for t in tensors for n in t.shape.names) if n not in out_shape]

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from meshdsl.dims import Dim, DimLike, Shape
@@ -30,12 +31,7 @@ from meshdsl.errors import ShapeError
 from meshdsl.lowering import compute_layout
 from meshdsl.lowering.context import current, op
 from meshdsl.ops import elementwise
-from meshdsl.tensor import Tensor
-
-
-def _describe(x: Any) -> str:
-    """``x`` in a message: an md tensor's shape and dtype, else its type."""
-    return f"{x.shape} of {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
+from meshdsl.tensor import Tensor, describe, dtype_of
 
 
 def _local_iota(lowering, dim: Dim, axes: tuple[str, ...], dtype: Any) -> jax.Array:
@@ -47,7 +43,9 @@ def _local_iota(lowering, dim: Dim, axes: tuple[str, ...], dtype: Any) -> jax.Ar
 def one_hot(indices: Tensor, output_dim: Dim, on_value: float = 1.0, off_value: float = 0.0, dtype: Any = jnp.float32) -> Tensor:
     """``on_value`` where ``indices`` equals the position along the new dim ``output_dim``, else ``off_value``."""
     if not isinstance(indices, Tensor) or not jnp.issubdtype(indices.dtype, jnp.integer):
-        raise ShapeError(f"one_hot: indices must be an md tensor of integers, got {_describe(indices)}")
+        raise ShapeError(f"one_hot: indices must be an md tensor of integers, got {describe(indices)}")
+    if not isinstance(output_dim, Dim):
+        raise ShapeError(f"one_hot: output_dim must be an md.Dim (name and size), got {describe(output_dim)}")
     if output_dim.name in indices.shape:
         raise ShapeError(f"one_hot: output_dim {output_dim} is already a dim of the indices {indices.shape}; name the new dim differently")
     lowering = current()
@@ -132,6 +130,8 @@ def top_k(x: Tensor, reduced_dim: DimLike, k_dim: Dim) -> tuple[Tensor, Tensor]:
 
     Both have shape ``x.shape - reduced_dim + k_dim``, largest first; ties go to the lower index.
     """
+    if not isinstance(k_dim, Dim):
+        raise ShapeError(f"top_k: k_dim must be an md.Dim (name and size k), got {describe(k_dim)}")
     lowering = current()
     position = x.shape.index(reduced_dim)
     d, k = x.shape[position], k_dim.size
@@ -195,6 +195,8 @@ def cumsum(x: Tensor, dim: DimLike, exclusive: bool = False) -> Tensor:
 @op("shift")
 def shift(x: Tensor, offset: int, dim: DimLike, wrap: bool = False) -> Tensor:
     """``x`` moved by ``offset`` along ``dim`` (``out[i] = x[i - offset]``); zeros come in unless ``wrap``."""
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)):
+        raise ShapeError(f"shift: offset must be an int, got {describe(offset)}")
     lowering = current()
     position = x.shape.index(dim)
     size = x.shape[position].size
@@ -216,6 +218,9 @@ def shift(x: Tensor, offset: int, dim: DimLike, wrap: bool = False) -> Tensor:
 
 def range(dim: Dim, dtype: Any = jnp.int32) -> Tensor:  # noqa: A001  (md.range, as Mesh-TF's mtf.range)
     """The tensor ``[0, 1, ..., dim.size - 1]`` along ``dim``."""
+    if not isinstance(dim, Dim):
+        raise ShapeError(f"range: dim must be an md.Dim (name and size), got {describe(dim)}")
+    dtype = dtype_of(dtype, "range")
     with jax.named_scope("md.range"):
         lowering = current()
         shape = Shape([dim])

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from meshdsl.dims import Dim, Shape, resolve
+from meshdsl.errors import ShapeError
 from meshdsl.lowering.base import Lowering
 from meshdsl.lowering.context import current, op, use
 from meshdsl.relayout import Axes
@@ -27,7 +28,11 @@ Dims = str | Dim | Iterable[str | Dim] | None
 def _reduced(x: Tensor, dims: Dims) -> tuple[int, ...]:
     if dims is None:
         return tuple(range(x.shape.rank))
-    return tuple(x.shape.index(d.name) for d in resolve(dims, x.shape))
+    names = [d.name for d in resolve(dims, x.shape)]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ShapeError(f"dims {names} name {', '.join(map(repr, twice))} twice")
+    return tuple(x.shape.index(n) for n in names)
 
 
 def _reduce(x: Tensor, dims: Dims, combine: str) -> Tensor:

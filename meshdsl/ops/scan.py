@@ -24,7 +24,7 @@ import jax
 from meshdsl.dims import DimLike, Shape
 from meshdsl.errors import ShapeError
 from meshdsl.lowering.context import current
-from meshdsl.tensor import Tensor
+from meshdsl.tensor import Tensor, describe
 
 
 def _is_tensor(x: Any) -> bool:
@@ -75,6 +75,24 @@ def _vary_like(vary: Callable[..., Any], tree: Any, like: Any) -> Any:
     return jax.tree_util.tree_map(one, tree, like, is_leaf=_is_tensor)
 
 
+def _leaf_type(t: Any) -> str:
+    """A carry leaf's dims (or sizes) and dtype, for comparing and for messages."""
+    if isinstance(t, Tensor):
+        return f"{t.shape} of {jax.numpy.dtype(t.dtype).name}"
+    return f"{getattr(t, 'dtype', type(t).__name__)}{list(getattr(t, 'shape', ()))}"
+
+
+def _check_carry(init: Any, out: Any) -> None:
+    """A ShapeError unless the step's carry ``out`` has ``init``'s structure, dims and dtypes."""
+    ins = jax.tree_util.tree_flatten_with_path(init, is_leaf=_is_tensor)
+    outs = jax.tree_util.tree_flatten_with_path(out, is_leaf=_is_tensor)
+    if ins[1] != outs[1]:
+        raise ShapeError(f"md.scan: fn returns a carry shaped {outs[1]} for one shaped {ins[1]}: the carry keeps its structure")
+    for (path, t), (_, u) in zip(ins[0], outs[0]):
+        if _leaf_type(t) != _leaf_type(u):
+            raise ShapeError(f"md.scan: fn returns the carry{jax.tree_util.keystr(path)} as {_leaf_type(u)}, but it came in as {_leaf_type(t)}: the carry keeps its dims and dtypes")
+
+
 def scan(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: DimLike, *, remat: bool = False) -> tuple[Any, Any]:
     """``fn(carry, x) -> (carry, y)`` over ``dim`` of every tensor in ``xs``; returns ``(carry, ys)``.
 
@@ -88,6 +106,8 @@ def scan(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: Dim
         tensors = [x for x in leaves if isinstance(x, Tensor)]
         if not tensors:
             raise ShapeError("md.scan: xs holds no md tensor to scan over")
+        if dim not in tensors[0].shape:
+            raise ShapeError(f"md.scan over {getattr(dim, 'name', dim)!r}: xs tensor {tensors[0].shape} has no such dim")
         name = tensors[0].shape[dim].name
         length = tensors[0].shape[name].size
 
@@ -122,8 +142,10 @@ def scan(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: Dim
         def step(carry: Any, local: list) -> tuple[Any, Any]:
             local = lowering.gather_stored(list(local), gathers, *_arrays(init))
             x = jax.tree_util.tree_unflatten(treedef, [lowering.keep(a, shape, axes) for a, (shape, axes) in zip(local, held)])
-            carry, y = fn(carry, x)
-            return settle(carry), settle(y)
+            out = fn(carry, x)
+            if not isinstance(out, (tuple, list)) or len(out) != 2:
+                raise ShapeError(f"md.scan: fn(carry, x) must return (carry, y), got {describe(out)}")
+            return settle(out[0]), settle(out[1])
 
         def carry_out(carry: Any, stacked: list) -> Any:
             return step(carry, loop_inputs(carry, stacked))[0]
@@ -135,7 +157,9 @@ def scan(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: Dim
         # running it (once more if that widens what the step sees).
         stacked_slices = [jax.typeof(a).update(shape=a.shape[1:]) for a in prepared]
         for _ in range(len(lowering.axis_sizes) + 1):
-            wider = _vary_like(lowering.vary_operand, init, jax.eval_shape(carry_out, init, stacked_slices))
+            out = jax.eval_shape(carry_out, init, stacked_slices)
+            _check_carry(init, out)
+            wider = _vary_like(lowering.vary_operand, init, out)
             if all(a is b for a, b in zip(_arrays(wider), _arrays(init))):
                 break
             init = wider
