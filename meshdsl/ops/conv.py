@@ -106,7 +106,10 @@ def conv2d(
         if layout[name] and x.shape[name].size // lowering.group_size(layout[name]) < p:
             layout[name] = ()
 
-    xa = lowering.prepare(x, tuple(layout[n] for n in x.shape.names), beside=[kernel])
+    # Where XLA partitions the program (gspmd), its partitioner miscomputes convolutions split
+    # along a windowed dim (docs/design.md, gspmd): there the convolution holds those dims whole.
+    windowed = [n for n in (h, w) if sizes[n] > 1]
+    xa = lowering.hold_whole(lowering.prepare(x, tuple(layout[n] for n in x.shape.names), beside=[kernel]), x.shape, windowed)
     ka = lowering.prepare(kernel, tuple(layout[n] for n in kernel.shape.names), beside=[x])
     # Local NHWC / HWIO arrays: the batch dims flattened into one.
     order = [*batch, h, w, c]
@@ -126,6 +129,6 @@ def conv2d(
     xa, ka = lowering.vary_like(xa, ka), lowering.vary_like(ka, xa)
     y = lax.conv_general_dilated(xa, ka, (1, 1), pads, dimension_numbers=("NHWC", "HWIO", "NHWC"))
     y = jnp.reshape(y, (*local_batch, *y.shape[1:]))
-    y = jnp.transpose(y, [order.index(c if n == o else n) for n in out.names])
+    y = lowering.hold_whole(jnp.transpose(y, [order.index(c if n == o else n) for n in out.names]), out, windowed)
     out_axes, pending = result(layout)
     return lowering.finish(y, out, out_axes, pending, lazy=True)
