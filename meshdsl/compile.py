@@ -17,9 +17,11 @@ the first op that uses them, and their gradients leave it reduce-scattered.
 from __future__ import annotations
 
 import enum
+import inspect
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
@@ -87,6 +89,11 @@ class Compiled:
             raise ConfigError(f"md.compile: fn must be a function, got {describe(fn)}")
         if not isinstance(mesh, Mesh):
             raise ConfigError(f"md.compile: mesh must be an md.Mesh, got {describe(mesh)}; build one with md.Mesh({mesh!r})")
+        if grad_reduce_dtype is not None:
+            try:
+                jnp.dtype(grad_reduce_dtype)
+            except TypeError:
+                raise ConfigError(f"md.compile: grad_reduce_dtype {grad_reduce_dtype!r} is not a dtype (e.g. 'bfloat16')") from None
         backends = [b.value for b in Backend]
         if not isinstance(backend, Backend) and backend not in backends:
             raise ConfigError(f"md.compile: backend {backend!r} is not one of {', '.join(backends)}")
@@ -104,7 +111,8 @@ class Compiled:
         for lay in (self.layout, *(self.in_layouts or ()), *outs):
             lay.check_mesh(mesh)
         program = self.spmd_function if self.backend is Backend.SPMD else self._gspmd
-        self._jitted = jax.jit(program, donate_argnums=tuple(donate_argnums))
+        self.donate_argnums = tuple(donate_argnums)
+        self._jitted = jax.jit(program, donate_argnums=self.donate_argnums)
 
     def __call__(self, *args: Any) -> Any:
         self._check_arguments(args)
@@ -116,6 +124,15 @@ class Compiled:
         return self._jitted.lower(*args)
 
     def _check_arguments(self, args: tuple) -> None:
+        try:
+            inspect.signature(self.fn).bind(*args)
+        except TypeError as e:
+            raise ShapeError(f"md.compile'd {getattr(self.fn, '__name__', 'function')} called with {len(args)} argument(s): {e}") from None
+        except ValueError:  # no signature to check (a builtin)
+            pass
+        beyond = [i for i in self.donate_argnums if i >= len(args)]
+        if beyond:
+            raise ConfigError(f"md.compile: donate_argnums {beyond} name no argument of a call with {len(args)} argument(s)")
         if self.in_layouts is not None and len(self.in_layouts) != len(args):
             raise LayoutError(f"md.compile: {len(self.in_layouts)} in_layouts given for a call with {len(args)} argument(s); give one per positional argument")
         for path, leaf in jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_tensor)[0]:

@@ -76,6 +76,12 @@ class Tensor:
         dtype = getattr(self._data, "dtype", None)
         return f"Tensor({self.shape}, dtype={dtype})"
 
+    def __bool__(self) -> bool:
+        """The truth value of a 0-d tensor; for more dims, a ShapeError (as numpy, which also refuses)."""
+        if self.shape.rank:
+            raise ShapeError(f"the truth value of an md tensor {self.shape} is ambiguous; reduce it first (md.reduce_max, md.reduce_min)")
+        return bool(self.array)
+
     def __neg__(self):
         from meshdsl.ops import elementwise
 

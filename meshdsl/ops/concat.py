@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from meshdsl.dims import Dim, DimLike, Shape
@@ -88,6 +89,8 @@ def split(x: Tensor, dim: DimLike, num_or_size_splits: int | Sequence[int]) -> l
 @op("slice")
 def slice(x: Tensor, begin: int, size: int, dim: DimLike) -> Tensor:  # noqa: A001  (as Mesh-TF)
     """The ``size`` entries of ``x`` along ``dim`` starting at ``begin``."""
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in (begin, size)):
+        raise ShapeError(f"slice: begin and size must be ints, got {begin!r} and {size!r}")
     lowering, position, array, axes = _along(x, dim)
     d = x.shape[position]
     if begin < 0 or size < 0 or begin + size > d.size:

@@ -33,6 +33,8 @@ def _output_shape(tensors: Sequence[Tensor], out: Sequence[DimLike] | Shape | st
             count[d.name] = count.get(d.name, 0) + 1
     if out is None:
         return Shape(d for n, d in dims.items() if count[n] == 1)
+    if not isinstance(out, (str, Dim, Shape, list, tuple)):
+        raise ShapeError(f"einsum: out must be dims (names, md.Dims, a Shape or a string of names), got {describe(out)}")
     items = out.split() if isinstance(out, str) else [out] if isinstance(out, Dim) else list(out)
     names = [item.name if isinstance(item, Dim) else item for item in items]
     repeated = sorted({n for n in names if names.count(n) > 1})

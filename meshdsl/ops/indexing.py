@@ -46,6 +46,7 @@ def one_hot(indices: Tensor, output_dim: Dim, on_value: float = 1.0, off_value: 
         raise ShapeError(f"one_hot: indices must be an md tensor of integers, got {describe(indices)}")
     if not isinstance(output_dim, Dim):
         raise ShapeError(f"one_hot: output_dim must be an md.Dim (name and size), got {describe(output_dim)}")
+    dtype = dtype_of(dtype, "one_hot")
     if output_dim.name in indices.shape:
         raise ShapeError(f"one_hot: output_dim {output_dim} is already a dim of the indices {indices.shape}; name the new dim differently")
     lowering = current()

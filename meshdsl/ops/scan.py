@@ -106,9 +106,10 @@ def scan(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: Dim
         tensors = [x for x in leaves if isinstance(x, Tensor)]
         if not tensors:
             raise ShapeError("md.scan: xs holds no md tensor to scan over")
-        if dim not in tensors[0].shape:
-            raise ShapeError(f"md.scan over {getattr(dim, 'name', dim)!r}: xs tensor {tensors[0].shape} has no such dim")
-        name = tensors[0].shape[dim].name
+        try:
+            name = tensors[0].shape[dim].name
+        except ShapeError as e:
+            raise ShapeError(f"md.scan over {getattr(dim, 'name', dim)!r}: xs tensor {tensors[0].shape}: {e}") from None
         length = tensors[0].shape[name].size
 
         def settle(carry: Any) -> Any:
