@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import numpy as np
 
 from meshdsl.dims import DimLike, Shape
 from meshdsl.errors import ShapeError
@@ -79,7 +80,7 @@ def _leaf_type(t: Any) -> str:
     """A carry leaf's dims (or sizes) and dtype, for comparing and for messages."""
     if isinstance(t, Tensor):
         return f"{t.shape} of {jax.numpy.dtype(t.dtype).name}"
-    return f"{getattr(t, 'dtype', type(t).__name__)}{list(getattr(t, 'shape', ()))}"
+    return f"{jax.numpy.result_type(t).name}{list(np.shape(t))}"
 
 
 def _check_carry(init: Any, out: Any) -> None:
