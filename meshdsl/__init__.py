@@ -18,8 +18,8 @@ from meshdsl.ops.creation import full, ones, zeros
 from meshdsl.ops.einsum import einsum
 from meshdsl.ops.elementwise import (
     abs, add, cast, divide, equal, exp, gelu, greater, greater_equal, less, less_equal, log, logical_and,
-    logical_not, logical_or, maximum, minimum, mod, multiply, negative, not_equal, power, relu, rsqrt, sigmoid,
-    sqrt, square, stop_gradient, subtract, tanh, where,
+    log_sigmoid, logical_not, logical_or, maximum, minimum, mod, multiply, negative, not_equal, power, relu, rsqrt,
+    sigmoid, softplus, sqrt, square, stop_gradient, subtract, tanh, where,
 )
 from meshdsl.ops.indexing import argmax, cumsum, gather, one_hot, range, shift, take_along, top_k
 from meshdsl.ops.reduction import log_softmax, logsumexp, reduce_max, reduce_mean, reduce_min, reduce_sum, softmax
@@ -60,6 +60,7 @@ __all__ = [
     "less",
     "less_equal",
     "log",
+    "log_sigmoid",
     "log_softmax",
     "logical_and",
     "logical_not",
@@ -98,6 +99,7 @@ __all__ = [
     "sigmoid",
     "slice",
     "softmax",
+    "softplus",
     "split",
     "sqrt",
     "square",

@@ -26,19 +26,28 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
-# derandomize: the same examples on every run and every machine (CI is reproducible);
+# derandomize: the same examples on every run and every machine (CI is reproducible, and with
+# the test tools pinned in pyproject.toml, every machine draws the same examples);
 # database=None: no example database to make runs differ; deadline=None: the first example of
 # a test pays for jax's warm-up, which says nothing about the code under test.
 # Shrinking is off by default: an example compiles several XLA programs (about a second), so
 # shrinking a failure can take many minutes. The failing example is printed with its labelled
 # draws either way; to shrink it, run with --hypothesis-profile=meshdsl-shrink.
+#
+# Each test asks for ``strategies.examples(n)`` examples: n under the default profile, and
+# n * max_examples / 100 under another, so the profile's max_examples is a percentage.
+# --hypothesis-profile=fuzz is the deep run: unseeded (new examples every run), 10x the
+# examples, shrinking on. --hypothesis-profile=explore draws as many examples as CI, but other
+# ones: with --hypothesis-seed=N, a reproducible look beyond CI's draws. A failure either finds
+# becomes a named regression test.
 _COMMON = dict(
-    derandomize=True,
     database=None,
     deadline=None,
     print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
-settings.register_profile("meshdsl", phases=[Phase.explicit, Phase.generate], **_COMMON)
-settings.register_profile("meshdsl-shrink", **_COMMON)
+settings.register_profile("meshdsl", derandomize=True, max_examples=100, phases=[Phase.explicit, Phase.generate], **_COMMON)
+settings.register_profile("meshdsl-shrink", derandomize=True, max_examples=100, **_COMMON)
+settings.register_profile("fuzz", derandomize=False, max_examples=1000, **_COMMON)
+settings.register_profile("explore", derandomize=False, max_examples=100, phases=[Phase.explicit, Phase.generate], **_COMMON)
 settings.load_profile("meshdsl")

@@ -140,18 +140,46 @@ def _stop_gradient(xp, a):
     return jax.lax.stop_gradient(a) if xp is jnp else a
 
 
+def _sigmoid(xp, a):
+    """1 / (1 + exp(-a)), written as (1 + tanh(a / 2)) / 2: no exp to overflow, forward or backward."""
+    return 0.5 * (1 + xp.tanh(0.5 * a))
+
+
+GELU_LINEAR_BEYOND = 10.0
+"""Beyond ``|a| = 10`` the tanh in gelu is +-1 to float64 precision (its argument exceeds 43), so gelu
+is ``max(a, 0)`` there exactly; and the cubic, which overflows float32 near ``|a| = 7e12``, is never
+evaluated on such inputs."""
+
+
 def _gelu(xp, a):
-    """The tanh approximation (as Mesh-TF and jax.nn.gelu(approximate=True))."""
-    return 0.5 * a * (1 + xp.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a**3)))
+    """The tanh approximation (as Mesh-TF and jax.nn.gelu(approximate=True)), finite for every finite input.
+
+    The formula runs on ``a`` where ``|a| < 10`` and on 0 elsewhere, and is used only inside (see
+    :data:`GELU_LINEAR_BEYOND`), so neither branch of the ``where`` makes an inf or a NaN whose
+    zero cotangent would still poison the gradient.
+    """
+    inside = xp.abs(a) < GELU_LINEAR_BEYOND
+    c = xp.where(inside, a, 0 * a)
+    formula = 0.5 * c * (1 + xp.tanh(math.sqrt(2 / math.pi) * (c + 0.044715 * c**3)))
+    return xp.where(inside, formula, xp.where(a > 0, a, 0 * a))
 
 
-# Component-wise functions, written out from their definitions.
+def _softplus(xp, a):
+    """log(1 + exp(a)) as logaddexp(0, a): exact for large |a| both ways, and so is its gradient."""
+    return xp.logaddexp(0 * a, a)
+
+
+# Component-wise functions, written out from their definitions, each finite (with a finite
+# gradient) for every finite input where the function itself is finite: tests/test_reference.py
+# checks them on extreme inputs.
 exp = lift(lambda xp, a: xp.exp(a))
 log = lift(lambda xp, a: xp.log(a))
 sqrt = lift(lambda xp, a: xp.sqrt(a))
 rsqrt = lift(lambda xp, a: 1 / xp.sqrt(a))
 tanh = lift(lambda xp, a: xp.tanh(a))
-sigmoid = lift(lambda xp, a: 1 / (1 + xp.exp(-a)))
+sigmoid = lift(_sigmoid)
+softplus = lift(_softplus)
+log_sigmoid = lift(lambda xp, a: -_softplus(xp, -a))
 relu = lift(lambda xp, a: xp.where(a > 0, a, 0 * a))
 gelu = lift(_gelu)
 square = lift(lambda xp, a: a * a)

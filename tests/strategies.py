@@ -15,13 +15,19 @@ import math
 from typing import Mapping, Sequence
 
 import numpy as np
-from hypothesis import strategies as st
+from hypothesis import settings, strategies as st
 
 import harness
 import meshdsl as md
 
 SIZES = (2, 4, 8, 16, 6, 12)
 DIM_NAMES = ("batch", "seq", "d_model", "heads", "d_ff", "vocab")
+
+
+def examples(n: int) -> int:
+    """How many examples a test that asks for ``n`` runs: ``n`` in CI, 10x ``n`` under the fuzz
+    profile (the active profile's ``max_examples`` read as a percentage; see conftest.py)."""
+    return max(1, n * settings.default.max_examples // 100)
 
 
 def meshes() -> st.SearchStrategy[md.Mesh]:

@@ -38,7 +38,7 @@ def compositions(draw, total: int, unit: int, parts: int) -> list[int]:
     return [(b - a) * unit for a, b in zip(bounds, bounds[1:])]
 
 
-@settings(max_examples=14)
+@settings(max_examples=S.examples(14))
 @given(mesh=S.meshes(), pool=S.dim_pool(3), data=st.data(), rng=S.rngs())
 def test_concat_family(mesh, pool, data, rng):
     x = data.draw(S.sub_shape(pool, min_rank=1, max_rank=3), label="x dims")

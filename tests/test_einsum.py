@@ -40,7 +40,7 @@ def default_out(*shapes):
     return [n for n in dict.fromkeys(names) if names.count(n) == 1]
 
 
-@settings(max_examples=36)
+@settings(max_examples=S.examples(36))
 @given(mesh=S.meshes(), pool=S.dim_pool(5), data=st.data(), rng=S.rngs())
 def test_einsum(mesh, pool, data, rng):
     xs = data.draw(S.sub_shape(pool), label="x dims")
@@ -74,7 +74,7 @@ def test_einsum(mesh, pool, data, rng):
     assume(harness.check(fn, args, ref, mesh, layout))
 
 
-@settings(max_examples=20)
+@settings(max_examples=S.examples(20))
 @given(mesh=S.meshes(), pool=S.dim_pool(4), data=st.data(), rng=S.rngs())
 def test_einsum_partial_sums_added_lazily(mesh, pool, data, rng):
     # a.b + c.d - 2 (e.f) * w: the sums stay pending through +, - and * by a tensor or scalar

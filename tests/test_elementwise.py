@@ -24,6 +24,8 @@ UNARY = {
     "exp": (md.exp, R.exp, "normal"),
     "tanh": (md.tanh, R.tanh, "normal"),
     "sigmoid": (md.sigmoid, R.sigmoid, "normal"),
+    "softplus": (md.softplus, R.softplus, "normal"),
+    "log_sigmoid": (md.log_sigmoid, R.log_sigmoid, "normal"),
     "relu": (md.relu, R.relu, "normal"),
     "gelu": (md.gelu, R.gelu, "normal"),
     "square": (md.square, R.square, "normal"),
@@ -45,7 +47,7 @@ def unary_all_ref(x, p):
     return {name: ref(p if kind == "positive" else x) for name, (_, ref, kind) in UNARY.items()}
 
 
-@settings(max_examples=12)
+@settings(max_examples=S.examples(12))
 @given(mesh=S.meshes(), pool=S.dim_pool(3), data=st.data(), rng=S.rngs())
 def test_unary_ops(mesh, pool, data, rng):
     shape = data.draw(S.sub_shape(pool), label="shape")
@@ -116,7 +118,7 @@ def binary_all_ref(x, y, q, i, j):
     }
 
 
-@settings(max_examples=10)
+@settings(max_examples=S.examples(10))
 @given(mesh=S.meshes(), pool=S.dim_pool(4), data=st.data(), rng=S.rngs())
 def test_binary_ops_broadcast_by_name(mesh, pool, data, rng):
     # x and y draw their dims from one pool: they may share some, all or none (outer product).

@@ -43,7 +43,7 @@ def summary(fn, mesh, layout, *args):
 # ---- one_hot and range ----
 
 
-@settings(max_examples=10)
+@settings(max_examples=S.examples(10))
 @given(mesh=S.meshes(), pool=S.dim_pool(3), classes=S.sizes(), data=st.data(), rng=S.rngs())
 def test_one_hot_and_range(mesh, pool, classes, data, rng):
     shape = data.draw(S.sub_shape(pool, max_rank=2), label="indices dims")
@@ -95,7 +95,7 @@ def test_one_hot_and_range_into_split_dim_communicate_nothing(mesh, layout):
 # ---- gather ----
 
 
-@settings(max_examples=15)
+@settings(max_examples=S.examples(15))
 @given(mesh=S.meshes(), pool=S.dim_pool(4), vocab=S.sizes(), data=st.data(), rng=S.rngs())
 def test_gather(mesh, pool, vocab, data, rng):
     names = [n for n in pool if n != "vocab"]  # the pool may hold the name vocab too
@@ -253,7 +253,7 @@ def test_top_k_with_k_dim_named_like_the_reduced_dim(layout):
 # ---- top_k and argmax ----
 
 
-@settings(max_examples=12)
+@settings(max_examples=S.examples(12))
 @given(mesh=S.meshes(), pool=S.dim_pool(3), data=st.data(), rng=S.rngs())
 def test_top_k_and_argmax(mesh, pool, data, rng):
     shape = data.draw(S.sub_shape(pool, max_rank=3), label="x dims")
@@ -338,7 +338,7 @@ def shift_offsets(n, block):
     return sorted({0, 1, block - 1, block, block + 1, 2 * block, -1, -block, -block - 1, n - 1, n, n + 3, -n, -n - 2, 3 * n + 1})
 
 
-@settings(max_examples=15)
+@settings(max_examples=S.examples(15))
 @given(mesh=S.meshes(), pool=S.dim_pool(3), data=st.data(), rng=S.rngs())
 def test_cumsum_and_shift(mesh, pool, data, rng):
     shape = data.draw(S.sub_shape(pool, max_rank=3), label="x dims")

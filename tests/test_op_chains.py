@@ -246,7 +246,7 @@ def chains(draw, pool: dict[str, int], min_len: int = 2, max_len: int = 4) -> Ch
     return Chain(start, steps)
 
 
-@settings(max_examples=40)
+@settings(max_examples=S.examples(40))
 @given(mesh=S.meshes(), pool=S.dim_pool(5), data=st.data(), rng=S.rngs())
 def test_op_chains(mesh, pool, data, rng):
     cs = [data.draw(chains(pool), label=f"chain {k}") for k in range(CHAINS_PER_EXAMPLE)]

@@ -26,6 +26,8 @@ from meshdsl.planner.search import Candidate, legal_candidates, search
 from meshdsl.train import optim
 from meshdsl.train.loop import build_model
 
+import strategies as S
+
 CPU = load_profile("cpu-sim")
 
 
@@ -69,7 +71,7 @@ def test_heap_takes_the_better_of_two_packings() -> None:
     assert heap_bytes([Lifetime(0, 1, 64), Lifetime(2, 3, 128), Lifetime(4, 5, 64)]) == 128  # one slot, reused
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=S.examples(60), deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 6), st.integers(1, 8)), min_size=1, max_size=25))
 def test_heap_lies_between_the_live_peak_and_the_sum(spans: list[tuple[int, int, int]]) -> None:
     """No packing beats the most bytes live at one tick, nor needs more than every buffer apart."""

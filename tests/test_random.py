@@ -55,7 +55,7 @@ def md_random(shape, minval, maxval):
     return fn
 
 
-@settings(max_examples=10)
+@settings(max_examples=S.examples(10))
 @given(
     mesh=S.meshes(), pool=S.dim_pool(3), data=st.data(),
     seed=st.integers(0, 2**31 - 1), typed=st.booleans(), bounds=st.sampled_from([(-2.0, 3.0), (0.5, 0.75), (-1e3, 1e3)]),
@@ -135,7 +135,7 @@ def dropout_ref(x: Named, rate: float, keep: Named) -> Named:
     return x if rate == 0.0 else x * keep / (1.0 - rate)
 
 
-@settings(max_examples=10)
+@settings(max_examples=S.examples(10))
 @given(
     mesh=S.meshes(), pool=S.dim_pool(3), data=st.data(), rng=S.rngs(), seed=st.integers(0, 2**31 - 1),
     rate=st.sampled_from([0.0, 0.1, 0.5, 0.9]),

@@ -61,7 +61,7 @@ def params(rng, sizes, orders=("layers d d_ff", "layers d_ff d", "layers d")):
     return out
 
 
-@settings(max_examples=6)
+@settings(max_examples=S.examples(6))
 @given(
     mesh=S.meshes(), data=st.data(), rng=S.rngs(), remat=st.booleans(),
     layers=st.sampled_from([2, 4, 8]), sizes=st.fixed_dictionaries({"batch": S.sizes(), "d": S.sizes(), "d_ff": S.sizes()}),

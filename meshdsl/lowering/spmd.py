@@ -102,7 +102,7 @@ class SpmdLowering(Lowering):
     def _relayout(
         self, array: jax.Array, shape: Shape, src: Axes, dst: Axes, pending: Sequence[str], varying: frozenset[str] = frozenset()
     ) -> jax.Array:
-        steps = relayout.plan(src, dst, pending)
+        steps = relayout.plan(src, dst, pending, shape.sizes, self.axis_sizes)
         if not steps:
             return array
         with jax.named_scope(str(shape)):
@@ -125,7 +125,7 @@ class SpmdLowering(Lowering):
         return _varying_axes(t._data) - set(t.pending) - (held - ruled)
 
     def stored_gather(self, shape: Shape, axes: Axes) -> tuple[int, Axes] | None:
-        steps = relayout.plan(axes, self.axes(shape), ())
+        steps = relayout.plan(axes, self.axes(shape), (), shape.sizes, self.axis_sizes)
         if len(steps) == 1 and steps[0].kind is relayout.StepKind.ALL_GATHER:
             return steps[0].dim, steps[0].axes
         return None

@@ -125,6 +125,8 @@ sqrt = _unary("sqrt", jnp.sqrt, "Square root.")
 rsqrt = _unary("rsqrt", jax.lax.rsqrt, "1 / sqrt(x).")
 tanh = _unary("tanh", jnp.tanh, "Hyperbolic tangent.")
 sigmoid = _unary("sigmoid", jax.nn.sigmoid, "1 / (1 + exp(-x)).")
+softplus = _unary("softplus", jax.nn.softplus, "log(1 + exp(x)), computed stably.")
+log_sigmoid = _unary("log_sigmoid", jax.nn.log_sigmoid, "log(sigmoid(x)) = -softplus(-x), computed stably.")
 relu = _unary("relu", jax.nn.relu, "max(x, 0).")
 square = _unary("square", jnp.square, "x * x.")
 abs = _unary("abs", jnp.abs, "Absolute value.")  # noqa: A001  (md.abs, as numpy)
@@ -180,7 +182,7 @@ def stop_gradient(x: Tensor) -> Tensor:
 
 
 __all__ = [
-    "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "gelu", "square", "abs", "negative",
+    "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "softplus", "log_sigmoid", "relu", "gelu", "square", "abs", "negative",
     "logical_not", "add", "subtract", "multiply", "divide", "power", "mod", "maximum", "minimum", "equal",
     "not_equal", "less", "less_equal", "greater", "greater_equal", "logical_and", "logical_or", "cast",
     "where", "stop_gradient", "broadcast_shape", "align",
