@@ -29,6 +29,7 @@ from jax.extend import core as jex_core
 
 from meshdsl.collectives import Collective, bytes_moved
 from meshdsl.compile import Compiled
+from meshdsl.errors import ConfigError
 from meshdsl.layout import Layout
 from meshdsl.mesh import Mesh
 
@@ -144,7 +145,7 @@ def _walk(jaxpr: Any, times: int, axis_sizes: Mapping[str, int], cpu: bool, out:
             seen[key] = eqn
         name = eqn.primitive.name
         if name == "while" and _has_collective(eqn):
-            raise ValueError("md.explain: a while_loop with a data-dependent trip count contains collectives; use lax.scan")
+            raise ConfigError("md.explain: a while_loop (its trip count known only when it runs) contains collectives, whose bytes cannot be counted; loop with md.scan or lax.scan")
         collective = _PRIMITIVES.get(name)
         if collective is not None:
             axes = eqn.params.get("axes", eqn.params.get("axis_name"))

@@ -37,6 +37,16 @@ def compiled(fn, layout="a:x", **kwargs):
     return md.compile(fn, mesh2(), layout, **kwargs)
 
 
+def explain_while_loop():
+    def fn(t):
+        def body(c):
+            return c[0] + 1, c[1] + reduce_a(t)
+
+        return jax.lax.while_loop(lambda c: c[0] < reduce_a(t).array.sum(), body, (0.0, md.zeros([D("b", 8)])))[1]
+
+    return md.explain(fn, mesh2(), "a:x", X)
+
+
 def scan_changing_carry():
     xs = md.tensor(np.ones((3, 4), np.float32), [D("steps", 3), D("a", 4)])
     return md.scan(lambda c, x: (md.reduce_sum(c * x), None), md.zeros([D("a", 4)]), xs, "steps")
@@ -145,6 +155,7 @@ CASES = {
     "donate an argument there is not": (md.ConfigError, lambda: compiled(reduce_a, donate_argnums=(3,))(X), ["donate_argnums", "3", "1 argument"]),
     "compile a non-function": (md.ConfigError, lambda: md.compile(5, mesh2(), ""), ["fn", "int 5"]),
     "compiled given a string": (md.ShapeError, lambda: compiled(reduce_a)("a"), ["argument [0]", "str"]),
+    "explain a while_loop with collectives": (md.ConfigError, explain_while_loop, ["md.explain", "while_loop", "collectives", "scan"]),
     # ---- scan ----
     "scan carry changes shape": (md.ShapeError, scan_changing_carry, ["scan", "carry", "[a=4]", "[]"]),
     "scan body returns no pair": (md.ShapeError, scan_not_a_pair, ["scan", "(carry, y)"]),
