@@ -173,8 +173,7 @@ def check_conv(mesh, layout, sizes, kh, kw, rng, order=CONV_DIMS):
 MESH_2X2 = {"x": 2, "y": 2}
 
 
-@pytest.mark.parametrize("layout", ["width:x; out_channels:y", "width:y; out_channels:x", "height:x; out_channels:y", "height:y; out_channels:x"])
-@pytest.mark.parametrize("width", [4, 6])
+@pytest.mark.parametrize("layout, width", [("width:x; out_channels:y", 6), ("width:y; out_channels:x", 6), ("height:x; out_channels:y", 6)])
 def test_conv2d_window_and_out_channels_split_over_two_axes(layout, width):
     # The case: [height=1, width=6, channels=1] * [kh=1, kw=3, channels=1, out_channels=2]
     # on x=2 y=2 gave exactly twice the answer on gspmd (as plain jax.jit does).
@@ -183,7 +182,7 @@ def test_conv2d_window_and_out_channels_split_over_two_axes(layout, width):
     assert check_conv(md.Mesh(MESH_2X2), layout, sizes, kh, 3, np.random.default_rng(width))
 
 
-@settings(max_examples=10)
+@settings(max_examples=S.examples(5))
 @given(data=st.data(), rng=S.rngs())
 def test_conv2d_drawn(data, rng):
     mesh = data.draw(st.sampled_from([MESH_2X2, *harness.MESHES.values()]).map(md.Mesh), label="mesh")
