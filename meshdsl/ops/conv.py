@@ -71,15 +71,20 @@ def conv2d(
     strides = (stride, stride) if isinstance(stride, int) else tuple(stride)
     if len(strides) != 2:
         raise ShapeError(f"conv2d: stride {stride!r} is one int or (height, width)")
-    if sorted(kernel.shape.names) != sorted({kh, kw, c, o}) or len({kh, kw, c, o}) != 4:
+    if len({h, w, c}) != 3:
+        raise ShapeError(f"conv2d: height {h!r}, width {w!r} and in_dim {c!r} must be three different dims of the input {x.shape}")
+    if len({kh, kw, c, o}) != 4:
+        raise ShapeError(f"conv2d: kernel_height {kh!r}, kernel_width {kw!r}, in_dim {c!r} and out_dim {o!r} must be four different names")
+    if sorted(kernel.shape.names) != sorted({kh, kw, c, o}):
         raise ShapeError(f"conv2d: kernel {kernel.shape} must have exactly the dims {kh}, {kw}, {c}, {o}")
     for name in (h, w, c):
         if name not in x.shape:
             raise ShapeError(f"conv2d: input {x.shape} has no dim {name!r}")
     if x.shape[c].size != kernel.shape[c].size:
         raise ShapeError(f"conv2d: {c} is {x.shape[c]} in the input but {kernel.shape[c]} in the kernel")
-    if o in x.shape or kh in x.shape or kw in x.shape:
-        raise ShapeError(f"conv2d: input {x.shape} already has a dim named {o!r}, {kh!r} or {kw!r}")
+    for role, name in (("out_dim", o), ("kernel_height", kh), ("kernel_width", kw)):
+        if name in x.shape:
+            raise ShapeError(f"conv2d: {role} {name!r} is also a dim of the input {x.shape}; name the kernel's dims differently")
     sizes = {h: kernel.shape[kh].size, w: kernel.shape[kw].size}
     windows = {n: Window.checked("conv2d", n, x.shape[n].size, sizes[n], s, padding) for n, s in zip((h, w), strides)}
 
