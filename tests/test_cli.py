@@ -1,5 +1,6 @@
 """The ``meshdsl`` command as a user runs it (a subprocess), the benchmark's report, and token files."""
 
+import importlib
 import json
 import os
 import re
@@ -226,6 +227,8 @@ def models_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "userpkg" / "broken.py").write_text("import dataclasses\nraise RuntimeError('bad weights file')\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "userpkg" or m.startswith("userpkg.")]:
+        monkeypatch.delitem(sys.modules, name)  # an earlier test's userpkg lives in another folder
     return tmp_path
 
 
@@ -339,6 +342,7 @@ def test_a_users_model_is_never_taken_for_a_shipped_one(models_dir: Path) -> Non
     from meshdsl.model_loader import build_model, shipped_name
 
     (models_dir / "userpkg" / "mlp.py").write_text(MODEL)
+    importlib.invalidate_caches()  # the folder was listed when userpkg was imported
     mine, shipped = build_model("userpkg.mlp", "tiny"), build_model("mlp", "tiny")
     assert (shipped_name(mine), shipped_name(shipped)) == (None, "mlp")
     mesh = md.Mesh({"data": 8})
