@@ -9,7 +9,8 @@ process writes only the shards its devices hold with ``replica_id == 0``: replic
 written once, and no two processes touch one chunk. Everything goes into a sibling directory
 ``<path>.partial-<token>``; when every process has finished, process 0 writes the manifest,
 fsyncs, and renames it to ``path``. A crash leaves at most a ``.partial-`` directory, which
-nothing takes for a checkpoint.
+nothing takes for a checkpoint. Pruning is the same in reverse: a checkpoint is first renamed to
+``<path>.deleted-<token>`` (un-committed at once), then deleted.
 
 ``restore`` lays every ``md.Tensor`` out on any mesh under any layout: each process reads only
 the slices its own devices hold (``jax.make_array_from_callback``), whatever the saving mesh was.
@@ -31,6 +32,7 @@ import numpy as np
 import tensorstore as ts
 from jax.sharding import NamedSharding, PartitionSpec
 
+from meshdsl import outputs
 from meshdsl.dims import Dim, Shape
 from meshdsl.errors import ConfigError, DataError, LayoutError
 from meshdsl.layout import Layout
@@ -41,6 +43,8 @@ FORMAT = "meshdsl-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step_(\d+)$")
+_LEFTOVER = re.compile(r"^step_\d+\.(partial|old|deleted)-")
+"""What crashed saves and prunes leave: unfinished, swapped-out and un-committed checkpoints."""
 _CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 _PLAIN = (bool, int, float, str)
 
@@ -90,6 +94,12 @@ def _token() -> str:
 
         token = np.asarray(multihost_utils.broadcast_one_to_all(np.frombuffer(token, np.uint8))).tobytes()
     return token.hex()[:12]
+
+
+def _reason(e: Exception) -> str:
+    """A tensorstore error's message on one line, without the spec JSON and source locations it appends."""
+    text = re.sub(r"\s*\[(tensorstore_spec|source locations)='.*?'\]", "", str(e), flags=re.S)
+    return " ".join(text.split())
 
 
 def _ts_spec(path: Path) -> dict[str, Any]:
@@ -179,13 +189,24 @@ def _write(tmp: Path, arrays: list[tuple[dict[str, Any], Any]]) -> None:
         w.result()
 
 
+def _check_target(path: Path) -> None:
+    """ConfigError unless a checkpoint can be committed at ``path`` without losing anything: ``path``
+    is new, an empty directory or a checkpoint (to replace), and its directory is writable."""
+    outputs.check_dir(path, "checkpoint")
+    outputs.check_dir(path.parent, f"checkpoint {str(path)!r}: its directory")
+    if path.is_dir() and not (path / MANIFEST).is_file() and any(path.iterdir()):
+        raise ConfigError(f"checkpoint {str(path)!r} is a directory that holds files but no {MANIFEST}; saving would replace it, so choose another path")
+
+
 def save(path: str | Path, state: Any, *, metadata: dict[str, Any] | None = None) -> Path:
     """Write ``state`` (a pytree of md Tensors, arrays and plain scalars) to the directory ``path``.
 
     Every process must call it with the same tree. Returns ``path`` once committed. An existing
-    checkpoint at ``path`` is replaced only after the new one is complete.
+    checkpoint (or empty directory) at ``path`` is replaced only after the new one is complete;
+    anything else there (a file, a directory of other files) is a ConfigError before anything is written.
     """
     path = Path(path)
+    _check_target(path)
     metadata = dict(metadata or {})
     try:
         json.dumps(metadata, allow_nan=False)
@@ -285,7 +306,7 @@ def _open(path: Path, record: dict[str, Any]) -> ts.TensorStore:
     try:
         store = ts.open({**_ts_spec(path / record["array"]), "fill_missing_data_reads": False}, open=True).result()
     except ValueError as e:
-        raise DataError(f"{where}: array {record['array']} is missing or unreadable (corrupt checkpoint): {e}") from None
+        raise DataError(f"{where}: array {record['array']} is missing or unreadable (corrupt checkpoint): {_reason(e)}") from None
     if tuple(store.shape) != tuple(record["shape"]) or store.dtype.name != record["dtype"]:
         raise DataError(
             f"{where}: array {record['array']} holds {store.dtype.name}{list(store.shape)}, but the manifest says "
@@ -299,7 +320,7 @@ def _result(path: Path, record: dict[str, Any], future: Any) -> np.ndarray:
     try:
         return future.result()
     except ValueError as e:
-        raise DataError(f"checkpoint {str(path)!r}: leaf {record['path']}: array {record['array']} is corrupt: {e}") from None
+        raise DataError(f"checkpoint {str(path)!r}: leaf {record['path']}: array {record['array']} is corrupt: {_reason(e)}") from None
 
 
 def _span(index: tuple) -> tuple:
@@ -376,7 +397,10 @@ def restore(path: str | Path, mesh: Mesh, layout: Layout | str | None = None, *,
 
 
 def steps(directory: str | Path) -> list[int]:
-    """Steps of the committed checkpoints ``step_<N>`` in ``directory``, ascending (partial ones never count)."""
+    """Steps of the committed checkpoints ``step_<N>`` (holding a manifest) in ``directory``, ascending.
+
+    Unfinished saves (``.partial-``), swapped-out (``.old-``) and pruned (``.deleted-``) directories never count.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         return []
@@ -420,17 +444,27 @@ class CheckpointManager:
     def save(self, step: int, state: Any, metadata: dict[str, Any] | None = None) -> Path:
         """Save ``state`` as ``step_<step>`` (``metadata["step"] = step``), then drop stale and old checkpoints."""
         if _process_zero():
-            self._remove_partials()
+            self._remove_leftovers()
         path = save(self.path(step), state, metadata={**(metadata or {}), "step": step})
         if _process_zero() and self.keep is not None:
             for old in self.steps()[: -self.keep]:
-                shutil.rmtree(self.path(old))
+                _prune(self.path(old))
         _barrier(f"meshdsl.checkpoint.pruned:{path.name}")
         return path
 
-    def _remove_partials(self) -> None:
-        """Delete what crashed saves left (``step_<N>.partial-*``, ``step_<N>.old-*``)."""
+    def _remove_leftovers(self) -> None:
+        """Delete what crashed saves and prunes left (``step_<N>.partial-*``, ``.old-*``, ``.deleted-*``)."""
         if self.directory.is_dir():
             for p in self.directory.iterdir():
-                if re.match(r"^step_\d+\.(partial|old)-", p.name):
+                if _LEFTOVER.match(p.name):
                     shutil.rmtree(p)
+
+
+def _prune(path: Path) -> None:
+    """Delete the checkpoint at ``path`` as atomically as it was saved: un-commit it first (rename it
+    to ``<path>.deleted-<token>``, which :func:`steps` never lists; fsync), then delete the files. A
+    crash in between leaves a ``.deleted-`` directory, which the next save removes."""
+    tomb = path.with_name(f"{path.name}.deleted-{uuid.uuid4().hex[:12]}")
+    os.replace(path, tomb)
+    _fsync(path.parent)
+    shutil.rmtree(tomb)

@@ -18,15 +18,26 @@ import traceback
 from typing import Sequence
 
 DEVICE_FLAG = "--xla_force_host_platform_device_count"
+MAX_SIMULATED_DEVICES = 2048
+"""The most CPU devices one process can simulate. JAX numbers process ``p``'s CPU devices from
+``p * 2048`` (device ids of process 1 start at 2048), so with more, the devices from id 2048 on
+count as another process's and every computation over them fails ("Multiprocess computations
+aren't implemented on the CPU backend", checked with JAX 0.10.2); far more (``--devices 1000000``)
+only fills memory for minutes before that. More devices: ``meshdsl launch --local N``."""
 
 
 def simulate_devices(count: int | None) -> None:
     """Ask for ``count`` CPU devices (None: 8) before JAX starts, unless ``count`` is None and the
-    user's XLA_FLAGS already chose. ConfigError for a count below 1."""
-    if count is not None and count < 1:
-        from meshdsl.errors import ConfigError
+    user's XLA_FLAGS already chose. ConfigError for a count below 1 or above ``MAX_SIMULATED_DEVICES``."""
+    from meshdsl.errors import ConfigError
 
+    if count is not None and count < 1:
         raise ConfigError(f"--devices {count}: simulate at least 1 device")
+    if count is not None and count > MAX_SIMULATED_DEVICES:
+        raise ConfigError(
+            f"--devices {count}: one process simulates at most {MAX_SIMULATED_DEVICES} CPU devices (JAX numbers the next "
+            f"process's devices from {MAX_SIMULATED_DEVICES}); spread more over processes with meshdsl launch --local N"
+        )
     if DEVICE_FLAG in os.environ.get("XLA_FLAGS", "") and count is None:
         return
     import jax
@@ -40,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="multi-process run: where process 0 listens (or MESHDSL_COORDINATOR)")
     parser.add_argument("--num-processes", type=int, default=None, help="multi-process run: how many processes (or MESHDSL_NUM_PROCESSES)")
     parser.add_argument("--process-id", type=int, default=None, help="multi-process run: this process, 0..N-1 (or MESHDSL_PROCESS_ID)")
+    parser.add_argument(
+        "--heartbeat-timeout", type=int, default=None, metavar="S",
+        help="multi-process run: seconds of silence after which a process counts as dead and the others stop "
+        "(or MESHDSL_HEARTBEAT_TIMEOUT; default 5)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model under a layout")
@@ -89,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _overrides(items: Sequence[str]) -> dict[str, object]:
-    """``["layers=32", "norm=layer"]`` as ``{"layers": 32, "norm": "layer"}`` (numbers parsed)."""
+    """``["layers=32", "norm=layer", "remat=true"]`` as ``{"layers": 32, "norm": "layer", "remat": True}``."""
     from meshdsl.errors import ConfigError
 
     out: dict[str, object] = {}
@@ -97,13 +113,72 @@ def _overrides(items: Sequence[str]) -> dict[str, object]:
         field, eq, value = item.partition("=")
         if not eq:
             raise ConfigError(f"--set {item!r}: expected FIELD=VALUE, e.g. layers=32")
+        out[field] = {"true": True, "false": False}.get(value.lower(), value)
         for cast in (int, float):
             try:
                 out[field] = cast(value)
                 break
             except ValueError:
-                out[field] = value
+                pass
     return out
+
+
+def _config(args: argparse.Namespace) -> object:
+    """What the command ``args`` runs: a RunConfig, a BenchConfig, or the planner's own arguments."""
+    overrides = _overrides(getattr(args, "set", []))
+    if args.command == "train":
+        from meshdsl.train.loop import RunConfig
+
+        return RunConfig(
+            model=args.model, preset=args.preset, layout=args.layout, steps=args.steps, optimizer=args.optimizer,
+            learning_rate=args.learning_rate, backend=args.backend, seed=args.seed, data=args.data,
+            compute_dtype=args.compute_dtype, remat=args.remat, grad_reduce_dtype=args.grad_reduce_dtype,
+            log_json=args.log_json, checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, keep=args.keep,
+            resume=args.resume, microbatches=args.microbatches, schedule=args.schedule,
+        )
+    if args.command == "bench":
+        from meshdsl.bench.run import BenchConfig
+
+        return BenchConfig(
+            models=args.model, preset=args.preset, layouts=args.layouts, rounds=args.rounds,
+            steps_per_round=args.steps_per_round, baseline=args.baseline, optimizer=args.optimizer, out=args.out,
+            grad_reduce_dtype=args.grad_reduce_dtype, overrides=overrides, microbatches=args.microbatches, schedules=args.schedule,
+        )
+    return overrides
+
+
+def check(args: argparse.Namespace) -> None:
+    """Raise the md error for each mistake in the command ``args`` that shows before any device is
+    used (see ``train.loop.check``, ``bench.run.check``, ``planner.commands.check``)."""
+    config = _config(args)
+    if args.command == "train":
+        from meshdsl.train.loop import check as check_train
+
+        check_train(config)
+    elif args.command == "bench":
+        from meshdsl.bench.run import check as check_bench
+
+        check_bench(config)
+    else:
+        from meshdsl.planner import commands
+
+        commands.check(args, config)
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """``meshdsl launch``: the processes' command is parsed and checked here first, so a mistake in it
+    is one line and exit status 2 before any process starts."""
+    from meshdsl.errors import MeshDslError
+    from meshdsl.launch import child_command, launch
+
+    command = child_command(args.run)
+    child = _parser().parse_args(command)
+    try:
+        check(child)
+    except MeshDslError as e:
+        print(f"meshdsl {child.command}: error: {e}", file=sys.stderr)
+        return 2
+    return launch(command, args.local, args.devices_per_process, heartbeat=args.heartbeat_timeout)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -111,42 +186,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     from meshdsl.errors import MeshDslError
 
     if args.command == "launch":
-        from meshdsl.launch import launch
-
         try:
-            return launch(args.run, args.local, args.devices_per_process)
+            return _launch(args)
         except MeshDslError as e:
             print(f"meshdsl launch: error: {e}", file=sys.stderr)
             return 2
     from meshdsl import distributed
 
     try:
+        check(args)
         planned = getattr(args, "plan_devices", None) if getattr(args, "measure", 0) else None
         simulate_devices(planned if args.devices is None else args.devices)
-        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-        overrides = _overrides(getattr(args, "set", []))
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout)
+        config = _config(args)
         if args.command == "train":
-            from meshdsl.train.loop import RunConfig, train
+            from meshdsl.train.loop import train
 
-            train(RunConfig(
-                model=args.model, preset=args.preset, layout=args.layout, steps=args.steps, optimizer=args.optimizer,
-                learning_rate=args.learning_rate, backend=args.backend, seed=args.seed, data=args.data,
-                compute_dtype=args.compute_dtype, remat=args.remat, grad_reduce_dtype=args.grad_reduce_dtype,
-                log_json=args.log_json, checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, keep=args.keep,
-                resume=args.resume, microbatches=args.microbatches, schedule=args.schedule,
-            ))
+            train(config, sys.stdout, err=sys.stderr)
         elif args.command in ("explain", "calibrate", "search"):
             from meshdsl.planner import commands
 
-            commands.run(args, overrides)
+            commands.run(args, config)
         else:
-            from meshdsl.bench.run import BenchConfig, run
+            from meshdsl.bench.run import run
 
-            run(BenchConfig(
-                models=args.model, preset=args.preset, layouts=args.layouts, rounds=args.rounds,
-                steps_per_round=args.steps_per_round, baseline=args.baseline, optimizer=args.optimizer, out=args.out,
-                grad_reduce_dtype=args.grad_reduce_dtype, overrides=overrides, microbatches=args.microbatches, schedules=args.schedule,
-            ), out=print if distributed.is_primary() else lambda line: None)
+            if distributed.is_primary():
+                run(config)
+            else:
+                run(config, out=lambda line: None, warn=lambda line: None)
     except MeshDslError as e:
         print(f"meshdsl {args.command}: error: {e}", file=sys.stderr)
         if distributed.joined():

@@ -92,7 +92,8 @@ class _Forwarder:
             thread.join(timeout=KILL_AFTER_S)
 
 
-def _command(command: Sequence[str]) -> list[str]:
+def child_command(command: Sequence[str]) -> list[str]:
+    """The command each process runs (``train ...`` or ``bench ...``; a leading ``--`` dropped); ConfigError for others."""
     command = list(command[1:] if command and command[0] == "--" else command)
     if not command or command[0] not in COMMANDS:
         got = f"{command[0]!r}" if command else "nothing"
@@ -101,19 +102,25 @@ def _command(command: Sequence[str]) -> list[str]:
 
 
 def launch(command: Sequence[str], processes: int, devices_per_process: int | None = None,
-           out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """Run ``meshdsl <command>`` as ``processes`` processes on this host; the worst exit status.
+           out: TextIO = sys.stdout, err: TextIO = sys.stderr, heartbeat: int | None = None) -> int:
+    """Run ``meshdsl <command>`` as ``processes`` processes on this host; the exit status of the
+    process that failed first (0 when none failed).
 
     ``devices_per_process``: simulated CPU devices in each (default ``8 // processes``, at least 1,
-    so that N processes together have the 8 devices of a one-process run).
+    so that N processes together have the 8 devices of a one-process run; at most
+    ``cli.MAX_SIMULATED_DEVICES``). ``heartbeat``: the heartbeat timeout in seconds the processes
+    use (None: ``MESHDSL_HEARTBEAT_TIMEOUT``, else ``distributed.HEARTBEAT_TIMEOUT_S``).
     """
-    command = _command(command)
+    from meshdsl.cli import MAX_SIMULATED_DEVICES
+
+    command = child_command(command)
     if processes < 1:
         raise ConfigError(f"--local {processes}: launch at least 1 process")
     devices = max(1, 8 // processes) if devices_per_process is None else devices_per_process
-    if devices < 1:
-        raise ConfigError(f"--devices-per-process {devices}: each process needs at least 1 device")
-    grace = distributed.heartbeat_timeout() + MARGIN_S
+    if not 1 <= devices <= MAX_SIMULATED_DEVICES:
+        raise ConfigError(f"--devices-per-process {devices}: each process simulates 1 to {MAX_SIMULATED_DEVICES} devices")
+    timeout = distributed.heartbeat_timeout(heartbeat)
+    grace = timeout + MARGIN_S
     coordinator = f"127.0.0.1:{free_port()}"
     forward = _Forwarder(out, err)
     children: list[subprocess.Popen] = []
@@ -122,6 +129,7 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
             env = {
                 **os.environ, "PYTHONUNBUFFERED": "1", distributed.COORDINATOR_ENV: coordinator,
                 distributed.NUM_PROCESSES_ENV: str(processes), distributed.PROCESS_ID_ENV: str(rank),
+                distributed.HEARTBEAT_ENV: str(timeout),
             }
             child = subprocess.Popen(
                 [sys.executable, "-m", "meshdsl.cli", "--devices", str(devices), *command],
@@ -132,14 +140,14 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
             forward.follow(rank, child.stderr, err)
         pids = ", ".join(f"process {r} pid {c.pid}" for r, c in enumerate(children))
         _say(err, forward, f"{processes} processes x {devices} devices, coordinator {coordinator}: {pids}")
-        codes = _supervise(children, grace, err, forward)
+        codes, first = _supervise(children, grace, err, forward)
     finally:
         for child in children:
             if child.poll() is None:
                 _signal(child, signal.SIGKILL)
                 child.wait()
         forward.join()
-    return max(_exit_code(c) for c in codes)
+    return _exit_code(codes[first]) if first is not None else max(_exit_code(c) for c in codes)
 
 
 def _say(err: TextIO, forward: _Forwarder, message: str) -> None:
@@ -156,8 +164,11 @@ def _signal(child: subprocess.Popen, sig: signal.Signals) -> None:
         pass
 
 
-def _supervise(children: list[subprocess.Popen], grace: float, err: TextIO, forward: _Forwarder) -> list[int]:
-    """Wait for every child; after the first failure or interrupt, stop the rest by the deadlines."""
+def _supervise(children: list[subprocess.Popen], grace: float, err: TextIO, forward: _Forwarder) -> tuple[list[int], int | None]:
+    """Wait for every child; after the first failure or interrupt, stop the rest by the deadlines.
+
+    Returns every child's exit code and the rank that failed first unprompted (None: none did, or
+    the run was interrupted)."""
     interrupts: list[signal.Signals] = []
 
     def on_signal(signum: int, frame: object) -> None:
@@ -202,7 +213,7 @@ def _supervise(children: list[subprocess.Popen], grace: float, err: TextIO, forw
         omitted = ", ".join(f"{n} from process {r}" for r, n in sorted(forward.omitted.items()))
         note = f" (C++ stack-trace lines omitted: {omitted})" if omitted else ""
         _say(err, forward, _summary(codes, None if interrupts else first) + note)
-    return codes
+    return codes, None if interrupts else first
 
 
 def _summary(codes: list[int], first: int | None) -> str:

@@ -130,6 +130,8 @@ class Layout:
     def load(cls, path: str | Path) -> "Layout":
         """Read a TOML layout file: ``[mesh]`` axis sizes, ``[rules]``, optional ``[params]`` and ``[pipeline]`` (see ``layouts/``)."""
         path = Path(path)
+        if path.is_dir():
+            raise LayoutError(f"layout file {str(path)!r} is a directory; give a .toml file")
         if not path.is_file():
             raise LayoutError(f"layout file {str(path)!r} not found")
         try:
@@ -142,6 +144,11 @@ class Layout:
         for table in ("mesh", "rules", "params", "pipeline"):
             if not isinstance(data.get(table, {}), dict):
                 raise LayoutError(f"layout file {str(path)!r}: [{table}] must be a table")
+        for axis, size in data.get("mesh", {}).items():
+            if isinstance(size, bool) or not isinstance(size, int) or not (size >= 1 or size == -1):
+                raise LayoutError(f"layout file {str(path)!r}: [mesh] axis {axis} has size {size!r}; a size is a positive integer or -1 (the remaining devices)")
+        if not data.get("mesh") and not data.get("rules"):
+            raise LayoutError(f"layout file {str(path)!r} has neither a [mesh] table nor [rules], so it lays nothing out (an empty file?)")
         try:
             return cls(data.get("rules", {}), data.get("params"), data.get("mesh"), data.get("pipeline"))
         except (LayoutError, ConfigError) as e:
@@ -155,7 +162,8 @@ class Layout:
     def mesh(self, devices=None) -> Mesh:
         """The mesh a layout file names (``[mesh]``), on ``devices`` (default ``jax.devices()``)."""
         if self.mesh_axes is None:
-            raise LayoutError(f"layout {self} names no mesh; give one with md.Mesh(...) or a [mesh] table")
+            named = f"layout {str(self)!r}" if self.rules else "a layout without rules"
+            raise LayoutError(f"{named} names no mesh; give one with md.Mesh(...) or a [mesh] table")
         return Mesh(self.mesh_axes, devices)
 
     def axes_of(self, name: str) -> tuple[str, ...]:

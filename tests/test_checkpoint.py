@@ -173,6 +173,52 @@ def test_resumed_under_fsdp_on_4_devices_it_continues_the_killed_run(killed_run,
         train(RunConfig(model="transformer", preset="tiny", layout="fsdp", steps=12, checkpoint_dir=str(directory)), log)
 
 
+PRUNE_KILL = """
+import os, signal, sys
+from pathlib import Path
+from meshdsl import checkpoint, cli
+rmtree = checkpoint.shutil.rmtree
+def dying(path, *args, **kwargs):
+    path = Path(path)
+    if path.name.split(".")[0] == sys.argv[1]:  # the pruned checkpoint, whatever it was renamed to
+        arrays = sorted((path / "arrays").iterdir())
+        for array in arrays[: len(arrays) // 2 + 1]:
+            rmtree(array)
+        os.kill(os.getpid(), signal.SIGKILL)
+    rmtree(path, *args, **kwargs)
+checkpoint.shutil.rmtree = dying
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def test_a_kill_while_pruning_leaves_only_restorable_checkpoints(tmp_path):
+    """``--save-every 1 --keep 3``: after committing step 4 the manager prunes step 1, and the process
+    is SIGKILLed halfway through deleting its arrays. ``steps()`` lists only complete checkpoints
+    (2, 3, 4), each restores, and the resumed run's steps 5-6 are bit for bit an uninterrupted run's."""
+    (tmp_path / "prune_kill.py").write_text(PRUNE_KILL)
+    ckpt = tmp_path / "ckpt"
+    args = ["--devices", "8", "train", "--model", "mlp", "--preset", "tiny", "--layout", "data_parallel", "--steps", "4",
+            "--checkpoint-dir", str(ckpt), "--save-every", "1", "--keep", "3", "--log-json", str(tmp_path / "log.jsonl")]
+    killed = subprocess.run([sys.executable, str(tmp_path / "prune_kill.py"), "step_1", *args], cwd=tmp_path, env=_env(),
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert killed.returncode == -9, killed.stderr
+    assert f"saved checkpoint {ckpt / 'step_3'}" in killed.stdout and "step 4/4" in killed.stdout  # killed in step 4's save
+    assert md.checkpoint.steps(ckpt) == [2, 3, 4]
+    assert [p.name.split("-")[0] for p in ckpt.iterdir() if not md.checkpoint._STEP.match(p.name)] == ["step_1.deleted"]
+    mesh = md.Mesh({"data": 8})
+    for step in md.checkpoint.steps(ckpt):
+        _, metadata = md.checkpoint.restore(ckpt / f"step_{step}", mesh)
+        assert metadata["step"] == step
+
+    run = dict(model="mlp", preset="tiny", layout="data_parallel", steps=6)
+    reference = train(RunConfig(**run), io.StringIO())
+    logged = [json.loads(line)["loss"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert logged == reference[:4]  # the killed run is the reference run up to its kill, bit for bit
+    resumed = train(RunConfig(**run, checkpoint_dir=str(ckpt), save_every=1, keep=3, resume=True), io.StringIO())
+    assert resumed == reference[4:]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_4", "step_5", "step_6"]  # the leftover is gone too
+
+
 @pytest.fixture
 def checkpoint(tmp_path):
     mesh = md.Mesh({"data": 4, "model": 2})

@@ -39,8 +39,9 @@ def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}", **extra}
 
 
-def _launch_cmd(*run: str, processes: int = 2) -> list[str]:
-    return [sys.executable, "-m", "meshdsl.cli", "launch", "--local", str(processes), "--devices-per-process", "4", "--", *run]
+def _launch_cmd(*run: str, processes: int = 2, top: tuple[str, ...] = ()) -> list[str]:
+    """``meshdsl [top flags] launch --local N --devices-per-process 4 -- <run>``."""
+    return [sys.executable, "-m", "meshdsl.cli", *top, "launch", "--local", str(processes), "--devices-per-process", "4", "--", *run]
 
 
 def _pids(output: str) -> list[int]:
@@ -121,15 +122,20 @@ def test_checkpoint_saved_by_two_processes_resumes_in_one(launched: dict[str, tu
 
 
 def test_killed_process_stops_the_run() -> None:
-    """SIGKILL process 1 mid-run: process 0 stops by itself, and the launcher stops, naming process 1 as the cause."""
-    env = _env(**{distributed.HEARTBEAT_ENV: "5"})
-    cmd = _launch_cmd("train", "--model", "mlp", "--preset", "tiny", "--layout", "data_parallel", "--steps", "100000")
+    """SIGKILL process 1 mid-run: process 0 stops by itself (it aborts, told by the coordinator's
+    heartbeat check, given with ``--heartbeat-timeout`` at the default's value, or by gloo), not
+    by the launcher, and the launcher stops, naming process 1 as the cause. No wall-clock bound:
+    the hang guard only keeps a broken run from hanging the suite."""
+    timeout = distributed.HEARTBEAT_TIMEOUT_S
+    cmd = _launch_cmd("train", "--model", "mlp", "--preset", "tiny", "--layout", "data_parallel", "--steps", "100000",
+                      top=("--heartbeat-timeout", str(timeout)))
+    env = {k: v for k, v in _env().items() if k != distributed.HEARTBEAT_ENV}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     guard = threading.Timer(HANG_GUARD_S, proc.kill)
     guard.start()
     lines: list[str] = []
     pids: list[int] = []
-    killed = False
+    killed = stopped = False
     try:
         for line in proc.stdout:
             lines.append(line)
@@ -137,6 +143,7 @@ def test_killed_process_stops_the_run() -> None:
             if not killed and re.match(r"\[p0\] step +1/", line):
                 os.kill(pids[1], signal.SIGKILL)
                 killed = True
+            stopped = stopped or "because of it" in line  # the launcher's last line: every process has ended
         code = proc.wait()
     finally:
         guard.cancel()
@@ -144,8 +151,8 @@ def test_killed_process_stops_the_run() -> None:
             proc.kill()
         _kill_leftovers(pids)
     output = "".join(lines)
-    assert killed, output
-    assert code not in (0, -signal.SIGKILL), output  # the launcher ended with an error, not by the hang guard
+    assert killed and stopped, output
+    assert code == 128 + signal.SIGKILL, output  # the first failure's status, not the hang guard's kill
     assert "meshdsl launch: process 1 was killed by SIGKILL; stopping the others" in output
     assert re.search(r"meshdsl launch: process 1 was killed by SIGKILL first; then, because of it: process 0 was killed by SIGABRT", output), output
     # process 0 stops by itself, told either by JAX's coordinator (which names the task whose
@@ -155,6 +162,15 @@ def test_killed_process_stops_the_run() -> None:
     # JAX's C++ stack trace of the stopped process is counted, not printed
     assert "Check failure stack trace" not in output and not re.search(r"\]\s+@\s+0x", output), output
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_heartbeat_timeout_from_flag_environment_or_default() -> None:
+    """The flag wins over ``MESHDSL_HEARTBEAT_TIMEOUT``, which wins over the default; this JAX takes it."""
+    env = {distributed.HEARTBEAT_ENV: "3"}
+    assert distributed.heartbeat_timeout(7, env) == 7
+    assert distributed.heartbeat_timeout(None, env) == 3
+    assert distributed.heartbeat_timeout(None, {}) == distributed.HEARTBEAT_TIMEOUT_S
+    assert distributed._options(7)["heartbeat_timeout_seconds"] == 7
 
 
 @pytest.mark.parametrize(
@@ -218,10 +234,10 @@ def test_launcher_stops_processes_that_outlive_a_failure(monkeypatch: pytest.Mon
     children = [subprocess.Popen(["sh", "-c", s], start_new_session=True) for s in shell]
     err = io.StringIO()
     try:
-        codes = launch_module._supervise(children, 0.5, err, launch_module._Forwarder(io.StringIO(), err))
+        codes, first = launch_module._supervise(children, 0.5, err, launch_module._Forwarder(io.StringIO(), err))
     finally:
         _kill_leftovers([c.pid for c in children])
-    assert codes == [3, -signal.SIGTERM, -signal.SIGKILL]
+    assert codes == [3, -signal.SIGTERM, -signal.SIGKILL] and first == 0
     lines = err.getvalue().splitlines()
     assert lines[0] == "meshdsl launch: process 0 exited with code 3; stopping the others (at most 1 s)"
     assert lines[1] == "meshdsl launch: sending SIGTERM to the processes still running"

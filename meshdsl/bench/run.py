@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -17,13 +18,15 @@ import jax
 import numpy as np
 
 import meshdsl as md
-from meshdsl import hlo
+from meshdsl import hlo, outputs
 from meshdsl.bench import analytic, baselines
 from meshdsl.bench.peaks import peak_flops
 from meshdsl.bench.report import write_reports
 from meshdsl.pipeline import PipelineConfig, bubble, schedule_bubble, stages
 from meshdsl.train import optim
+from meshdsl.errors import ConfigError
 from meshdsl.train.loop import LAYOUTS, build_model
+from meshdsl.train.rules import is_shipped, unused_rules
 from meshdsl.train.step import Trainer
 
 
@@ -145,6 +148,21 @@ def _layout_paths(names: list[str] | None, model: Any) -> list[Path]:
     return [Path(n) if Path(n).exists() or n.endswith(".toml") else LAYOUTS / f"{n}.toml" for n in names]
 
 
+def check(cfg: BenchConfig) -> None:
+    """Raise the md error for each mistake in ``cfg`` that shows before any device is used: counts,
+    models, presets, overrides, optimizer, every layout file, and the report folder."""
+    for flag, value in (("--rounds", cfg.rounds), ("--steps-per-round", cfg.steps_per_round)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value}: it must be at least 1 (every entry is timed rounds x steps-per-round steps)")
+    for m in cfg.microbatches or []:
+        PipelineConfig(m)
+    optim.make(cfg.optimizer)
+    for model_name in cfg.models:
+        for path in _layout_paths(cfg.layouts, build_model(model_name, cfg.preset, **cfg.overrides)):
+            md.Layout.load(path)
+    outputs.check_dir(cfg.out, "--out")
+
+
 def _pipeline_variants(cfg: BenchConfig, path: Path, model_name: str) -> list[tuple[PipelineConfig, int] | None]:
     """For a layout that splits ``layers``: each schedule x microbatch count asked for, with its batch
     (microbatches x the rows per microbatch of the layout's own setting); else ``[None]``."""
@@ -246,18 +264,34 @@ def _timed(step: Callable[[], None], n: int) -> float:
     return (time.perf_counter() - start) / n
 
 
-def run(cfg: BenchConfig, out: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Benchmark as ``cfg`` says; print the table, write reports to ``cfg.out``; return the summaries."""
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def run(cfg: BenchConfig, out: Callable[[str], None] = print, warn: Callable[[str], None] = _stderr) -> list[dict[str, Any]]:
+    """Benchmark as ``cfg`` says; print the table, write reports to ``cfg.out``; return the summaries.
+
+    Mistakes in ``cfg`` raise before anything is compiled (:func:`check`); rules of a user's layout
+    that name no dim of a model are warned about (``warn``); ConfigError when every layout is skipped.
+    """
+    check(cfg)
     devices = jax.devices()
     out(f"meshdsl bench: {len(devices)} x {devices[0].device_kind} ({devices[0].platform})")
-    prepared = []
+    prepared, skipped = [], []
     for model_name in cfg.models:
-        for path in _layout_paths(cfg.layouts, build_model(model_name, cfg.preset, **cfg.overrides)):
+        model = build_model(model_name, cfg.preset, **cfg.overrides)
+        for path in _layout_paths(cfg.layouts, model):
+            for warning in [] if is_shipped(path) else unused_rules(md.Layout.load(path), model, model_name):
+                warn(f"meshdsl bench: warning: {warning}")
             for variant in _pipeline_variants(cfg, path, model_name):
                 item = _prepare(model_name, cfg, path, out, variant)
-                if item is not None:
+                if item is None:
+                    skipped.append(f"{model_name} x {path.stem}")
+                else:
                     prepared.append(item)
                     out(f"  compiled {model_name} x {item[0].layout} in {item[0].compile_s:.1f} s")
+    if not prepared:
+        raise ConfigError(f"nothing to measure: every layout was skipped as not fitting ({', '.join(dict.fromkeys(skipped))}; see why above)")
     for entry, step, baseline in prepared:
         step()
         if baseline is not None:

@@ -24,7 +24,7 @@ ResultLayout = Callable[[NameAxes], tuple[Axes, tuple[str, ...]]]
 
 
 def _moved(lowering: Lowering, shape: Shape, src: Axes, dst: Axes, pending: Sequence[str], itemsize: int) -> float:
-    steps = relayout.plan(src, dst, pending)
+    steps = relayout.plan(src, dst, pending, shape.sizes, lowering.axis_sizes)
     start = relayout.State(src, tuple(pending))
     return sum(relayout.step_bytes(steps, start, shape.sizes, itemsize, lowering.axis_sizes))
 

@@ -101,7 +101,7 @@ class SpmdLowering(Lowering):
     def _relayout(
         self, array: jax.Array, shape: Shape, src: Axes, dst: Axes, pending: Sequence[str], varying: frozenset[str] = frozenset()
     ) -> jax.Array:
-        steps = relayout.plan(src, dst, pending)
+        steps = relayout.plan(src, dst, pending, shape.sizes, self.axis_sizes)
         if not steps:
             return array
         with jax.named_scope(str(shape)):
@@ -117,7 +117,7 @@ class SpmdLowering(Lowering):
         return _vary_summing_grads_in(x, missing, jnp.dtype(self.grad_reduce_dtype)) if self._narrow_grads(x, missing) else x
 
     def stored_gather(self, shape: Shape, axes: Axes) -> tuple[int, Axes] | None:
-        steps = relayout.plan(axes, self.axes(shape), ())
+        steps = relayout.plan(axes, self.axes(shape), (), shape.sizes, self.axis_sizes)
         if len(steps) == 1 and steps[0].kind is relayout.StepKind.ALL_GATHER:
             return steps[0].dim, steps[0].axes
         return None

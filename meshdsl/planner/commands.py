@@ -6,6 +6,7 @@ Imports of JAX and the planner happen inside the handlers, after the CLI has cho
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,8 +44,42 @@ def add_parsers(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, overrides: dict[str, object], out: Callable[[str], None] = print) -> None:
-    """Run the planner command ``args.command``."""
+    """Run the planner command ``args.command`` (after :func:`check`)."""
+    check(args, overrides)
     {"explain": _explain, "calibrate": _calibrate, "search": _search}[args.command](args, overrides, out)
+
+
+def check(args: argparse.Namespace, overrides: dict[str, object]) -> None:
+    """Raise the md error for each mistake in the planner command ``args`` that shows before any
+    device is used: numbers, model, optimizer, layout, profile file, and the file to write."""
+    import math
+
+    from meshdsl import outputs
+    from meshdsl.errors import ConfigError
+    from meshdsl.planner.profile import load_profile
+    from meshdsl.train import optim
+    from meshdsl.train.loop import build_model, load_layout
+
+    if args.command == "calibrate":
+        if args.out is not None:
+            outputs.check_file(args.out, "--out")
+        return
+    if args.command == "search":
+        limits = [("--devices", args.plan_devices, 1), ("--top", args.top, 1), ("--rounds", args.rounds, 1), ("--measure", args.measure, 0)]
+        for flag, value, least in limits:
+            if value is not None and value < least:
+                raise ConfigError(f"{flag} {value}: it must be at least {least}")
+        gb = args.memory_gb
+        if gb is not None and not (math.isfinite(gb) and gb > 0):
+            raise ConfigError(f"--memory-gb {gb}: the memory per device must be a positive number of GB")
+        if args.out is not None:
+            outputs.check_file(args.out, "--out")
+    build_model(args.model, args.preset, **overrides)
+    optim.make(args.optimizer)
+    if args.command == "explain":
+        load_layout(args.layout)
+    if args.profile is not None:
+        load_profile(args.profile)
 
 
 def _profile(spec: str | None) -> Any:
@@ -58,10 +93,12 @@ def _explain(args: argparse.Namespace, overrides: dict[str, object], out: Callab
     from meshdsl.planner.measure import compile_step, compiled_memory
     from meshdsl.planner.search import Candidate
     from meshdsl.train import optim
-    from meshdsl.train.loop import build_model, load_layout
+    from meshdsl.train.loop import build_model, load_layout, rule_warnings
 
     model = build_model(args.model, args.preset, **overrides)
     layout = load_layout(args.layout)
+    for warning in rule_warnings(args.layout, layout, args.model, model):
+        print(f"meshdsl explain: warning: {warning}", file=sys.stderr)
     mesh = layout.mesh()
     profile = _profile(args.profile)
     optimizer = optim.make(args.optimizer)
@@ -80,11 +117,14 @@ def _calibrate(args: argparse.Namespace, overrides: dict[str, object], out: Call
 
     from meshdsl.planner.calibrate import calibrate
 
+    from meshdsl import outputs
+
     device = jax.devices()[0]
     name = args.name or ("cpu-sim" if device.platform == "cpu" else device.device_kind.lower().replace(" ", "-"))
+    path = Path(args.out or f"{name}.json")
+    outputs.check_file(path, "--out")
     out(f"meshdsl calibrate: {len(jax.devices())} x {device.device_kind} ({device.platform})")
     profile, raw = calibrate(name, out)
-    path = Path(args.out or f"{name}.json")
     profile.save(path, measurements=raw)
     out(f"wrote {path}")
 
@@ -94,14 +134,13 @@ def _search(args: argparse.Namespace, overrides: dict[str, object], out: Callabl
 
     import jax
 
+    from meshdsl import outputs
     from meshdsl.errors import ConfigError
     from meshdsl.planner.measure import measure, verdict
     from meshdsl.planner.search import GiB, search, write_layout
     from meshdsl.train import optim
     from meshdsl.train.loop import build_model
 
-    if args.rounds < 1:
-        raise ConfigError(f"--rounds {args.rounds}: time at least 1 round")
     devices = args.plan_devices or jax.device_count()
     profile = _profile(args.profile)
     model = build_model(args.model, args.preset, **overrides)
@@ -132,5 +171,5 @@ def _search(args: argparse.Namespace, overrides: dict[str, object], out: Callabl
     if args.measure and len(times) > 1:
         out(verdict([p.step_s for _, p in result.ranked[:k]], times))
     if args.out:
-        write_layout(*result.best, args.out, profile)
+        write_layout(*result.best, outputs.parent(args.out), profile)
         out(f"wrote the best layout to {args.out}")

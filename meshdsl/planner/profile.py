@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
 
+from meshdsl import outputs
 from meshdsl.bench.peaks import peak_flops
 from meshdsl.collectives import Collective
 from meshdsl.errors import ConfigError
@@ -72,17 +74,30 @@ class DeviceProfile:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], where: str) -> "DeviceProfile":
+        """The profile a JSON object describes; ConfigError naming the field that is missing, or not a positive number where one is needed."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"device profile {where} holds a JSON {type(data).__name__}, not an object")
         try:
             links = {side: {k: Link(**data[side][k]) for k in KINDS} for side in ("intra", "inter")}
             fields = {k: data[k] for k in ("name", "source", "platform", "device_kind", "memory_bytes", "memory_bandwidth", "node_size")}
-        except (KeyError, TypeError) as e:
+            rates = dict(data.get("matmul_flops", {}))
+        except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"device profile {where}: missing or malformed field {e}") from None
-        return cls(**fields, **links, matmul_flops=dict(data.get("matmul_flops", {})))
+        positive = {k: fields[k] for k in ("memory_bytes", "memory_bandwidth", "node_size")}
+        positive |= {f"{side}.{k}.bandwidth": link.bandwidth for side, kinds in links.items() for k, link in kinds.items()}
+        positive |= {f"matmul_flops.{k}": v for k, v in rates.items()}
+        latencies = {f"{side}.{k}.latency_s": link.latency_s for side, kinds in links.items() for k, link in kinds.items()}
+        for name, value in (positive | latencies).items():
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not number or value < 0 or (value == 0 and name in positive):
+                need = "a positive number" if name in positive else "a number >= 0"
+                raise ConfigError(f"device profile {where}: {name} is {value!r}; it must be {need}")
+        return cls(**fields, **links, matmul_flops=rates)
 
     def save(self, path: str | Path, measurements: list[dict[str, Any]] | None = None) -> None:
         """Write as JSON; ``measurements``: calibration's raw points, kept beside the fit for reference."""
         data = self.to_json() | ({"measurements": measurements} if measurements else {})
-        Path(path).write_text(json.dumps(data, indent=2) + "\n")
+        outputs.parent(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
 def shipped() -> list[str]:
@@ -94,7 +109,13 @@ def load_profile(spec: str | Path) -> DeviceProfile:
     """A profile from a JSON file, or a shipped one by name (``h100``, ``cpu-sim``, ...)."""
     path = Path(spec)
     if path.is_file():
-        text, where = path.read_text(), repr(str(path))
+        where = repr(str(path))
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            raise ConfigError(f"device profile {where} is not a JSON text file (it is binary: byte {path.read_bytes()[:1]!r} first)") from None
+    elif path.is_dir():
+        raise ConfigError(f"device profile {str(spec)!r} is a directory; give a JSON file or a shipped profile ({', '.join(shipped())})")
     elif str(spec) in shipped():
         text, where = resources.files("meshdsl.planner").joinpath("profiles", f"{spec}.json").read_text(), repr(str(spec))
     else:

@@ -1,7 +1,8 @@
 """Token data from a file, read by memory map; each process reads only the rows it owns.
 
 A token file is a ``.npy`` array of token ids, or raw little-endian ``uint16`` / ``uint32``
-(``.bin``, ``.u16``, ``.u32``: pass ``dtype`` for other names). Step ``s`` reads, for batch row
+(``.bin``, ``.u16``, ``.u32``: pass ``dtype`` for other names; any other suffix is a DataError,
+not a guess). Step ``s`` reads, for batch row
 ``r``, the window of ``length + 1`` tokens starting at ``((s * batch + r) * length) mod
 (tokens - length - 1)``: inputs are its first ``length`` tokens, targets its last ``length``.
 
@@ -21,6 +22,8 @@ import meshdsl as md
 from meshdsl.errors import DataError
 
 RAW_DTYPES = {".bin": np.uint16, ".u16": np.uint16, ".u32": np.uint32}
+KNOWN = ".npy (a numpy array), .bin or .u16 (raw uint16), .u32 (raw uint32)"
+"""The suffixes a token file may have (another name needs ``dtype``)."""
 
 
 class TokenFile:
@@ -28,17 +31,27 @@ class TokenFile:
 
     def __init__(self, path: str | Path, batch: int, length: int, vocab: int, dtype: Any = None):
         self.path = Path(path)
+        where = f"token file {str(self.path)!r}"
+        if not self.path.exists():
+            raise DataError(f"{where} not found")
+        if self.path.is_dir():
+            raise DataError(f"{where} is a directory; give a token file ({KNOWN})")
         if not self.path.is_file():
-            raise DataError(f"token file {str(self.path)!r} not found")
+            raise DataError(f"{where} is not a regular file (a device or a pipe cannot be memory-mapped); give a token file ({KNOWN})")
+        if self.path.suffix != ".npy" and dtype is None and self.path.suffix not in RAW_DTYPES:
+            raise DataError(f"{where} has {f'suffix {self.path.suffix!r}' if self.path.suffix else 'no suffix'}, which says nothing of its format; known: {KNOWN}")
+        size = self.path.stat().st_size
+        if size == 0:
+            raise DataError(f"{where} is empty (0 bytes); a window needs at least {length + 2} tokens")
         if self.path.suffix == ".npy":
             try:
                 self.tokens = np.load(self.path, mmap_mode="r")
-            except ValueError as e:
-                raise DataError(f"token file {str(self.path)!r} is not a readable .npy array: {e}") from None
+            except (ValueError, EOFError, OSError) as e:
+                raise DataError(f"{where} is not a readable .npy array: {e}") from None
         else:
-            dtype = np.dtype(dtype or RAW_DTYPES.get(self.path.suffix, np.uint16))
-            if self.path.stat().st_size % dtype.itemsize:
-                raise DataError(f"token file {str(self.path)!r} has {self.path.stat().st_size} bytes, not a whole number of {dtype} tokens")
+            dtype = np.dtype(dtype or RAW_DTYPES[self.path.suffix])
+            if size % dtype.itemsize:
+                raise DataError(f"{where} has {size} bytes, not a whole number of {dtype} tokens")
             self.tokens = np.memmap(self.path, dtype=dtype, mode="r")
         if self.tokens.ndim != 1 or not np.issubdtype(self.tokens.dtype, np.integer):
             raise DataError(f"token file {str(self.path)!r} holds {self.tokens.dtype}{list(self.tokens.shape)}; expected a 1-d array of integer token ids")

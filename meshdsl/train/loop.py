@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -14,11 +15,12 @@ import jax
 
 import meshdsl as md
 import models
-from meshdsl import distributed
+from meshdsl import distributed, outputs
 from meshdsl.errors import ConfigError
 from meshdsl.train import optim
 from meshdsl.train.data import TokenFile
-from meshdsl.train.step import Trainer
+from meshdsl.train.rules import LAYOUTS, is_shipped, unused_rules
+from meshdsl.train.step import Trainer, pipelined
 
 
 @dataclasses.dataclass
@@ -46,38 +48,114 @@ class RunConfig:
     schedule: str | None = None
 
 
-LAYOUTS = Path(__file__).resolve().parents[2] / "layouts"
+def layout_path(spec: str) -> Path | None:
+    """The TOML file a layout spec names (a path, or a shipped layout's name), or None for inline rules."""
+    if not spec.strip():
+        raise md.LayoutError(f"layout {spec!r} is empty: give a layout TOML file, a shipped layout ({_shipped()}) or rules like 'batch:data'")
+    if Path(spec).exists() or spec.endswith(".toml"):
+        return Path(spec)
+    if (LAYOUTS / f"{spec}.toml").exists():
+        return LAYOUTS / f"{spec}.toml"
+    if ":" not in spec:
+        raise md.LayoutError(f"layout {spec!r} is neither a file, a shipped layout ({_shipped()}) nor rules like 'batch:data'")
+    return None
+
+
+def _shipped() -> str:
+    return ", ".join(sorted(p.stem for p in LAYOUTS.glob("*.toml")))
 
 
 def load_layout(spec: str) -> md.Layout:
     """A layout from a TOML path, a shipped layout's name (``dp_tp``: ``layouts/dp_tp.toml``), or inline rules."""
-    if Path(spec).exists() or spec.endswith(".toml"):
-        return md.Layout.load(spec)
-    if (LAYOUTS / f"{spec}.toml").exists():
-        return md.Layout.load(LAYOUTS / f"{spec}.toml")
-    if ":" not in spec:
-        shipped = ", ".join(sorted(p.stem for p in LAYOUTS.glob("*.toml")))
-        raise md.LayoutError(f"layout {spec!r} is neither a file, a shipped layout ({shipped}) nor rules like 'batch:data'")
-    return md.Layout(spec, mesh_axes={"data": -1})
+    path = layout_path(spec)
+    return md.Layout(spec, mesh_axes={"data": -1}) if path is None else md.Layout.load(path)
 
 
 def build_model(name: str, preset: str, **overrides: Any) -> Any:
-    """The model ``name`` at ``preset``; overrides that are None are left at the preset's values."""
+    """The model ``name`` at ``preset``; overrides that are None are left at the preset's values.
+
+    ConfigError for an unknown field, or a value unlike the field's default: integer fields
+    (sizes, counts) take integers of at least 1, float fields finite numbers of at least 0,
+    other fields values of their default's type.
+    """
     module = models.get(name)
-    fields = {f.name for f in dataclasses.fields(module.Config)}
-    unknown = [k for k, v in overrides.items() if v is not None and k not in fields]
+    fields = {f.name: f.default for f in dataclasses.fields(module.Config)}
+    given = {k: v for k, v in overrides.items() if v is not None}
+    unknown = [k for k in given if k not in fields]
     if unknown:
         raise ConfigError(f"model {name} has no option {', '.join(unknown)}")
-    return module.Model(module.Config.preset(preset, **{k: v for k, v in overrides.items() if v is not None}))
+    for field, value in given.items():
+        _check_field(name, field, value, fields[field])
+    return module.Model(module.Config.preset(preset, **given))
+
+
+def _check_field(model: str, field: str, value: Any, default: Any) -> None:
+    """ConfigError unless ``value`` suits a config field whose default is ``default``."""
+    if isinstance(default, bool) or not isinstance(default, (int, float)):
+        if not isinstance(value, type(default)):
+            raise ConfigError(f"model {model}: {field}={value!r}, but {field} takes a {type(default).__name__} such as {default!r}")
+    elif isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"model {model}: {field}={value!r}, but {field} takes an integer of at least 1")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"model {model}: {field}={value!r}, but {field} takes a finite number of at least 0")
+
+
+def _model(run: RunConfig) -> Any:
+    return build_model(run.model, run.preset, compute_dtype=run.compute_dtype, remat=run.remat or None)
+
+
+def _optimizer(run: RunConfig) -> optim.Optimizer:
+    kwargs = {} if run.learning_rate is None else {"learning_rate": run.learning_rate}
+    return optim.make(run.optimizer, **kwargs)
 
 
 def build_trainer(run: RunConfig, mesh: md.Mesh | None = None) -> Trainer:
-    model = build_model(run.model, run.preset, compute_dtype=run.compute_dtype, remat=run.remat or None)
     layout = load_layout(run.layout)
-    kwargs = {} if run.learning_rate is None else {"learning_rate": run.learning_rate}
-    optimizer = optim.make(run.optimizer, **kwargs)
     pipeline = layout.pipeline.replace(run.microbatches, run.schedule)
-    return Trainer(model, optimizer, mesh or layout.mesh(), layout, run.backend, run.grad_reduce_dtype, pipeline=pipeline)
+    return Trainer(_model(run), _optimizer(run), mesh or layout.mesh(), layout, run.backend, run.grad_reduce_dtype, pipeline=pipeline)
+
+
+def token_file(path: str, model: Any, name: str) -> TokenFile:
+    """The token file ``path`` for ``model``; ConfigError for a model that reads no token sequences."""
+    if not all(hasattr(model.config, f) for f in ("batch", "length", "vocab")):
+        readers = [n for n in models.NAMES if {"length", "vocab"} <= {f.name for f in dataclasses.fields(models.get(n).Config)}]
+        raise ConfigError(f"--data {path!r}: model {name} reads no token sequences (its config has no length and vocab); --data is for {', '.join(readers)}")
+    c = model.config
+    return TokenFile(path, c.batch, c.length, c.vocab)
+
+
+def check(run: RunConfig) -> None:
+    """Raise the md error for each mistake in ``run`` that shows before any device is used.
+
+    Checked: the step count and learning rate, model, preset, optimizer, layout (file and
+    pipeline), the token file, and that the checkpoint dir and ``log_json`` can be written.
+    Nothing is compiled, created or changed, so a mistake costs no work and loses no file.
+    """
+    if run.steps < 1:
+        raise ConfigError(f"--steps {run.steps}: train at least 1 step")
+    lr = run.learning_rate
+    if lr is not None and not (math.isfinite(lr) and lr > 0):
+        raise ConfigError(f"--learning-rate {lr}: the learning rate must be a positive, finite number")
+    if (run.resume or run.save_every) and run.checkpoint_dir is None:
+        raise ConfigError("--resume and --save-every need --checkpoint-dir")
+    model = _model(run)
+    _optimizer(run)
+    layout = load_layout(run.layout)
+    pipelined(model, layout, layout.pipeline.replace(run.microbatches, run.schedule), run.backend)
+    if run.data is not None:
+        token_file(run.data, model, run.model)
+    if run.checkpoint_dir is not None:
+        md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
+        outputs.check_dir(run.checkpoint_dir, "--checkpoint-dir")
+    if run.log_json is not None:
+        outputs.check_file(run.log_json, "--log-json")
+
+
+def rule_warnings(spec: str, layout: md.Layout, name: str, model: Any) -> list[str]:
+    """Warnings for the rules of a user's layout ``spec`` that name no dim of the model ``name``
+    (none for a shipped layout: see :mod:`meshdsl.train.rules`)."""
+    return [] if is_shipped(layout_path(spec)) else unused_rules(layout, model, name)
 
 
 class Progress:
@@ -90,7 +168,7 @@ class Progress:
         self.total, self.unit, self.out = total, unit, out
         self.live = out.isatty()
         try:
-            self.log = open(log_json, "w") if log_json else None
+            self.log = open(outputs.parent(log_json), "w") if log_json is not None else None
         except OSError as e:
             raise ConfigError(f"--log-json {log_json}: cannot write it: {e.strerror}") from None
 
@@ -127,6 +205,8 @@ def _check_resumable(path: Path, saved: dict[str, Any], mine: dict[str, Any]) ->
     """ConfigError unless the checkpoint was saved by the same model and optimizer (``remat`` may differ)."""
     if not isinstance(saved.get("step"), int):
         raise md.DataError(f"checkpoint {path} records no training step in its metadata; it was not saved by meshdsl train")
+    if path.name != f"step_{saved['step']}":
+        raise md.DataError(f"checkpoint {path} records step {saved['step']} in its manifest, not the {path.name} of its name; was step_{saved['step']} renamed? Rename it back or remove it")
     if saved.get("model") != mine["model"] or saved.get("optimizer") != mine["optimizer"]:
         raise ConfigError(
             f"checkpoint {path} holds model {saved.get('model')!r} with optimizer {saved.get('optimizer')!r}; "
@@ -151,6 +231,8 @@ def _start(run: RunConfig, trainer: Trainer, manager: md.checkpoint.CheckpointMa
         return trainer.init(jax.random.key_data(key)), data_key, 0
     saved = md.checkpoint.read_manifest(found)["metadata"]
     _check_resumable(found, saved, _run_metadata(run, trainer.model))
+    if saved["step"] > run.steps:
+        raise ConfigError(f"checkpoint {found} is at step {saved['step']}, past --steps {run.steps}; pass --steps {saved['step'] + 1} or more to continue")
     like = {**jax.eval_shape(trainer.init, jax.random.key_data(key)), "data_key": data_key}
     state, _ = md.checkpoint.restore(found, trainer.mesh, trainer.layout.param_layout, like=like)
     out.write(f"resuming from {found} at step {saved['step']}\n")
@@ -165,28 +247,30 @@ def _save(manager: md.checkpoint.CheckpointManager, step: int, state: Any, data_
     out.write(f"saved checkpoint {path} ({size:.1f} MiB in {time.perf_counter() - start:.2f} s)\n")
 
 
-def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None) -> list[float]:
+def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None, err: TextIO = sys.stderr) -> list[float]:
     """Train as ``run`` says and return the loss of every step it ran.
 
     In a multi-process run only process 0 writes to ``out`` and ``run.log_json``. ``mesh``
     overrides the layout file's mesh. With ``run.checkpoint_dir`` it saves ``step_<N>`` every
     ``run.save_every`` steps and after the last; with ``run.resume`` it continues from the latest
     checkpoint there, so the losses returned are those of steps ``run.steps - len(losses) + 1``
-    to ``run.steps``.
+    to ``run.steps``. Mistakes in ``run`` raise before anything is compiled (:func:`check`);
+    rules of the layout that name no dim of the model are warned about on ``err``.
     """
+    check(run)
     if not distributed.is_primary():
-        out = io.StringIO()
-    if (run.resume or run.save_every) and run.checkpoint_dir is None:
-        raise ConfigError("--resume and --save-every need --checkpoint-dir")
+        out = err = io.StringIO()
     manager = None if run.checkpoint_dir is None else md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
     trainer = build_trainer(run, mesh)
     model, mesh, layout = trainer.model, trainer.mesh, trainer.layout
-    tokens = None
-    if run.data is not None:
-        c = model.config
-        tokens = TokenFile(run.data, c.batch, c.length, c.vocab)
+    for warning in rule_warnings(run.layout, layout, run.model, model):
+        err.write(f"meshdsl train: warning: {warning}\n")
+    tokens = None if run.data is None else token_file(run.data, model, run.model)
     out.write(f"meshdsl train: {run.model} {run.preset} on mesh {mesh} ({jax.devices()[0].platform}) under {layout}\n")
     state, data_key, first = _start(run, trainer, manager, out)
+    if first == run.steps:
+        out.write(f"nothing to train: the checkpoint is at step {first}, which is --steps\n")
+        return []
     metadata = _run_metadata(run, model)
     unit = "tokens" if hasattr(model.config, "length") else "examples"
     progress = Progress(run.steps, unit, out, run.log_json if distributed.is_primary() else None)

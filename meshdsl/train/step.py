@@ -44,16 +44,7 @@ class Trainer:
 
     def __post_init__(self) -> None:
         self.pipeline = self.pipeline or self.layout.pipeline
-        layers = getattr(self.model, "layers", None)
-        split = self.layout.axes_of(layers.name) if isinstance(layers, md.Dim) else ()
-        self.pipelined = bool(split) or self.pipeline.microbatches > 1
-        if self.pipelined:
-            pipeline.check_model(self.model)
-            if self.backend != "spmd":
-                raise md.ConfigError(
-                    f"pipelining (layers split over {', '.join(split) or 'no axis'}, {self.pipeline.microbatches} microbatches) "
-                    f"needs the spmd backend, not {self.backend}"
-                )
+        self.pipelined = pipelined(self.model, self.layout, self.pipeline, self.backend)
         stored = self.layout.param_layout
         self.init = md.compile(self._init, self.mesh, self.layout, self.backend, out_layouts=stored)
         self.step = md.compile(
@@ -91,6 +82,24 @@ class Trainer:
         with md.use_layout(self.layout.param_layout):
             params, opt = self.optimizer.update(grads, state["opt"], state["params"], state["step"])
         return {"params": params, "opt": opt, "step": state["step"] + 1}, loss
+
+
+def pipelined(model: Any, layout: md.Layout, config: PipelineConfig, backend: str = "spmd") -> bool:
+    """Whether a step of ``model`` under ``layout`` is pipelined: the layout splits ``layers`` into
+    stages, or ``config`` asks for several microbatches. ConfigError when it is and ``model`` has no
+    pipeline parts (whether or not it has a ``layers`` dim) or ``backend`` is not spmd."""
+    split = layout.axes_of("layers")
+    if not split and config.microbatches == 1:
+        return False
+    m = config.microbatches
+    why = f"layers split over {', '.join(split) or 'no axis'}, {m} microbatch{'es' if m != 1 else ''}"
+    try:
+        pipeline.check_model(model)
+    except md.ConfigError as e:
+        raise md.ConfigError(f"the layout pipelines ({why}), but {e}") from None
+    if backend != "spmd":
+        raise md.ConfigError(f"pipelining ({why}) needs the spmd backend, not {backend}")
+    return True
 
 
 def _is_key(x: Any) -> bool:
