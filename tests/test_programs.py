@@ -10,8 +10,8 @@ shardings, and for spmd md.explain == the compiled HLO; in every other example (
 also the gradient taken around md.compile, which costs a third of a check.
 
 A CI run checks ``CHAINS * EXAMPLES`` = 1,000 programs (a program: one drawn chain checked end
-to end); :func:`test_programs_were_checked` prints the count and asserts it. Deeper runs:
-``pytest tests/test_programs.py --hypothesis-profile=fuzz`` (10x the programs, unseeded) and
+to end); :func:`test_programs_were_checked` prints the count (shown with ``pytest -rP``) and
+asserts it. Deeper runs: ``pytest tests/test_programs.py --hypothesis-profile=fuzz`` (10x the programs, unseeded) and
 ``--hypothesis-profile=explore --hypothesis-seed=N`` (CI's count, other programs, reproducible).
 
 :data:`programs.KNOWN_DEFECTS` names the defects being fixed elsewhere; for each, the generator
