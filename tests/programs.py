@@ -234,9 +234,11 @@ class Context:
         return name
 
     def some_dims(self, min_rank: int = 1, max_rank: int = MAX_RANK, exclude: Sequence[str] = ()) -> dict[str, int]:
-        """Some pool dims (not in ``exclude``), in a drawn order; fewer than ``min_rank`` if the pool runs out."""
+        """Some pool dims (not in ``exclude``), in a drawn order; fewer than ``min_rank`` if the pool
+        runs out or ``max_rank`` is lower."""
         names = [n for n in self.draw(st.permutations(list(self.pool))) if n not in exclude]
-        k = self.draw(st.integers(min(min_rank, len(names)), min(max_rank, len(names))))
+        top = max(0, min(max_rank, len(names)))
+        k = self.draw(st.integers(min(min_rank, top), top))
         return {n: self.pool[n] for n in names[:k]}
 
     def subset(self, dims: dict[str, int], min_size: int = 0) -> dict[str, int]:
