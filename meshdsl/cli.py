@@ -45,6 +45,11 @@ def simulate_devices(count: int | None) -> None:
     jax.config.update("jax_num_cpu_devices", count or 8)
 
 
+MODEL_HELP = "a shipped model (mlp, transformer, moe, convnet), a Python file (path/to/my_model.py) or an importable module (mypkg.my_model)"
+PRESET_HELP = "a preset of the model's Config.PRESETS (the shipped models: tiny, small, 1b)"
+SET_HELP = "override a field of the model's Config, e.g. --set layers=32 (repeatable)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshdsl", description="Named-tensor models on a device mesh: train and benchmark layouts.")
     parser.add_argument("--devices", type=int, default=None, help="simulated CPU devices when no accelerator is present (default 8)")
@@ -59,8 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model under a layout")
-    train.add_argument("--model", default="transformer", help="mlp, transformer, moe or convnet")
-    train.add_argument("--preset", default="small", help="tiny, small or 1b")
+    train.add_argument("--model", default="transformer", help=MODEL_HELP)
+    train.add_argument("--preset", default="small", help=PRESET_HELP)
+    train.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help=SET_HELP)
     train.add_argument("--layout", default="data_parallel", help="a layout TOML file, a shipped layout name (dp_tp), or rules such as 'batch:data'")
     train.add_argument("--steps", type=int, default=200)
     train.add_argument("--optimizer", default="adamw", help="sgd, adamw or adafactor")
@@ -80,15 +86,18 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir (any mesh, layout or device count)")
 
     bench = sub.add_parser("bench", help="compare layouts: step time, throughput, memory and communication")
-    bench.add_argument("--model", nargs="+", default=["transformer"], help="models to benchmark")
-    bench.add_argument("--preset", default="small")
-    bench.add_argument("--layouts", nargs="+", default=None, help="layout TOML files (default: those in layouts/ that fit the model)")
+    bench.add_argument("--model", nargs="+", default=["transformer"], help="models to benchmark, each " + MODEL_HELP)
+    bench.add_argument("--preset", default="small", help=PRESET_HELP)
+    bench.add_argument(
+        "--layouts", nargs="+", default=None,
+        help="layout TOML files (any path), shipped layout names (dp_tp) or rules ('batch:data'); default: the model's LAYOUTS",
+    )
     bench.add_argument("--rounds", type=int, default=5, help="interleaved rounds (layout A, B, C, A, B, C, ...)")
     bench.add_argument("--steps-per-round", type=int, default=3)
     bench.add_argument("--baseline", choices=["jax"], default=None, help="also time a hand-written plain-JAX version")
     bench.add_argument("--optimizer", default="adamw")
     bench.add_argument("--grad-reduce-dtype", default=None, choices=["bfloat16"], help="sum gradients across devices in bf16")
-    bench.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a model config field, e.g. --set layers=32")
+    bench.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help=SET_HELP)
     bench.add_argument("--microbatches", type=int, nargs="+", default=None, help="pipelined layouts: microbatch counts to measure (default: the layout's)")
     bench.add_argument("--schedule", nargs="+", default=None, choices=["gpipe", "1f1b"], help="pipelined layouts: schedules to measure (default: the layout's)")
     bench.add_argument("--out", default="bench-results", help="folder for JSON, markdown and PNG charts")
@@ -130,7 +139,7 @@ def _config(args: argparse.Namespace) -> object:
         from meshdsl.train.loop import RunConfig
 
         return RunConfig(
-            model=args.model, preset=args.preset, layout=args.layout, steps=args.steps, optimizer=args.optimizer,
+            model=args.model, preset=args.preset, overrides=overrides, layout=args.layout, steps=args.steps, optimizer=args.optimizer,
             learning_rate=args.learning_rate, backend=args.backend, seed=args.seed, data=args.data,
             compute_dtype=args.compute_dtype, remat=args.remat, grad_reduce_dtype=args.grad_reduce_dtype,
             log_json=args.log_json, checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, keep=args.keep,

@@ -17,11 +17,15 @@ the first op that uses them, and their gradients leave it reduce-scattered.
 from __future__ import annotations
 
 import enum
+import inspect
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
+from meshdsl.errors import ConfigError, LayoutError, ShapeError
 from meshdsl.layout import Layout
 from meshdsl.lowering.base import Lowering
 from meshdsl.lowering.context import use
@@ -29,7 +33,7 @@ from meshdsl.lowering.gspmd import GspmdLowering
 from meshdsl.lowering.spmd import SpmdLowering
 from meshdsl.mesh import Mesh
 from meshdsl.relayout import Axes
-from meshdsl.tensor import Tensor
+from meshdsl.tensor import Tensor, describe
 
 LayoutLike = Layout | str | Mapping
 
@@ -45,10 +49,19 @@ def _is_tensor(x: Any) -> bool:
     return isinstance(x, Tensor)
 
 
-def _as_layout(layout: LayoutLike | None, default: Layout) -> Layout:
+def _as_layout(layout: LayoutLike | None, default: Layout, what: str = "layout") -> Layout:
     if layout is None:
         return default
+    if not isinstance(layout, (Layout, str, Mapping)):
+        raise LayoutError(f"md.compile: {what} must be an md.Layout, a string like 'batch:data' or a dict, got {describe(layout)}")
     return layout if isinstance(layout, Layout) else Layout(layout)
+
+
+def _check_argument(name: str, leaf: Any) -> None:
+    """A compiled function takes md tensors, arrays and numbers."""
+    if isinstance(leaf, (Tensor, jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+        return
+    raise ShapeError(f"{name} is {describe(leaf)}; a compiled function takes md tensors, arrays and numbers")
 
 
 class Compiled:
@@ -72,34 +85,65 @@ class Compiled:
         grad_reduce_dtype: Any = None,
         donate_argnums: Sequence[int] = (),
     ):
+        if not callable(fn):
+            raise ConfigError(f"md.compile: fn must be a function, got {describe(fn)}")
+        if not isinstance(mesh, Mesh):
+            raise ConfigError(f"md.compile: mesh must be an md.Mesh, got {describe(mesh)}; build one with md.Mesh({mesh!r})")
+        if grad_reduce_dtype is not None:
+            try:
+                jnp.dtype(grad_reduce_dtype)
+            except TypeError:
+                raise ConfigError(f"md.compile: grad_reduce_dtype {grad_reduce_dtype!r} is not a dtype (e.g. 'bfloat16')") from None
+        backends = [b.value for b in Backend]
+        if not isinstance(backend, Backend) and backend not in backends:
+            raise ConfigError(f"md.compile: backend {backend!r} is not one of {', '.join(backends)}")
         self.fn = fn
         self.grad_reduce_dtype = grad_reduce_dtype
         self.mesh = mesh
         self.layout = _as_layout(layout, Layout())
         self.backend = Backend(backend)
-        self.in_layouts = None if in_layouts is None else tuple(_as_layout(x, self.layout) for x in in_layouts)
+        self.in_layouts = None if in_layouts is None else tuple(_as_layout(x, self.layout, "in_layouts") for x in in_layouts)
         if out_layouts is None or isinstance(out_layouts, (Layout, str, Mapping)):
-            self.out_layouts: Layout | tuple[Layout, ...] = _as_layout(out_layouts, self.layout)
+            self.out_layouts: Layout | tuple[Layout, ...] = _as_layout(out_layouts, self.layout, "out_layouts")
         else:
-            self.out_layouts = tuple(_as_layout(x, self.layout) for x in out_layouts)
+            self.out_layouts = tuple(_as_layout(x, self.layout, "out_layouts") for x in out_layouts)
         outs = self.out_layouts if isinstance(self.out_layouts, tuple) else (self.out_layouts,)
         for lay in (self.layout, *(self.in_layouts or ()), *outs):
             lay.check_mesh(mesh)
         program = self.spmd_function if self.backend is Backend.SPMD else self._gspmd
-        self._jitted = jax.jit(program, donate_argnums=tuple(donate_argnums))
+        self.donate_argnums = tuple(donate_argnums)
+        self._jitted = jax.jit(program, donate_argnums=self.donate_argnums)
 
     def __call__(self, *args: Any) -> Any:
+        self._check_arguments(args)
         return self._jitted(*args)
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """Lower for ``args`` as ``jax.jit(...).lower`` does (then ``.compile().as_text()`` shows the HLO)."""
+        self._check_arguments(args)
         return self._jitted.lower(*args)
+
+    def _check_arguments(self, args: tuple) -> None:
+        try:
+            inspect.signature(self.fn).bind(*args)
+        except TypeError as e:
+            raise ShapeError(f"md.compile'd {getattr(self.fn, '__name__', 'function')} called with {len(args)} argument(s): {e}") from None
+        except ValueError:  # no signature to check (a builtin)
+            pass
+        beyond = [i for i in self.donate_argnums if i >= len(args)]
+        if beyond:
+            raise ConfigError(f"md.compile: donate_argnums {beyond} name no argument of a call with {len(args)} argument(s)")
+        if self.in_layouts is not None and len(self.in_layouts) != len(args):
+            raise LayoutError(f"md.compile: {len(self.in_layouts)} in_layouts given for a call with {len(args)} argument(s); give one per positional argument")
+        for path, leaf in jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_tensor)[0]:
+            _check_argument(f"argument {jax.tree_util.keystr(path)}", leaf)
 
     def _leaves(self, tree: Any, layouts: Layout | tuple[Layout, ...] | None, prefix: str) -> list[tuple[str, Any, Layout]]:
         """(name for messages, leaf, its layout) for each leaf; tuple ``layouts`` go element by element."""
         if isinstance(layouts, tuple):
             if not isinstance(tree, (tuple, list)) or len(tree) != len(layouts):
-                raise ValueError(f"{len(layouts)} layouts given for the {prefix}s, which do not form a sequence of that length")
+                got = f"a sequence of {len(tree)}" if isinstance(tree, (tuple, list)) else describe(tree)
+                raise LayoutError(f"md.compile: {len(layouts)} out_layouts given, one per {prefix}, but the {prefix} is {got}")
             return [item for i, (sub, lay) in enumerate(zip(tree, layouts)) for item in self._leaves(sub, lay, f"{prefix}[{i}]")]
         leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_tensor)[0]
         return [(prefix + jax.tree_util.keystr(p), x, layouts or self.layout) for p, x in leaves]

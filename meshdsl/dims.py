@@ -86,10 +86,14 @@ class Shape:
         return n
 
     def index(self, name: DimLike) -> int:
-        """Position of the dim called ``name`` (a name or a Dim); ShapeError if absent."""
+        """Position of the dim called ``name`` (a name, or a Dim of the same size); ShapeError if absent."""
+        if not isinstance(name, (Dim, str)):
+            raise ShapeError(f"a dim is named by a string or an md.Dim, got {type(name).__name__} {name!r}")
         key = name.name if isinstance(name, Dim) else name
         for i, d in enumerate(self.dims):
             if d.name == key:
+                if isinstance(name, Dim) and name.size != d.size:
+                    raise ShapeError(f"dim {name} does not match {d} of shape {self}")
                 return i
         raise ShapeError(f"shape {self} has no dim {key!r}")
 
@@ -140,6 +144,8 @@ def as_shape(shape: ShapeLike) -> Shape:
         return Shape([shape])
     if isinstance(shape, str):
         raise ShapeError(f"a shape of names {shape!r} needs sizes: pass md.Dim objects here")
+    if not isinstance(shape, (list, tuple)):
+        raise ShapeError(f"a shape is a list of md.Dim objects, got {type(shape).__name__} {shape!r}")
     return Shape(shape)
 
 
@@ -153,6 +159,8 @@ def dim_names(dims: DimLike | Iterable[DimLike] | None) -> tuple[str, ...] | Non
         return tuple(dims.split())
     if isinstance(dims, Shape):
         return dims.names
+    if not isinstance(dims, (list, tuple)):
+        raise ShapeError(f"dims are a name, an md.Dim, a string of names or a list of those, got {type(dims).__name__} {dims!r}")
     out: list[str] = []
     for d in dims:
         out.extend(dim_names(d))
@@ -161,7 +169,12 @@ def dim_names(dims: DimLike | Iterable[DimLike] | None) -> tuple[str, ...] | Non
 
 def resolve(names: DimLike | Iterable[DimLike], shape: Shape) -> tuple[Dim, ...]:
     """Dims of ``shape`` named by ``names`` (Dims must also match the size)."""
-    items = [names] if isinstance(names, (Dim, str)) else list(names)
+    if isinstance(names, (Dim, str)):
+        items = [names]
+    elif isinstance(names, (Shape, list, tuple)):
+        items = list(names)
+    else:
+        raise ShapeError(f"dims are a name, an md.Dim, a string of names or a list of those, got {type(names).__name__} {names!r}")
     out: list[Dim] = []
     for item in items:
         for name in dim_names(item):

@@ -10,7 +10,9 @@ class MeshDslError(ValueError):
 
 
 class ShapeError(MeshDslError):
-    """Named dims that do not fit together: mismatched sizes, unknown or repeated names."""
+    """Named dims that do not fit together (mismatched sizes, unknown or repeated names), or an
+    argument of the wrong kind: not an md tensor where an op takes one, an unknown dtype, float
+    indices, a non-boolean condition."""
 
 
 class LayoutError(MeshDslError):
@@ -18,7 +20,8 @@ class LayoutError(MeshDslError):
 
 
 class ConfigError(MeshDslError):
-    """An unknown model, preset, optimizer or option, or values that do not fit together."""
+    """An unknown model, preset, optimizer or option (a backend name, a dropout rate), or values
+    that do not fit together."""
 
 
 class DataError(MeshDslError):

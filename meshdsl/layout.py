@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from meshdsl.dims import ShapeLike, as_shape
 from meshdsl.errors import ConfigError, LayoutError
 from meshdsl.mesh import Mesh
+from meshdsl.pipeline_config import PipelineConfig
 from meshdsl.relayout import Axes
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -104,7 +105,7 @@ class Layout:
 
     ``params``: optional separate rules for parameters and optimizer state (FSDP / ZeRO-3: stored
     split, gathered for compute). ``mesh_axes``: the mesh a layout file asks for, if any.
-    ``pipeline``: microbatches and schedule (:class:`meshdsl.pipeline.PipelineConfig`, or a
+    ``pipeline``: microbatches and schedule (:class:`meshdsl.pipeline_config.PipelineConfig`, or a
     ``[pipeline]`` table) for a layout that splits ``layers`` into pipeline stages.
     """
 
@@ -115,8 +116,6 @@ class Layout:
         mesh_axes: Mapping[str, int] | None = None,
         pipeline: Any = None,
     ):
-        from meshdsl.pipeline import PipelineConfig
-
         self.rules: dict[str, tuple[str, ...]] = _parse(rules)
         self.pipeline: PipelineConfig = PipelineConfig.of(pipeline)
         self.params: Layout | None = None if params is None else Layout(params)

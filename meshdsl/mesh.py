@@ -19,13 +19,15 @@ def _parse(axes: Mapping[str, int] | str | Sequence[tuple[str, int]]) -> list[tu
         items = []
         for part in axes.replace(",", " ").split():
             name, eq, size = part.partition("=")
-            if not eq or not size.strip().lstrip("-").isdigit():
+            if not eq or not re.fullmatch(r"-?\d+", size.strip()):
                 raise LayoutError(f"malformed mesh axis {part!r} in {axes!r}: expected name=size, e.g. 'data=4 model=2'")
             items.append((name.strip(), int(size)))
         return items
     if isinstance(axes, Mapping):
         return [(str(k), v) for k, v in axes.items()]
-    return [(str(k), v) for k, v in axes]
+    if isinstance(axes, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in axes):
+        return [(str(k), v) for k, v in axes]
+    raise LayoutError(f"mesh axes must be a dict, a string like 'data=4 model=2' or (name, size) pairs, got {type(axes).__name__} {axes!r}")
 
 
 class Mesh:

@@ -28,8 +28,7 @@ are masked to stage 0 and the last stage: simple, and it costs their compute ``p
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,39 +39,11 @@ from meshdsl.errors import ConfigError
 from meshdsl.lowering.base import Lowering
 from meshdsl.lowering.context import current
 from meshdsl.ops.scan import scan
+from meshdsl.pipeline_config import SCHEDULES, PipelineConfig  # noqa: F401  (md.pipeline.SCHEDULES)
 from meshdsl.tensor import Tensor
 
-SCHEDULES = ("gpipe", "1f1b")
 STAGE_LAYERS = "stage_layers"
 """The dim a stage's own slice of ``layers`` takes inside the stage (it has no layout rule)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineConfig:
-    """How to pipeline: ``microbatches`` per step and the ``schedule`` (``gpipe`` or ``1f1b``)."""
-
-    microbatches: int = 1
-    schedule: str = "1f1b"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.microbatches, int) or isinstance(self.microbatches, bool) or self.microbatches < 1:
-            raise ConfigError(f"pipeline microbatches must be a positive integer, got {self.microbatches!r}")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"pipeline schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-
-    @classmethod
-    def of(cls, table: "PipelineConfig | Mapping[str, Any] | None") -> "PipelineConfig":
-        """From a layout file's ``[pipeline]`` table (``microbatches``, ``schedule``), or the default."""
-        if table is None or isinstance(table, PipelineConfig):
-            return table or cls()
-        unknown = set(table) - {"microbatches", "schedule"}
-        if unknown:
-            raise ConfigError(f"[pipeline] has unknown key(s) {sorted(unknown)}; expected microbatches, schedule")
-        return cls(**table)
-
-    def replace(self, microbatches: int | None = None, schedule: str | None = None) -> "PipelineConfig":
-        """These settings with the given ones (None: kept) replaced, as command-line flags do."""
-        return PipelineConfig(self.microbatches if microbatches is None else microbatches, schedule or self.schedule)
 
 
 def check_model(model: Any) -> None:

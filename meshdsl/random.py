@@ -18,16 +18,16 @@ from jax import lax
 from jax.extend.random import threefry2x32_p
 
 from meshdsl.dims import ShapeLike, as_shape
-from meshdsl.errors import ShapeError
+from meshdsl.errors import ConfigError, ShapeError
 from meshdsl.lowering.context import current, op
-from meshdsl.tensor import Tensor
+from meshdsl.tensor import Tensor, describe, dtype_of
 
 
 def _key_words(key: Any) -> tuple[jax.Array, jax.Array]:
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if hasattr(key, "dtype") and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.key_data(key)
-    if key.shape != (2,) or key.dtype != jnp.uint32:
-        raise ValueError(f"md.random needs a threefry key (jax.random.key(seed) or PRNGKey), got {key.dtype}{list(key.shape)}")
+    if not hasattr(key, "dtype") or key.shape != (2,) or key.dtype != jnp.uint32:
+        raise ShapeError(f"md.random needs a threefry key (jax.random.key(seed) or PRNGKey), got {describe(key)}")
     return key[0], key[1]
 
 
@@ -65,6 +65,7 @@ def _unit_floats(raw: jax.Array, dtype: Any) -> jax.Array:
 @op("random_uniform")
 def uniform(key: Any, shape: ShapeLike, dtype: Any = jnp.float32, minval: float = 0.0, maxval: float = 1.0) -> Tensor:
     """Uniform values in ``[minval, maxval)``."""
+    dtype = dtype_of(dtype, "random_uniform")
     raw = bits(key, shape)
     lowering = current()
     unit = _unit_floats(raw._data, jnp.float32)
@@ -75,6 +76,7 @@ def uniform(key: Any, shape: ShapeLike, dtype: Any = jnp.float32, minval: float 
 @op("random_normal")
 def normal(key: Any, shape: ShapeLike, dtype: Any = jnp.float32) -> Tensor:
     """Standard normal values."""
+    dtype = dtype_of(dtype, "random_normal")
     low = np.nextafter(np.float32(-1.0), np.float32(0.0))
     u = uniform(key, shape, jnp.float32, float(low), 1.0)
     lowering = current()
@@ -87,9 +89,12 @@ def dropout(key: Any, x: Tensor, rate: float, noise_shape: ShapeLike | None = No
 
     ``noise_shape`` (a subset of ``x``'s dims) shares one draw across the dims it leaves out.
     """
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
+        raise ConfigError(f"dropout: rate must be a number in [0, 1), got {rate!r}")
+    noise = x.shape if noise_shape is None else as_shape(noise_shape)
+    for d in noise:
+        x.shape.index(d)  # a ShapeError unless every dim of noise_shape is one of x's
     if rate == 0.0:
         return x
-    keep = uniform(key, x.shape if noise_shape is None else as_shape(noise_shape)) >= rate
+    keep = uniform(key, noise) >= rate
     return x * keep / (1.0 - rate)

@@ -76,6 +76,12 @@ class Tensor:
         dtype = getattr(self._data, "dtype", None)
         return f"Tensor({self.shape}, dtype={dtype})"
 
+    def __bool__(self) -> bool:
+        """The truth value of a 0-d tensor; for more dims, a ShapeError (as numpy, which also refuses)."""
+        if self.shape.rank:
+            raise ShapeError(f"the truth value of an md tensor {self.shape} is ambiguous; reduce it first (md.reduce_max, md.reduce_min)")
+        return bool(self.array)
+
     def __neg__(self):
         from meshdsl.ops import elementwise
 
@@ -115,6 +121,25 @@ for _dunder, _op in [
     setattr(Tensor, f"__{_dunder}__", _binary(_op))
 
 
+def describe(x: Any) -> str:
+    """``x`` for an error message: an md tensor's shape, an array's dtype and sizes, else its type
+    and value (never a JAX tracer's internals)."""
+    if isinstance(x, Tensor):
+        return f"an md tensor {x.shape} of {x.dtype}"
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"an array {np.dtype(x.dtype).name}[{', '.join(map(str, x.shape))}] without dim names"
+    text = repr(x)
+    return f"{type(x).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def dtype_of(dtype: Any, what: str) -> np.dtype:
+    """``dtype`` as a numpy dtype; a ShapeError naming ``what`` if it is none."""
+    try:
+        return jnp.dtype(dtype)
+    except TypeError:
+        raise ShapeError(f"{what}: {dtype!r} is not a dtype (e.g. jnp.float32, 'bfloat16', 'int32')") from None
+
+
 def tensor(array: Any, dims: ShapeLike | str | Sequence[str]) -> Tensor:
     """A :class:`Tensor` from an array and its dims.
 
@@ -122,9 +147,14 @@ def tensor(array: Any, dims: ShapeLike | str | Sequence[str]) -> Tensor:
     a list of names, or a space-separated string of names (sizes taken from the array).
     """
     if not isinstance(array, jax.Array):
-        array = jnp.asarray(array)
+        try:
+            array = jnp.asarray(array)
+        except TypeError:
+            raise ShapeError(f"md.tensor: {describe(array)} is not an array of numbers") from None
     if isinstance(dims, str):
         dims = dims.split()
+    if not isinstance(dims, (Dim, Shape, list, tuple)):
+        raise ShapeError(f"md.tensor: dims must be md.Dims, a Shape, names or a string of names, got {describe(dims)}")
     dims = [dims] if isinstance(dims, Dim) else list(dims.dims if isinstance(dims, Shape) else dims)
     if len(dims) != array.ndim:
         raise ShapeError(f"array of shape {tuple(array.shape)} has {array.ndim} axes, but {len(dims)} dims were named: {dims}")

@@ -1,20 +1,9 @@
-"""Models written only in meshdsl ops. Each module has a ``Config`` with presets and a ``Model``.
+"""The shipped models, written only in meshdsl ops; installed as ``meshdsl.models``.
 
-A model is layout-free: the same code runs under every layout. ``get(name)`` returns a module.
+Each module has a ``Config`` dataclass with ``PRESETS`` and a ``Model``: the form every model takes,
+shipped or the user's (see :mod:`meshdsl.model_loader`, which loads them all). A model is
+layout-free: the same code runs under every layout.
 """
 
-from __future__ import annotations
-
-import importlib
-from types import ModuleType
-
-from meshdsl.errors import ConfigError
-
 NAMES = ("mlp", "transformer", "moe", "convnet")
-
-
-def get(name: str) -> ModuleType:
-    """The model module called ``name``."""
-    if name not in NAMES:
-        raise ConfigError(f"unknown model {name!r}; choose one of {', '.join(NAMES)}")
-    return importlib.import_module(f"models.{name}")
+"""The shipped models, by the name ``--model`` takes."""

@@ -2,8 +2,9 @@
 
 Dims: ``batch, height, width, channels`` (the image), one channel dim per conv layer
 (``channels_1 ... channels_L``), the kernel's ``kh, kw`` and ``classes``. ``layers`` 3x3 convs
-(``md`` ``conv2d``, "SAME") with bias and relu, global average pooling over ``height`` and
-``width``, a dense classifier, softmax cross-entropy over ``classes``.
+(``md.nn.Conv2d``, "SAME", He-normal) with bias and relu, global average pooling over ``height``
+and ``width``, a dense classifier (``md.nn.Linear`` plus a bias), softmax cross-entropy over
+``classes``.
 
 Any layout applies: ``height:space`` (layouts/spatial.toml) splits the image into horizontal
 bands, each conv exchanging one-row halos with its neighbours and the pooling ending in a
@@ -27,8 +28,7 @@ import jax.numpy as jnp
 
 import meshdsl as md
 from meshdsl.errors import ConfigError
-from models.presets import Presets
-from meshdsl.ops.conv import conv2d
+from meshdsl.models.presets import Presets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +62,9 @@ class Config(Presets):
 class Model:
     """The convnet for ``config``: ``init``, ``batch``, ``loss``."""
 
+    LAYOUTS = ("spatial", "data_parallel")
+    """The shipped layouts (layouts/*.toml) this model is benchmarked under by default."""
+
     def __init__(self, config: Config):
         c = self.config = config
         D = md.Dim
@@ -69,6 +72,9 @@ class Model:
         self.kh, self.kw, self.classes = D("kh", c.kernel), D("kw", c.kernel), D("classes", c.classes)
         # chans[0] is the image's; chans[i] the output of conv layer i.
         self.chans = [D("channels", c.in_channels)] + [D(f"channels_{i}", c.channels) for i in range(1, c.layers + 1)]
+        k = (c.kernel, c.kernel)
+        self.convs = [md.nn.Conv2d(a, b, k, init_scale=2**0.5) for a, b in zip(self.chans, self.chans[1:])]
+        self.classifier = md.nn.Linear(self.chans[-1], self.classes)
 
     def parameter_count(self) -> int:
         c = self.config
@@ -77,27 +83,19 @@ class Model:
 
     def init(self, key: jax.Array) -> dict[str, Any]:
         """He-normal conv kernels, zero biases, a 1/sqrt(fan_in) classifier; the same under every layout."""
-        c = self.config
-        keys = jax.random.split(key, c.layers + 1)
-        convs = []
-        for i, (cin, cout) in enumerate(zip(self.chans, self.chans[1:])):
-            fan_in = c.kernel**2 * cin.size
-            convs.append({
-                "kernel": md.random.normal(keys[i], [self.kh, self.kw, cin, cout]) * (2.0 / fan_in) ** 0.5,
-                "bias": md.zeros([cout]),
-            })
+        keys = jax.random.split(key, self.config.layers + 1)
         return {
-            "convs": convs,
-            "dense": md.random.normal(keys[-1], [self.chans[-1], self.classes]) * (c.channels**-0.5),
+            "convs": [conv.init(k) for conv, k in zip(self.convs, keys)],
+            "dense": self.classifier.init(keys[-1]),
             "dense_bias": md.zeros([self.classes]),
         }
 
     def logits(self, params: dict[str, Any], images: md.Tensor) -> md.Tensor:
         x = images
-        for p, cin, cout in zip(params["convs"], self.chans, self.chans[1:]):
-            x = md.relu(conv2d(x, p["kernel"], self.height, self.width, cin, cout, self.kh, self.kw) + p["bias"])
+        for conv, p in zip(self.convs, params["convs"]):
+            x = md.relu(conv(p, x))
         pooled = md.reduce_mean(x, [self.height, self.width])
-        return md.einsum(pooled, params["dense"], out=[self.batch_dim, self.classes]) + params["dense_bias"]
+        return self.classifier(params["dense"], pooled) + params["dense_bias"]
 
     def loss(self, params: dict[str, Any], batch: dict[str, md.Tensor]) -> md.Tensor:
         """Mean softmax cross-entropy over ``classes``."""

@@ -1,4 +1,4 @@
-"""The two-layer MLP of the Mesh-TensorFlow paper: ``y = relu(x w1) w2``.
+"""The two-layer MLP of the Mesh-TensorFlow paper: ``y = relu(x w1) w2``, two ``md.nn.Linear`` layers.
 
 Dims ``batch``, ``d_io`` (input and output width) and ``d_ff`` (hidden width). Trained (mean
 squared error) to map random inputs to a fixed, learnable target: the input rotated by one place
@@ -13,7 +13,7 @@ import dataclasses
 import jax
 
 import meshdsl as md
-from models.presets import Presets
+from meshdsl.models.presets import Presets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,17 +41,16 @@ class Model:
         self.batch_dim = md.Dim("batch", config.batch)
         self.io = md.Dim("d_io", config.d_io)
         self.ff = md.Dim("d_ff", config.d_ff)
+        self.hidden = md.nn.Linear(self.io, self.ff)
+        self.output = md.nn.Linear(self.ff, self.io)
 
     def init(self, key: jax.Array) -> dict[str, md.Tensor]:
+        """LeCun-normal weights (normal, standard deviation 1/sqrt(fan_in)); the same under every layout."""
         k1, k2 = jax.random.split(key)
-        return {
-            "w1": md.random.normal(k1, [self.io, self.ff]) * (self.config.d_io**-0.5),
-            "w2": md.random.normal(k2, [self.ff, self.io]) * (self.config.d_ff**-0.5),
-        }
+        return {"w1": self.hidden.init(k1), "w2": self.output.init(k2)}
 
     def apply(self, params: dict[str, md.Tensor], x: md.Tensor) -> md.Tensor:
-        h = md.relu(md.einsum(x, params["w1"], out=[self.batch_dim, self.ff]))
-        return md.einsum(h, params["w2"], out=[self.batch_dim, self.io])
+        return self.output(params["w2"], md.relu(self.hidden(params["w1"], x)))
 
     def batch(self, key: jax.Array) -> dict[str, md.Tensor]:
         """A synthetic batch: random inputs and their targets (see the module docstring)."""

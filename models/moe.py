@@ -1,9 +1,9 @@
 """Mixture-of-experts Transformer: models/transformer.py with GShard / Mesh-TF top-2 MoE feed-forwards.
 
 Every ``moe_every``-th layer (all of them by default) replaces the feed-forward by ``experts``
-feed-forwards and a router, as in Mesh-TensorFlow's ``moe.py`` (``transformer_moe_layer_v1``,
-``_top_2_gating``) and GShard. Attention, norms, embedding, cross-entropy and the synthetic task
-are the base model's.
+feed-forwards and a router (``md.nn.MoE``), as in Mesh-TensorFlow's ``moe.py``
+(``transformer_moe_layer_v1``, ``_top_2_gating``) and GShard. Attention, norms, embedding,
+cross-entropy and the synthetic task are the base model's.
 
 Dims, beyond the Transformer's:
 
@@ -59,11 +59,10 @@ import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 import meshdsl as md
 from meshdsl.errors import ConfigError
-from models import transformer
+from meshdsl.models import transformer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +128,7 @@ class Model(transformer.Model):
         self.groups = D("groups", c.batch)
         self.capacity = D("expert_capacity", c.expert_capacity)
         self.top = D("top", 2)
+        self.moe = md.nn.MoE(self.d_model, self.d_ff, self.experts, capacity_factor=c.capacity_factor)
 
     # ---- parameters -------------------------------------------------------------------------
 
@@ -137,10 +137,10 @@ class Model(transformer.Model):
         k_base, k_gate, k_in, k_out, k_dense = jax.random.split(key, 5)
         params = super().init(k_base)  # embed, unembed, final norm, attention and norms stacked along `layers`
         layer = {k: v for k, v in params["layers"].items() if k not in ("w_in", "w_out")}
-        L, dm, ff, E, Eu = self.layers, self.d_model, self.d_ff, self.experts, self.experts_unsplit
-        layer["w_gate"] = md.random.normal(k_gate, [L, dm, Eu]) * (dm.size**-0.5)
-        layer["w_in"] = md.random.normal(k_in, [L, E, dm, ff]) * (dm.size**-0.5)
-        layer["w_out"] = md.random.normal(k_out, [L, E, ff, dm]) * (ff.size**-0.5)
+        L, E = self.layers, self.experts
+        layer["w_gate"] = self.moe.router.init(k_gate, [L])
+        layer["w_in"] = self.moe.expert_input.init(k_in, [L, E])
+        layer["w_out"] = self.moe.expert_output.init(k_out, [L, E])
         if self.sublayers is not None:
             S = self.sublayers
             dense = transformer.Model(self.config.transformer_config(layers=L.size * S.size)).init(k_dense)["layers"]
@@ -155,48 +155,19 @@ class Model(transformer.Model):
     # ---- the layers -------------------------------------------------------------------------
 
     def route(self, probs: md.Tensor) -> tuple[md.Tensor, md.Tensor, md.Tensor]:
-        """Top-2 routing with capacity, per group (batch row).
+        """Top-2 routing with capacity, per group (batch row): ``md.nn.MoE.route``.
 
         ``probs``: router probabilities ``[batch, length, experts_unsplit]`` (float32). Returns
         ``dispatch`` and ``combine`` ``[batch, length, experts_unsplit, expert_capacity]`` and the
         load-balancing loss of each group ``[batch]``.
         """
-        b, l, Eu, C, top = self.batch_dim, self.length, self.experts_unsplit, self.capacity, self.top
-        gate, index = md.top_k(probs, Eu, top)  # [b, l, top], first choice first
-        choice = md.one_hot(index, Eu, dtype=jnp.int32)  # [b, l, top, Eu]
-        # Slot in the expert's buffer: earlier tokens of this group with the same choice rank, plus
-        # every token that chose the expert at a better rank (first choices fill buffers first).
-        within = md.cumsum(choice, l, exclusive=True)
-        before = md.cumsum(md.reduce_sum(choice, l), top, exclusive=True)
-        position = md.reduce_sum((within + before) * choice, Eu)  # [b, l, top]
-        slot = md.one_hot(position, C)  # all zeros past capacity: the choice is dropped
-        gate = gate / (md.reduce_sum(gate, top) + 1e-9)
-        chosen = md.cast(choice, jnp.float32)
-        dispatch = md.einsum(chosen, slot, out=[b, l, Eu, C])
-        combine = md.einsum(chosen, slot, gate, out=[b, l, Eu, C])
-        first = md.cast(md.equal(md.range(top), 0), jnp.float32)
-        fraction = md.reduce_mean(md.reduce_sum(chosen * first, top), l)  # [b, Eu], first choices, before capacity
-        aux = md.reduce_sum(fraction * md.reduce_mean(probs, l), Eu) * float(Eu.size)
-        return dispatch, combine, aux
-
-    def _moe(self, h: md.Tensor, w: dict[str, md.Tensor]) -> tuple[md.Tensor, md.Tensor]:
-        """The MoE feed-forward of the normed ``h`` ``[batch, length, d_model]``, and the per-group balancing loss."""
-        b, l, dm, ff, C = self.batch_dim, self.length, self.d_model, self.d_ff, self.capacity
-        E, Eu, G = self.experts, self.experts_unsplit, self.groups
-        logits = md.einsum(md.cast(h, jnp.float32), w["w_gate"], out=[b, l, Eu])
-        dispatch, combine, aux = self.route(md.softmax(logits, Eu))
-        x = md.einsum(md.cast(dispatch, self.dtype), h, out=[Eu, b, C, dm])
-        x = md.reshape(x, [E, G, C, dm])  # dispatch: the batch split becomes the experts split
-        hidden = md.gelu(md.einsum(x, w["w_in"], out=[E, G, C, ff]))
-        y = md.einsum(hidden, w["w_out"], out=[E, G, C, dm])
-        y = md.reshape(y, [Eu, b, C, dm])  # combine: and back
-        return md.einsum(md.cast(combine, self.dtype), y, out=[b, l, dm]), aux
+        return self.moe.route(probs)
 
     def _moe_layer(self, x: md.Tensor, p: dict[str, md.Tensor]) -> tuple[md.Tensor, md.Tensor]:
         w = self._weights(p)
         x = self._attention(x, w)
-        w["w_gate"] = md.cast(p["w_gate"], jnp.float32)  # the router runs in float32, as in Mesh-TF
-        y, aux = self._moe(self._norm(x, w["norm2"]), w)
+        # The router runs in float32 from the float32 masters, as in Mesh-TF.
+        y, aux = self.moe({"w_gate": p["w_gate"], "w_in": w["w_in"], "w_out": w["w_out"]}, self.norm(w["norm2"], x))
         return x + y, aux
 
     def _block(self, x: md.Tensor, p: dict[str, Any]) -> tuple[md.Tensor, md.Tensor]:

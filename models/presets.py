@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from meshdsl.errors import ConfigError
-
 
 class Presets:
-    """Mixin for a model's ``Config`` dataclass: ``PRESETS`` maps a name to field values."""
+    """Mixin for a shipped model's ``Config`` dataclass: ``PRESETS`` maps a name to field values.
+
+    A convenience for Python code; a model needs only ``PRESETS`` (no base class), which
+    :func:`meshdsl.model_loader.configure` reads for every command.
+    """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
 
     @classmethod
     def preset(cls, name: str, **overrides: Any):
-        """The preset ``name`` with ``overrides`` applied."""
-        if name not in cls.PRESETS:
-            model = cls.__module__.split(".")[-1]
-            raise ConfigError(f"unknown preset {name!r} for {model}; choose one of {', '.join(cls.PRESETS)}")
-        return cls(**{**cls.PRESETS[name], **overrides})
+        """The preset ``name`` with ``overrides`` applied (checked as ``--set`` values are)."""
+        from meshdsl.model_loader import configure
+
+        return configure(cls, name, overrides, cls.__module__.split(".")[-1])

@@ -1,9 +1,11 @@
 """Decoder-only Transformer language model, written once in named dims.
 
 Dims: ``batch, length, d_model, heads, d_kv, d_ff, vocab, layers`` (and ``memory``, the keys'
-copy of ``length``, and ``qkv``, the three fused attention projections). Embedding, causal multi-head attention, feed-forward, RMSNorm or LayerNorm,
-softmax cross-entropy over ``vocab`` (which a layout may split: the logsumexp then costs one pmax
-and one psum). The layers' parameters are stacked along ``layers`` and run with ``md.scan``.
+copy of ``length``, and ``qkv``, the three fused attention projections). Built from ``md.nn``:
+``Embedding``, causal ``MultiHeadAttention``, the ``MLP`` feed-forward, ``RMSNorm`` or
+``LayerNorm`` (no bias), a ``Linear`` unembedding, and softmax cross-entropy over ``vocab``
+(which a layout may split: the logsumexp then costs one pmax and one psum). The layers'
+parameters are stacked along ``layers`` and run with ``md.scan``.
 
 The synthetic task: each sequence follows ``t[i+1] = (5 t[i] + 3) mod vocab`` from a random
 start (so ``t[i] = 5^i t[0] + 3 (1 + 5 + ... + 5^(i-1)) mod vocab``), the next token is
@@ -19,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 import meshdsl as md
-from models.presets import Presets
+from meshdsl.models.presets import Presets
 from meshdsl.errors import ConfigError
 
 
@@ -62,29 +64,34 @@ class Model:
         self.d_ff, self.vocab, self.layers = D("d_ff", c.d_ff), D("vocab", c.vocab), D("layers", c.layers)
         self.qkv = D("qkv", 3)
         self.dtype = jnp.dtype(c.compute_dtype)
+        self.norm = md.nn.RMSNorm(self.d_model) if c.norm == "rms" else md.nn.LayerNorm(self.d_model, bias=False)
+        self.attention = md.nn.MultiHeadAttention(self.d_model, self.heads, self.d_kv, causal=True)
+        self.feed_forward = md.nn.MLP(self.d_model, self.d_ff)
+        self.embedding = md.nn.Embedding(self.vocab, self.d_model)
+        self.unembedding = md.nn.Linear(self.d_model, self.vocab)
 
     def init(self, key: jax.Array) -> dict[str, Any]:
-        """Parameters: normal(0, 1/sqrt(fan_in)) weights, unit norm scales; the same under every layout."""
-        L, dm, h, kv, ff, v = self.layers, self.d_model, self.heads, self.d_kv, self.d_ff, self.vocab
+        """Parameters: normal(0, 1/sqrt(fan_in)) weights, unit norm scales; the same under every layout.
+
+        Each weight takes its key from one split in a fixed order (the parameters of the model
+        before it was built on ``md.nn``, bit for bit).
+        """
+        L = [self.layers]
         keys = iter(jax.random.split(key, 8))
-
-        def dense(shape: list, fan_in: int) -> md.Tensor:
-            return md.random.normal(next(keys), shape) * (fan_in**-0.5)
-
         layer = {
-            "norm1": md.ones([L, dm]),
-            "wqkv": dense([L, dm, self.qkv, h, kv], dm.size),
-            "wo": dense([L, h, kv, dm], h.size * kv.size),
-            "norm2": md.ones([L, dm]),
-            "w_in": dense([L, dm, ff], dm.size),
-            "w_out": dense([L, ff, dm], ff.size),
+            "norm1": self.norm.init(None, L),
+            "wqkv": self.attention.qkv_projection.init(next(keys), L),
+            "wo": self.attention.output_projection.init(next(keys), L),
+            "norm2": self.norm.init(None, L),
+            "w_in": self.feed_forward.input_projection.init(next(keys), L),
+            "w_out": self.feed_forward.output_projection.init(next(keys), L),
         }
-        return {"embed": dense([v, dm], 1), "layers": layer, "final_norm": md.ones([dm]), "unembed": dense([dm, v], dm.size)}
-
-    def _norm(self, x: md.Tensor, scale: md.Tensor) -> md.Tensor:
-        if self.config.norm == "layer":
-            x = x - md.reduce_mean(x, self.d_model)
-        return x * md.rsqrt(md.reduce_mean(md.square(x), self.d_model) + 1e-6) * md.cast(scale, x.dtype)
+        return {
+            "embed": self.embedding.init(next(keys)),
+            "layers": layer,
+            "final_norm": self.norm.init(None),
+            "unembed": self.unembedding.init(next(keys)),
+        }
 
     def _weights(self, p: dict[str, md.Tensor]) -> dict[str, md.Tensor]:
         """One layer's parameters in the compute dtype (f32 masters stay in the state)."""
@@ -92,24 +99,11 @@ class Model:
 
     def _attention(self, x: md.Tensor, w: dict[str, md.Tensor]) -> md.Tensor:
         """``x`` plus causal multi-head self-attention of its norm."""
-        h = self._norm(x, w["norm1"])
-        # One fused projection: h meets the (possibly head-split) weights once, so its gradient is
-        # summed over the split once.
-        # Dim orders follow the matmuls (heads before length) so XLA needs no transposes between them.
-        qkv = md.einsum(h, w["wqkv"], out=[self.qkv, self.batch_dim, self.heads, self.length, self.d_kv])
-        q, k, v = md.unstack(qkv, self.qkv)
-        q = q * (self.d_kv.size**-0.5)
-        k, v = md.rename(k, "length", "memory"), md.rename(v, "length", "memory")
-        scores = md.einsum(q, k, out=[self.batch_dim, self.heads, self.length, self.memory])
-        causal = md.range(self.length) >= md.range(self.memory)
-        probs = md.softmax(md.where(causal, scores, -1e9), self.memory)
-        attended = md.einsum(probs, v, out=[self.batch_dim, self.heads, self.length, self.d_kv])
-        return x + md.einsum(attended, w["wo"], out=[self.batch_dim, self.length, self.d_model])
+        return x + self.attention({"wqkv": w["wqkv"], "wo": w["wo"]}, self.norm(w["norm1"], x))
 
     def _feed_forward(self, x: md.Tensor, w: dict[str, md.Tensor]) -> md.Tensor:
         """``x`` plus the GELU feed-forward of its norm."""
-        h = md.gelu(md.einsum(self._norm(x, w["norm2"]), w["w_in"], out=[self.batch_dim, self.length, self.d_ff]))
-        return x + md.einsum(h, w["w_out"], out=[self.batch_dim, self.length, self.d_model])
+        return x + self.feed_forward({"w_in": w["w_in"], "w_out": w["w_out"]}, self.norm(w["norm2"], x))
 
     def _layer(self, x: md.Tensor, p: dict[str, md.Tensor]) -> md.Tensor:
         w = self._weights(p)
@@ -117,13 +111,12 @@ class Model:
 
     def embed(self, params: dict[str, Any], tokens: md.Tensor) -> md.Tensor:
         """Token embeddings ``[batch, length, d_model]`` in the compute dtype."""
-        return md.cast(md.gather(params["embed"], tokens, "vocab"), self.dtype)
+        return md.cast(self.embedding(params["embed"], tokens), self.dtype)
 
     def head(self, params: dict[str, Any], x: md.Tensor) -> md.Tensor:
         """Logits ``[batch, length, vocab]`` (float32) of the final residual stream ``x``."""
-        x = self._norm(x, md.cast(params["final_norm"], self.dtype))
-        logits = md.einsum(x, md.cast(params["unembed"], self.dtype), out=[self.batch_dim, self.length, self.vocab])
-        return md.cast(logits, jnp.float32)
+        x = self.norm(md.cast(params["final_norm"], self.dtype), x)
+        return md.cast(self.unembedding(md.cast(params["unembed"], self.dtype), x), jnp.float32)
 
     def cross_entropy(self, logits: md.Tensor, targets: md.Tensor) -> md.Tensor:
         """Mean next-token cross-entropy; over a split ``vocab`` it costs one pmax and two small psums."""

@@ -383,7 +383,7 @@ def test_a_rule_naming_no_dim_of_the_model_is_warned_about(workspace: Path, caps
 
 def test_every_shipped_rule_names_a_dim_of_some_shipped_model() -> None:
     """Why shipped layouts never warn: each of their rules splits a dim that some shipped model has."""
-    import models
+    from meshdsl import models
 
     dims = set().union(*(rules.model_dims(build_model(name, "tiny")) for name in models.NAMES))
     for path in sorted(rules.LAYOUTS.glob("*.toml")):

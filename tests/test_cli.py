@@ -15,7 +15,7 @@ import meshdsl as md
 from meshdsl.bench.run import BenchConfig, run
 from meshdsl.errors import DataError
 from meshdsl.train.data import TokenFile
-from models import transformer
+from meshdsl.models import transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,7 +144,7 @@ def test_bench_shows_bf16_gradient_reduction_halving_the_bytes(tmp_path):
 
 def test_bf16_gradient_reduction_trains():
     """``--grad-reduce-dtype bfloat16``: gradients are summed in bf16 (XLA on CPU widens them to f32)."""
-    import models.transformer as transformer
+    import meshdsl.models.transformer as transformer
     from meshdsl.train import optim
     from meshdsl.train.step import Trainer
 
@@ -162,3 +162,189 @@ def test_bf16_gradient_reduction_trains():
         state, loss = trainer.step(state, key)
         losses.append(float(loss))
     assert losses[-1] < 0.5 * losses[0]
+
+
+# ---- models of the user's: a file or an importable module, in every command -------------------------------
+
+MODEL = '''
+import dataclasses
+
+import jax
+
+import meshdsl as md
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    rows: int = 16
+    cols: int = 8
+    units: int = 32
+
+    PRESETS = {"tiny": {}, "big": dict(rows=64, units=128)}
+
+
+class Model:
+    def __init__(self, config):
+        self.config = config
+        self.rows, self.cols, self.units = (md.Dim(n, getattr(config, n)) for n in ("rows", "cols", "units"))
+
+    def init(self, key):
+        k1, k2 = jax.random.split(key)
+        return {"a": md.random.normal(k1, [self.cols, self.units]), "b": md.random.normal(k2, [self.units, self.cols])}
+
+    def batch(self, key):
+        x = md.random.normal(key, [self.rows, self.cols])
+        return {"x": x, "y": md.square(x)}
+
+    def loss(self, params, batch):
+        h = md.relu(md.einsum(batch["x"], params["a"], out=[self.rows, self.units]))
+        return md.reduce_mean(md.square(md.einsum(h, params["b"], out=[self.rows, self.cols]) - batch["y"]))
+'''
+
+BROKEN = {
+    "syntax.py": "def broken(:\n    pass\n",
+    "raises.py": "import dataclasses\n\nvalue = undefined_name + 1\n",
+    "needs.py": "import nonexistent_dependency_xyz\n",
+    "no_config.py": "class Model:\n    pass\n",
+    "not_dataclass.py": "class Config:\n    PRESETS = {'tiny': {}}\n\n\nclass Model:\n    pass\n",
+    "no_presets.py": "import dataclasses\n\n\n@dataclasses.dataclass\nclass Config:\n    rows: int = 4\n\n\nclass Model:\n    pass\n",
+    "no_loss.py": MODEL.replace("    def loss(self, params, batch):", "    def lost(self, params, batch):"),
+    "notes.txt": "not a model\n",
+}
+
+
+@pytest.fixture
+def models_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A working folder holding a good model file, broken ones, and a package ``userpkg`` on sys.path."""
+    (tmp_path / "good.py").write_text(MODEL)
+    for name, text in BROKEN.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "userpkg").mkdir()
+    (tmp_path / "userpkg" / "__init__.py").write_text("")
+    (tmp_path / "userpkg" / "model.py").write_text(MODEL)
+    (tmp_path / "userpkg" / "broken.py").write_text("import dataclasses\nraise RuntimeError('bad weights file')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+TINY = ["--preset", "tiny"]
+MODEL_MISTAKES = {
+    "file not found": (["--model", "missing.py", *TINY], ["--model 'missing.py': file not found"]),
+    "not a python file": (["--model", "notes.txt", *TINY], ["--model 'notes.txt' is not a Python file"]),
+    "a directory": (["--model", "adir", *TINY], ["--model 'adir' is a directory"]),
+    "syntax error": (["--model", "syntax.py", *TINY], ["importing it failed at", "syntax.py:1 (`def broken(:`): SyntaxError"]),
+    "error in the module": (["--model", "raises.py", *TINY],
+                            ["raises.py:3 (`value = undefined_name + 1`): NameError: name 'undefined_name' is not defined"]),
+    "missing dependency": (["--model", "needs.py", *TINY],
+                           ["needs.py:1 (`import nonexistent_dependency_xyz`): ModuleNotFoundError: No module named 'nonexistent_dependency_xyz'"]),
+    "no Config": (["--model", "no_config.py", *TINY], ["model no_config.py has no Config:", "PRESETS"]),
+    "Config not a dataclass": (["--model", "not_dataclass.py", *TINY], ["Config is not a dataclass"]),
+    "no PRESETS": (["--model", "no_presets.py", *TINY], ["Config.PRESETS must be a non-empty dict", "got None"]),
+    "Model without loss": (["--model", "no_loss.py", *TINY], ["Model has no loss"]),
+    "unknown preset": (["--model", "good.py", "--preset", "huge"], ["unknown preset 'huge' for good.py; choose one of tiny, big"]),
+    "unknown --set field": (["--model", "good.py", *TINY, "--set", "depth=3"], ["model good.py has no option depth; its fields are rows, cols, units"]),
+    "--set of the wrong type": (["--model", "good.py", *TINY, "--set", "units=wide"], ["model good.py: units='wide'", "integer of at least 1"]),
+    "unknown module": (["--model", "nosuchpkg.model", *TINY], ["unknown model 'nosuchpkg.model'", "a Python file (path/to/model.py)"]),
+    "module that fails to import": (["--model", "userpkg.broken", *TINY],
+                                    ["userpkg/broken.py:2 (`raise RuntimeError('bad weights file')`): RuntimeError: bad weights file"]),
+}
+COMMANDS = {
+    "train": ["train", "--steps", "1"],
+    "bench": ["bench", "--rounds", "1"],
+    "explain": ["explain", "--no-compile"],
+    "search": ["search", "--profile", "cpu-sim"],
+    "launch train": ["launch", "--local", "2", "--", "train"],
+}
+
+
+def _error(argv: list[str], capsys) -> str:
+    """The one error line ``meshdsl argv`` prints (exit status 2, nothing on stdout, no traceback)."""
+    from meshdsl.cli import main
+
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and "Traceback" not in err, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, expected", list(MODEL_MISTAKES.values()), ids=list(MODEL_MISTAKES))
+def test_a_mistake_in_a_users_model_is_one_line(args: list[str], expected: list[str], models_dir: Path, capsys) -> None:
+    line = _error(["train", "--steps", "1", *args], capsys)
+    assert line.startswith("meshdsl train: error: "), line
+    for text in expected:
+        assert text in line, (text, line)
+
+
+@pytest.mark.parametrize("command", list(COMMANDS.values()), ids=list(COMMANDS))
+def test_every_command_loads_models_the_same_way(command: list[str], models_dir: Path, capsys) -> None:
+    for args, expected in (MODEL_MISTAKES["unknown preset"], MODEL_MISTAKES["error in the module"]):
+        line = _error([*command, *args], capsys)
+        assert all(text in line for text in expected), line
+
+
+def test_set_overrides_a_field_in_every_command(models_dir: Path) -> None:
+    from meshdsl.cli import _config, _parser
+    from meshdsl.model_loader import build_model
+
+    for command in COMMANDS.values():
+        argv = [*command, "--model", "good.py", *TINY, "--set", "units=48", "--set", "rows=8"]
+        if command[0] == "launch":
+            argv = argv[argv.index("--") + 1:]
+        config = _config(_parser().parse_args(argv))
+        overrides = getattr(config, "overrides", config)
+        assert overrides == {"units": 48, "rows": 8}, argv
+        assert build_model("good.py", "tiny", **overrides).config == build_model("good.py", "tiny").config.__class__(rows=8, cols=8, units=48)
+
+
+def test_an_importable_module_is_a_model(models_dir: Path, capsys) -> None:
+    from meshdsl.cli import main
+
+    assert main(["explain", "--model", "userpkg.model", *TINY, "--layout", "rows:data", "--no-compile", "--profile", "cpu-sim"]) == 0
+    printed = capsys.readouterr().out
+    assert "meshdsl explain: userpkg.model tiny on mesh data=8" in printed and "all-reduce" in printed
+
+
+def test_optional_parts_missing_are_named_in_one_line(models_dir: Path, capsys) -> None:
+    """A model without flops_per_step, examples_per_step and LAYOUTS: bench and train say what they
+    leave out, and bench needs --layouts."""
+    import io
+
+    from meshdsl.train.loop import RunConfig, train
+
+    line = _error(["bench", "--model", "good.py", *TINY, "--rounds", "1"], capsys)
+    assert "model good.py lists no LAYOUTS (the layouts bench runs by default); name them, e.g. --layouts" in line
+    warned: list[str] = []
+    (row,) = run(BenchConfig(models=["good.py"], preset="tiny", layouts=["rows:data"], rounds=1, steps_per_round=1, out=str(models_dir / "out")),
+                 out=lambda s: None, warn=warned.append)
+    assert warned == [
+        "meshdsl bench: note: model good.py has no flops_per_step(), so no FLOP/s or MFU is reported",
+        "meshdsl bench: note: model good.py has no examples_per_step(), so no throughput is reported",
+    ]
+    assert row["layout"] == "rows:data" and row["flops_per_s"] is None and row["mfu"] is None and row["examples_per_s"] is None
+    assert row["collectives_measured"] == row["collectives_predicted"]
+    out, err = io.StringIO(), io.StringIO()
+    losses = train(RunConfig(model="good.py", preset="tiny", layout="rows:data", steps=2), out, err=err)
+    assert len(losses) == 2 and "examples/s" not in out.getvalue()
+    assert err.getvalue() == "meshdsl train: note: model good.py has no examples_per_step(), so no throughput is shown\n"
+
+
+def test_a_users_model_is_never_taken_for_a_shipped_one(models_dir: Path) -> None:
+    """A user's module called mlp (userpkg.mlp) gets no byte formula and no plain-JAX baseline of the shipped MLP
+    (they would read fields it lacks); the shipped MLP gets both."""
+    from meshdsl.bench import analytic, baselines
+    from meshdsl.model_loader import build_model, shipped_name
+
+    (models_dir / "userpkg" / "mlp.py").write_text(MODEL)
+    mine, shipped = build_model("userpkg.mlp", "tiny"), build_model("mlp", "tiny")
+    assert (shipped_name(mine), shipped_name(shipped)) == (None, "mlp")
+    mesh = md.Mesh({"data": 8})
+    layout = md.Layout("rows:data")
+    params = mine.init(jax.random.key(0))
+    assert analytic.minimum_bytes("data_parallel", mine, params, mesh, layout, clips=False) is None
+    assert baselines.make_step(mine, layout, mesh, {"params": params}, None, "sgd") is None
+    shipped_params = shipped.init(jax.random.key(0))
+    assert analytic.minimum_bytes("data_parallel", shipped, shipped_params, mesh, md.Layout("batch:data"), clips=False) > 0

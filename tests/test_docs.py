@@ -12,12 +12,15 @@ import meshdsl
 import meshdsl.checkpoint
 import meshdsl.distributed
 import meshdsl.launch
+import meshdsl.model_loader
 import meshdsl.pipeline
+import meshdsl.pipeline_config
 import meshdsl.planner
+import meshdsl.planner.roles
 from meshdsl import cli
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = [meshdsl.checkpoint, meshdsl.pipeline, meshdsl.distributed, meshdsl.launch]
+MODULES = [meshdsl.checkpoint, meshdsl.pipeline, meshdsl.pipeline_config, meshdsl.distributed, meshdsl.launch, meshdsl.model_loader, meshdsl.planner.roles]
 
 
 def _mentioned(name: str, text: str) -> bool:

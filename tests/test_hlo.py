@@ -1,4 +1,8 @@
-"""meshdsl.hlo reads the collectives, their sizes, groups and run counts out of compiled HLO."""
+"""meshdsl.hlo reads the collectives, their sizes, groups and run counts out of compiled HLO; and
+md.explain predicts exactly those of programs with a user's ``jax.checkpoint``, with and without
+``prevent_cse``, under checkpoint policies, inside and outside ``md.scan``, with the gradient taken
+inside ``md.compile`` and around it (the checkpoint then inside the compiled function or around the
+call), on every mesh shape."""
 
 import os
 
@@ -6,13 +10,21 @@ _DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
 if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}".strip()
 
+import functools  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
 from jax import lax  # noqa: E402
+from jax.ad_checkpoint import checkpoint_name  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
+import harness  # noqa: E402
+import meshdsl as md  # noqa: E402
+import strategies as S  # noqa: E402
+from meshdsl.explain import report_of_jaxpr  # noqa: E402
 from meshdsl.hlo import HloCollective, collectives, summary  # noqa: E402
 
 needs_8_devices = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (host) devices")
@@ -270,3 +282,151 @@ def test_element_sizes():
         "%ag1 = (c128[2]{0}, f64[], s4[2]{0}) all-gather(%p), replica_groups={{0,1}}, dimensions={0}",
     )
     assert [c.buffer_bytes for c in collectives(text)] == [3, 2, 4, 2, 32, 8, 2]
+
+
+# ---- md.explain against the compiled program under a user's jax.checkpoint -------------------------
+#
+# JAX lowers the recomputation of a differentiated jax.checkpoint with prevent_cse=True (its
+# default) behind an optimization barrier on its operands. XLA:CPU's first CSE respects it; its
+# second, after expanding the barriers and combining all-reduces, merges every recomputed
+# collective with the forward pass's but the all-reduces. With prevent_cse=False all merge. A
+# policy decides which values are saved, hence what is recomputed at all.
+
+POLICIES = {
+    "recompute all": None,
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "all but hidden": jax.checkpoint_policies.save_anything_except_these_names("hidden"),
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,
+}
+PLACES = ("grad inside md.compile", "grad around md.compile", "grad and checkpoint around md.compile")
+CHECKPOINT_MESHES = ({"x": 8}, {"data": 2, "model": 4}, {"a": 2, "b": 2, "c": 2})
+
+
+def _block(x: md.Tensor, w: md.Tensor, w2: md.Tensor) -> md.Tensor:
+    """``einsum(tanh(einsum(x, w)), w2)``, its hidden activation named ``hidden`` for policies."""
+    hidden = md.tanh(md.einsum(x, w, out=["batch", "d_ff"]))
+    hidden = jax.tree_util.tree_map(lambda a: checkpoint_name(a, "hidden"), hidden)
+    return md.einsum(hidden, w2, out=["batch", "d_model"])
+
+
+def _explained_and_run(
+    mesh_: md.Mesh, layout: md.Layout, args: list[md.Tensor], place: str, prevent_cse: bool, policy: str, scanned: bool, value: bool,
+    stored: md.Layout | None = None,
+) -> tuple[dict, dict]:
+    """(md.explain's summary, the compiled HLO's) of the gradient of ``sum(block)`` (``scanned``: a
+    residual layer loop of blocks), with ``value``: the loss too (the forward pass stays live);
+    ``stored``: the weights' layout (FSDP), else the layout's."""
+    in_layouts = (None, stored, stored)
+    remat = functools.partial(jax.checkpoint, prevent_cse=prevent_cse, policy=POLICIES[policy])
+    inner = remat if place != PLACES[2] else (lambda f: f)
+
+    def forward(x, w, w2):
+        if scanned:
+            layer = lambda h, p: (h + inner(_block)(h, p["w"], p["w2"]), None)  # noqa: E731
+            return md.reduce_sum(md.scan(layer, x, {"w": w, "w2": w2}, "layers")[0])
+        return md.reduce_sum(inner(_block)(x, w, w2))
+
+    differentiate = functools.partial(jax.value_and_grad if value else jax.grad, argnums=(0, 1, 2))
+    if place == PLACES[0]:
+        def program(x, w, w2):
+            return differentiate(lambda *a: forward(*a).array)(x, w, w2)
+
+        predicted = md.explain(program, mesh_, layout, *args, in_layouts=in_layouts).summary()
+        text = md.compile(program, mesh_, layout, in_layouts=in_layouts).lower(*args).compile().as_text()
+        return predicted, summary(text)
+    compiled = md.compile(forward, mesh_, layout, in_layouts=in_layouts)
+    call = remat(lambda *a: compiled(*a)) if place == PLACES[2] else compiled
+
+    def program(*arrays):
+        return differentiate(lambda *a: call(*(md.tensor(v, t.shape) for v, t in zip(a, args))).array)(*arrays)
+
+    arrays = [t.array for t in args]
+    predicted = report_of_jaxpr(jax.make_jaxpr(program)(*arrays).jaxpr, mesh_.axis_sizes, cpu=True).summary()
+    return predicted, summary(jax.jit(program).lower(*arrays).compile().as_text(), num_devices=mesh_.size)
+
+
+@pytest.mark.parametrize("prevent_cse", [True, False], ids=["prevent_cse", "allow_cse"])
+@pytest.mark.parametrize("place", PLACES)
+@settings(max_examples=S.examples(5))
+@given(
+    axes=st.sampled_from(CHECKPOINT_MESHES), data=st.data(), policy=st.sampled_from(list(POLICIES)), scanned=st.booleans(),
+    value=st.sampled_from([True, True, False]),  # mostly with the loss, which keeps the forward pass live
+)
+def test_explain_equals_hlo_under_user_checkpoints(place, prevent_cse, axes, data, policy, scanned, value):
+    mesh_ = md.Mesh(axes)
+    sizes = {"batch": 8, "d_model": 8, "d_ff": 8, "layers": 2}
+    pool = sizes if scanned else {k: v for k, v in sizes.items() if k != "layers"}
+    # d_model mostly split: the first einsum's partial sum is then the collective a recomputation
+    # repeats; or the weights stored with d_model split (FSDP), gathered again by the recomputation.
+    layout = data.draw(S.layouts_splitting(mesh_, pool, "d_model", risk=0.0), label="layout")
+    taken = {a for name in ("d_ff", "layers") for a in layout.rules.get(name, ())}
+    free = [axes for axes in S.axis_choices(mesh_) if axes and not taken & set(axes) and 8 % S.group_size(mesh_, md.Layout({"d": axes}), "d") == 0]
+    stored_axes = data.draw(st.sampled_from([None, *free]), label="weights stored with d_model over")
+    stored = None if stored_axes is None else md.Layout({**layout.rules, "d_model": stored_axes})
+    rng = np.random.default_rng(0)
+    stack = {"layers": 2} if scanned else {}
+    args = [
+        harness.rand(rng, {"batch": 8, "d_model": 8}),
+        harness.rand(rng, {**stack, "d_model": 8, "d_ff": 8}),
+        harness.rand(rng, {**stack, "d_ff": 8, "d_model": 8}),
+    ]
+    predicted, actual = _explained_and_run(mesh_, layout, args, place, prevent_cse, policy, scanned, value, stored)
+    assert predicted == actual
+
+
+def test_checkpointed_recomputation_is_kept_apart_unless_cse_is_allowed():
+    # issue 12 item 5: d_model:model; batch:data on data=2 model=4, value and gradient of a
+    # checkpointed block. The forward pass's all-reduce over model (tanh's input) is recomputed
+    # for the backward pass: kept behind the optimization barrier with prevent_cse=True (JAX's
+    # default), merged with the forward's with prevent_cse=False.
+    mesh_, layout = md.Mesh({"data": 2, "model": 4}), md.Layout("d_model:model; batch:data")
+    rng = np.random.default_rng(0)
+    args = [harness.rand(rng, {"batch": 16, "d_model": 16}), harness.rand(rng, {"d_model": 16, "d_ff": 16}), harness.rand(rng, {"d_ff": 16, "d_model": 16})]
+    kept = _explained_and_run(mesh_, layout, args, PLACES[0], True, "recompute all", False, True)
+    merged = _explained_and_run(mesh_, layout, args, PLACES[0], False, "recompute all", False, True)
+    assert kept[0] == kept[1] and merged[0] == merged[1]
+    recomputed = 2 * 3 / 4 * (16 // 2) * 16 * 4  # tanh's input [batch/2, d_ff] f32, all-reduced over model's 4
+    assert kept[1]["all-reduce"]["count"] == merged[1]["all-reduce"]["count"] + 1
+    assert kept[1]["all-reduce"]["bytes"] == merged[1]["all-reduce"]["bytes"] + recomputed
+
+
+_BARRIER_CASES = {
+    "all-reduce": (lambda w: lax.psum(w, "a"), P()),
+    "all-gather": (lambda w: lax.all_gather(w, "a", tiled=True), P()),
+    "reduce-scatter": (lambda w: lax.psum_scatter(w, "a", tiled=True), P("a")),
+    "all-to-all": (lambda w: lax.all_to_all(w, "a", 0, 0, tiled=True), P("a")),
+    "collective-permute": (lambda w: lax.ppermute(w, "a", [(0, 1), (1, 2), (2, 3), (3, 0)]), P("a")),
+}
+
+
+@needs_8_devices
+@pytest.mark.parametrize("kind", list(_BARRIER_CASES))
+def test_an_optimization_barrier_keeps_only_all_reduces_apart(kind):
+    # XLA:CPU expands optimization barriers before its last CSE, after its all-reduce combiner:
+    # of a collective and its copy behind a barrier, only an all-reduce runs twice.
+    collective, out = _BARRIER_CASES[kind]
+
+    def f(w):
+        return collective(w), collective(lax.optimization_barrier(w))
+
+    program = jax.shard_map(f, mesh=_mesh(), in_specs=P("a"), out_specs=(out, out), check_vma=False)
+    w = jnp.ones((16, 4), jnp.float32)
+    actual = summary(jax.jit(program).lower(w).compile().as_text())
+    assert actual[kind]["count"] == (2 if kind == "all-reduce" else 1)
+    assert report_of_jaxpr(jax.make_jaxpr(program)(w).jaxpr, {"a": 4, "b": 2}, cpu=True).summary() == actual
+
+
+def test_explain_refuses_collectives_in_a_while_loop():
+    # A while_loop's trip count is data: its collectives cannot be counted. An md error names it.
+    x = harness.rand(np.random.default_rng(1), {"batch": 8})
+
+    def fn(x):
+        def body(state):
+            i, total = state
+            return i + 1, total + md.reduce_sum(x).array
+
+        return lax.while_loop(lambda state: state[0] < 3, body, (0, jnp.float32(0)))[1]
+
+    with pytest.raises(md.ConfigError, match=r"psum\w* over x in op \w+ runs inside a while_loop"):
+        md.explain(fn, md.Mesh({"x": 8}), "batch:x", x)

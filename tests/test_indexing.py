@@ -205,6 +205,51 @@ def test_gather_clash_keeps_the_axis_where_it_costs_least():
     }
 
 
+# ---- one name for two dims: an error under every layout, never a wrong number ----
+
+NAME_CLASH_LAYOUTS = ["", "H:x", "H:(x y); d:z", "d:x"]
+
+
+def _name_clash_cases():
+    """(case, md function, its arguments, the name the message must give)."""
+    rng = np.random.default_rng(4)
+    w = harness.from_numpy(np.arange(8, dtype=np.float32), [D("H", 8)])
+    wd = harness.rand(rng, {"H": 8, "d": 4})
+    x = harness.rand(rng, {"d": 4, "H": 8})
+    return [
+        # the indices' H is another dim than the weights' H (spmd split both over x: [0, 1, 0, 1])
+        ("gather, index dim named like the gathered dim", lambda w, i: md.gather(w, i, "H"), (w, ints(rng, {"H": 4}, 0, 8)), "H"),
+        ("gather, same sizes", lambda w, i: md.gather(w, i, "H"), (w, ints(rng, {"H": 8}, 0, 8)), "H"),
+        ("gather, index dim named like a kept weights dim", lambda w, i: md.gather(w, i, "H"), (wd, ints(rng, {"d": 4}, 0, 8)), "d"),
+        ("take_along, index dim named like the looked-up dim", lambda x, i: md.take_along(x, i, "H"), (x, ints(rng, {"d": 4, "H": 8}, 0, 8)), "H"),
+        ("take_along, index dim x lacks", lambda x, i: md.take_along(x, i, "H"), (x, ints(rng, {"e": 2}, 0, 8)), "e"),
+        ("one_hot into a dim the indices have", lambda i: md.one_hot(i, D("H", 8)), (ints(rng, {"H": 8}, 0, 8),), "H"),
+        ("top_k, k_dim named like a kept dim", lambda x: md.top_k(x, "H", D("d", 2))[0], (x,), "d"),
+    ]
+
+
+@pytest.mark.parametrize("backend", ["eager", *harness.BACKENDS])
+@pytest.mark.parametrize("layout", NAME_CLASH_LAYOUTS)
+def test_one_name_for_two_dims_is_a_shape_error(backend, layout):
+    mesh = md.Mesh({"x": 2, "y": 2, "z": 2})
+    for case, fn, args, name in _name_clash_cases():
+        with pytest.raises(md.ShapeError) as info:
+            (fn if backend == "eager" else md.compile(fn, mesh, layout, backend=backend))(*args)
+        message = str(info.value)
+        op = case.split(",")[0].split()[0]
+        assert message.startswith(f"{op}:") and "\n" not in message, f"{case}: not one line naming the op: {message}"
+        assert f"{name}=" in message or f"{name!r}" in message or f" {name} " in message, f"{case}: the message does not name {name}: {message}"
+
+
+@pytest.mark.parametrize("layout", [{}, {"vocab": "x"}, {"vocab": ("x", "y"), "batch": "z"}, {"batch": "x", "vocab": "y"}])
+def test_top_k_with_k_dim_named_like_the_reduced_dim(layout):
+    # The result's vocab (size k) replaces the reduced vocab: a new dim under the same rule.
+    rng = np.random.default_rng(5)
+    x = harness.rand(rng, {"batch": 4, "vocab": 16})
+    fn = lambda x: md.top_k(x, "vocab", D("vocab", 4))  # noqa: E731
+    assert harness.check(fn, [x], lambda x: R.top_k(x, "vocab", "vocab", 4), md.Mesh({"x": 2, "y": 2, "z": 2}), layout)
+
+
 # ---- top_k and argmax ----
 
 

@@ -18,7 +18,7 @@ import meshdsl as md
 from meshdsl import hlo, pipeline
 from meshdsl.train import optim
 from meshdsl.train.step import Trainer
-from models import moe, transformer
+from meshdsl.models import moe, transformer
 
 LAYOUTS = Path(__file__).resolve().parents[1] / "layouts"
 RULES = {"layers": "stage", "batch": "data", "heads": "model", "d_ff": "model", "vocab": "model"}

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 import harness
+import model_figures
 import meshdsl as md
 from meshdsl import hlo
-import models.mlp as mlp
-import models.transformer as transformer
+import meshdsl.models.mlp as mlp
+import meshdsl.models.transformer as transformer
 from meshdsl.train import optim
 from meshdsl.train.step import Trainer
 
@@ -40,6 +41,8 @@ MODELS = {
 def test_every_layout_trains_like_one_device(name):
     model = MODELS[name]()
     reference, _ = _losses(model, optim.adamw(1e-2), *SINGLE)
+    why = model_figures.recorded_losses_mismatch(name, reference)
+    assert why is None, why
     for layout_name in model.LAYOUTS:
         layout = md.Layout.load(LAYOUTS / f"{layout_name}.toml")
         losses, _ = _losses(model, optim.adamw(1e-2), layout.mesh(), layout)

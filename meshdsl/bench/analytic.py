@@ -30,21 +30,12 @@ import jax
 
 import meshdsl as md
 from meshdsl.collectives import Collective, bytes_moved
+from meshdsl.model_loader import shipped_name
+from meshdsl.planner.memory import local_bytes
 
 
 def _ar(buffer: float, n: int) -> float:
     return bytes_moved(Collective.ALL_REDUCE, buffer, n)
-
-
-def _local_param_bytes(params: Any, mesh: md.Mesh, layout: md.Layout) -> float:
-    total = 0.0
-    for t in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, md.Tensor)):
-        n = 1
-        for axes in layout.axes(t.shape, mesh):
-            for a in axes:
-                n *= mesh.axis_sizes[a]
-        total += t.shape.size * t.dtype.itemsize / n
-    return total
 
 
 def _loop_params(params: Any) -> Any:
@@ -59,16 +50,16 @@ def minimum_bytes(name: str, model: Any, params: Any, mesh: md.Mesh, layout: md.
     """
     sizes = mesh.axis_sizes
     config = model.config
-    kind = type(model).__module__.split(".")[-1]
+    kind = shipped_name(model)
     if kind not in ("mlp", "transformer"):
         return None
     if name == "data_parallel":
         n = sizes["data"]
-        return _ar(_local_param_bytes(params, mesh, layout), n) + _ar(4, n)
+        return _ar(local_bytes(params, layout, mesh), n) + _ar(4, n)
     if name == "fsdp":
         n = sizes["data"]
-        stored = _local_param_bytes(params, mesh, layout.param_layout) * n
-        regathered = _local_param_bytes(_loop_params(params), mesh, layout.param_layout) * n
+        stored = local_bytes(params, layout.param_layout, mesh) * n
+        regathered = local_bytes(_loop_params(params), layout.param_layout, mesh) * n
         gathers = bytes_moved(Collective.ALL_GATHER, stored + regathered, n)
         return gathers + bytes_moved(Collective.REDUCE_SCATTER, stored, n) + _ar(4, n) + clips * _ar(4, n)
     if name not in ("megatron", "dp_tp"):
@@ -84,4 +75,4 @@ def minimum_bytes(name: str, model: Any, params: Any, mesh: md.Mesh, layout: md.
     activations += clips * _ar(4, m)
     if d == 1:
         return activations
-    return activations + _ar(_local_param_bytes(params, mesh, layout), d) + _ar(4, d)
+    return activations + _ar(local_bytes(params, layout, mesh), d) + _ar(4, d)

@@ -16,6 +16,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import meshdsl as md
+from meshdsl.model_loader import shipped_name
 
 
 def _sharding(mesh: md.Mesh, layout: md.Layout, names: str) -> NamedSharding:
@@ -88,7 +89,7 @@ def _like_params(state: Any, params: dict, shardings: dict, other: NamedSharding
 
 def make_step(model: Any, layout: md.Layout, mesh: md.Mesh, state: dict, data: jax.Array, optimizer: str) -> Callable[[], None] | None:
     """A timed step of the plain-JAX version of ``model`` (None if there is none), starting from ``state``'s parameters."""
-    kind = type(model).__module__.split(".")[-1]
+    kind = shipped_name(model)
     if kind not in _LOSSES:
         return None
     loss_fn, config = _LOSSES[kind], model.config

@@ -21,6 +21,11 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def _number(x: float | None, unit: float, spec: str) -> str:
+    """``x / unit`` formatted by ``spec``; ``-`` where the model gives no figure (no examples_per_step, flops_per_step)."""
+    return "-" if x is None else format(x / unit, spec)
+
+
 def _bubbles(p: dict[str, Any] | None) -> str:
     """Pipelined entries: the bubble fraction in theory, of the schedule's ticks, and measured."""
     if p is None:
@@ -40,8 +45,8 @@ COLUMNS = [
     ("mesh", lambda s: s["mesh"]),
     ("compile s", lambda s: f"{s['compile_s']:.1f}"),
     ("step ms", lambda s: f"{s['step_s_median'] * 1e3:.1f} ± {s['step_s_spread'] * 1e3:.1f}"),
-    ("throughput/s", lambda s: f"{s.get('tokens_per_s', s.get('examples_per_s')):,.0f}"),
-    ("GFLOP/s", lambda s: f"{s['flops_per_s'] / 1e9:,.1f}"),
+    ("throughput/s", lambda s: _number(s.get("tokens_per_s", s.get("examples_per_s")), 1, ",.0f")),
+    ("GFLOP/s", lambda s: _number(s["flops_per_s"], 1e9, ",.1f")),
     ("MFU", lambda s: "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"),
     ("mem/device", lambda s: _fmt_bytes(s["memory_bytes_per_device"]["total"])),
     ("collectives", lambda s: str(s["collective_count"])),

@@ -1,8 +1,9 @@
 """Run the benchmark: compile every model x layout, time them side by side, report.
 
-Timing is interleaved: round 1 runs every entry (layout A, B, C...), then round 2, and so on, and
-each entry's step time is the median over rounds, with the spread (75th minus 25th percentile)
-beside it. Side by side, slow drifts of a shared machine hit every entry alike.
+Timing is interleaved (:mod:`meshdsl.bench.timing`): every round runs every entry once (its
+step, and its baseline when asked for), in an order shuffled per round from ``--seed``, and each
+entry's step time is the median over rounds, with the spread (75th minus 25th percentile) beside
+it. Side by side, slow drifts of a shared machine hit every entry alike.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,10 +22,12 @@ from meshdsl import hlo, outputs
 from meshdsl.bench import analytic, baselines
 from meshdsl.bench.peaks import peak_flops
 from meshdsl.bench.report import write_reports
+from meshdsl.bench.timing import compile_step, interleaved_rounds, memory_bytes
 from meshdsl.pipeline import PipelineConfig, bubble, schedule_bubble, stages
 from meshdsl.train import optim
 from meshdsl.errors import ConfigError
-from meshdsl.train.loop import LAYOUTS, build_model
+from meshdsl.model_loader import build_model
+from meshdsl.train.loop import layout_path, load_layout
 from meshdsl.train.rules import is_shipped, unused_rules
 from meshdsl.train.step import Trainer
 
@@ -59,8 +61,10 @@ class Entry:
     mesh: str
     devices: int
     compile_s: float
-    flops_per_step: float
-    examples_per_step: int
+    flops_per_step: float | None
+    """None for a model without ``flops_per_step()``: no FLOP/s or MFU."""
+    examples_per_step: int | None
+    """None for a model without ``examples_per_step()``: no throughput."""
     example_unit: str
     memory_bytes: dict[str, int]
     measured: dict[str, dict[str, float]]
@@ -110,14 +114,15 @@ class Entry:
 
     def summary(self) -> dict[str, Any]:
         """Every reported field, JSON-ready."""
-        flops_per_s = self.flops_per_step / self.step_s
+        flops_per_s = None if self.flops_per_step is None else self.flops_per_step / self.step_s
         baseline = statistics.median(self.baseline_step_times) if self.baseline_step_times else None
         return {
             "model": self.model, "preset": self.preset, "layout": self.layout, "mesh": self.mesh, "devices": self.devices,
             "compile_s": self.compile_s, "step_s_median": self.step_s, "step_s_spread": self.spread_s,
-            "step_times_s": self.step_times, f"{self.example_unit}_per_s": self.examples_per_step / self.step_s,
+            "step_times_s": self.step_times,
+            f"{self.example_unit}_per_s": None if self.examples_per_step is None else self.examples_per_step / self.step_s,
             "flops_per_step": self.flops_per_step, "flops_per_s": flops_per_s,
-            "mfu": None if self.peak_flops is None else flops_per_s / (self.peak_flops * self.devices),
+            "mfu": None if self.peak_flops is None or flops_per_s is None else flops_per_s / (self.peak_flops * self.devices),
             "memory_bytes_per_device": self.memory_bytes,
             "collectives_measured": self.measured, "collectives_predicted": self.predicted,
             "collective_count": self.collectives, "collective_bytes_per_device": self.measured_bytes,
@@ -132,20 +137,26 @@ class Entry:
         }
 
 
-def _memory(compiled: Any) -> dict[str, int]:
-    m = compiled.memory_analysis()
-    fields = {
-        "arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
-        "temporaries": m.temp_size_in_bytes, "aliased": m.alias_size_in_bytes,
-    }
-    fields["total"] = fields["arguments"] + fields["outputs"] + fields["temporaries"] - fields["aliased"]
-    return {k: int(v) for k, v in fields.items()}
+def _layout_specs(names: list[str] | None, model: Any, model_name: str) -> list[str]:
+    """The layouts asked for (files anywhere, shipped names, inline rules: as ``train --layout``
+    takes them), or the shipped ones the model lists in ``LAYOUTS``."""
+    if names:
+        return list(names)
+    if not hasattr(model, "LAYOUTS"):
+        raise ConfigError(f"model {model_name} lists no LAYOUTS (the layouts bench runs by default); name them, e.g. --layouts data_parallel fsdp my_layout.toml")
+    return list(model.LAYOUTS)
 
 
-def _layout_paths(names: list[str] | None, model: Any) -> list[Path]:
-    """The layouts asked for, or the shipped ones the model lists."""
-    names = names or list(model.LAYOUTS)
-    return [Path(n) if Path(n).exists() or n.endswith(".toml") else LAYOUTS / f"{n}.toml" for n in names]
+def _label(spec: str) -> str:
+    """A layout's name in the report: its file's stem, or the inline rules."""
+    path = layout_path(spec)
+    return spec if path is None else path.stem
+
+
+def notes(model: Any, name: str) -> list[str]:
+    """What bench cannot report for ``model`` (named ``name``) because it lacks an optional part."""
+    lacking = [("flops_per_step", "no FLOP/s or MFU is reported"), ("examples_per_step", "no throughput is reported")]
+    return [f"model {name} has no {part}(), so {what}" for part, what in lacking if not hasattr(model, part)]
 
 
 def check(cfg: BenchConfig) -> None:
@@ -158,15 +169,15 @@ def check(cfg: BenchConfig) -> None:
         PipelineConfig(m)
     optim.make(cfg.optimizer)
     for model_name in cfg.models:
-        for path in _layout_paths(cfg.layouts, build_model(model_name, cfg.preset, **cfg.overrides)):
-            md.Layout.load(path)
+        for spec in _layout_specs(cfg.layouts, build_model(model_name, cfg.preset, **cfg.overrides), model_name):
+            load_layout(spec)
     outputs.check_dir(cfg.out, "--out")
 
 
-def _pipeline_variants(cfg: BenchConfig, path: Path, model_name: str) -> list[tuple[PipelineConfig, int] | None]:
+def _pipeline_variants(cfg: BenchConfig, spec: str, model_name: str) -> list[tuple[PipelineConfig, int] | None]:
     """For a layout that splits ``layers``: each schedule x microbatch count asked for, with its batch
     (microbatches x the rows per microbatch of the layout's own setting); else ``[None]``."""
-    layout = md.Layout.load(path)
+    layout = load_layout(spec)
     if not layout.axes_of("layers"):
         return [None]
     own = layout.pipeline
@@ -177,54 +188,45 @@ def _pipeline_variants(cfg: BenchConfig, path: Path, model_name: str) -> list[tu
 
 
 def _prepare(
-    model_name: str, cfg: BenchConfig, path: Path, out: Callable[[str], None], variant: tuple[PipelineConfig, int] | None = None
+    model_name: str, cfg: BenchConfig, spec: str, out: Callable[[str], None], variant: tuple[PipelineConfig, int] | None = None
 ) -> tuple[Entry, Callable, Callable | None] | None:
     """Compile one model x layout (x pipeline variant); None (with a note) when the layout does not fit the model."""
-    layout = md.Layout.load(path)
+    layout = load_layout(spec)
     overrides = cfg.overrides if variant is None else {**cfg.overrides, "batch": variant[1]}
     model = build_model(model_name, cfg.preset, **overrides)
-    label = path.stem if variant is None else f"{path.stem}[{variant[0].schedule} M={variant[0].microbatches}]"
+    name = _label(spec)
+    label = name if variant is None else f"{name}[{variant[0].schedule} M={variant[0].microbatches}]"
     optimizer = optim.make(cfg.optimizer)
     try:
         mesh = layout.mesh()
         pipe = None if variant is None else variant[0]
-        trainer = Trainer(model, optimizer, mesh, layout, grad_reduce_dtype=cfg.grad_reduce_dtype, pipeline=pipe)
-        key = jax.random.key(cfg.seed)
-        state = trainer.init(jax.random.key_data(key))
-        data = jax.random.key_data(jax.random.fold_in(key, 1))
-        start = time.perf_counter()
-        compiled = trainer.step.lower(state, data).compile()
-        compile_s = time.perf_counter() - start
+        step = compile_step(Trainer(model, optimizer, mesh, layout, grad_reduce_dtype=cfg.grad_reduce_dtype, pipeline=pipe), cfg.seed)
     except (md.LayoutError, md.ConfigError) as e:  # ConfigError: a pipeline the model or batch cannot take
         out(f"  {model_name} x {label}: skipped, the layout does not fit: {e}")
         return None
-    text = compiled.as_text()
+    trainer, state, data = step.trainer, step.state, step.data
+    text = step.compiled.as_text()
     device = jax.devices()[0]
     narrow_on_cpu = cfg.grad_reduce_dtype is not None and device.platform == "cpu"
     predicted = trainer.explain(state, data).summary()
     dtype = getattr(model.config, "compute_dtype", "float32")
     entry = Entry(
-        model=model_name, preset=cfg.preset, layout=label, mesh=str(mesh), devices=mesh.size, compile_s=compile_s,
-        flops_per_step=model.flops_per_step(), examples_per_step=model.examples_per_step(),
+        model=model_name, preset=cfg.preset, layout=label, mesh=str(mesh), devices=mesh.size, compile_s=step.compile_s,
+        flops_per_step=model.flops_per_step() if hasattr(model, "flops_per_step") else None,
+        examples_per_step=model.examples_per_step() if hasattr(model, "examples_per_step") else None,
         example_unit="tokens" if hasattr(model.config, "length") else "examples",
-        memory_bytes=_memory(compiled), measured=hlo.summary(text, num_devices=mesh.size),
+        memory_bytes=memory_bytes(step.compiled), measured=hlo.summary(text, num_devices=mesh.size),
         predicted=predicted,
         predicted_on_accelerator=trainer.explain(state, data, platform="gpu").summary() if narrow_on_cpu else predicted,
-        minimum_bytes=analytic.minimum_bytes(path.stem, model, state["params"], mesh, layout, getattr(optimizer, "clip_norm", None) is not None),
+        minimum_bytes=analytic.minimum_bytes(name, model, state["params"], mesh, layout, getattr(optimizer, "clip_norm", None) is not None),
         peak_flops=peak_flops(device.device_kind, dtype),
         pipeline=None if pipe is None else _pipeline_fields(pipe, trainer, model),
     )
-    holder = {"state": state}
-
-    def step() -> None:
-        holder["state"], loss = compiled(holder["state"], data)
-        jax.block_until_ready(loss)
-
     baseline = None
     if cfg.baseline == "jax":
         baseline = baselines.make_step(model, layout, mesh, state, data, cfg.optimizer)
         if baseline is None:
-            out(f"  {model_name} x {path.stem}: no hand-written JAX baseline for this model")
+            out(f"  {model_name} x {name}: no hand-written JAX baseline for this model")
     return entry, step, baseline
 
 
@@ -257,13 +259,6 @@ def _measure_bubbles(entries: list[Entry]) -> None:
             e.pipeline["bubble_measured"] = 1 - slope * m / e.step_s
 
 
-def _timed(step: Callable[[], None], n: int) -> float:
-    start = time.perf_counter()
-    for _ in range(n):
-        step()
-    return (time.perf_counter() - start) / n
-
-
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
@@ -280,27 +275,25 @@ def run(cfg: BenchConfig, out: Callable[[str], None] = print, warn: Callable[[st
     prepared, skipped = [], []
     for model_name in cfg.models:
         model = build_model(model_name, cfg.preset, **cfg.overrides)
-        for path in _layout_paths(cfg.layouts, model):
-            for warning in [] if is_shipped(path) else unused_rules(md.Layout.load(path), model, model_name):
+        for note in notes(model, model_name):
+            warn(f"meshdsl bench: note: {note}")
+        for spec in _layout_specs(cfg.layouts, model, model_name):
+            for warning in [] if is_shipped(layout_path(spec)) else unused_rules(load_layout(spec), model, model_name):
                 warn(f"meshdsl bench: warning: {warning}")
-            for variant in _pipeline_variants(cfg, path, model_name):
-                item = _prepare(model_name, cfg, path, out, variant)
+            for variant in _pipeline_variants(cfg, spec, model_name):
+                item = _prepare(model_name, cfg, spec, out, variant)
                 if item is None:
-                    skipped.append(f"{model_name} x {path.stem}")
+                    skipped.append(f"{model_name} x {_label(spec)}")
                 else:
                     prepared.append(item)
                     out(f"  compiled {model_name} x {item[0].layout} in {item[0].compile_s:.1f} s")
     if not prepared:
         raise ConfigError(f"nothing to measure: every layout was skipped as not fitting ({', '.join(dict.fromkeys(skipped))}; see why above)")
-    for entry, step, baseline in prepared:
-        step()
-        if baseline is not None:
-            baseline()
-    for _ in range(cfg.rounds):
-        for entry, step, baseline in prepared:
-            entry.step_times.append(_timed(step, cfg.steps_per_round))
-            if baseline is not None:
-                entry.baseline_step_times.append(_timed(baseline, cfg.steps_per_round))
+    timed = [(entry.step_times, step) for entry, step, _ in prepared]
+    timed += [(entry.baseline_step_times, baseline) for entry, _, baseline in prepared if baseline is not None]
+    samples = interleaved_rounds([step for _, step in timed], cfg.rounds, cfg.steps_per_round, cfg.seed)
+    for (times, _), seconds in zip(timed, samples):
+        times.extend(seconds)
     _measure_bubbles([entry for entry, _, _ in prepared])
     summaries = [entry.summary() for entry, _, _ in prepared]
     if jax.process_index() == 0:  # a multi-process run: process 0 writes the reports

@@ -85,6 +85,13 @@ class Lowering:
 
         return Tensor(array, shape)
 
+    def hold_whole(self, array: jax.Array, shape: Shape, names: Sequence[str]) -> jax.Array:
+        """``array`` (dims ``shape``). Where XLA partitions the program (gspmd) and the layout splits
+        one of the dims ``names``: constrained to hold those whole, its other dims as the layout
+        says, which keeps XLA's partitioner from a partition it miscomputes (conv2d's windowed
+        dims; docs/design.md, gspmd). Elsewhere ``array`` itself."""
+        return array
+
     def with_layout(self, layout: "Layout") -> "Lowering":
         """This lowering under other layout rules (on global arrays: itself)."""
         return self

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import re
 import threading
 from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 import jax
 
+from meshdsl.errors import MeshDslError, ShapeError
 from meshdsl.lowering.base import Lowering
+from meshdsl.tensor import Tensor, describe
 
 if TYPE_CHECKING:
     from meshdsl.layout import Layout
@@ -53,13 +57,30 @@ def use_layout(layout: "Layout | str | dict") -> Iterator[Lowering]:
 
 
 def op(name: str) -> Callable[[F], F]:
-    """Mark a function as the meshdsl op ``name``: its collectives show under that name in ``md.explain``."""
+    """Mark a function as the meshdsl op ``name``: its collectives show under that name in
+    ``md.explain``; its arguments annotated ``Tensor`` must be md tensors; every md error it raises
+    starts with ``name:``."""
 
     def wrap(fn: F) -> F:
+        signature = inspect.signature(fn)
+        tensors = [
+            p for p, param in signature.parameters.items() if param.annotation in ("Tensor", Tensor) and param.kind is not param.VAR_POSITIONAL
+        ]
+
         @functools.wraps(fn)
         def run(*args, **kwargs):
-            with jax.named_scope(f"md.{name}"):
-                return fn(*args, **kwargs)
+            if tensors:
+                bound = signature.bind_partial(*args, **kwargs).arguments
+                for p in tensors:
+                    if p in bound and not isinstance(bound[p], Tensor):
+                        raise ShapeError(f"{name}: {p} must be an md tensor, got {describe(bound[p])}; wrap an array with md.tensor(array, dims)")
+            try:
+                with jax.named_scope(f"md.{name}"):
+                    return fn(*args, **kwargs)
+            except MeshDslError as e:
+                if re.match(rf"(md\.)?{name}\W|[\w.]+: ", str(e)):
+                    raise
+                raise type(e)(f"{name}: {e}") from None
 
         return run  # type: ignore[return-value]
 

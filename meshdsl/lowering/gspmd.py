@@ -6,8 +6,12 @@ XLA's SPMD partitioner then chooses the collectives. It is the cross-check of th
 
 from __future__ import annotations
 
-import jax
+from typing import Sequence
 
+import jax
+from jax.sharding import PartitionSpec
+
+from meshdsl.dims import Shape
 from meshdsl.layout import Layout
 from meshdsl.lowering.base import Lowering
 from meshdsl.mesh import Mesh
@@ -29,6 +33,12 @@ class GspmdLowering(Lowering):
 
     def finish(self, array, shape, axes=None, pending=(), lazy=False, tensor="output") -> Tensor:
         return self.constrain(Tensor(array, shape), tensor)
+
+    def hold_whole(self, array: jax.Array, shape: Shape, names: Sequence[str]) -> jax.Array:
+        if not any(self.layout.axes_of(n) for n in names):
+            return array
+        spec = [None if d in names else entry for d, entry in zip(shape.names, self.layout.spec(shape))]
+        return jax.lax.with_sharding_constraint(array, jax.sharding.NamedSharding(self.mesh.jax_mesh, PartitionSpec(*spec)))
 
     def with_layout(self, layout: Layout) -> "GspmdLowering":
         return GspmdLowering(self.mesh, layout)

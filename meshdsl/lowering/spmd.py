@@ -37,21 +37,22 @@ def _pvary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return lax.pcast(x, axes, to="varying") if hasattr(lax, "pcast") else lax.pvary(x, axes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def _vary_summing_grads_in(x: jax.Array, axes: tuple[str, ...], dtype: Any) -> jax.Array:
-    """``x`` marked varying along ``axes``; its gradient, summed over them, is summed in ``dtype``."""
+    """``x`` marked varying along ``axes``; its gradient, summed over them, is summed in ``dtype``.
+
+    A JVP, not a VJP: the tangent passes through ``dtype``, so the transpose (the gradient) casts,
+    sums over ``axes`` and casts back. A linear tangent map transposes anywhere, also where this
+    runs inside another custom rule's tangent (a custom VJP there could not be transposed).
+    Forward-mode tangents are rounded to ``dtype``.
+    """
     return _pvary(x, axes)
 
 
-def _vary_fwd(x: jax.Array, axes: tuple[str, ...], dtype: Any) -> tuple[jax.Array, None]:
-    return _pvary(x, axes), None
-
-
-def _vary_bwd(axes: tuple[str, ...], dtype: Any, _: None, ct: jax.Array) -> tuple[jax.Array]:
-    return (lax.psum(ct.astype(dtype), axes).astype(ct.dtype),)
-
-
-_vary_summing_grads_in.defvjp(_vary_fwd, _vary_bwd)
+@_vary_summing_grads_in.defjvp
+def _vary_jvp(axes: tuple[str, ...], dtype: Any, primals: tuple, tangents: tuple) -> tuple[jax.Array, jax.Array]:
+    (x,), (t,) = primals, tangents
+    return _pvary(x, axes), _pvary(t.astype(dtype), axes).astype(t.dtype)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
@@ -110,11 +111,18 @@ class SpmdLowering(Lowering):
     def prepare(self, t: Tensor, axes: Axes | None = None, beside: Sequence[Tensor] = ()) -> jax.Array:
         own = self.axes(t.shape)
         src = self.layout_of(t)
-        # Axes the op's result varies along: the other operands', less the sums they still owe.
-        varying = frozenset().union(*(_varying_axes(o._data) - set(o.pending) for o in beside if o is not t))
+        varying = frozenset().union(*(self._varying_when_prepared(o) for o in beside if o is not t))
         x = self._relayout(t._data, t.shape, src, own if axes is None else axes, t.pending, varying)
         missing = tuple(sorted(varying - _varying_axes(x)))
         return _vary_summing_grads_in(x, missing, jnp.dtype(self.grad_reduce_dtype)) if self._narrow_grads(x, missing) else x
+
+    def _varying_when_prepared(self, t: Tensor) -> frozenset[str]:
+        """Axes an operand will vary along when an op has prepared it: those it varies along now,
+        less the sums it still owes and the splits it holds beyond its rules' layout (a stored
+        FSDP parameter, which its gather makes replicated along those axes)."""
+        held = {a for axes in self.layout_of(t) for a in axes}
+        ruled = {a for axes in self.axes(t.shape) for a in axes}
+        return _varying_axes(t._data) - set(t.pending) - (held - ruled)
 
     def stored_gather(self, shape: Shape, axes: Axes) -> tuple[int, Axes] | None:
         steps = relayout.plan(axes, self.axes(shape), (), shape.sizes, self.axis_sizes)

@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from meshdsl.dims import Dim, DimLike, Shape
 from meshdsl.errors import ShapeError
 from meshdsl.lowering.context import current, op
 from meshdsl.relayout import Axes
-from meshdsl.tensor import Tensor
+from meshdsl.tensor import Tensor, describe
 
 
 def _unsplit(axes: Axes, position: int) -> Axes:
@@ -31,6 +32,16 @@ def _along(x: Tensor, dim: DimLike):
     return lowering, position, lowering.prepare(x, axes), axes
 
 
+def _tensors(xs: Sequence[Tensor]) -> list[Tensor]:
+    """``xs`` as a list of one or more md tensors (a ShapeError names what else it holds)."""
+    if isinstance(xs, Tensor) or not isinstance(xs, (list, tuple)) or not xs:
+        raise ShapeError(f"xs must be a non-empty list of md tensors, got {describe(xs)}")
+    for i, t in enumerate(xs):
+        if not isinstance(t, Tensor):
+            raise ShapeError(f"xs[{i}] must be an md tensor, got {describe(t)}")
+    return list(xs)
+
+
 def _resized(shape: Shape, position: int, size: int) -> Shape:
     return Shape(Dim(d.name, size) if i == position else d for i, d in enumerate(shape))
 
@@ -38,7 +49,7 @@ def _resized(shape: Shape, position: int, size: int) -> Shape:
 @op("concat")
 def concat(xs: Sequence[Tensor], dim: DimLike) -> Tensor:
     """Join ``xs`` along ``dim``; their other dims must agree."""
-    xs = list(xs)
+    xs = _tensors(xs)
     first = xs[0]
     position = first.shape.index(dim)
     name = first.shape[position].name
@@ -78,6 +89,8 @@ def split(x: Tensor, dim: DimLike, num_or_size_splits: int | Sequence[int]) -> l
 @op("slice")
 def slice(x: Tensor, begin: int, size: int, dim: DimLike) -> Tensor:  # noqa: A001  (as Mesh-TF)
     """The ``size`` entries of ``x`` along ``dim`` starting at ``begin``."""
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in (begin, size)):
+        raise ShapeError(f"slice: begin and size must be ints, got {begin!r} and {size!r}")
     lowering, position, array, axes = _along(x, dim)
     d = x.shape[position]
     if begin < 0 or size < 0 or begin + size > d.size:
@@ -89,9 +102,9 @@ def slice(x: Tensor, begin: int, size: int, dim: DimLike) -> Tensor:  # noqa: A0
 @op("pad")
 def pad(x: Tensor, paddings: Sequence[int], dim: DimLike, value: float = 0) -> Tensor:
     """``x`` with ``paddings = [before, after]`` entries of ``value`` added along ``dim``."""
+    if not isinstance(paddings, (list, tuple)) or len(paddings) != 2 or not all(isinstance(p, int) and p >= 0 for p in paddings):
+        raise ShapeError(f"pad: paddings must be [before, after], two non-negative ints, got {paddings!r}")
     before, after = paddings
-    if before < 0 or after < 0:
-        raise ShapeError(f"pad: paddings {list(paddings)} must not be negative")
     lowering, position, array, axes = _along(x, dim)
     widths = [(0, 0)] * array.ndim
     widths[position] = (before, after)
@@ -102,7 +115,7 @@ def pad(x: Tensor, paddings: Sequence[int], dim: DimLike, value: float = 0) -> T
 @op("stack")
 def stack(xs: Sequence[Tensor], dim: str, axis: int = 0) -> Tensor:
     """Stack equally shaped ``xs`` along a new dim called ``dim``, placed at position ``axis``."""
-    xs = list(xs)
+    xs = _tensors(xs)
     for t in xs[1:]:
         if t.shape != xs[0].shape:
             raise ShapeError(f"stack: {t.shape} differs from {xs[0].shape}")

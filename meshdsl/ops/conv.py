@@ -1,22 +1,27 @@
 """``conv2d``: 2-d convolution by dim name, with halo exchange over split spatial dims.
 
 ``conv2d(x[batch, height, width, channels], kernel[kh, kw, channels, out_channels])`` is
-``out[b, i, j, o] = sum_{u, v, c} xpad[b, i + u, j + v, c] kernel[u, v, c, o]``: stride 1,
-"SAME" zero padding, odd kernel sizes. The result is ``x``'s shape with ``channels`` replaced
-by ``out_channels`` in place. Every dim of ``x`` other than the two spatial ones and the input
-channels is a batch dim (any number of them, in any order).
+``out[b, i, j, o] = sum_{u, v, c} xpad[b, i sh + u, j sw + v, c] kernel[u, v, c, o]`` with strides
+``(sh, sw)`` and "SAME" or "VALID" padding (XLA's conventions; see :mod:`meshdsl.ops.window`). The
+result is ``x``'s shape with ``channels`` replaced by ``out_channels`` in place, and ``height`` and
+``width`` of their output sizes (``ceil(n / s)`` for "SAME", ``(n - k) // s + 1`` for "VALID").
+Every dim of ``x`` other than the two spatial ones and the input channels is a batch dim (any
+number of them, in any order).
 
 Written once on local blocks, like the other ops:
 
-* A spatial dim split over axes A: each device needs ``p = (k - 1) / 2`` rows of each
-  neighbour's block. Its first ``p`` rows go to the previous device and its last ``p`` to the
-  next, with two ``ppermute``\\ s over A (a halo exchange: only the boundary rows move, not the
-  whole dim as an ``all_gather`` would). The first and last devices receive zeros, which are the
-  "SAME" padding. The local conv then runs "VALID" along that dim. When a block is shorter than
-  ``p``, the dim is gathered instead. With both spatial dims split the width exchange runs on the
-  height-extended block, so the corners come along.
-* An unsplit spatial dim: the local conv pads it itself ("SAME"). On global arrays (eager and
-  gspmd) nothing is split, so the same code is the plain global convolution.
+* A spatial dim split over axes A, when each device's output rows read its own block and the
+  edges of its neighbours' (the stride divides the block: ``Window.halo``): each device needs
+  ``lo`` rows of the previous block and ``k - s - lo`` of the next (for stride 1 "SAME",
+  ``(k - 1) / 2`` each). They come with two ``ppermute``\\ s over A (a halo exchange:
+  only the boundary rows move, not the whole dim as an ``all_gather`` would); the first and last
+  devices receive zeros, which are the "SAME" padding. The local conv then runs "VALID" along
+  that dim with the stride. Strided "VALID" windows no wider than the stride (patches) need no
+  rows at all. Otherwise (windows drifting across blocks, or a halo longer than a block) the dim
+  is gathered. With both spatial dims split the width exchange runs on the height-extended block,
+  so the corners come along.
+* An unsplit spatial dim: the local conv pads it itself. On global arrays (eager and gspmd)
+  nothing is split, so the same code is the plain global convolution.
 * ``channels`` split over B: the local conv of the local channel blocks is a partial sum,
   left pending over B (added lazily, as ``einsum``).
 * ``out_channels`` split: the kernel's local block gives the output's local block.
@@ -35,20 +40,12 @@ from meshdsl.dims import Dim, DimLike, Shape
 from meshdsl.errors import ShapeError
 from meshdsl.lowering import compute_layout
 from meshdsl.lowering.context import current, op
+from meshdsl.ops.window import Window, extend
 from meshdsl.tensor import Tensor
 
 
 def _name(d: DimLike) -> str:
     return d.name if isinstance(d, Dim) else d
-
-
-def _halo(lowering, a, axes: tuple[str, ...], axis: int, p: int):
-    """``a`` with ``p`` rows of the previous and next block along ``axis`` (split over ``axes``) added
-    before and after; zeros beyond the first and last blocks."""
-    n = a.shape[axis]
-    before = lowering.ppermute(lax.slice_in_dim(a, n - p, n, axis=axis), axes, 1, False)
-    after = lowering.ppermute(lax.slice_in_dim(a, 0, p, axis=axis), axes, -1, False)
-    return jnp.concatenate([before, a, after], axis=axis)
 
 
 @op("conv2d")
@@ -62,31 +59,37 @@ def conv2d(
     kernel_height: DimLike = "kh",
     kernel_width: DimLike = "kw",
     padding: str = "SAME",
+    stride: int | tuple[int, int] = 1,
 ) -> Tensor:
     """2-d convolution of ``x`` (dims ``height``, ``width``, ``in_dim`` and batch dims) with
     ``kernel`` (dims ``kernel_height``, ``kernel_width``, ``in_dim``, ``out_dim``, any order).
 
-    Stride 1, ``padding="SAME"`` (the only one), odd kernel sizes. Returns ``x``'s shape with
-    ``in_dim`` replaced by ``out_dim``.
+    ``padding``: "SAME" or "VALID"; ``stride``: one int or ``(height, width)``. Returns ``x``'s
+    shape with ``in_dim`` replaced by ``out_dim`` and the spatial dims of their output sizes.
     """
     h, w, c, o, kh, kw = map(_name, (height, width, in_dim, out_dim, kernel_height, kernel_width))
-    if padding != "SAME":
-        raise ShapeError(f"conv2d: padding {padding!r} is not supported; only 'SAME'")
-    if sorted(kernel.shape.names) != sorted({kh, kw, c, o}) or len({kh, kw, c, o}) != 4:
+    strides = (stride, stride) if isinstance(stride, int) else tuple(stride)
+    if len(strides) != 2:
+        raise ShapeError(f"conv2d: stride {stride!r} is one int or (height, width)")
+    if len({h, w, c}) != 3:
+        raise ShapeError(f"conv2d: height {h!r}, width {w!r} and in_dim {c!r} must be three different dims of the input {x.shape}")
+    if len({kh, kw, c, o}) != 4:
+        raise ShapeError(f"conv2d: kernel_height {kh!r}, kernel_width {kw!r}, in_dim {c!r} and out_dim {o!r} must be four different names")
+    if sorted(kernel.shape.names) != sorted({kh, kw, c, o}):
         raise ShapeError(f"conv2d: kernel {kernel.shape} must have exactly the dims {kh}, {kw}, {c}, {o}")
     for name in (h, w, c):
         if name not in x.shape:
             raise ShapeError(f"conv2d: input {x.shape} has no dim {name!r}")
     if x.shape[c].size != kernel.shape[c].size:
         raise ShapeError(f"conv2d: {c} is {x.shape[c]} in the input but {kernel.shape[c]} in the kernel")
-    if o in x.shape or kh in x.shape or kw in x.shape:
-        raise ShapeError(f"conv2d: input {x.shape} already has a dim named {o!r}, {kh!r} or {kw!r}")
+    for role, name in (("out_dim", o), ("kernel_height", kh), ("kernel_width", kw)):
+        if name in x.shape:
+            raise ShapeError(f"conv2d: {role} {name!r} is also a dim of the input {x.shape}; name the kernel's dims differently")
     sizes = {h: kernel.shape[kh].size, w: kernel.shape[kw].size}
-    if any(k % 2 == 0 for k in sizes.values()):
-        raise ShapeError(f"conv2d: kernel {kernel.shape} has an even spatial size; 'SAME' needs odd sizes")
+    windows = {n: Window.checked("conv2d", n, x.shape[n].size, sizes[n], s, padding) for n, s in zip((h, w), strides)}
 
     lowering = current()
-    out = Shape(kernel.shape[o] if d.name == c else d for d in x.shape)
+    out = Shape(kernel.shape[o] if d.name == c else Dim(d.name, windows[d.name].out) if d.name in windows else d for d in x.shape)
     lowering.axes(out, "conv2d result")  # a clear LayoutError if the layout cannot hold the result
     batch = [n for n in x.shape.names if n not in (h, w, c)]
 
@@ -96,12 +99,14 @@ def conv2d(
     itemsize = np.dtype(jnp.result_type(x.dtype, kernel.dtype)).itemsize
     layout = dict(compute_layout.choose(lowering, [x, kernel], out, result, itemsize))
     layout[kh] = layout[kw] = ()
-    for name in (h, w):  # a block shorter than the halo: gather the dim instead
-        p = (sizes[name] - 1) // 2
-        if layout[name] and x.shape[name].size // lowering.group_size(layout[name]) < p:
+    for name in (h, w):  # windows a halo cannot serve: gather the dim instead
+        if layout[name] and windows[name].halo(lowering.group_size(layout[name])) is None:
             layout[name] = ()
 
-    xa = lowering.prepare(x, tuple(layout[n] for n in x.shape.names), beside=[kernel])
+    # Where XLA partitions the program (gspmd), its partitioner miscomputes convolutions split
+    # along a windowed dim (docs/design.md, gspmd): there the convolution holds those dims whole.
+    windowed = [n for n in (h, w) if sizes[n] > 1 or windows[n].stride > 1]
+    xa = lowering.hold_whole(lowering.prepare(x, tuple(layout[n] for n in x.shape.names), beside=[kernel]), x.shape, windowed)
     ka = lowering.prepare(kernel, tuple(layout[n] for n in kernel.shape.names), beside=[x])
     # Local NHWC / HWIO arrays: the batch dims flattened into one.
     order = [*batch, h, w, c]
@@ -111,16 +116,17 @@ def conv2d(
     ka = jnp.transpose(ka, [kernel.shape.index(n) for n in (kh, kw, c, o)])
     pads = []
     for axis, name in ((1, h), (2, w)):
-        p = (sizes[name] - 1) // 2
-        if layout[name] and p:
+        window = windows[name]
+        if layout[name]:
+            before, after = window.halo(lowering.group_size(layout[name]))
             with jax.named_scope(str(x.shape)):  # md.explain's tensor column
-                xa = _halo(lowering, xa, layout[name], axis, p)
+                xa = extend(lowering, xa, layout[name], axis, before, after, 0.0)
             pads.append((0, 0))
         else:
-            pads.append((p, p))
+            pads.append((window.lo, window.hi))
     xa, ka = lowering.vary_like(xa, ka), lowering.vary_like(ka, xa)
-    y = lax.conv_general_dilated(xa, ka, (1, 1), pads, dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    y = lax.conv_general_dilated(xa, ka, strides, pads, dimension_numbers=("NHWC", "HWIO", "NHWC"))
     y = jnp.reshape(y, (*local_batch, *y.shape[1:]))
-    y = jnp.transpose(y, [order.index(c if n == o else n) for n in out.names])
+    y = lowering.hold_whole(jnp.transpose(y, [order.index(c if n == o else n) for n in out.names]), out, windowed)
     out_axes, pending = result(layout)
     return lowering.finish(y, out, out_axes, pending, lazy=True)

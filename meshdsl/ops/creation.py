@@ -6,14 +6,19 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from meshdsl.dims import ShapeLike, as_shape
+from meshdsl.errors import ShapeError
 from meshdsl.lowering.context import current
-from meshdsl.tensor import Tensor
+from meshdsl.tensor import Tensor, describe, dtype_of
 
 
 def full(shape: ShapeLike, value: Any, dtype: Any = jnp.float32) -> Tensor:
     """A tensor of ``shape`` filled with ``value``."""
+    dtype = dtype_of(dtype, "full")
+    if not isinstance(value, (bool, int, float, complex, np.number, np.bool_)) and not (hasattr(value, "shape") and value.shape == ()):
+        raise ShapeError(f"full: value must be a number, got {describe(value)}")
     with jax.named_scope("md.full"):
         lowering = current()
         shape = as_shape(shape)
@@ -24,9 +29,9 @@ def full(shape: ShapeLike, value: Any, dtype: Any = jnp.float32) -> Tensor:
 
 def zeros(shape: ShapeLike, dtype: Any = jnp.float32) -> Tensor:
     """A tensor of ``shape`` filled with 0."""
-    return full(shape, 0, dtype)
+    return full(shape, 0, dtype_of(dtype, "zeros"))
 
 
 def ones(shape: ShapeLike, dtype: Any = jnp.float32) -> Tensor:
     """A tensor of ``shape`` filled with 1."""
-    return full(shape, 1, dtype)
+    return full(shape, 1, dtype_of(dtype, "ones"))

@@ -18,7 +18,7 @@ from meshdsl.dims import Dim, DimLike, Shape
 from meshdsl.errors import ShapeError
 from meshdsl.lowering import compute_layout
 from meshdsl.lowering.context import current, op
-from meshdsl.tensor import Tensor
+from meshdsl.tensor import Tensor, describe
 
 
 def _output_shape(tensors: Sequence[Tensor], out: Sequence[DimLike] | Shape | str | None) -> Shape:
@@ -33,7 +33,13 @@ def _output_shape(tensors: Sequence[Tensor], out: Sequence[DimLike] | Shape | st
             count[d.name] = count.get(d.name, 0) + 1
     if out is None:
         return Shape(d for n, d in dims.items() if count[n] == 1)
+    if not isinstance(out, (str, Dim, Shape, list, tuple)):
+        raise ShapeError(f"einsum: out must be dims (names, md.Dims, a Shape or a string of names), got {describe(out)}")
     items = out.split() if isinstance(out, str) else [out] if isinstance(out, Dim) else list(out)
+    names = [item.name if isinstance(item, Dim) else item for item in items]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ShapeError(f"einsum output {names} repeats dim name(s) {', '.join(repeated)}")
     result = []
     for item in items:
         name = item.name if isinstance(item, Dim) else item
@@ -55,9 +61,9 @@ def einsum(*tensors: Tensor, out: Sequence[DimLike] | Shape | str | None = None)
     """
     if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
         tensors = tuple(tensors[0])
-    for t in tensors:
+    for i, t in enumerate(tensors):
         if not isinstance(t, Tensor):
-            raise ShapeError(f"einsum takes md tensors, got {type(t).__name__}")
+            raise ShapeError(f"einsum: input {i} must be an md tensor, got {describe(t)}")
     lowering = current()
     out_shape = _output_shape(tensors, out)
     summed = [n for n in dict.fromkeys(n for t in tensors for n in t.shape.names) if n not in out_shape]

@@ -20,14 +20,21 @@ import numpy as np
 from meshdsl.dims import Dim, Shape
 from meshdsl.errors import ShapeError
 from meshdsl.lowering.context import current
-from meshdsl.tensor import Tensor
+from meshdsl.tensor import Tensor, describe, dtype_of
 
 
 def _check_operand(x: Any, name: str) -> None:
+    """An operand is an md tensor or a number (a Python number or a 0-d array)."""
     if isinstance(x, Tensor):
         return
-    if np.ndim(x) != 0:
-        raise ShapeError(f"{name}: operand of shape {np.shape(x)} has no dim names; wrap it with md.tensor(array, dims)")
+    if isinstance(x, (bool, int, float, complex)):
+        return
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        if len(x.shape):
+            raise ShapeError(f"{name}: operand of shape {tuple(x.shape)} has no dim names; wrap it with md.tensor(array, dims)")
+        if np.issubdtype(np.dtype(x.dtype), np.number) or np.dtype(x.dtype) == np.bool_ or jnp.issubdtype(x.dtype, jnp.floating):
+            return
+    raise ShapeError(f"{name}: operand {describe(x)} is neither an md tensor nor a number")
 
 
 def broadcast_shape(operands: Sequence[Any], name: str) -> Shape:
@@ -151,11 +158,21 @@ def gelu(x: Tensor, approximate: bool = True) -> Tensor:
 
 def cast(x: Tensor, dtype: Any) -> Tensor:
     """``x`` converted to ``dtype``."""
+    dtype = dtype_of(dtype, "cast")
     return _map("cast", lambda a: a.astype(dtype), x)
 
 
 def where(condition: Any, x: Any, y: Any) -> Tensor:
-    """``x`` where ``condition`` holds, else ``y``; all three broadcast by name."""
+    """``x`` where ``condition`` holds, else ``y``; all three broadcast by name.
+
+    ``condition`` is boolean (a comparison's result, or a Python bool): a number is no condition
+    (``md.cast(c, bool)`` or ``c != 0`` says which entries hold).
+    """
+    _check_operand(condition, "where")
+    kind = condition.dtype if isinstance(condition, Tensor) or hasattr(condition, "dtype") else type(condition)
+    if not (kind is bool or (not isinstance(kind, type) and jnp.dtype(kind) == jnp.bool_)):
+        name = jnp.dtype(kind).name if not isinstance(kind, type) else kind.__name__
+        raise ShapeError(f"where: the condition must be boolean, got {name}; compare it (c != 0) or md.cast(c, bool)")
     return _map("where", jnp.where, condition, x, y)
 
 

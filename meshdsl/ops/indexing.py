@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from meshdsl.dims import Dim, DimLike, Shape
@@ -30,7 +31,7 @@ from meshdsl.errors import ShapeError
 from meshdsl.lowering import compute_layout
 from meshdsl.lowering.context import current, op
 from meshdsl.ops import elementwise
-from meshdsl.tensor import Tensor
+from meshdsl.tensor import Tensor, describe, dtype_of
 
 
 def _local_iota(lowering, dim: Dim, axes: tuple[str, ...], dtype: Any) -> jax.Array:
@@ -41,6 +42,13 @@ def _local_iota(lowering, dim: Dim, axes: tuple[str, ...], dtype: Any) -> jax.Ar
 @op("one_hot")
 def one_hot(indices: Tensor, output_dim: Dim, on_value: float = 1.0, off_value: float = 0.0, dtype: Any = jnp.float32) -> Tensor:
     """``on_value`` where ``indices`` equals the position along the new dim ``output_dim``, else ``off_value``."""
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise ShapeError(f"one_hot: indices must be integers, got {describe(indices)}")
+    if not isinstance(output_dim, Dim):
+        raise ShapeError(f"one_hot: output_dim must be an md.Dim (name and size), got {describe(output_dim)}")
+    dtype = dtype_of(dtype, "one_hot")
+    if output_dim.name in indices.shape:
+        raise ShapeError(f"one_hot: output_dim {output_dim} is already a dim of the indices {indices.shape}; name the new dim differently")
     lowering = current()
     out = indices.shape + [output_dim]
     axes = lowering.axes(out)
@@ -60,6 +68,17 @@ def gather(weights: Tensor, indices: Tensor, dim: DimLike) -> Tensor:
     if not jnp.issubdtype(indices.dtype, jnp.integer):
         raise ShapeError(f"gather: indices must be integers, got {indices.dtype}")
     rest = weights.shape.without([d.name])
+    if d.name in indices.shape:
+        raise ShapeError(
+            f"gather: the indices {indices.shape} have a dim named {d.name}, like the dim {d} gathered from the weights "
+            f"{weights.shape}; the result's {d.name} would be another dim of the same name: rename one (md.rename)"
+        )
+    shared = [n for n in indices.shape.names if n in rest]
+    if shared:
+        raise ShapeError(
+            f"gather: the indices {indices.shape} and the weights {weights.shape} both have dim(s) {', '.join(shared)}; "
+            f"the result (the indices' dims, then the weights' without {d.name}) would hold them twice"
+        )
     out = indices.shape + rest
 
     def result(layout: compute_layout.NameAxes):
@@ -89,9 +108,13 @@ def take_along(x: Tensor, indices: Tensor, dim: DimLike) -> Tensor:
     """
     lowering = current()
     d = x.shape[dim]
-    extra = [n for n in indices.shape.names if n not in x.shape or n == d.name]
-    if extra or not jnp.issubdtype(indices.dtype, jnp.integer):
-        raise ShapeError(f"take_along: indices {indices.shape} ({indices.dtype}) must be integers over dims of {x.shape} other than {d.name}")
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise ShapeError(f"take_along: indices {indices.shape} must be integers, got {indices.dtype}")
+    if d.name in indices.shape:
+        raise ShapeError(f"take_along: the indices {indices.shape} have the looked-up dim {d.name}; they index along it, over dims of x {x.shape} other than {d.name}")
+    extra = [n for n in indices.shape.names if n not in x.shape]
+    if extra:
+        raise ShapeError(f"take_along: the indices {indices.shape} have dim(s) {', '.join(extra)} that x {x.shape} lacks; they index over dims of x other than {d.name}")
     out = x.shape.without([d.name])
     axes = lowering.axes(x.shape)
     position = x.shape.index(d.name)
@@ -108,11 +131,15 @@ def top_k(x: Tensor, reduced_dim: DimLike, k_dim: Dim) -> tuple[Tensor, Tensor]:
 
     Both have shape ``x.shape - reduced_dim + k_dim``, largest first; ties go to the lower index.
     """
+    if not isinstance(k_dim, Dim):
+        raise ShapeError(f"top_k: k_dim must be an md.Dim (name and size k), got {describe(k_dim)}")
     lowering = current()
     position = x.shape.index(reduced_dim)
     d, k = x.shape[position], k_dim.size
     if k > d.size:
         raise ShapeError(f"top_k: k_dim {k_dim} is larger than {d}")
+    if k_dim.name != d.name and k_dim.name in x.shape:
+        raise ShapeError(f"top_k: k_dim {k_dim} is named like the dim {x.shape[k_dim.name]} of x {x.shape}, which the result keeps")
     out = x.shape.without([d.name]) + [k_dim]
     axes = list(lowering.axes(x.shape))
     split = axes[position]
@@ -169,6 +196,8 @@ def cumsum(x: Tensor, dim: DimLike, exclusive: bool = False) -> Tensor:
 @op("shift")
 def shift(x: Tensor, offset: int, dim: DimLike, wrap: bool = False) -> Tensor:
     """``x`` moved by ``offset`` along ``dim`` (``out[i] = x[i - offset]``); zeros come in unless ``wrap``."""
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)):
+        raise ShapeError(f"shift: offset must be an int, got {describe(offset)}")
     lowering = current()
     position = x.shape.index(dim)
     size = x.shape[position].size
@@ -190,6 +219,9 @@ def shift(x: Tensor, offset: int, dim: DimLike, wrap: bool = False) -> Tensor:
 
 def range(dim: Dim, dtype: Any = jnp.int32) -> Tensor:  # noqa: A001  (md.range, as Mesh-TF's mtf.range)
     """The tensor ``[0, 1, ..., dim.size - 1]`` along ``dim``."""
+    if not isinstance(dim, Dim):
+        raise ShapeError(f"range: dim must be an md.Dim (name and size), got {describe(dim)}")
+    dtype = dtype_of(dtype, "range")
     with jax.named_scope("md.range"):
         lowering = current()
         shape = Shape([dim])

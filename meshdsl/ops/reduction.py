@@ -9,13 +9,16 @@ over a split ``vocab`` with one ``pmax`` and one ``psum``.
 from __future__ import annotations
 
 import functools
-from typing import Iterable
+from typing import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
 
-from meshdsl.dims import Dim, resolve
-from meshdsl.lowering.context import current, op
+from meshdsl.dims import Dim, Shape, resolve
+from meshdsl.errors import ShapeError
+from meshdsl.lowering.base import Lowering
+from meshdsl.lowering.context import current, op, use
+from meshdsl.relayout import Axes
 from meshdsl.ops import elementwise as ew
 from meshdsl.tensor import Tensor
 
@@ -25,7 +28,11 @@ Dims = str | Dim | Iterable[str | Dim] | None
 def _reduced(x: Tensor, dims: Dims) -> tuple[int, ...]:
     if dims is None:
         return tuple(range(x.shape.rank))
-    return tuple(x.shape.index(d.name) for d in resolve(dims, x.shape))
+    names = [d.name for d in resolve(dims, x.shape)]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ShapeError(f"dims {names} name {', '.join(map(repr, twice))} twice")
+    return tuple(x.shape.index(n) for n in names)
 
 
 def _reduce(x: Tensor, dims: Dims, combine: str) -> Tensor:
@@ -84,20 +91,39 @@ def softmax(x: Tensor, dims: Dims) -> Tensor:
     Its derivative is given directly (``y * (t - sum(y * t))``, as ``jax.nn.softmax`` does), which
     saves the backward pass differentiating through the exponential and the division.
     """
-    return _softmax(x, tuple(d.name for d in resolve(dims, x.shape)))
+    names = tuple(d.name for d in resolve(dims, x.shape))
+    lowering = current()
+    axes = lowering.axes(x.shape)
+    return lowering.finish(_softmax(lowering.prepare(x), lowering, x.shape, axes, names), x.shape, axes)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def _softmax(x: Tensor, names: tuple[str, ...]) -> Tensor:
-    e = ew.exp(x - ew.stop_gradient(reduce_max(x, names)))
-    return e / reduce_sum(e, names)
+def _on_local(lowering: Lowering, shape: Shape, axes: Axes, fn: Callable[..., Tensor], *arrays: jax.Array) -> jax.Array:
+    """``fn`` of tensors of ``shape`` whose local arrays, laid out as ``axes``, are ``arrays``: its
+    result's local array in its own layout, with no pending sums.
+
+    JAX calls a custom derivative rule when it differentiates, which for ``jax.grad`` around a
+    compiled function is after that function was traced and its lowering left.
+    So the rule takes and returns arrays (a Tensor's pytree metadata, its layout and pending sums,
+    may differ between a primal and its tangent) and runs its ops under the lowering it was made in.
+    """
+    with use(lowering):
+        return lowering.prepare(fn(*(lowering.keep(a, shape, axes) for a in arrays)))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
+def _softmax(array: jax.Array, lowering: Lowering, shape: Shape, axes: Axes, names: tuple[str, ...]) -> jax.Array:
+    def value(x: Tensor) -> Tensor:
+        e = ew.exp(x - ew.stop_gradient(reduce_max(x, names)))
+        return e / reduce_sum(e, names)
+
+    return _on_local(lowering, shape, axes, value, array)
 
 
 @_softmax.defjvp
-def _softmax_jvp(names: tuple[str, ...], primals: tuple, tangents: tuple) -> tuple[Tensor, Tensor]:
+def _softmax_jvp(lowering: Lowering, shape: Shape, axes: Axes, names: tuple[str, ...], primals: tuple, tangents: tuple) -> tuple:
     (x,), (t,) = primals, tangents
-    y = _softmax(x, names)
-    return y, y * (t - reduce_sum(y * t, names))
+    y = _softmax(x, lowering, shape, axes, names)
+    return y, _on_local(lowering, shape, axes, lambda y, t: y * (t - reduce_sum(y * t, names)), y, t)
 
 
 @op("log_softmax")

@@ -133,13 +133,14 @@ def _side(text: str) -> list[tuple[str | None, list[str], bool]]:
 
 
 @op("rearrange")
-def rearrange(x: Tensor, pattern: str, **sizes: int | Dim) -> Tensor:
+def rearrange(x: Tensor, pattern: str, /, **sizes: int | Dim) -> Tensor:
     """Reshape and reorder by an einops pattern over dim names.
 
     The left side lists ``x``'s dims in order; ``(heads d_kv)`` splits the dim at that place into
     new dims (sizes from ``sizes``, one may be inferred). The right side orders the dims and merges
     groups, each named: ``(d_model: heads d_kv)``. A left group may be named too, to check it.
-    ``rearrange(x, "batch (heads d_kv) -> batch heads d_kv", heads=8)``.
+    ``rearrange(x, "batch (heads d_kv) -> batch heads d_kv", heads=8)``. ``x`` and ``pattern``
+    are positional, so a dim may be called ``x`` or ``pattern``.
     """
     if pattern.count("->") != 1:
         raise ShapeError(f"rearrange: pattern {pattern!r} needs exactly one '->'")

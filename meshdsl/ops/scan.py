@@ -20,11 +20,12 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import numpy as np
 
 from meshdsl.dims import DimLike, Shape
 from meshdsl.errors import ShapeError
 from meshdsl.lowering.context import current
-from meshdsl.tensor import Tensor
+from meshdsl.tensor import Tensor, describe
 
 
 def _is_tensor(x: Any) -> bool:
@@ -32,9 +33,12 @@ def _is_tensor(x: Any) -> bool:
 
 
 _DATA_MOVEMENT = frozenset(
-    "all_gather reshape transpose slice dynamic_slice concatenate squeeze expand_dims broadcast_in_dim "
-    "convert_element_type copy pvary".split()
+    "all_gather all_gather_invariant reshape transpose slice dynamic_slice concatenate squeeze expand_dims "
+    "broadcast_in_dim convert_element_type copy pvary".split()
 )
+"""Primitives that only move or retype data. Both gathers: ``all_gather_invariant`` is what
+``lax.all_gather(..., to="invarying")`` binds, the gather of weights stored over an axis the
+activations do not vary along."""
 
 
 def _moves_data(primitive: Any, params: dict[str, Any]) -> bool:
@@ -58,6 +62,41 @@ def _refetch_gathered(primitive: Any, *args: Any, **params: Any) -> bool:
     return not _moves_data(primitive, params)
 
 
+def _arrays(tree: Any) -> list[Any]:
+    """The arrays of a pytree of md tensors and arrays (a tensor's local array)."""
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=_is_tensor)
+    return [t._data if isinstance(t, Tensor) else t for t in leaves if isinstance(t, (Tensor, jax.Array))]
+
+
+def _vary_like(vary: Callable[..., Any], tree: Any, like: Any) -> Any:
+    """``tree`` with each array made varying (by ``vary``) along the axes its counterpart in ``like`` varies along."""
+
+    def one(t: Any, other: Any) -> Any:
+        if isinstance(t, Tensor):
+            return Tensor(vary(t._data, other._data), t.shape, t.pending, t.layout)
+        return vary(t, other) if isinstance(t, jax.Array) else t
+
+    return jax.tree_util.tree_map(one, tree, like, is_leaf=_is_tensor)
+
+
+def _leaf_type(t: Any) -> str:
+    """A carry leaf's dims (or sizes) and dtype, for comparing and for messages."""
+    if isinstance(t, Tensor):
+        return f"{t.shape} of {jax.numpy.dtype(t.dtype).name}"
+    return f"{jax.numpy.result_type(t).name}{list(np.shape(t))}"
+
+
+def _check_carry(init: Any, out: Any) -> None:
+    """A ShapeError unless the step's carry ``out`` has ``init``'s structure, dims and dtypes."""
+    ins = jax.tree_util.tree_flatten_with_path(init, is_leaf=_is_tensor)
+    outs = jax.tree_util.tree_flatten_with_path(out, is_leaf=_is_tensor)
+    if ins[1] != outs[1]:
+        raise ShapeError(f"md.scan: fn returns a carry shaped {outs[1]} for one shaped {ins[1]}: the carry keeps its structure")
+    for (path, t), (_, u) in zip(ins[0], outs[0]):
+        if _leaf_type(t) != _leaf_type(u):
+            raise ShapeError(f"md.scan: fn returns the carry{jax.tree_util.keystr(path)} as {_leaf_type(u)}, but it came in as {_leaf_type(t)}: the carry keeps its dims and dtypes")
+
+
 def scan(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: DimLike, *, remat: bool = False) -> tuple[Any, Any]:
     """``fn(carry, x) -> (carry, y)`` over ``dim`` of every tensor in ``xs``; returns ``(carry, ys)``.
 
@@ -71,7 +110,10 @@ def scan(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: Dim
         tensors = [x for x in leaves if isinstance(x, Tensor)]
         if not tensors:
             raise ShapeError("md.scan: xs holds no md tensor to scan over")
-        name = tensors[0].shape[dim].name
+        try:
+            name = tensors[0].shape[dim].name
+        except ShapeError as e:
+            raise ShapeError(f"md.scan over {getattr(dim, 'name', dim)!r}: xs tensor {tensors[0].shape}: {e}") from None
         length = tensors[0].shape[name].size
 
         def settle(carry: Any) -> Any:
@@ -81,18 +123,13 @@ def scan(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: Dim
             )
 
         init = settle(init)
-        carried = [a._data if isinstance(a, Tensor) else a for a in jax.tree_util.tree_leaves(init, is_leaf=_is_tensor)]
-        carried = [a for a in carried if isinstance(a, jax.Array)]
-        arrays, slices = [], []
+        prepared, slices = [], []
         for x in leaves:
             if not isinstance(x, Tensor) or name not in x.shape or x.shape[name].size != length:
                 raise ShapeError(f"md.scan over {name}={length}: every tensor in xs needs that dim, got {getattr(x, 'shape', x)}")
             position = x.shape.index(name)
             axes = tuple(() if i == position else a for i, a in enumerate(lowering.layout_of(x)))
-            # Varying along the carry's axes before the loop, not inside it: the body's ops then
-            # use the slices of ``xs`` as they are, and the backward pass reads them from ``xs``
-            # rather than from a stacked copy of every step's (varying) slice.
-            arrays.append(lowering.vary_operand(jax.numpy.moveaxis(lowering.prepare(x, axes), position, 0), *carried))
+            prepared.append(jax.numpy.moveaxis(lowering.prepare(x, axes), position, 0))
             rest = axes[:position] + axes[position + 1 :]
             slices.append((x.shape.without([name]), rest))
 
@@ -101,11 +138,41 @@ def scan(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: Dim
         gathers = [lowering.stored_gather(shape, axes) for shape, axes in slices]
         held = [(shape, axes if g is None else lowering.axes(shape)) for (shape, axes), g in zip(slices, gathers)]
 
-        def body(carry: Any, local: list) -> tuple[Any, Any]:
-            local = lowering.gather_stored(list(local), gathers, *carried)
+        def loop_inputs(carry: Any, stacked: list) -> list:
+            # Varying along the carry's axes before the loop, not inside it: the body's ops then
+            # use the slices of ``xs`` as they are, and the backward pass reads them from ``xs``
+            # rather than from a stacked copy of every step's (varying) slice.
+            return [lowering.vary_operand(a, *_arrays(carry)) for a in stacked]
+
+        def step(carry: Any, local: list) -> tuple[Any, Any]:
+            local = lowering.gather_stored(list(local), gathers, *_arrays(init))
             x = jax.tree_util.tree_unflatten(treedef, [lowering.keep(a, shape, axes) for a, (shape, axes) in zip(local, held)])
-            carry, y = fn(carry, x)
-            return settle(carry), settle(y)
+            out = fn(carry, x)
+            if not isinstance(out, (tuple, list)) or len(out) != 2:
+                raise ShapeError(f"md.scan: fn(carry, x) must return (carry, y), got {describe(out)}")
+            return settle(out[0]), settle(out[1])
+
+        def carry_out(carry: Any, stacked: list) -> Any:
+            return step(carry, loop_inputs(carry, stacked))[0]
+
+        # The loop's carry has one type, manual-axis (varying) type included, in and out. A carry
+        # made inside the function (md.zeros, a constant) is the same on every device, while the
+        # step's result may vary (a split slice of xs added to it): the initial carry is made to
+        # vary along every axis the step's carry varies along, found by tracing the step without
+        # running it (once more if that widens what the step sees).
+        stacked_slices = [jax.typeof(a).update(shape=a.shape[1:]) for a in prepared]
+        for _ in range(len(lowering.axis_sizes) + 1):
+            out = jax.eval_shape(carry_out, init, stacked_slices)
+            _check_carry(init, out)
+            wider = _vary_like(lowering.vary_operand, init, out)
+            if all(a is b for a, b in zip(_arrays(wider), _arrays(init))):
+                break
+            init = wider
+        arrays = loop_inputs(init, prepared)
+
+        def body(carry: Any, local: list) -> tuple[Any, Any]:
+            carry, y = step(carry, local)
+            return _vary_like(lowering.vary_like, carry, init), y
 
         if remat:
             body = jax.checkpoint(body)

@@ -15,22 +15,24 @@ COMMANDS = ("explain", "calibrate", "search")
 
 def add_parsers(sub: Any) -> None:
     """Add the planner's subcommands to the ``meshdsl`` parser's subparsers."""
+    from meshdsl.cli import MODEL_HELP, PRESET_HELP, SET_HELP
+
     explain = sub.add_parser("explain", help="predict one layout: communication per op, memory, FLOPs, step time")
-    explain.add_argument("--model", default="transformer", help="mlp, transformer, moe or convnet")
-    explain.add_argument("--preset", default="small", help="tiny, small or 1b")
+    explain.add_argument("--model", default="transformer", help=MODEL_HELP)
+    explain.add_argument("--preset", default="small", help=PRESET_HELP)
     explain.add_argument("--layout", default="data_parallel", help="a layout TOML file, a shipped layout name, or rules")
     explain.add_argument("--optimizer", default="adamw")
     explain.add_argument("--profile", default=None, help="device profile (shipped name or JSON file; default: the devices at hand)")
     explain.add_argument("--no-compile", action="store_true", help="skip compiling the step for its own memory figure")
-    explain.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a model config field")
+    explain.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help=SET_HELP)
 
     calibrate = sub.add_parser("calibrate", help="measure the devices at hand into a device profile (JSON)")
     calibrate.add_argument("--name", default=None, help="the profile's name (default: from the device)")
     calibrate.add_argument("--out", default=None, help="where to write it (default: <name>.json)")
 
     search = sub.add_parser("search", help="rank meshes and layouts of a model by predicted step time")
-    search.add_argument("--model", default="transformer")
-    search.add_argument("--preset", default="small")
+    search.add_argument("--model", default="transformer", help=MODEL_HELP)
+    search.add_argument("--preset", default="small", help=PRESET_HELP)
     search.add_argument("--devices", dest="plan_devices", type=int, default=None, help="devices to plan for (default: those at hand)")
     search.add_argument("--memory-gb", type=float, default=None, help="memory per device in GB (default: the profile's)")
     search.add_argument("--profile", default=None, help="device profile (shipped name or JSON file; default: the devices at hand)")
@@ -40,7 +42,7 @@ def add_parsers(sub: Any) -> None:
     search.add_argument("--measure", type=int, default=0, metavar="K", help="compile and time the top K on the devices at hand")
     search.add_argument("--rounds", type=int, default=5, help="with --measure: interleaved timing rounds (2 steps each)")
     search.add_argument("--no-pipeline", action="store_true", help="leave out pipelined (layers: stage) candidates")
-    search.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a model config field")
+    search.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help=SET_HELP)
 
 
 def run(args: argparse.Namespace, overrides: dict[str, object], out: Callable[[str], None] = print) -> None:
@@ -58,7 +60,8 @@ def check(args: argparse.Namespace, overrides: dict[str, object]) -> None:
     from meshdsl.errors import ConfigError
     from meshdsl.planner.profile import load_profile
     from meshdsl.train import optim
-    from meshdsl.train.loop import build_model, load_layout
+    from meshdsl.model_loader import build_model
+    from meshdsl.train.loop import load_layout
 
     if args.command == "calibrate":
         if args.out is not None:
@@ -90,10 +93,11 @@ def _profile(spec: str | None) -> Any:
 
 def _explain(args: argparse.Namespace, overrides: dict[str, object], out: Callable[[str], None]) -> None:
     from meshdsl.planner.cost import predict
-    from meshdsl.planner.measure import compile_step, compiled_memory
-    from meshdsl.planner.search import Candidate
+    from meshdsl.bench.timing import compile_step, memory_bytes
     from meshdsl.train import optim
-    from meshdsl.train.loop import build_model, load_layout, rule_warnings
+    from meshdsl.train.step import Trainer
+    from meshdsl.model_loader import build_model
+    from meshdsl.train.loop import load_layout, rule_warnings
 
     model = build_model(args.model, args.preset, **overrides)
     layout = load_layout(args.layout)
@@ -105,7 +109,7 @@ def _explain(args: argparse.Namespace, overrides: dict[str, object], out: Callab
     prediction = predict(model, optimizer, mesh.axis_sizes, layout, profile)
     compiled = None
     if not args.no_compile:
-        compiled = compiled_memory(compile_step(model, optimizer, Candidate(mesh.axis_sizes, layout), 0)[1])
+        compiled = memory_bytes(compile_step(Trainer(model, optimizer, mesh, layout), 0).compiled)["total"]
     out(f"meshdsl explain: {args.model} {args.preset} on mesh {mesh} under {layout}" + (f" | params {layout.params}" if layout.params else ""))
     out(f"profile {profile.name} ({profile.source})\n")
     out(str(prediction.report) + "\n")
@@ -139,7 +143,7 @@ def _search(args: argparse.Namespace, overrides: dict[str, object], out: Callabl
     from meshdsl.planner.measure import measure, verdict
     from meshdsl.planner.search import GiB, search, write_layout
     from meshdsl.train import optim
-    from meshdsl.train.loop import build_model
+    from meshdsl.model_loader import build_model
 
     devices = args.plan_devices or jax.device_count()
     profile = _profile(args.profile)
@@ -147,13 +151,19 @@ def _search(args: argparse.Namespace, overrides: dict[str, object], out: Callabl
     optimizer = optim.make(args.optimizer)
     limit = None if args.memory_gb is None else args.memory_gb * 1e9
     start = time.perf_counter()
-    result = search(model, optimizer, devices, profile, limit, pipeline=not args.no_pipeline)
+    result = search(model, optimizer, devices, profile, limit, pipeline=not args.no_pipeline, name=args.model)
     seconds = time.perf_counter() - start
     out(
         f"meshdsl search: {args.model} {args.preset} on {devices} devices, profile {profile.name}, "
         f"{(limit or profile.memory_bytes) / GiB:.2f} GiB per device: {len(result.ranked)} fit, {len(result.dropped)} dropped, "
         f"{result.traced} traced, nothing compiled, {seconds:.1f} s"
     )
+    if result.failures:
+        first = result.failures[0]
+        print(
+            f"meshdsl search: warning: meshdsl failed to trace {len(result.failures)} candidate(s), left out; a bug to report, "
+            f"e.g. {first.candidate.name}: {first.reason}", file=sys.stderr,
+        )
     top = result.ranked[: args.top]
     measured: list[float | None] = [None] * len(top)
     if args.measure:

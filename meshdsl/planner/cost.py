@@ -82,7 +82,7 @@ def span(axes: tuple[str, ...], axis_sizes: Mapping[str, int]) -> int:
 
 
 def _dtype(model: Any) -> str:
-    return str(getattr(model.config, "compute_dtype", "float32"))
+    return str(getattr(getattr(model, "config", None), "compute_dtype", "float32"))
 
 
 def price(traced: Traced, model: Any, profile: DeviceProfile) -> Prediction:

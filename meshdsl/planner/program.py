@@ -1,25 +1,32 @@
 """A traced per-device jaxpr as a flat list of steps, for the memory and FLOP walks.
 
-Calls (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``checkpoint``, ``closed_call``) are
-inlined, as XLA inlines them, and so are scans of one iteration (XLA removes such loops); other
-loops (``scan``, ``while``) and ``cond`` keep their bodies, which run ``times`` times (or one
-branch of several).
+The jaxpr is first read as XLA compiles it, by the walker ``md.explain`` reads collectives with
+(:func:`meshdsl.jaxpr_walk.as_compiled`: calls inlined, one-trip scans removed, dead code dropped,
+identical computations merged); loops (``scan``, ``while``) and ``cond`` keep their bodies, which
+run ``times`` times (or one branch of several).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 from jax.extend import core as jex_core
 
-_INLINE = {"jit", "pjit", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint", "remat", "remat2", "closed_call", "core_call"}
+from meshdsl.jaxpr_walk import ENTER_SHARD_MAP, LEAVE_SHARD_MAP, as_compiled, bodies, trip_count
+
 _LOOPS = {"scan", "while", "cond"}
 _ALIASES = {"pvary", "pcast", "stop_gradient", "reshape", "squeeze", "expand_dims", "transpose"}
 """Steps whose result is their input's buffer, not a new one: a type change, a bitcast, or a
 transpose (XLA folds it into its neighbours: a dot's dimension numbers, a fusion, a layout)."""
+
+
+def _passes_through(eqn: Any) -> bool:
+    """Whether the result of ``eqn`` is its operand's buffer: a value entering or leaving a
+    ``shard_map`` (each device's block)."""
+    return eqn.primitive in (ENTER_SHARD_MAP, LEAVE_SHARD_MAP)
 
 
 @dataclasses.dataclass
@@ -72,33 +79,12 @@ class _Ids:
         return env[v]
 
 
-def _closed(value: Any) -> Iterator[Any]:
-    for v in value if isinstance(value, (tuple, list)) else (value,):
-        if isinstance(v, jex_core.ClosedJaxpr):
-            yield v.jaxpr
-        elif isinstance(v, jex_core.Jaxpr):
-            yield v
-
-
-def _sub_jaxprs(eqn: Any) -> list[Any]:
-    return [j for value in eqn.params.values() for j in _closed(value)]
-
-
-def _times(eqn: Any) -> int:
-    return int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1
-
-
 def _flatten(jaxpr: Any, env: dict, ids: _Ids, steps: list[Step]) -> None:
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        subs = _sub_jaxprs(eqn)
         ins = [ids.get(env, v) for v in eqn.invars]
-        if (name in _INLINE or _times(eqn) == 1 and name == "scan") and len(subs) >= 1:
-            inner = subs[0]
-            sub_env = dict(zip(inner.invars, ins[len(ins) - len(inner.invars):]))
-            _flatten(inner, sub_env, ids, steps)
-            for outer, v in zip(eqn.outvars, inner.outvars):
-                env[outer] = ids.get(sub_env, v)
+        if _passes_through(eqn):
+            env.update(zip(eqn.outvars, ins))
             continue
         if name in _ALIASES and len(eqn.invars) == 1 and not isinstance(eqn.invars[0], jex_core.Literal):
             env[eqn.outvars[0]] = ins[0]
@@ -107,16 +93,20 @@ def _flatten(jaxpr: Any, env: dict, ids: _Ids, steps: list[Step]) -> None:
         for v in eqn.outvars:
             env[v] = ids.new()
             outs.append((env[v], nbytes(v.aval)))
-        bodies = [(block(j, ids), _times(eqn)) for j in subs] if name in _LOOPS else []
+        times = trip_count(eqn) or 1  # a while loop's trip count is unknown: once
+        loops = [(_block(j, ids), times) for j in bodies(eqn)] if name in _LOOPS else []
         in_avals = [v.aval for v in eqn.invars]
-        steps.append(Step(name, eqn.params, ins, outs, [v.aval for v in eqn.outvars], in_avals, bodies))
+        steps.append(Step(name, eqn.params, ins, outs, [v.aval for v in eqn.outvars], in_avals, loops))
 
 
-def block(jaxpr: Any, ids: _Ids | None = None) -> Block:
-    """The flat :class:`Block` of ``jaxpr``."""
-    ids = ids or _Ids()
+def _block(jaxpr: Any, ids: _Ids) -> Block:
     env = {v: ids.new() for v in jaxpr.invars}
     env.update({v: ids.new() for v in jaxpr.constvars})
     steps: list[Step] = []
     _flatten(jaxpr, env, ids, steps)
     return Block(steps, [env[v] for v in jaxpr.invars] + [env[v] for v in jaxpr.constvars], [ids.get(env, v) for v in jaxpr.outvars])
+
+
+def block(jaxpr: Any) -> Block:
+    """The flat :class:`Block` of ``jaxpr`` as XLA compiles it."""
+    return _block(as_compiled(jaxpr), _Ids())

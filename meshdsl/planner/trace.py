@@ -13,7 +13,6 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
-from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: drop what XLA drops as dead
 
 import meshdsl as md
 from meshdsl.lowering.base import Lowering
@@ -33,7 +32,7 @@ class Batch:
 
 @dataclasses.dataclass(frozen=True)
 class Traced:
-    """A traced training step: its jaxpr (dead code dropped), the abstract state and batch, the mesh."""
+    """A traced training step: its jaxpr (as traced: the walker reads it as XLA compiles it), the abstract state and batch, the mesh."""
 
     jaxpr: Any
     state: Any
@@ -64,8 +63,7 @@ def trace_step(
     state = trainer.abstract_state()
     batch = abstract_batch(model) if batch is None else batch
     closed = jax.make_jaxpr(trainer.step.spmd_function)(state, batch.shapes)
-    jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
-    return Traced(jaxpr, state, batch, mesh, layout)
+    return Traced(closed.jaxpr, state, batch, mesh, layout)
 
 
 def shard_map_body(jaxpr: Any) -> Any:

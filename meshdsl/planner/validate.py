@@ -7,7 +7,7 @@ For every legal candidate of each model (the search's enumeration), predict the 
 layout (predicted collective bytes per device and whether they equal the compiled HLO's, the
 predicted and the compiled memory per device, and the memory error), then a summary line. The
 references are the compiler's own: the HLO's collectives (:mod:`meshdsl.hlo`) and
-``compiled.memory_analysis()`` (:func:`~meshdsl.planner.measure.compiled_memory`). Exits 1 when
+``compiled.memory_analysis()`` (:func:`~meshdsl.bench.timing.memory_bytes`). Exits 1 when
 a row misses (bytes unequal, or memory off by more than 10%).
 
 The devices are chosen (``meshdsl.cli.simulate_devices``) before JAX runs anything, as the
@@ -72,23 +72,24 @@ def check(name: str, model: Any, optimizer: Any, candidate: Any, devices: int) -
     import meshdsl as md
     from meshdsl import hlo
     from meshdsl.planner.cost import predict
-    from meshdsl.planner.measure import compile_step, compiled_memory
+    from meshdsl.bench.timing import compile_step, memory_bytes
+    from meshdsl.train.step import Trainer
     from meshdsl.planner.profile import load_profile
 
     try:
         prediction = predict(model, optimizer, candidate.axis_sizes, candidate.layout, load_profile("cpu-sim"))
     except (md.LayoutError, md.ShapeError):
         return None
-    _, compiled = compile_step(model, optimizer, candidate, 0)
+    compiled = compile_step(Trainer(model, optimizer, md.Mesh(candidate.axis_sizes), candidate.layout), 0).compiled
     equal = prediction.report.summary() == hlo.summary(compiled.as_text(), num_devices=devices)
-    return Check(name, candidate.name, prediction.total_bytes, equal, prediction.memory.total, compiled_memory(compiled))
+    return Check(name, candidate.name, prediction.total_bytes, equal, prediction.memory.total, memory_bytes(compiled)["total"])
 
 
 def validate(models: Sequence[str], preset: str, devices: int, out: Callable[[str], None] = print) -> list[Check]:
     """Check every legal layout of ``models`` on ``devices`` devices, printing a table row for each."""
     from meshdsl.planner.search import legal_candidates
     from meshdsl.train import optim
-    from meshdsl.train.loop import build_model
+    from meshdsl.model_loader import build_model
 
     optimizer = optim.make("adamw")
     out(HEADER)

@@ -14,9 +14,9 @@ from typing import Any, TextIO
 import jax
 
 import meshdsl as md
-import models
-from meshdsl import distributed, outputs
+from meshdsl import distributed, models, outputs
 from meshdsl.errors import ConfigError
+from meshdsl.model_loader import build_model, load_module
 from meshdsl.train import optim
 from meshdsl.train.data import TokenFile
 from meshdsl.train.rules import LAYOUTS, is_shipped, unused_rules
@@ -28,7 +28,10 @@ class RunConfig:
     """What ``meshdsl train`` runs; every field has a command-line flag."""
 
     model: str = "transformer"
+    """A shipped model's name, a Python file or an importable module (:mod:`meshdsl.model_loader`)."""
     preset: str = "small"
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Config fields set by ``--set FIELD=VALUE``."""
     layout: str = "data_parallel"
     steps: int = 200
     optimizer: str = "adamw"
@@ -71,38 +74,9 @@ def load_layout(spec: str) -> md.Layout:
     return md.Layout(spec, mesh_axes={"data": -1}) if path is None else md.Layout.load(path)
 
 
-def build_model(name: str, preset: str, **overrides: Any) -> Any:
-    """The model ``name`` at ``preset``; overrides that are None are left at the preset's values.
-
-    ConfigError for an unknown field, or a value unlike the field's default: integer fields
-    (sizes, counts) take integers of at least 1, float fields finite numbers of at least 0,
-    other fields values of their default's type.
-    """
-    module = models.get(name)
-    fields = {f.name: f.default for f in dataclasses.fields(module.Config)}
-    given = {k: v for k, v in overrides.items() if v is not None}
-    unknown = [k for k in given if k not in fields]
-    if unknown:
-        raise ConfigError(f"model {name} has no option {', '.join(unknown)}")
-    for field, value in given.items():
-        _check_field(name, field, value, fields[field])
-    return module.Model(module.Config.preset(preset, **given))
-
-
-def _check_field(model: str, field: str, value: Any, default: Any) -> None:
-    """ConfigError unless ``value`` suits a config field whose default is ``default``."""
-    if isinstance(default, bool) or not isinstance(default, (int, float)):
-        if not isinstance(value, type(default)):
-            raise ConfigError(f"model {model}: {field}={value!r}, but {field} takes a {type(default).__name__} such as {default!r}")
-    elif isinstance(default, int):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"model {model}: {field}={value!r}, but {field} takes an integer of at least 1")
-    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ConfigError(f"model {model}: {field}={value!r}, but {field} takes a finite number of at least 0")
-
-
 def _model(run: RunConfig) -> Any:
-    return build_model(run.model, run.preset, compute_dtype=run.compute_dtype, remat=run.remat or None)
+    flags = {"compute_dtype": run.compute_dtype, "remat": run.remat or None}
+    return build_model(run.model, run.preset, **run.overrides, **{k: v for k, v in flags.items() if v is not None})
 
 
 def _optimizer(run: RunConfig) -> optim.Optimizer:
@@ -119,7 +93,7 @@ def build_trainer(run: RunConfig, mesh: md.Mesh | None = None) -> Trainer:
 def token_file(path: str, model: Any, name: str) -> TokenFile:
     """The token file ``path`` for ``model``; ConfigError for a model that reads no token sequences."""
     if not all(hasattr(model.config, f) for f in ("batch", "length", "vocab")):
-        readers = [n for n in models.NAMES if {"length", "vocab"} <= {f.name for f in dataclasses.fields(models.get(n).Config)}]
+        readers = [n for n in models.NAMES if {"length", "vocab"} <= {f.name for f in dataclasses.fields(load_module(n).Config)}]
         raise ConfigError(f"--data {path!r}: model {name} reads no token sequences (its config has no length and vocab); --data is for {', '.join(readers)}")
     c = model.config
     return TokenFile(path, c.batch, c.length, c.vocab)
@@ -172,12 +146,13 @@ class Progress:
         except OSError as e:
             raise ConfigError(f"--log-json {log_json}: cannot write it: {e.strerror}") from None
 
-    def update(self, step: int, loss: float, seconds: float, examples: int) -> None:
+    def update(self, step: int, loss: float, seconds: float, examples: int | None) -> None:
+        """Show step ``step``; ``examples`` None (a model without ``examples_per_step``): no throughput."""
         done = int(20 * step / self.total)
         line = (
             f"step {step:>{len(str(self.total))}}/{self.total} [{'#' * done}{'.' * (20 - done)}] "
-            f"loss {loss:.4f}  step {seconds * 1e3:7.1f} ms  {examples / seconds:,.0f} {self.unit}/s"
-        )
+            f"loss {loss:.4f}  step {seconds * 1e3:7.1f} ms"
+        ) + ("" if examples is None else f"  {examples / seconds:,.0f} {self.unit}/s")
         if self.live:
             self.out.write("\r" + line)
             if step == self.total:
@@ -273,6 +248,9 @@ def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None,
         return []
     metadata = _run_metadata(run, model)
     unit = "tokens" if hasattr(model.config, "length") else "examples"
+    examples = model.examples_per_step() if hasattr(model, "examples_per_step") else None
+    if examples is None:
+        err.write(f"meshdsl train: note: model {run.model} has no examples_per_step(), so no throughput is shown\n")
     progress = Progress(run.steps, unit, out, run.log_json if distributed.is_primary() else None)
     losses = []
     for step in range(first, run.steps):
@@ -280,7 +258,7 @@ def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None,
         start = time.perf_counter()
         state, loss = trainer.step(state, batch)
         losses.append(float(distributed.local_value(loss)))
-        progress.update(step + 1, losses[-1], time.perf_counter() - start, model.examples_per_step())
+        progress.update(step + 1, losses[-1], time.perf_counter() - start, examples)
         if manager is not None and (manager.due(step + 1) or step + 1 == run.steps):
             _save(manager, step + 1, state, data_key, metadata, out)
     progress.close()

@@ -14,6 +14,7 @@ model it runs.
 from __future__ import annotations
 
 import difflib
+import importlib.resources
 from pathlib import Path
 from typing import Any
 
@@ -21,35 +22,11 @@ import jax
 import jax.numpy as jnp
 
 import meshdsl as md
-from meshdsl.dims import Shape
-from meshdsl.lowering.base import Lowering
-from meshdsl.lowering.context import use
+from meshdsl.lowering.recorder import recorded_shapes
 
-LAYOUTS = Path(__file__).resolve().parents[2] / "layouts"
-"""The shipped layout files."""
-
-
-class _DimRecorder(Lowering):
-    """The global-array lowering, noting the name of every dim of every tensor an op touches."""
-
-    def __init__(self) -> None:
-        self.names: set[str] = set()
-
-    def axes(self, shape: Shape, tensor: str = "tensor") -> Any:
-        self.names.update(shape.names)
-        return super().axes(shape, tensor)
-
-    def prepare(self, t: md.Tensor, axes: Any = None, beside: Any = ()) -> jax.Array:
-        self.names.update(t.shape.names)
-        return super().prepare(t, axes, beside)
-
-    def finish(self, array: jax.Array, shape: Shape, *args: Any, **kwargs: Any) -> md.Tensor:
-        self.names.update(shape.names)
-        return super().finish(array, shape, *args, **kwargs)
-
-    def keep(self, array: jax.Array, shape: Shape, axes: Any) -> md.Tensor:
-        self.names.update(shape.names)
-        return super().keep(array, shape, axes)
+LAYOUTS = Path(str(importlib.resources.files("meshdsl.layouts"))).resolve()
+"""The shipped layout files: the package data of ``meshdsl.layouts`` (the repository's
+``layouts/`` folder), found wherever meshdsl is installed."""
 
 
 def model_dims(model: Any) -> set[str]:
@@ -57,14 +34,10 @@ def model_dims(model: Any) -> set[str]:
 
     The loss is traced on global arrays (``jax.eval_shape``): nothing is compiled or computed.
     """
-    recorder = _DimRecorder()
-
     def loss(key: jax.Array) -> jax.Array:
         return model.loss(model.init(key), model.batch(key)).array
 
-    with use(recorder):
-        jax.eval_shape(loss, jax.ShapeDtypeStruct((2,), jnp.uint32))
-    return recorder.names
+    return {name for shape in recorded_shapes(loss, jax.ShapeDtypeStruct((2,), jnp.uint32)) for name in shape.names}
 
 
 def is_shipped(path: str | Path | None) -> bool:

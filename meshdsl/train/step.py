@@ -21,7 +21,7 @@ import meshdsl as md
 from meshdsl import pipeline
 from meshdsl.lowering.base import Lowering
 from meshdsl.lowering.context import use
-from meshdsl.pipeline import PipelineConfig
+from meshdsl.pipeline_config import PipelineConfig
 from meshdsl.train.optim import Optimizer
 
 

@@ -1,0 +1,392 @@
+"""A traced program read as XLA compiles it: the one jaxpr walker of ``md.explain`` and the planner.
+
+:func:`as_compiled` rewrites a jaxpr into the program XLA runs, so that counting collectives
+(:mod:`meshdsl.explain`), buffers (:mod:`meshdsl.planner.memory`) and FLOPs
+(:mod:`meshdsl.planner.flops`) all see the same program:
+
+* Calls are inlined, as XLA inlines them: ``jit``, ``closed_call``, ``custom_jvp_call``,
+  ``custom_vjp_call``, ``jax.checkpoint``'s ``remat`` and ``shard_map`` (its per-device body joins
+  the program between markers of entering and leaving it, so two ``shard_map`` s of one program
+  share their identical computations, as XLA's partitioned program does); ``checkpoint_name``,
+  which emits no HLO, is dropped.
+* A ``jax.checkpoint`` recomputation in a gradient (``differentiated``) whose ``prevent_cse`` is
+  set (JAX's default) takes its operands through one ``optimization_barrier``, as JAX lowers it.
+  A ``policy`` only changes what is saved, hence what is recomputed.
+* A one-trip ``scan`` is replaced by its body, as XLA removes such a loop; other loops keep
+  their bodies (:func:`trip_count` says how often a body runs).
+* Dead code is dropped: before inlining, as JAX does before lowering, and after (with a loop's
+  carries no next iteration needs); and at the end, what merging left unused.
+* Identical computations are merged within each computation (a loop body or branch is a
+  computation of its own, so nothing merges across a loop's boundary), twice, as XLA:CPU runs
+  its CSE: first with the optimization barriers keeping a recomputation apart from the forward
+  pass; then, the barriers expanded away (after XLA's all-reduce combiner has tupled the
+  all-reduces), merging what only a barrier kept apart, except all-reduces. So a recomputed
+  all-reduce runs again under ``prevent_cse=True`` and not under ``prevent_cse=False``, while a
+  recomputed all-gather, reduce-scatter, all-to-all or permute merges with the forward pass's
+  either way. A global array that leaves one ``shard_map`` and enters another under the same
+  spec is the same per-device block: XLA cancels that round trip.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax import lax
+from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: drop what XLA would drop as dead
+from jax.extend import core as jex_core
+from jax.extend.core import primitives as jex_primitives
+
+_CALLS = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+}
+"""Call primitives XLA inlines, with the parameter holding the called jaxpr (operands one to one)."""
+_REMATS = ("remat2", "checkpoint", "remat")
+"""Names of ``jax.checkpoint``'s primitive across JAX versions."""
+_NO_OP = frozenset({"name"})
+"""Primitives JAX lowers to nothing whose result has its operand's type: ``checkpoint_name``'s."""
+
+ENTER_SHARD_MAP = jex_core.Primitive("enter_shard_map")
+"""A global operand becoming a ``shard_map`` body's per-device block (``spec``, ``mesh``): no data moves."""
+LEAVE_SHARD_MAP = jex_core.Primitive("leave_shard_map")
+"""A ``shard_map`` body's per-device result becoming a global result (``spec``, ``mesh``): no data moves."""
+
+
+@functools.cache
+def barrier_primitive() -> Any:
+    """``lax.optimization_barrier``'s primitive (``jax.extend`` does not export it)."""
+    return jax.make_jaxpr(lax.optimization_barrier)(0.0).eqns[0].primitive
+
+
+# ---- reading the rewritten program ----------------------------------------------------------
+
+
+def bodies(eqn: jex_core.JaxprEqn) -> list[jex_core.Jaxpr]:
+    """The jaxprs inside ``eqn``: a loop's body (and condition), a ``cond`` 's branches."""
+    return [j for value in eqn.params.values() for j in _jaxprs(value)]
+
+
+def trip_count(eqn: jex_core.JaxprEqn) -> int | None:
+    """How often ``eqn`` 's :func:`bodies` run per run of ``eqn``: a ``scan`` 's length, None for a
+    ``while`` (data-dependent), 1 for anything else (each branch of a ``cond`` counts as if taken)."""
+    if eqn.primitive.name == "scan":
+        return int(eqn.params["length"])
+    return None if eqn.primitive.name == "while" else 1
+
+
+def walk(jaxpr: jex_core.Jaxpr, times: int | None = 1) -> Iterator[tuple[jex_core.JaxprEqn, int | None]]:
+    """Every equation of ``jaxpr`` at any depth, with how often it runs per run of ``jaxpr``
+    (None inside a ``while`` loop)."""
+    for eqn in jaxpr.eqns:
+        yield eqn, times
+        k = trip_count(eqn)
+        for body in bodies(eqn):
+            yield from walk(body, None if times is None or k is None else times * k)
+
+
+# ---- the rewrite -------------------------------------------------------------------------------
+
+
+def as_compiled(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
+    """``jaxpr`` as XLA compiles it (see the module docstring); every output is kept."""
+    live = _dead_dropped(jaxpr)
+    inlined = _dead_dropped(_rewritten(live, _inline_eqns, {}))
+    merged = _rewritten(inlined, functools.partial(_merge_eqns, barriers=True), {})
+    merged = _rewritten(merged, functools.partial(_merge_eqns, barriers=False), {})
+    return _rewritten(merged, _unused_dropped, {})
+
+
+def _dead_dropped(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
+    """``jaxpr`` without the equations no output needs (its inputs all kept, used or not)."""
+    return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
+
+
+def _unused_dropped(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dict[Any, Any]) -> list[jex_core.JaxprEqn]:
+    """The equations whose results something reads, or that have an effect beyond naming mesh axes.
+
+    Unlike :func:`_dead_dropped` it keeps every loop as it is (JAX's rule for a ``scan`` checks
+    the types of its carries again, which merging values of equal buffers but different
+    varying-axes types would upset).
+    """
+    live = {v for v in jaxpr.outvars if isinstance(v, jex_core.Var)}
+    kept = []
+    for eqn in reversed(eqns):
+        if _effectful(eqn) or any(v in live for v in eqn.outvars if not isinstance(v, jex_core.DropVar)):
+            kept.append(eqn)
+            live.update(v for v in eqn.invars if isinstance(v, jex_core.Var))
+    return kept[::-1]
+
+
+def _effectful(eqn: jex_core.JaxprEqn) -> bool:
+    """Whether ``eqn`` has an effect beyond naming mesh axes (a collective's), which keeps it apart and alive."""
+    return any(type(e).__name__ != "NamedAxisEffect" for e in eqn.effects)
+
+
+def _jaxprs(value: Any) -> Iterator[jex_core.Jaxpr]:
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(v, jex_core.ClosedJaxpr):
+            yield v.jaxpr
+        elif isinstance(v, jex_core.Jaxpr):
+            yield v
+
+
+_Memo = dict[int, tuple[Any, Any]]
+"""Rewritten jaxprs by ``id`` of the original (kept alongside, so the id stays its own): a jaxpr
+that several equations share stays shared, which :func:`_merge_key` relies on."""
+_Pass = Callable[[jex_core.Jaxpr, list[jex_core.JaxprEqn], dict[Any, Any]], list[jex_core.JaxprEqn]]
+"""One pass over a jaxpr's equations (their sub-jaxprs already rewritten), recording in the
+mapping the values that later equations and the results read instead of removed ones."""
+
+
+def _rewritten(jaxpr: jex_core.Jaxpr, rewrite: _Pass, memo: _Memo) -> jex_core.Jaxpr:
+    """``jaxpr`` with ``rewrite`` applied to it and to every jaxpr inside it (``jaxpr`` itself if nothing changes)."""
+    if id(jaxpr) not in memo:
+        eqns = [_params_rewritten(e, rewrite, memo) for e in jaxpr.eqns]
+        subst: dict[Any, Any] = {}
+        eqns = rewrite(jaxpr, eqns, subst)
+        outvars = [_atom(v, subst) for v in jaxpr.outvars]
+        same = _same(eqns, jaxpr.eqns) and _same(outvars, jaxpr.outvars)
+        memo[id(jaxpr)] = (jaxpr, jaxpr if same else jaxpr.replace(eqns=eqns, outvars=outvars))
+    return memo[id(jaxpr)][1]
+
+
+def _params_rewritten(eqn: jex_core.JaxprEqn, rewrite: _Pass, memo: _Memo) -> jex_core.JaxprEqn:
+    params = {k: _param_rewritten(v, rewrite, memo) for k, v in eqn.params.items()}
+    return eqn if _same(list(params.values()), list(eqn.params.values())) else eqn.replace(params=params)
+
+
+def _param_rewritten(value: Any, rewrite: _Pass, memo: _Memo) -> Any:
+    if isinstance(value, (tuple, list)):
+        items = [_param_rewritten(v, rewrite, memo) for v in value]
+        return value if _same(items, value) else type(value)(items)
+    if isinstance(value, jex_core.ClosedJaxpr):
+        inner = _rewritten(value.jaxpr, rewrite, memo)
+        if inner is value.jaxpr:
+            return value
+        key = ("closed", id(value))
+        if key not in memo:
+            memo[key] = (value, value.replace(jaxpr=inner))
+        return memo[key][1]
+    if isinstance(value, jex_core.Jaxpr):
+        return _rewritten(value, rewrite, memo)
+    return value
+
+
+def _same(new: Sequence[Any], old: Sequence[Any]) -> bool:
+    """Whether ``new`` holds exactly the objects of ``old`` (identity: jaxpr variables have no value equality)."""
+    return len(new) == len(old) and all(a is b for a, b in zip(new, old))
+
+
+def _atom(v: Any, env: Mapping[Any, Any]) -> Any:
+    """What ``v`` stands for under ``env`` (literals and unmapped variables are themselves)."""
+    return env.get(v, v) if isinstance(v, jex_core.Var) else v
+
+
+# ---- inlining ------------------------------------------------------------------------------------
+
+
+def _inline_eqns(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dict[Any, Any]) -> list[jex_core.JaxprEqn]:
+    """Calls, ``shard_map`` s and one-trip scans replaced by their bodies; :data:`_NO_OP` s dropped."""
+    out: list[jex_core.JaxprEqn] = []
+    for eqn in eqns:
+        invars = [_atom(v, subst) for v in eqn.invars]
+        if not _same(invars, eqn.invars):
+            eqn = eqn.replace(invars=invars)
+        name = eqn.primitive.name
+        if name in _CALLS:
+            out += _spliced(eqn.params[_CALLS[name]], eqn.invars, eqn.outvars, subst)
+        elif name in _REMATS:
+            out += _recomputed(eqn, subst)
+        elif name == "shard_map":
+            out += _shard_map_inlined(eqn)
+        elif name == "scan" and eqn.params["length"] == 1:
+            out += _one_trip(eqn, subst)
+        elif name in _NO_OP:
+            subst[eqn.outvars[0]] = eqn.invars[0]
+        else:
+            out.append(eqn)
+    return out
+
+
+def _fresh(v: Any, env: dict[Any, Any]) -> Any:
+    """A fresh variable for the binder ``v`` of an inlined body, recorded in ``env`` (drop-vars stay).
+
+    Fresh, so that a body inlined twice does not define one variable twice.
+    """
+    if isinstance(v, jex_core.DropVar):
+        return v
+    env[v] = jex_core.Var(v.aval)
+    return env[v]
+
+
+def _body_eqns(body: jex_core.Jaxpr, env: dict[Any, Any]) -> list[jex_core.JaxprEqn]:
+    """``body`` 's equations reading ``env`` 's values for its variables, each binder made fresh."""
+    return [e.replace(invars=[_atom(v, env) for v in e.invars], outvars=[_fresh(v, env) for v in e.outvars]) for e in body.eqns]
+
+
+def _closed_env(callee: Any) -> tuple[jex_core.Jaxpr, dict[Any, Any]]:
+    """The jaxpr of ``callee`` (closed or not) and its constants as literals."""
+    if isinstance(callee, jex_core.ClosedJaxpr):
+        return callee.jaxpr, {v: jex_core.Literal(c, v.aval) for v, c in zip(callee.jaxpr.constvars, callee.consts)}
+    return callee, {}
+
+
+def _spliced(callee: Any, args: Sequence[Any], results: Sequence[Any], subst: dict[Any, Any]) -> list[jex_core.JaxprEqn]:
+    """The equations of ``callee`` run on ``args``; its results recorded in ``subst`` as ``results``."""
+    body, env = _closed_env(callee)
+    env.update(zip(body.invars, args))
+    eqns = _body_eqns(body, env)
+    subst.update((v, _atom(r, env)) for v, r in zip(results, body.outvars) if not isinstance(v, jex_core.DropVar))
+    return eqns
+
+
+def _recomputed(eqn: jex_core.JaxprEqn, subst: dict[Any, Any]) -> list[jex_core.JaxprEqn]:
+    """A ``jax.checkpoint`` call inlined; in a gradient with ``prevent_cse``, behind its barrier.
+
+    JAX lowers a differentiated checkpoint by passing the operands whose ``prevent_cse`` is set
+    through one ``optimization_barrier`` before the body: XLA cannot see through it, so the
+    recomputation stays apart from the forward pass.
+    """
+    args = list(eqn.invars)
+    flags = eqn.params.get("prevent_cse", True)
+    flags = tuple(flags) if isinstance(flags, (tuple, list)) else (flags,) * len(args)
+    held = [i for i, f in enumerate(flags) if f]
+    barrier: list[jex_core.JaxprEqn] = []
+    if eqn.params.get("differentiated", False) and held:
+        outs = [jex_core.Var(args[i].aval) for i in held]
+        barrier.append(jex_core.new_jaxpr_eqn([args[i] for i in held], outs, barrier_primitive(), {}, jex_core.no_effects, eqn.source_info))
+        for i, v in zip(held, outs):
+            args[i] = v
+    return barrier + _spliced(eqn.params["jaxpr"], args, eqn.outvars, subst)
+
+
+def _shard_map_inlined(eqn: jex_core.JaxprEqn) -> list[jex_core.JaxprEqn]:
+    """A ``shard_map`` 's body between :data:`ENTER_SHARD_MAP` and :data:`LEAVE_SHARD_MAP` markers."""
+    body, env = _closed_env(eqn.params["jaxpr"])
+    mesh = eqn.params["mesh"]
+
+    def marker(primitive: Any, source: Any, target: Any, spec: Any) -> jex_core.JaxprEqn:
+        return jex_core.new_jaxpr_eqn([source], [target], primitive, {"spec": spec, "mesh": mesh}, jex_core.no_effects, eqn.source_info)
+
+    eqns = [marker(ENTER_SHARD_MAP, x, _fresh(v, env), spec) for x, v, spec in zip(eqn.invars, body.invars, eqn.params["in_specs"])]
+    eqns += _body_eqns(body, env)
+    eqns += [marker(LEAVE_SHARD_MAP, _atom(r, env), v, spec) for r, v, spec in zip(body.outvars, eqn.outvars, eqn.params["out_specs"])]
+    return eqns
+
+
+def _reshaped(primitive: Any, params: dict[str, Any], source: Any, target: Any, scan: jex_core.JaxprEqn) -> jex_core.JaxprEqn:
+    """``target = primitive(source)``: the leading length-1 axis a scan adds to or takes from its slices."""
+    return jex_core.new_jaxpr_eqn([source], [target], primitive, params, jex_core.no_effects, scan.source_info)
+
+
+def _one_trip(scan: jex_core.JaxprEqn, subst: dict[Any, Any]) -> list[jex_core.JaxprEqn]:
+    """The equations of the length-1 ``scan`` 's body, wired to its operands and results.
+
+    Each ``xs`` operand loses its leading axis of 1 and each ``ys`` result gains it back (both
+    bitcasts); the carried results are recorded in ``subst``. XLA removes a one-trip loop, after
+    which the parts of its body that only the loop's dead results need are dead code: jaxpr DCE
+    cannot see that inside a scan (a carry stays live when a next iteration would read it).
+    """
+    body, env = _closed_env(scan.params["jaxpr"])
+    n_in = scan.params["num_consts"] + scan.params["num_carry"]
+    env.update(zip(body.invars[:n_in], scan.invars[:n_in]))
+    squeeze = {"dimensions": (0,)}
+    eqns = [_reshaped(jex_primitives.squeeze_p, squeeze, x, _fresh(v, env), scan) for x, v in zip(scan.invars[n_in:], body.invars[n_in:])]
+    eqns += _body_eqns(body, env)
+    results = [_atom(v, env) for v in body.outvars]
+    n_carry = scan.params["num_carry"]
+    subst.update((v, r) for v, r in zip(scan.outvars[:n_carry], results[:n_carry]) if not isinstance(v, jex_core.DropVar))
+    for v, y in zip(scan.outvars[n_carry:], results[n_carry:]):
+        grow = {"new_sizes": tuple(v.aval.shape), "dimensions": None, "sharding": None}
+        eqns.append(_reshaped(jex_primitives.reshape_p, grow, y, v, scan))
+    return eqns
+
+
+# ---- merging identical computations (XLA's CSE) ----------------------------------------------------
+
+
+_ALL_REDUCES = frozenset({"psum", "psum_invariant", "pmax", "pmin"})
+
+
+def _merge_eqns(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dict[Any, Any], barriers: bool) -> list[jex_core.JaxprEqn]:
+    """Each equation that repeats an earlier one of the same computation removed, its results
+    recorded in ``subst`` as the earlier one's (XLA's CSE).
+
+    ``barriers``: optimization barriers keep what they pass apart (XLA's CSE before it expands
+    them). Otherwise they are gone, and what only they kept apart merges, all-reduces excepted
+    (XLA:CPU's CSE after expanding the barriers, once its all-reduce combiner has run, merges
+    every other collective but no all-reduce).
+    """
+    out: list[jex_core.JaxprEqn] = []
+    seen: dict[tuple, int] = {}
+    left: dict[Any, tuple[Any, tuple]] = {}  # a global result of a shard_map -> (its per-device value, spec and mesh)
+    for eqn in eqns:
+        invars = [_atom(v, subst) for v in eqn.invars]
+        if not _same(invars, eqn.invars):
+            eqn = eqn.replace(invars=invars)
+        if eqn.primitive is barrier_primitive() and not barriers:
+            subst.update(zip(eqn.outvars, eqn.invars))
+            continue
+        if eqn.primitive is LEAVE_SHARD_MAP:
+            left[eqn.outvars[0]] = (eqn.invars[0], _marker_key(eqn))
+        elif eqn.primitive is ENTER_SHARD_MAP and left.get(eqn.invars[0], (None, None))[1] == _marker_key(eqn):
+            subst[eqn.outvars[0]] = left[eqn.invars[0]][0]  # the same blocks back again: XLA cancels the round trip
+            continue
+        key = None if eqn.primitive.name in _ALL_REDUCES and not barriers else _merge_key(eqn)
+        if key is None or key not in seen:
+            if key is not None:
+                seen[key] = len(out)
+            out.append(eqn)
+            continue
+        first = seen[key]
+        outvars = list(out[first].outvars)
+        for i, (mine, theirs) in enumerate(zip(eqn.outvars, outvars)):
+            if isinstance(mine, jex_core.DropVar):
+                continue
+            if isinstance(theirs, jex_core.DropVar):  # the first one's result was unused: it takes this name
+                outvars[i] = mine
+            else:
+                subst[mine] = theirs
+        if not _same(outvars, out[first].outvars):
+            out[first] = out[first].replace(outvars=outvars)
+    return out
+
+
+def _marker_key(eqn: jex_core.JaxprEqn) -> tuple:
+    """The spec and mesh of a ``shard_map`` marker (a global array leaving under one spec and
+    entering under the same one on the same mesh is the same per-device block)."""
+    return repr(eqn.params["spec"]), repr(eqn.params["mesh"])
+
+
+def _merge_key(eqn: jex_core.JaxprEqn) -> tuple | None:
+    """What makes ``eqn`` the same computation as an earlier one (XLA merges those), or None.
+
+    A collective's only effect is naming mesh axes; any other effect keeps the equation apart.
+    """
+    if _effectful(eqn):
+        return None
+    params = tuple((k, _param_key(v)) for k, v in sorted(eqn.params.items()))
+    return (eqn.primitive.name, params, tuple(_operand_key(v) for v in eqn.invars))
+
+
+def _param_key(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_param_key(v) for v in value))
+    if isinstance(value, (jex_core.Jaxpr, jex_core.ClosedJaxpr)):
+        return ("jaxpr", id(value))
+    return repr(value)
+
+
+def _operand_key(v: Any) -> Any:
+    if isinstance(v, jex_core.Literal):
+        value = np.asarray(v.val)
+        return ("literal", str(value.dtype), value.item() if value.ndim == 0 else id(v.val))
+    return v

@@ -1,0 +1,150 @@
+"""``dot_product_attention``: softmax(q k / sqrt(d)) v by dim name, run by ``jax.nn.dot_product_attention`` on each shard.
+
+Queries ``q[*batch, heads, length, d_kv]`` (any order), keys and values ``[*batch, heads, memory,
+d_kv]``; the result has ``q``'s shape. ``batch`` is every other dim, shared by all three.
+
+Where the keys' ``memory`` dim is whole on every device, each device runs
+``jax.nn.dot_product_attention`` on its local blocks, laid out as it wants them (``[B, T, N, H]``:
+the batch dims flattened, then query length, heads, depth), with no communication:
+
+* ``batch`` dims split (data parallel) and ``heads`` split (Megatron): each device attends its
+  own rows and heads;
+* ``length`` split (the queries): each device attends its own queries to every key; the causal
+  mask is built for its rows' global positions (``lowering.shard``);
+* ``d_kv`` split: gathered first (the sum over it belongs to one device).
+
+Inside the spmd lowering these blocks are the device's own arrays, so ``implementation="cudnn"``
+gives each GPU cuDNN's fused attention (JAX's default, None, is still the XLA formula as of JAX
+0.10). On the gspmd backend and eagerly the same call runs on the global arrays (XLA partitions
+it by the sharding constraints).
+
+When ``memory`` is split, a device holds only some keys of each query: it computes the einsum
+formulation with md ops instead (``einsum``, a masked ``softmax`` over the split dim, which costs
+one ``pmax`` and one ``psum``, and an ``einsum`` whose sum over ``memory`` stays pending).
+
+Masks: ``causal`` (query ``i`` sees memory positions ``j <= i``) and ``mask``, a boolean tensor
+over some of ``batch``, ``heads``, ``length``, ``memory`` (True: attend; a padding mask is
+``[batch, memory]``). As in ``jax.nn.dot_product_attention``, masked logits become
+``-0.7 * float32 max``, and the softmax runs in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshdsl.dims import DimLike, Shape
+from meshdsl.errors import ShapeError
+from meshdsl.lowering.context import current, op
+from meshdsl.ops import elementwise
+from meshdsl.ops.einsum import einsum
+from meshdsl.ops.indexing import range as md_range
+from meshdsl.ops.reduction import softmax
+from meshdsl.tensor import Tensor
+
+MASKED = -0.7 * float(np.finfo(np.float32).max)
+"""The logit of a masked pair: ``jax.nn.dot_product_attention``'s large negative number."""
+
+
+def _name(d: DimLike) -> str:
+    return d if isinstance(d, str) else d.name
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, h: str, t: str, s: str, d: str, mask: Tensor | None) -> list[str]:
+    """The batch dims (in ``q``'s order); ShapeError when the operands do not fit together."""
+    if t == s:
+        raise ShapeError(f"dot_product_attention: the query length and memory dims need distinct names, got {t!r} twice")
+    for x, role, need in ((q, "query", (h, t, d)), (k, "key", (h, s, d)), (v, "value", (h, s, d))):
+        missing = [n for n in need if n not in x.shape]
+        if missing:
+            raise ShapeError(f"dot_product_attention: {role} {x.shape} lacks dims {missing}")
+    if set(k.shape) != set(v.shape):
+        raise ShapeError(f"dot_product_attention: keys {k.shape} and values {v.shape} must have the same dims")
+    batch = [n for n in q.names if n not in (h, t, d)]
+    if {x for x in q.shape if x.name in batch} | {q.shape[h], q.shape[d]} != {x for x in k.shape if x.name != s}:
+        raise ShapeError(f"dot_product_attention: queries {q.shape} and keys {k.shape} differ in dims other than {t} and {s}")
+    if mask is not None:
+        allowed = {*batch, h, t, s}
+        if mask.dtype != jnp.bool_ or not set(mask.names) <= allowed:
+            raise ShapeError(f"dot_product_attention: mask {mask.shape} ({mask.dtype}) must be boolean over dims of {sorted(allowed)}")
+    return batch
+
+
+@op("dot_product_attention")
+def dot_product_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    heads: DimLike = "heads",
+    length: DimLike = "length",
+    memory: DimLike = "memory",
+    depth: DimLike = "d_kv",
+    causal: bool = False,
+    mask: Tensor | None = None,
+    scale: float | None = None,
+    implementation: str | None = None,
+) -> Tensor:
+    """Attention of queries ``q`` to keys ``k`` and values ``v`` (see the module docstring).
+
+    ``scale`` multiplies the logits (default ``1 / sqrt(d_kv)``); ``implementation`` is passed to
+    ``jax.nn.dot_product_attention`` (None, "xla" or "cudnn").
+    """
+    h, t, s, d = map(_name, (heads, length, memory, depth))
+    batch = _check(q, k, v, h, t, s, d, mask)
+    scale = q.shape[d].size ** -0.5 if scale is None else scale
+    lowering = current()
+    own = dict(zip(k.names, lowering.axes(k.shape)))
+    if own[s]:
+        return _einsum_attention(q, k, v, batch, h, t, s, d, causal, mask, scale)
+    own.update(zip(q.names, lowering.axes(q.shape)))
+    own[d] = ()
+
+    def local(x: Tensor, position: str, others: list[Tensor]) -> jax.Array:
+        """``x``'s local block as ``[B, position, heads, d_kv]``."""
+        a = lowering.prepare(x, tuple(own[n] for n in x.names), beside=others)
+        a = jnp.transpose(a, [x.shape.index(n) for n in (*batch, position, h, d)])
+        return jnp.reshape(a, (-1, *a.shape[len(batch):]))
+
+    qa, ka, va = local(q, t, [k, v]), local(k, s, [q, v]), local(v, s, [q, k])
+    qa, ka, va = (lowering.vary_like(a, qa, ka, va) for a in (qa, ka, va))
+    local_batch = [q.shape[n].size // lowering.group_size(own[n]) for n in batch]
+    rows, offset = lowering.shard(q.shape[t].size, own[t])
+    allowed = None
+    if mask is not None:
+        full = Shape([*(q.shape[n] for n in batch), q.shape[h], q.shape[t], k.shape[s]])
+        m = elementwise.align(lowering.prepare(mask, tuple(own[n] for n in mask.names)), mask.shape, full)
+        m = jnp.broadcast_to(m, (*local_batch, *m.shape[len(batch):]))
+        allowed = lowering.vary_like(jnp.reshape(m, (-1, *m.shape[len(batch):])), qa)
+    whole_causal = causal and not own[t]  # JAX's is_causal: query i sees keys j <= i, from position 0
+    if causal and own[t]:
+        positions = (jnp.arange(rows) + offset)[:, None] >= jnp.arange(k.shape[s].size)[None, :]
+        positions = lowering.vary_like(positions[None, None], qa)
+        allowed = positions if allowed is None else jnp.logical_and(allowed, positions)
+    out = jax.nn.dot_product_attention(qa, ka, va, mask=allowed, scale=scale, is_causal=whole_causal, implementation=implementation)
+    out = jnp.reshape(out, (*local_batch, *out.shape[1:]))
+    order = [*batch, t, h, d]
+    out = jnp.transpose(out, [order.index(n) for n in q.names])
+    return lowering.finish(out, q.shape, tuple(own[n] for n in q.names))
+
+
+def _as(x: Tensor, dtype: Any) -> Tensor:
+    return x if x.dtype == dtype else elementwise.cast(x, dtype)
+
+
+def _einsum_attention(q: Tensor, k: Tensor, v: Tensor, batch: list[str], h: str, t: str, s: str, d: str, causal: bool, mask: Tensor | None, scale: float) -> Tensor:
+    """The same attention in md ops, for a split ``memory``."""
+    logits_dtype = jnp.promote_types(q.dtype, jnp.float32)
+    scores = _as(einsum(q, k, out=[*batch, h, t, s]), logits_dtype) * scale
+    allowed: Any = None
+    if causal:
+        allowed = md_range(q.shape[t]) >= md_range(k.shape[s])
+    if mask is not None:
+        allowed = mask if allowed is None else elementwise.logical_and(allowed, mask)
+    if allowed is not None:
+        scores = elementwise.where(allowed, scores, MASKED)
+    probs = _as(softmax(_as(scores, jnp.float32), s), v.dtype)
+    return einsum(probs, v, out=q.shape)

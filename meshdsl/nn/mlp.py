@@ -1,0 +1,52 @@
+"""``MLP``: the feed-forward block, ``activation(x w_in) w_out``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+
+from meshdsl.nn.linear import Linear
+from meshdsl.nn.params import Dims, Stack, as_dims
+from meshdsl.ops.elementwise import gelu
+from meshdsl.tensor import Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class MLP:
+    """``activation(x w_in (+ b_in)) w_out (+ b_out)``: ``inputs -> hidden -> outputs`` (``outputs``
+    default: ``inputs``, the Transformer's feed-forward).
+
+    Splitting ``hidden`` is Megatron's feed-forward: the first projection is local, the second
+    leaves one pending ``psum``. Params: ``{"w_in": input_projection's, "w_out":
+    output_projection's}`` (``Linear``'s: a weight, or ``{"kernel", "bias"}`` with ``bias``).
+    """
+
+    inputs: Dims
+    hidden: Dims
+    outputs: Dims | None = None
+    _: dataclasses.KW_ONLY
+    activation: Callable[[Tensor], Tensor] = gelu
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inputs", as_dims(self.inputs, "MLP inputs"))
+        object.__setattr__(self, "hidden", as_dims(self.hidden, "MLP hidden"))
+        object.__setattr__(self, "outputs", self.inputs if self.outputs is None else as_dims(self.outputs, "MLP outputs"))
+
+    @property
+    def input_projection(self) -> Linear:
+        return Linear(self.inputs, self.hidden, bias=self.bias)
+
+    @property
+    def output_projection(self) -> Linear:
+        return Linear(self.hidden, self.outputs, bias=self.bias)
+
+    def init(self, key: jax.Array, stack: Stack = ()) -> dict[str, Any]:
+        k_in, k_out = jax.random.split(key)
+        return {"w_in": self.input_projection.init(k_in, stack), "w_out": self.output_projection.init(k_out, stack)}
+
+    def __call__(self, params: dict[str, Any], x: Tensor) -> Tensor:
+        hidden = self.activation(self.input_projection(params["w_in"], x))
+        return self.output_projection(params["w_out"], hidden)

@@ -1,0 +1,185 @@
+"""Bad inputs to the public API: each raises an md error (ShapeError, LayoutError, ConfigError) in
+one line that names the offending argument or thing and the numbers, never a raw JAX or Python
+traceback, and nothing is silently accepted (a float one_hot index, a float where condition).
+
+Each case is ``(md error class, call, strings the message must contain)``; a call runs eagerly
+unless it builds a compiled function itself.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import meshdsl as md
+
+D = md.Dim
+X = md.tensor(np.arange(32, dtype=np.float32).reshape(4, 8), [D("a", 4), D("b", 8)])
+A4 = md.tensor(np.arange(4, dtype=np.float32), [D("a", 4)])
+IDX = md.tensor(np.arange(4, dtype=np.int32), [D("a", 4)])
+COND = md.tensor(np.arange(8) % 2 == 0, [D("b", 8)])
+KEY = jax.random.key(0)
+
+
+def mesh2() -> md.Mesh:
+    return md.Mesh({"x": 2})
+
+
+def reduce_a(t):
+    return md.reduce_sum(t, "a")
+
+
+def compiled(fn, layout="a:x", **kwargs):
+    return md.compile(fn, mesh2(), layout, **kwargs)
+
+
+def explain_while_loop():
+    def fn(t):
+        def body(c):
+            return c[0] + 1, c[1] + reduce_a(t)
+
+        return jax.lax.while_loop(lambda c: c[0] < reduce_a(t).array.sum(), body, (0.0, md.zeros([D("b", 8)])))[1]
+
+    return md.explain(fn, mesh2(), "a:x", X)
+
+
+def scan_changing_carry():
+    xs = md.tensor(np.ones((3, 4), np.float32), [D("steps", 3), D("a", 4)])
+    return md.scan(lambda c, x: (md.reduce_sum(c * x), None), md.zeros([D("a", 4)]), xs, "steps")
+
+
+def scan_not_a_pair():
+    xs = md.tensor(np.ones((3, 4), np.float32), [D("steps", 3), D("a", 4)])
+    return md.scan(lambda c, x: c + x, md.zeros([D("a", 4)]), xs, "steps")
+
+
+CASES = {
+    # ---- meshes ----
+    "mesh size --1": (md.LayoutError, lambda: md.Mesh("data=--1"), ["data=--1"]),
+    "mesh size 4x": (md.LayoutError, lambda: md.Mesh("data=4x model=2"), ["data=4x"]),
+    "mesh without sizes": (md.LayoutError, lambda: md.Mesh("data model"), ["'data'"]),
+    "mesh of an int": (md.LayoutError, lambda: md.Mesh(8), ["int", "8"]),
+    "mesh size 0": (md.LayoutError, lambda: md.Mesh({"data": 0}), ["data", "0"]),
+    "mesh size float": (md.LayoutError, lambda: md.Mesh({"data": 2.0}), ["data", "2.0"]),
+    "mesh too large": (md.LayoutError, lambda: md.Mesh({"data": 16}), ["16 devices", "8"]),
+    "mesh axis name": (md.LayoutError, lambda: md.Mesh({"1d": 2}), ["'1d'"]),
+    "mesh repeated axis": (md.LayoutError, lambda: md.Mesh("a=2 a=2"), ["'a'"]),
+    "mesh two wildcards": (md.LayoutError, lambda: md.Mesh("a=-1 b=-1"), ["a, b"]),
+    # ---- dims and tensors ----
+    "dim negative size": (md.ShapeError, lambda: D("a", -2), ["'a'", "-2"]),
+    "dim float size": (md.ShapeError, lambda: D("a", 2.5), ["'a'", "2.5"]),
+    "dim name with a space": (md.ShapeError, lambda: D("a b", 2), ["'a b'"]),
+    "tensor dim size mismatch": (md.ShapeError, lambda: md.tensor(np.ones(3), [D("a", 4)]), ["a=4", "3"]),
+    "tensor rank mismatch": (md.ShapeError, lambda: md.tensor(np.ones((2, 3)), "a"), ["(2, 3)", "1 dims"]),
+    "tensor dims not names": (md.ShapeError, lambda: md.tensor(np.ones(3), 5), ["dims", "5"]),
+    "tensor of a string": (md.ShapeError, lambda: md.tensor("abc", "a"), ["'abc'", "str"]),
+    "tensor repeated names": (md.ShapeError, lambda: md.tensor(np.ones((2, 2)), "a a"), ["a"]),
+    # ---- element-wise ----
+    "add a string": (md.ShapeError, lambda: X + "a", ["add", "'a'", "str"]),
+    "multiply by None": (md.ShapeError, lambda: X * None, ["multiply", "None"]),
+    "add an unnamed array": (md.ShapeError, lambda: X + np.ones(8), ["add", "(8,)"]),
+    "add mismatched sizes": (md.ShapeError, lambda: X + md.tensor(np.ones(5), "b"), ["add", "b", "8", "5"]),
+    "cast to an unknown dtype": (md.ShapeError, lambda: md.cast(X, "foo"), ["cast", "'foo'"]),
+    "where with a float condition": (md.ShapeError, lambda: md.where(A4, X, 0.0), ["where", "condition", "float32"]),
+    "where with a string branch": (md.ShapeError, lambda: md.where(COND, X, "zero"), ["where", "'zero'"]),
+    "exp of a string": (md.ShapeError, lambda: md.exp("e"), ["exp", "'e'"]),
+    # ---- reductions ----
+    "reduce an array": (md.ShapeError, lambda: md.reduce_sum(np.ones((4, 8), np.float32), "a"), ["reduce_sum", "md tensor", "float32[4, 8]"]),
+    "reduce an unknown dim": (md.ShapeError, lambda: md.reduce_sum(X, "c"), ["reduce_sum", "'c'", "[a=4, b=8]"]),
+    "reduce a dim of another size": (md.ShapeError, lambda: md.reduce_max(X, D("a", 5)), ["a=5", "a=4"]),
+    "reduce over an int": (md.ShapeError, lambda: md.reduce_mean(X, 5), ["reduce_mean", "dims", "int 5"]),
+    "softmax over None": (md.ShapeError, lambda: md.softmax(X, None), ["softmax", "dims", "None"]),
+    "truth value of a tensor": (md.ShapeError, lambda: bool(X > 0), ["truth value", "[a=4, b=8]"]),
+    "reduce a dim twice": (md.ShapeError, lambda: md.reduce_sum(X, ["a", "a"]), ["reduce_sum", "'a'", "twice"]),
+    "softmax over an unknown dim": (md.ShapeError, lambda: md.softmax(X, "c"), ["softmax", "'c'"]),
+    "logsumexp of an array": (md.ShapeError, lambda: md.logsumexp(jnp.ones(3), "a"), ["logsumexp", "float32[3]"]),
+    # ---- einsum, reshapes ----
+    "einsum output repeats a dim": (md.ShapeError, lambda: md.einsum(X, out="a a"), ["einsum", "a"]),
+    "einsum out an int": (md.ShapeError, lambda: md.einsum(X, out=5), ["einsum", "out", "int 5"]),
+    "einsum of an array": (md.ShapeError, lambda: md.einsum(X, np.ones(3)), ["einsum", "input 1", "float64[3]"]),
+    "reshape to another size": (md.ShapeError, lambda: md.reshape(X, [D("c", 5)]), ["32", "5"]),
+    "rename an unknown dim": (md.ShapeError, lambda: md.rename(X, "zz", "c"), ["rename", "'zz'"]),
+    "transpose to other dims": (md.ShapeError, lambda: md.transpose(X, "a"), ["transpose", "a=4, b=8"]),
+    "rearrange cannot split": (md.ShapeError, lambda: md.rearrange(X, "(x y) b -> x y b", x=3), ["rearrange", "a=4", "3"]),
+    # ---- cuts and joins ----
+    "concat of one tensor": (md.ShapeError, lambda: md.concat(X, "a"), ["concat", "list", "[a=4, b=8]"]),
+    "concat along a dim of another size": (md.ShapeError, lambda: md.concat([X, X], D("a", 3)), ["concat", "a=3", "a=4"]),
+    "stack under an existing name": (md.ShapeError, lambda: md.stack([X, X], "a"), ["stack", "a"]),
+    "slice by a fraction": (md.ShapeError, lambda: md.slice(X, 0.5, 2, "a"), ["slice", "0.5"]),
+    "concat mismatched": (md.ShapeError, lambda: md.concat([X, md.tensor(np.ones((4, 2)), "a c")], "a"), ["concat", "c=2", "b=8"]),
+    "slice out of range": (md.ShapeError, lambda: md.slice(X, 3, 4, "a"), ["slice", "3", "4", "a=4"]),
+    "slice negative begin": (md.ShapeError, lambda: md.slice(X, -1, 2, "a"), ["slice", "-1", "a=4"]),
+    "pad negative": (md.ShapeError, lambda: md.pad(X, [-1, 0], "a"), ["pad", "[-1, 0]"]),
+    "pad with one number": (md.ShapeError, lambda: md.pad(X, 2, "a"), ["pad", "paddings", "2"]),
+    "split into unequal parts": (md.ShapeError, lambda: md.split(X, "a", 3), ["split", "a=4", "3"]),
+    "stack mismatched": (md.ShapeError, lambda: md.stack([X, A4], "n"), ["stack", "[a=4]", "[a=4, b=8]"]),
+    # ---- index ops ----
+    "one_hot of float indices": (md.ShapeError, lambda: md.one_hot(A4, D("c", 4)), ["one_hot", "float32"]),
+    "one_hot into a name": (md.ShapeError, lambda: md.one_hot(IDX, "c"), ["one_hot", "output_dim", "'c'"]),
+    "top_k into a name": (md.ShapeError, lambda: md.top_k(X, "b", "k"), ["top_k", "k_dim", "'k'"]),
+    "top_k too many": (md.ShapeError, lambda: md.top_k(X, "b", D("k", 9)), ["top_k", "k=9", "b=8"]),
+    "gather float indices": (md.ShapeError, lambda: md.gather(X, A4, "b"), ["gather", "float32"]),
+    "gather an unknown dim": (md.ShapeError, lambda: md.gather(X, IDX, "c"), ["gather", "'c'"]),
+    "top_k over a dim of another size": (md.ShapeError, lambda: md.top_k(X, D("b", 5), D("k", 2)), ["top_k", "b=5", "b=8"]),
+    "gather along a dim of another size": (md.ShapeError, lambda: md.gather(X, IDX, D("b", 5)), ["gather", "b=5", "b=8"]),
+    "cumsum along a dim of another size": (md.ShapeError, lambda: md.cumsum(X, D("a", 3)), ["cumsum", "a=3", "a=4"]),
+    "one_hot of an unknown dtype": (md.ShapeError, lambda: md.one_hot(IDX, D("c", 4), dtype="foo"), ["one_hot", "'foo'"]),
+    "shift by a fraction": (md.ShapeError, lambda: md.shift(X, 1.5, "a"), ["shift", "1.5"]),
+    "range of a name": (md.ShapeError, lambda: md.range("a"), ["range", "'a'"]),
+    "cumsum of an array": (md.ShapeError, lambda: md.cumsum(np.ones(3), "a"), ["cumsum", "float64[3]"]),
+    # ---- creation and random ----
+    "zeros of an unknown dtype": (md.ShapeError, lambda: md.zeros([D("a", 2)], dtype="foo"), ["zeros", "'foo'"]),
+    "full of a string": (md.ShapeError, lambda: md.full([D("a", 2)], "x"), ["full", "'x'"]),
+    "zeros of names": (md.ShapeError, lambda: md.zeros("a b"), ["'a b'", "md.Dim"]),
+    "random with an int key": (md.ShapeError, lambda: md.random.normal(123, [D("a", 2)]), ["random", "key", "int"]),
+    "uniform of an unknown dtype": (md.ShapeError, lambda: md.random.uniform(KEY, [D("a", 2)], dtype="foo"), ["uniform", "'foo'"]),
+    "dropout noise over another dim": (md.ShapeError, lambda: md.dropout(KEY, X, 0.5, noise_shape=[D("c", 3)]), ["dropout", "'c'", "[a=4, b=8]"]),
+    "full of an int shape": (md.ShapeError, lambda: md.full(5, 1.0), ["shape", "int 5"]),
+    "dropout rate above 1": (md.ConfigError, lambda: md.dropout(KEY, X, 1.5), ["dropout", "1.5"]),
+    # ---- compile and compiled functions ----
+    "compile on a mesh string": (md.ConfigError, lambda: md.compile(reduce_a, "x=2", "a:x"), ["mesh", "'x=2'", "md.Mesh"]),
+    "compile with an unknown backend": (md.ConfigError, lambda: compiled(reduce_a, backend="xla"), ["backend", "'xla'", "spmd", "gspmd"]),
+    "compile with a layout int": (md.LayoutError, lambda: compiled(reduce_a, layout=5), ["layout", "5"]),
+    "compile with an unknown axis": (md.LayoutError, lambda: compiled(reduce_a, layout="a:q"), ["a:q", "'q'"]),
+    "out_layouts of another length": (md.LayoutError, lambda: compiled(reduce_a, out_layouts=["", ""])(X), ["out_layouts", "2", "result"]),
+    "in_layouts of another length": (md.LayoutError, lambda: compiled(reduce_a, in_layouts=["", ""])(X), ["in_layouts", "2", "1 argument"]),
+    "compiled given an array": (md.ShapeError, lambda: compiled(reduce_a)(np.ones((4, 8), np.float32)), ["reduce_sum", "md tensor", "float32[4, 8]"]),
+    "compiled given other dims": (md.ShapeError, lambda: compiled(reduce_a)(md.tensor(np.ones((4, 8)), "c b")), ["reduce_sum", "'a'", "[c=4, b=8]"]),
+    "compiled given an indivisible size": (md.LayoutError, lambda: compiled(reduce_a)(md.tensor(np.ones((3, 8)), "a b")), ["a", "3", "2"]),
+    "compiled given two arguments": (md.ShapeError, lambda: compiled(reduce_a)(X, X), ["reduce_a", "2 argument"]),
+    "compile with a bad grad_reduce_dtype": (md.ConfigError, lambda: compiled(reduce_a, grad_reduce_dtype="foo"), ["grad_reduce_dtype", "'foo'"]),
+    "donate an argument there is not": (md.ConfigError, lambda: compiled(reduce_a, donate_argnums=(3,))(X), ["donate_argnums", "3", "1 argument"]),
+    "compile a non-function": (md.ConfigError, lambda: md.compile(5, mesh2(), ""), ["fn", "int 5"]),
+    "compiled given a string": (md.ShapeError, lambda: compiled(reduce_a)("a"), ["argument [0]", "str"]),
+    "explain a while_loop with collectives": (md.ConfigError, explain_while_loop, ["md.explain", "while_loop", "cannot be counted", "scan"]),
+    # ---- scan ----
+    "scan carry changes shape": (md.ShapeError, scan_changing_carry, ["scan", "carry", "[a=4]", "[]"]),
+    "scan body returns no pair": (md.ShapeError, scan_not_a_pair, ["scan", "(carry, y)"]),
+    "scan over a missing dim": (md.ShapeError, lambda: md.scan(lambda c, x: (c, None), A4, X, "steps"), ["scan", "steps"]),
+    "scan over a dim of another size": (md.ShapeError, lambda: md.scan(lambda c, x: (c, None), A4, X, D("a", 3)), ["scan", "a=3", "a=4"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_a_one_line_md_error(case):
+    error, call, needles = CASES[case]
+    with pytest.raises(md.MeshDslError) as info:
+        call()
+    message = str(info.value)
+    assert type(info.value) is error, f"{case}: {type(info.value).__name__}: {message}"
+    assert "\n" not in message, f"{case}: not one line: {message!r}"
+    for needle in needles:
+        assert needle in message, f"{case}: {needle!r} not in {message!r}"
+    assert not re.search(r"Tracer|Traced<|jaxpr", message), f"{case}: JAX internals in {message!r}"
+
+
+def test_rearrange_takes_dims_named_x_and_pattern():
+    # x and pattern are positional-only: a dim may be called x or pattern.
+    t = md.tensor(np.arange(6, dtype=np.float32), "n")
+    out = md.rearrange(t, "(n: x pattern) -> pattern x", x=3)
+    assert out.names == ("pattern", "x")
+    np.testing.assert_array_equal(out.numpy(), np.arange(6).reshape(3, 2).T)
