@@ -78,8 +78,8 @@ KNOWN_DEFECTS: dict[str, str] = {
 }
 """Defects being fixed on other branches, each with the pattern the generator avoids while it is
 listed (the tests pass ``frozenset(KNOWN_DEFECTS)`` as :attr:`Context.avoid`). Delete an entry
-once its fix is on main: the generator then draws the pattern again, and the strict xfail
-regression test named in it starts to pass (remove its mark)."""
+once its fix is on main and a generator run with the pattern drawn passes (the regression
+tests named in an entry already pass once the fix is in; a strict xfail mark marks one that does not)."""
 
 
 class NearKink(Exception):

@@ -140,8 +140,6 @@ def _softmax_of_pending_sum():
     return fn, ref, (x, c)
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="softmax-pending-grad-spmd: the custom_jvp of md.softmax returns a "
-                   "tangent Tensor with the input's pending axes beside a primal without them")
 def test_softmax_gradient_inside_compile_of_a_pending_sum():
     fn, ref, (x, c) = _softmax_of_pending_sum()
     want = ref(Named(jnp.asarray(x.numpy()), x.names), Named(jnp.asarray(c.numpy()), c.names))
@@ -149,8 +147,6 @@ def test_softmax_gradient_inside_compile_of_a_pending_sum():
     harness.assert_values_close(got.numpy(), np.asarray(want), what="d softmax(reduce_sum(x, d)) / dx")
 
 
-@pytest.mark.xfail(strict=True, reason="conv2d-gspmd-spatial-split: the kernel gradient comes back times the size of the "
-                   "mesh axis the conv does not use (here 2); XLA's partitioner, as defect 4 is for the result")
 def test_conv2d_gspmd_kernel_gradient_with_height_split():
     rng = np.random.default_rng(2)
     x = harness.rand(rng, {"batch": 2, "height": 8, "width": 4, "channels": 2})
@@ -165,8 +161,6 @@ def test_conv2d_gspmd_kernel_gradient_with_height_split():
     harness.assert_values_close(got.numpy(), np.asarray(want), what="gspmd d sum(conv2d(x, k)) / dk")
 
 
-@pytest.mark.xfail(strict=True, reason="explain-checkpoint: explain counts the max all-reduce of the forward pass and of "
-                   "its recomputation apart; XLA merges them (prevent_cse=False): 3 predicted, 2 run")
 def test_explain_of_a_checkpointed_max_in_a_value_and_grad_program():
     x = harness.rand(np.random.default_rng(3), {"b": 4, "d": 8})
 
