@@ -331,6 +331,19 @@ def gather(weights: Named, indices: Named, dim: str) -> Named:
     return Named(xp.where(mask, taken, 0 * taken), [*indices.names, *rest])
 
 
+def take_along(x: Named, indices: Named, dim: str) -> Named:
+    """``out[i] = x[i, indices[i]]`` along ``dim``: dims of ``x`` without ``dim``, the indices
+    broadcast over the dims they lack; out of range -> 0."""
+    xp = xp_of(x, indices)
+    rest = [n for n in x.names if n != dim]
+    n = x.sizes[dim]
+    a = x.to([*rest, dim]).array
+    idx = xp.broadcast_to(expand(indices, rest), a.shape[:-1])
+    inside = (idx >= 0) & (idx < n)
+    taken = xp.take_along_axis(a, xp.clip(idx, 0, n - 1)[..., None], axis=-1)[..., 0]
+    return Named(xp.where(inside, taken, 0 * taken), rest)
+
+
 def _stable_descending(xp, a):
     """Positions along the last axis, largest first, ties in index order (a stable sort of -a)."""
     if xp is np:
@@ -371,3 +384,17 @@ def shift(x: Named, offset: int, dim: str, wrap: bool = False) -> Named:
         return Named(taken, x.names)
     mask = np.reshape(inside, [n if i == axis else 1 for i in range(len(x.names))])
     return Named(xp.where(mask, taken, 0 * taken), x.names)
+
+
+def conv2d(x: Named, kernel: Named, height: str, width: str, in_dim: str, out_dim: str, kernel_height: str, kernel_width: str) -> Named:
+    """Stride 1, SAME zero padding, odd kernel sizes: ``sum over (u, v, c) of x[.., i + u - kh // 2,
+    j + v - kw // 2, c] * kernel[u, v, c, o]``; ``x``'s dims with ``in_dim`` replaced by ``out_dim``."""
+    xp = xp_of(x, kernel)
+    batch = [n for n in x.names if n not in (height, width, in_dim)]
+    a = x.to([*batch, height, width, in_dim]).array
+    k = kernel.to([kernel_height, kernel_width, in_dim, out_dim]).array
+    kh, kw = k.shape[:2]
+    h, w = x.sizes[height], x.sizes[width]
+    padded = xp.pad(a, [(0, 0)] * len(batch) + [(kh // 2, kh // 2), (kw // 2, kw // 2), (0, 0)])
+    out = sum(padded[..., u : u + h, v : v + w, :] @ k[u, v] for u in range(kh) for v in range(kw))
+    return Named(out, [*batch, height, width, out_dim]).to([out_dim if n == in_dim else n for n in x.names])

@@ -53,10 +53,26 @@ def sub_shape(draw, pool: Mapping[str, int], min_rank: int = 1, max_rank: int = 
     return {n: pool[n] for n in names[:rank]}
 
 
-def axis_choices(mesh: md.Mesh) -> list[tuple[str, ...]]:
-    """Unsplit, every axis, every ordered pair of axes."""
+def axis_choices(mesh: md.Mesh, max_axes: int = 2) -> list[tuple[str, ...]]:
+    """Unsplit, every axis, every ordered pair of axes (and, up to ``max_axes``, triples ...)."""
     axes = mesh.axis_names
-    return [(), *((a,) for a in axes), *itertools.permutations(axes, 2)]
+    return [(), *(p for k in range(1, max_axes + 1) for p in itertools.permutations(axes, k))]
+
+
+@st.composite
+def dim_axes(draw, mesh: md.Mesh, size: int, taken: set[str], like: tuple[str, ...] = (), share: float = 0.2) -> tuple[str, ...]:
+    """Axes for one dim of ``size``, always dividing it: unsplit, an axis, or an ordered pair or
+    triple of axes. With probability ``share`` they may include axes other dims hold (``taken``):
+    legal while the two dims never meet in one tensor, the case where an op chooses its compute
+    layout. ``like``: a related dim's axes (a merged dim split like its leading part), drawn
+    half the time when they qualify.
+    """
+    options = [o for o in axis_choices(mesh, 3) if size % math.prod(mesh.axis_sizes[a] for a in o) == 0]
+    if draw(st.integers(0, 99)) >= 100 * share:
+        options = [o for o in options if not taken & set(o)]
+    if like in options and like and draw(st.booleans()):
+        return like
+    return draw(st.sampled_from(options))
 
 
 @st.composite

@@ -113,3 +113,25 @@ def test_softmax_family_reference_is_finite_and_right_on_extreme_inputs(row):
     g_sm = jax.grad(lambda v: jnp.sum(R.softmax(Named(v, "b n"), "n").array * jnp.asarray(c)))(a)
     weighted = sum(p * Decimal(ci) for p, ci in zip(probs, c))
     _close(np.asarray(g_sm).ravel(), [p * (Decimal(ci) - weighted) for p, ci in zip(probs, c)], 1e-5, 1e-6, "softmax derivative")
+
+
+def test_take_along_and_conv2d_references_against_loops():
+    # take_along: out[b, c] = x[b, i[b], c] (i broadcast over c), zero where i is outside [0, n).
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 5, 2))
+    i = np.array([-1, 2, 5])
+    got = R.take_along(Named(x, "b n c"), Named(i, "b"), "n")
+    assert got.names == ("b", "c")
+    want = np.array([[x[b, i[b], c] if 0 <= i[b] < 5 else 0.0 for c in range(2)] for b in range(3)])
+    np.testing.assert_array_equal(got.array, want)
+
+    # conv2d, SAME zero padding: out[w, h, o] = sum over (u, v, c) of x[h + u - 1, w + v - 2, c] k[u, v, c, o].
+    a = rng.standard_normal((4, 3, 2))  # [w, h, c]
+    k = rng.standard_normal((3, 5, 2, 2))  # [kh, kw, c, o]
+    out = R.conv2d(Named(a, "w h c"), Named(k, "kh kw c o"), "h", "w", "c", "o", "kh", "kw")
+    assert out.names == ("w", "h", "o")
+    want = np.zeros((4, 3, 2))
+    for w, h, o, u, v, c in np.ndindex(4, 3, 2, 3, 5, 2):
+        if 0 <= h + u - 1 < 3 and 0 <= w + v - 2 < 4:
+            want[w, h, o] += a[w + v - 2, h + u - 1, c] * k[u, v, c, o]
+    np.testing.assert_allclose(out.array, want, rtol=1e-12, atol=1e-12)
