@@ -297,13 +297,8 @@ def check(
     explain: bool = True,
     backends: Sequence[str] = BACKENDS,
     around: bool = False,
-    around_args: Mapping[str, Sequence[int]] | None = None,
 ) -> bool:
-    """Run the checks of this module's docstring; False (after checking the error) if the layout cannot apply.
-
-    ``around_args``: for a backend, the positions of the float arguments its around gradient is
-    taken with respect to (default: every float argument).
-    """
+    """Run the checks of this module's docstring; False (after checking the error) if the layout cannot apply."""
     layout = md.Layout(layout)
     args = tuple(args)
     with recording() as made:
@@ -349,7 +344,7 @@ def check(
             actual = hlo.summary(executable.as_text())
             assert predicted == actual, f"md.explain predicts {predicted}, the compiled HLO runs {actual}"
     if grad and around:
-        _check_around(fn, args, want, want32, float_pos, cot_arrays, mesh_, layout, grad_tol, backends, around_args or {})
+        _check_around(fn, args, want, want32, float_pos, cot_arrays, mesh_, layout, grad_tol, backends)
     return True
 
 
@@ -403,25 +398,24 @@ def _once(make: Callable[[], Any]) -> Callable[[], Any]:
     return functools.cache(make)
 
 
-def _check_around(fn, args, want, want32, float_pos, cot_arrays, mesh_, layout, tol, backends, around_args) -> None:
+def _check_around(fn, args, want, want32, float_pos, cot_arrays, mesh_, layout, tol, backends) -> None:
     """``jax.grad`` around the compiled function, each backend's in one jitted program, equals ``want``."""
     compiled = {b: md.compile(fn, mesh_, layout, backend=b) for b in backends}
-    positions = {b: list(around_args.get(b, float_pos)) for b in backends}
 
     def grads(inputs, cts):
         def loss(b, floats):
             full = list(inputs)
-            for i, f in zip(positions[b], floats):
+            for i, f in zip(float_pos, floats):
                 full[i] = f
             leaves = [o for o in jax.tree_util.tree_leaves(compiled[b](*full), is_leaf=_is_tensor) if _is_float(o.dtype)]
             return sum(jnp.sum(o.array * c) for o, c in zip(leaves, cts))
 
-        return {b: jax.grad(functools.partial(loss, b))(tuple(inputs[i] for i in positions[b])) for b in backends}
+        return {b: jax.grad(functools.partial(loss, b))(tuple(inputs[i] for i in float_pos)) for b in backends}
 
     cts = [jax.device_put(c, NamedSharding(mesh_.jax_mesh, PartitionSpec())) for c in cot_arrays]  # replicated: no resharding per call
     got = compile_fast(jax.jit(grads).lower(args, cts))(args, cts)
     for b in backends:
-        picks = [float_pos.index(i) for i in positions[b]]
+        picks = [float_pos.index(i) for i in float_pos]
         assert_tree_close(got[b], tuple(want[k] for k in picks), tol, f"{b} gradient around md.compile",
                           lambda: tuple(want32()[k] for k in picks))
 

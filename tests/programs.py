@@ -56,27 +56,12 @@ MARGIN = 2e-5
 twice the harness tolerance, so that values within tolerance of the reference decide alike."""
 
 KNOWN_DEFECTS: dict[str, str] = {
-    "softmax-grad-around-spmd": "issue 12, defect 1: jax.grad around md.compile of softmax / log_softmax / logsumexp "
-    "crashes on spmd (custom_jvp on Tensors); the spmd around-gradient leaves out chains with a softmax-family op",
-    "softmax-pending-grad-spmd": "issue 12, defect 1's custom_jvp (new, found here): jax.grad inside md.compile (spmd) of "
-    "md.softmax of a tensor holding a pending partial sum raises a raw TypeError; md.softmax is applied to tanh(h) instead "
-    "(test_softmax_gradient_inside_compile_of_a_pending_sum)",
-    "gather-index-dim-named-like-gathered": "issue 12, defect 2: md.gather gives wrong numbers when the indices have a dim "
-    "named like the gathered dim; gather indices never have one",
-    "scan-constant-carry-split": "issue 12, defect 3: md.scan with a carry made by md.zeros / md.full whose dims are split "
-    "raises a raw TypeError on spmd; such carries are never split",
-    "conv2d-gspmd-spatial-split": "issue 12, defect 4 (and, found here, its kernel gradient: "
-    "test_conv2d_gspmd_kernel_gradient_with_height_split): md.conv2d on gspmd with height or width split and a mesh axis "
-    "it does not use multiplies the result or the kernel gradient by that axis' size; no conv2d has a split height or width",
-    "explain-argmax-beside-max": "issue 12, 'md.explain equals the HLO' (new, found here; on main, not under a "
-    "checkpoint): md.argmax and md.reduce_max of one value over a split dim each get a max all-reduce in explain; XLA "
+    "explain-argmax-beside-max": "issue 12, 'md.explain equals the HLO' (found here; not under a checkpoint): "
+    "md.argmax and md.reduce_max of one value over a split dim each get a max all-reduce in explain; XLA "
     "merges the two identical ones (test_explain_of_argmax_beside_reduce_max_over_a_split_dim); one_hot(argmax(h)) is "
     "multiplied by reduce_mean(h), not reduce_max(h)",
-    "explain-checkpoint": "issue 12, defect 5 (and, found here, prevent_cse=False: "
-    "test_explain_of_a_checkpointed_max_in_a_value_and_grad_program): md.explain != HLO under a user's jax.checkpoint; "
-    "user checkpoints are drawn in one example in four, whose explain is not compared",
 }
-"""Defects being fixed on other branches, each with the pattern the generator avoids while it is
+"""Open defects, each with the pattern the generator avoids while it is
 listed (the tests pass ``frozenset(KNOWN_DEFECTS)`` as :attr:`Context.avoid`). Delete an entry
 once its fix is on main and a generator run with the pattern drawn passes (the regression
 tests named in an entry already pass once the fix is in; a strict xfail mark marks one that does not)."""
@@ -1079,16 +1064,6 @@ class Program:
 
     def randoms(self) -> list[Random]:
         return [r for c in self.chains for s in c.steps for r in s.randoms]
-
-    def has(self, flag: str) -> bool:
-        return any(flag in c.flags for c in self.chains)
-
-    def float_positions(self, without: str = "") -> list[int]:
-        """Positions of the float arguments, leaving out those of chains flagged ``without``."""
-        return [
-            i for c, s in zip(self.chains, self._spans()) if without not in c.flags
-            for i, inp in zip(range(s.start, s.stop), c.inputs) if inp.kind != "index"
-        ]
 
     def make_inputs(self, rng: np.random.Generator) -> list[md.Tensor]:
         return [i.make(rng) for i in self.inputs]

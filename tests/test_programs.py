@@ -14,8 +14,8 @@ to end); :func:`test_programs_were_checked` prints the count (shown with ``pytes
 asserts it. Deeper runs: ``pytest tests/test_programs.py --hypothesis-profile=fuzz`` (10x the programs, unseeded) and
 ``--hypothesis-profile=explore --hypothesis-seed=N`` (CI's count, other programs, reproducible).
 
-:data:`programs.KNOWN_DEFECTS` names the defects being fixed elsewhere; for each, the generator
-avoids exactly the pattern that hits it. Delete an entry there once its fix is on main.
+:data:`programs.KNOWN_DEFECTS` names the open defects; for each, the generator avoids exactly
+the pattern that hits it. Delete an entry there once its fix is on main.
 """
 
 import jax
@@ -44,15 +44,11 @@ _checked = [0]
 
 def _check(program: P.Program, mesh, layout, seed: int, around: bool = True) -> bool:
     """harness.check of ``program`` (False if no input values kept the values its ops compare apart)."""
-    explain = not ("explain-checkpoint" in KNOWN_DEFECTS and program.has("explain-checkpoint"))
-    around_args = None
-    if "softmax-grad-around-spmd" in KNOWN_DEFECTS:
-        around_args = {"spmd": program.float_positions(without="softmax-grad-around-spmd")}
     for attempt in range(ATTEMPTS):
         args = program.make_inputs(np.random.default_rng([seed, attempt]))
         try:
             with P.margins():
-                assert harness.check(program.md_fn, args, program.ref_fn, mesh, layout, explain=explain, around=around, around_args=around_args)
+                assert harness.check(program.md_fn, args, program.ref_fn, mesh, layout, around=around)
             return True
         except P.NearKink:
             continue
