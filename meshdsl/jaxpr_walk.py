@@ -7,8 +7,8 @@
 * Calls are inlined, as XLA inlines them: ``jit``, ``closed_call``, ``custom_jvp_call``,
   ``custom_vjp_call``, ``jax.checkpoint``'s ``remat`` and ``shard_map`` (its per-device body joins
   the program between markers of entering and leaving it, so two ``shard_map`` s of one program
-  share their identical computations, as XLA's partitioned program does); ``checkpoint_name``,
-  which emits no HLO, is dropped.
+  share their identical computations, as XLA's partitioned program does); ``checkpoint_name``
+  and ``stop_gradient``, which emit no HLO, are dropped.
 * A ``jax.checkpoint`` recomputation in a gradient (``differentiated``) whose ``prevent_cse`` is
   set (JAX's default) takes its operands through one ``optimization_barrier``, as JAX lowers it.
   A ``policy`` only changes what is saved, hence what is recomputed.
@@ -51,8 +51,9 @@ _CALLS = {
 """Call primitives XLA inlines, with the parameter holding the called jaxpr (operands one to one)."""
 _REMATS = ("remat2", "checkpoint", "remat")
 """Names of ``jax.checkpoint``'s primitive across JAX versions."""
-_NO_OP = frozenset({"name"})
-"""Primitives JAX lowers to nothing whose result has its operand's type: ``checkpoint_name``'s."""
+_NO_OP = frozenset({"name", "stop_gradient"})
+"""Primitives JAX lowers to nothing whose result has its operand's type: ``checkpoint_name``'s and
+``lax.stop_gradient``'s (so ``argmax``'s local max of ``stop_gradient(x)`` merges with ``reduce_max``'s of ``x``)."""
 
 ENTER_SHARD_MAP = jex_core.Primitive("enter_shard_map")
 """A global operand becoming a ``shard_map`` body's per-device block (``spec``, ``mesh``): no data moves."""

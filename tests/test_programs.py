@@ -14,8 +14,7 @@ to end); :func:`test_programs_were_checked` prints the count (shown with ``pytes
 asserts it. Deeper runs: ``pytest tests/test_programs.py --hypothesis-profile=fuzz`` (10x the programs, unseeded) and
 ``--hypothesis-profile=explore --hypothesis-seed=N`` (CI's count, other programs, reproducible).
 
-:data:`programs.KNOWN_DEFECTS` names the open defects; for each, the generator avoids exactly
-the pattern that hits it. Delete an entry there once its fix is on main.
+Every defect the generator found is a named regression test below.
 """
 
 import jax
@@ -34,7 +33,6 @@ from reference import Named
 
 CHAINS = 25
 EXAMPLES = 40
-KNOWN_DEFECTS = frozenset(P.KNOWN_DEFECTS)
 
 ATTEMPTS = 8
 """Input values drawn for a program before giving up on putting apart the values its ops compare."""
@@ -73,11 +71,8 @@ def test_random_programs(data, seed):
     mesh = data.draw(S.meshes(), label="mesh")
     pool = data.draw(S.dim_pool(5), label="dims")
     rules = data.draw(P.pool_rules(mesh, pool), label="pool rules")
-    avoid = KNOWN_DEFECTS
     around = data.draw(st.booleans(), label="grad around md.compile")
-    if "explain-checkpoint" in avoid and data.draw(st.integers(0, 3), label="checkpoints allowed") == 0:
-        avoid = avoid - {"explain-checkpoint"}  # one example in four: jax.checkpoint drawn, explain not compared
-    ctx = P.Context(data.draw, mesh, pool, rules, avoid)
+    ctx = P.Context(data.draw, mesh, pool, rules)
     program = P.Program([data.draw(P.chains(ctx), label=f"chain {i}") for i in range(CHAINS)])
     layout = P.legal_layout(rules, mesh, program.shapes())
     note(f"layout: {layout}")
@@ -167,8 +162,6 @@ def test_explain_of_a_checkpointed_max_in_a_value_and_grad_program():
     harness.assert_explain_matches_hlo(fn, harness.mesh("x8"), "d:x", [x])
 
 
-@pytest.mark.xfail(strict=True, reason="explain-argmax-beside-max: explain counts the max all-reduce of argmax and of "
-                   "reduce_max apart; XLA merges the two identical all-reduces: 3 predicted (42 B), 2 run (28 B)")
 def test_explain_of_argmax_beside_reduce_max_over_a_split_dim():
     x = harness.rand(np.random.default_rng(4), {"h": 2, "b": 8})
 
