@@ -25,6 +25,9 @@
   recomputed all-gather, reduce-scatter, all-to-all or permute merges with the forward pass's
   either way. A global array that leaves one ``shard_map`` and enters another under the same
   spec is the same per-device block: XLA cancels that round trip.
+* An all-reduce of a value computed from constants alone (a shift past the end of a dim, a sum
+  of ``md.zeros``) is gone: the value is the same on every device, and XLA's all-reduce
+  simplifier turns a sum of ``n`` equal values into one times ``n`` and a max or min into the value.
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ def as_compiled(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
     """``jaxpr`` as XLA compiles it (see the module docstring); every output is kept."""
     live = _dead_dropped(jaxpr)
     inlined = _dead_dropped(_rewritten(live, _inline_eqns, {}))
+    inlined = _rewritten(inlined, _constant_all_reduces_dropped, {})
     merged = _rewritten(inlined, functools.partial(_merge_eqns, barriers=True), {})
     merged = _rewritten(merged, functools.partial(_merge_eqns, barriers=False), {})
     return _rewritten(merged, _unused_dropped, {})
@@ -309,6 +313,38 @@ def _one_trip(scan: jex_core.JaxprEqn, subst: dict[Any, Any]) -> list[jex_core.J
         grow = {"new_sizes": tuple(v.aval.shape), "dimensions": None, "sharding": None}
         eqns.append(_reshaped(jex_primitives.reshape_p, grow, y, v, scan))
     return eqns
+
+
+# ---- all-reduces of constants (XLA's all-reduce simplifier) ------------------------------------
+
+
+_PER_DEVICE = frozenset({"axis_index", "all_gather", "all_gather_invariant", "ppermute", "all_to_all", "reduce_scatter", "psum_scatter"})
+"""Primitives whose result may differ between devices even when every operand is a constant."""
+
+
+def _constant_all_reduces_dropped(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dict[Any, Any]) -> list[jex_core.JaxprEqn]:
+    """Each all-reduce whose operand is computed from literals alone removed, its result recorded
+    in ``subst`` as its operand (a buffer of the same type; XLA computes it locally).
+
+    A computation's inputs and whatever enters a ``shard_map``, a loop or a branch count as
+    varying; a value is constant when every operand of the equation making it is.
+    """
+    constant: set[Any] = set()
+    out = []
+    for eqn in eqns:
+        invars = [_atom(v, subst) for v in eqn.invars]
+        if not _same(invars, eqn.invars):
+            eqn = eqn.replace(invars=invars)
+        from_constants = all(isinstance(v, jex_core.Literal) or v in constant for v in invars)
+        name = eqn.primitive.name
+        if from_constants and name in _ALL_REDUCES:
+            subst.update(zip(eqn.outvars, invars))
+            continue
+        if (from_constants and not _effectful(eqn) and not bodies(eqn) and name not in _PER_DEVICE
+                and eqn.primitive not in (ENTER_SHARD_MAP, LEAVE_SHARD_MAP)):
+            constant.update(eqn.outvars)
+        out.append(eqn)
+    return out
 
 
 # ---- merging identical computations (XLA's CSE) ----------------------------------------------------

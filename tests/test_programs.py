@@ -169,3 +169,49 @@ def test_explain_of_argmax_beside_reduce_max_over_a_split_dim():
         return md.reduce_max(x, "b") + md.cast(md.argmax(x, "b"), jnp.float32)
 
     harness.assert_explain_matches_hlo(fn, harness.mesh("x8"), "b:x", [x])
+
+
+@pytest.mark.parametrize("mesh_name, layout", [("data4_model2", "vocab:model; d_model:data"), ("x8", "d_model:x")])
+def test_explain_of_an_all_reduce_of_constants(mesh_name, layout):
+    """A shift past the end of a dim, then a mean over a split dim: XLA computes the all-reduce of
+    zeros locally, so explain must not count it (found by the generator on CI, seed of 2026-11-23)."""
+    x = harness.rand(np.random.default_rng(5), {"vocab": 16, "d_model": 8, "d_ff": 16})
+
+    def fn(x):
+        return md.reduce_mean(md.shift(x, 19, "d_ff"), "d_model") + md.reduce_max(md.zeros(x.shape), "d_model")
+
+    got = harness.assert_explain_matches_hlo(fn, harness.mesh(mesh_name), layout, [x])
+    assert got == {}, got
+    out = md.compile(fn, harness.mesh(mesh_name), layout)(x)
+    harness.assert_values_close(out.numpy(), np.zeros((16, 16)), what="mean of a shift past the end")
+
+
+@pytest.mark.parametrize("layout", ["", "seq:model", "heads:data; seq:model"])
+def test_max_gradient_when_xla_recomputes_its_operand(layout):
+    """The gradient of one_hot(argmax(h)) * reduce_max(h) with h = x + normal noise: XLA:CPU
+    recomputes the noise inside each fusion that reads h, rounding differently, so jnp.max's
+    gradient (which compares h with its maximum bit for bit) finds no maximum and gives 0 or NaN
+    under jax.jit alone. Found by the generator (seed 65535, 2026-11-23)."""
+    x = harness.rand(np.random.default_rng(6), {"heads": 12, "seq": 8, "d": 6})
+    seq, new = md.Dim("seq", 8), md.Dim("n", 8)
+    key = jax.random.key(306)
+    cot = np.random.default_rng(7).standard_normal((12, 6, 8)).astype(np.float32)
+    mesh = harness.mesh("data4_model2")
+    noise = md.compile(lambda: md.random.normal(key, [seq]), mesh, layout)().numpy()
+
+    def fn(x):
+        def loss(x):
+            h = x + md.random.normal(key, [seq]) * 0.5
+            out = md.one_hot(md.argmax(h, "seq"), new) * md.reduce_max(h, "seq")
+            return md.reduce_sum(md.transpose(out, ["heads", "d", "n"]) * md.tensor(cot, [md.Dim("heads", 12), md.Dim("d", 6), new])).array
+        return jax.grad(loss)(x)
+
+    def ref(a):
+        h = jnp.moveaxis(a, 1, 2) + noise * 0.5
+        return jnp.sum(jax.nn.one_hot(jnp.argmax(h, -1), 8) * jnp.max(h, -1, keepdims=True) * cot)
+
+    with harness.float64_jax():
+        want = np.asarray(jax.grad(ref)(jnp.asarray(x.numpy(), jnp.float64)))
+    for backend in harness.BACKENDS:
+        got = md.compile(fn, mesh, layout, backend=backend)(x)
+        harness.assert_values_close(got.numpy(), want, what=f"{backend} d loss / dx")

@@ -14,9 +14,12 @@ gspmd backend runs. ``SpmdLowering`` gives the same calls their real, per-shard 
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Sequence
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 from meshdsl.dims import Shape
 from meshdsl.relayout import Axes
@@ -25,6 +28,35 @@ if TYPE_CHECKING:
     from meshdsl.layout import Layout
     from meshdsl.mesh import Mesh
     from meshdsl.tensor import Tensor
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def exact_max(x: jax.Array, positions: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
+    """Maximum over ``positions`` of ``x``, whose dims there are split over ``axes`` (inside a
+    ``shard_map``; ``()`` on global arrays), differentiated as ``jnp.max``: the tangent averaged
+    over every entry that reaches the maximum, on any device.
+
+    The rule finds those entries by comparing ``x`` with the maximum bit for bit, so both must come
+    from one buffer: an ``optimization_barrier`` materialises ``x`` once. Without it XLA may
+    recompute ``x`` inside each fusion that reads it, and two fusions of XLA:CPU can round one
+    expression differently (``x + jax.random.normal(...)``: the normal's polynomial). Then no entry
+    equals the maximum and ``jnp.max``'s gradient, under ``jax.jit`` alone, is 0 or NaN
+    (tests/test_programs.py::test_max_gradient_when_xla_recomputes_its_operand).
+    """
+    local = jnp.max(x, axis=positions)
+    return lax.pmax(local, axes) if axes else local
+
+
+@exact_max.defjvp
+def _exact_max_jvp(positions: tuple[int, ...], axes: tuple[str, ...], primals: tuple, tangents: tuple) -> tuple:
+    (x,), (t,) = primals, tangents
+    x = lax.optimization_barrier(x)
+    out = exact_max(x, positions, axes)
+    hit = (x == jnp.expand_dims(out, positions)).astype(t.dtype)
+    hits, total = jnp.sum(hit, axis=positions), jnp.sum(t * hit, axis=positions)
+    if axes:
+        hits, total = lax.psum(hits, axes), lax.psum(total, axes)
+    return out, total / hits
 
 
 class Lowering:
@@ -122,7 +154,7 @@ class Lowering:
 
     def reduce_max(self, x: jax.Array, positions: tuple[int, ...], axes: Sequence[str]) -> jax.Array:
         """Maximum over ``positions`` of ``x``, whose dims there are split over ``axes`` (differentiable, as ``jnp.max``)."""
-        return jax.numpy.max(x, axis=positions)
+        return exact_max(x, positions, ())
 
     def pmax(self, x: Any, axes: Sequence[str]) -> Any:
         """Maximum across ``axes`` (not differentiated: for indices and stopped values)."""

@@ -17,7 +17,7 @@ from jax import lax
 from meshdsl import relayout
 from meshdsl.dims import Shape
 from meshdsl.layout import Layout
-from meshdsl.lowering.base import Lowering
+from meshdsl.lowering.base import Lowering, exact_max
 from meshdsl.mesh import Mesh
 from meshdsl.relayout import Axes
 from meshdsl.tensor import Tensor
@@ -53,21 +53,6 @@ def _vary_summing_grads_in(x: jax.Array, axes: tuple[str, ...], dtype: Any) -> j
 def _vary_jvp(axes: tuple[str, ...], dtype: Any, primals: tuple, tangents: tuple) -> tuple[jax.Array, jax.Array]:
     (x,), (t,) = primals, tangents
     return _pvary(x, axes), _pvary(t.astype(dtype), axes).astype(t.dtype)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
-def _split_max(x: jax.Array, positions: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
-    """Maximum over ``positions`` of a tensor whose dims there are split over ``axes``."""
-    return lax.pmax(jnp.max(x, axis=positions), axes)
-
-
-@_split_max.defjvp
-def _split_max_jvp(positions: tuple[int, ...], axes: tuple[str, ...], primals, tangents):
-    """As ``jnp.max``: the tangent averaged over every entry that reaches the maximum, on any device."""
-    (x,), (t,) = primals, tangents
-    out = _split_max(x, positions, axes)
-    hit = (x == jnp.expand_dims(out, positions)).astype(t.dtype)
-    return out, lax.psum(jnp.sum(t * hit, axis=positions), axes) / lax.psum(jnp.sum(hit, axis=positions), axes)
 
 
 def _renumber(position: int, given: tuple[str, ...], ordered: tuple[str, ...], sizes: dict[str, int]) -> int:
@@ -185,7 +170,7 @@ class SpmdLowering(Lowering):
         return relayout.axis_index(axes, self.axis_sizes) if axes else 0
 
     def reduce_max(self, x: jax.Array, positions: tuple[int, ...], axes: Sequence[str]) -> jax.Array:
-        return _split_max(x, positions, tuple(axes)) if axes else jnp.max(x, axis=positions)
+        return exact_max(x, positions, tuple(axes))
 
     def pmax(self, x: Any, axes: Sequence[str]) -> Any:
         return lax.pmax(x, tuple(axes)) if axes else x
