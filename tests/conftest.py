@@ -1,8 +1,14 @@
-"""Test setup: 8 simulated CPU devices, and reproducible hypothesis settings.
+"""Test setup: 8 simulated CPU devices, fast compiles, and reproducible hypothesis settings.
 
 This file is imported by pytest before any test module, so it sets ``XLA_FLAGS`` before anything
 imports jax: ``pytest`` alone works on a fresh machine. Other flags the user set are kept; a
 ``--xla_force_host_platform_device_count`` already present is replaced by ours.
+
+Compiling dominates the suite's time on a CPU, so LLVM runs unoptimised
+(``--xla_backend_optimization_level=0``, unless the user set it): it acts after XLA's HLO passes,
+so partitioning, collectives, fusion and buffers are the same and only the machine code is
+slower; a benchmark test's compile takes about 40% less time. Subprocesses the tests start
+inherit it.
 """
 
 import os
@@ -18,8 +24,11 @@ if "jax" in sys.modules:  # pragma: no cover - only when a plugin imported jax b
         f"{_FLAG}={DEVICE_COUNT} (set it yourself, or stop the plugin that imports jax)"
     )
 
+_OPT_LEVEL = "--xla_backend_optimization_level"
+
 _others = re.sub(rf"{_FLAG}=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
-os.environ["XLA_FLAGS"] = " ".join([*_others, f"{_FLAG}={DEVICE_COUNT}"])
+_fast = [] if any(f.startswith(_OPT_LEVEL) for f in _others) else [f"{_OPT_LEVEL}=0"]
+os.environ["XLA_FLAGS"] = " ".join([*_others, *_fast, f"{_FLAG}={DEVICE_COUNT}"])
 # The suite is written for the simulated host devices; a machine with an accelerator still runs
 # it on CPU unless the user chose the platform.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
