@@ -45,6 +45,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
+import re
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -230,6 +232,17 @@ def assert_explain_matches_hlo(fn: Callable, mesh_: md.Mesh, layout: md.Layout |
     actual = hlo.summary(compiled.lower(*args).compile().as_text())
     assert predicted == actual, f"md.explain predicts {predicted}, the compiled HLO runs {actual}"
     return actual
+
+
+# ---- subprocesses ------------------------------------------------------------------------------
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for a ``meshdsl`` command the tests start: this one's, on CPU, with the XLA
+    flags conftest.py set (the same compiler options, so losses agree bit for bit with runs in
+    this process) except the device count, which the command sets itself (``--devices``)."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
+    return {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu", **extra}
 
 
 # ---- compiling ---------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import harness
 import meshdsl as md
 from meshdsl.train.loop import RunConfig, load_layout, train
 
@@ -127,8 +128,7 @@ sys.exit(cli.main(sys.argv[2:]))
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    return {**env, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    return harness.subprocess_env(PYTHONPATH=str(ROOT))
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 import importlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+import harness
 import meshdsl as md
 from meshdsl.bench.run import BenchConfig, run
 from meshdsl.errors import DataError
@@ -22,9 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def meshdsl(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["JAX_PLATFORMS"] = "cpu"
-    return subprocess.run([sys.executable, "-m", "meshdsl.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "meshdsl.cli", *args], cwd=cwd, env=harness.subprocess_env(), capture_output=True, text=True, timeout=600)
 
 
 def test_train_runs_and_learns_as_a_user_runs_it(tmp_path):

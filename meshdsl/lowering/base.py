@@ -36,12 +36,12 @@ def exact_max(x: jax.Array, positions: tuple[int, ...], axes: tuple[str, ...]) -
     ``shard_map``; ``()`` on global arrays), differentiated as ``jnp.max``: the tangent averaged
     over every entry that reaches the maximum, on any device.
 
-    The rule finds those entries by comparing ``x`` with the maximum bit for bit, so both must come
-    from one buffer: an ``optimization_barrier`` materialises ``x`` once. Without it XLA may
-    recompute ``x`` inside each fusion that reads it, and two fusions of XLA:CPU can round one
-    expression differently (``x + jax.random.normal(...)``: the normal's polynomial). Then no entry
-    equals the maximum and ``jnp.max``'s gradient, under ``jax.jit`` alone, is 0 or NaN
-    (tests/test_programs.py::test_max_gradient_when_xla_recomputes_its_operand).
+    Those entries are found by comparing ``x`` with the maximum bit for bit, which XLA does not
+    guarantee to hold: it may recompute ``x`` inside each fusion that reads it, and two fusions can
+    round one expression differently (``x + jax.random.normal(...)`` on XLA:CPU: the normal's
+    polynomial). Then no entry equals the maximum and ``jnp.max``'s own gradient is 0 or NaN under
+    ``jax.jit`` (the class of jax-ml/jax#40564). Where no entry matches, the tangent goes to the
+    first maximum instead, found by index (:func:`_first_maximum`), never by comparing ``x`` again.
     """
     local = jnp.max(x, axis=positions)
     return lax.pmax(local, axes) if axes else local
@@ -50,13 +50,32 @@ def exact_max(x: jax.Array, positions: tuple[int, ...], axes: tuple[str, ...]) -
 @exact_max.defjvp
 def _exact_max_jvp(positions: tuple[int, ...], axes: tuple[str, ...], primals: tuple, tangents: tuple) -> tuple:
     (x,), (t,) = primals, tangents
-    x = lax.optimization_barrier(x)
     out = exact_max(x, positions, axes)
-    hit = (x == jnp.expand_dims(out, positions)).astype(t.dtype)
-    hits, total = jnp.sum(hit, axis=positions), jnp.sum(t * hit, axis=positions)
+    hit = x == jnp.expand_dims(out, positions)
+    hits = _summed(jnp.sum(hit, axis=positions, dtype=jnp.int32), axes)
+    chosen = jnp.where(jnp.expand_dims(hits, positions) > 0, hit, _first_maximum(x, out, positions, axes))
+    total = _summed(jnp.sum(t * chosen.astype(t.dtype), axis=positions), axes)
+    return out, total / jnp.maximum(hits, 1).astype(t.dtype)
+
+
+def _summed(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    return lax.psum(x, axes) if axes else x
+
+
+def _first_maximum(x: jax.Array, out: jax.Array, positions: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
+    """A mask of one entry per slice over ``positions``: a maximum (``out``), the first on the
+    first device holding one, found by index: each device's first local maximum, and the devices
+    whose local maximum (the reduction ``out`` was made from) is ``out``."""
+    k = len(positions)
+    moved = jnp.moveaxis(x, positions, tuple(range(x.ndim - k, x.ndim)))
+    flat = moved.reshape(moved.shape[: x.ndim - k] + (-1,))
+    mask = jnp.arange(flat.shape[-1]) == jnp.argmax(flat, axis=-1)[..., None]
     if axes:
-        hits, total = lax.psum(hits, axes), lax.psum(total, axes)
-    return out, total / hits
+        device = lax.axis_index(axes)
+        holds = jnp.max(x, axis=positions) == out
+        winner = lax.pmin(jnp.where(holds, device, jnp.iinfo(jnp.int32).max), axes)
+        mask = mask & (device == winner)[..., None]
+    return jnp.moveaxis(mask.reshape(moved.shape), tuple(range(x.ndim - k, x.ndim)), positions)
 
 
 class Lowering:
