@@ -18,8 +18,8 @@ Ties and kinks. A max, min, top_k or argmax that meets equal values, and a relu,
 or maximum that meets a value at its kink, has a gradient (or an index) that float32 rounding may
 flip. So each value records whether it may hold *ties* (a value repeated along a dim: a broadcast
 of a constant, relu's zeros, a pad, a gather); an extremum never applies to such a value (the
-ties would be exact, and spmd's gradient splits exact ties across shards unlike jnp's: a known
-difference, see test_reduction.py). Near ties and near kinks of random data are caught by the
+ties would be exact, and an extremum's gradient goes to the first tied entry, where jnp's splits
+evenly: a known difference, see test_reduction.py). Near ties and near kinks of random data are caught by the
 reference: :func:`apart` raises :class:`NearKink` when two values it is told to tell apart are
 within ``MARGIN`` (relative to ``max(1, |values|)``); the test then draws other input values.
 

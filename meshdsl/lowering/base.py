@@ -33,15 +33,15 @@ if TYPE_CHECKING:
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def exact_max(x: jax.Array, positions: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
     """Maximum over ``positions`` of ``x``, whose dims there are split over ``axes`` (inside a
-    ``shard_map``; ``()`` on global arrays), differentiated as ``jnp.max``: the tangent averaged
-    over every entry that reaches the maximum, on any device.
+    ``shard_map``; ``()`` on global arrays). Its tangent is the tangent of one maximal entry: the
+    first (in flattened index order) on the first device holding a maximum, as ``argmax`` picks.
 
-    Those entries are found by comparing ``x`` with the maximum bit for bit, which XLA does not
-    guarantee to hold: it may recompute ``x`` inside each fusion that reads it, and two fusions can
-    round one expression differently (``x + jax.random.normal(...)`` on XLA:CPU: the normal's
-    polynomial). Then no entry equals the maximum and ``jnp.max``'s own gradient is 0 or NaN under
-    ``jax.jit`` (the class of jax-ml/jax#40564). Where no entry matches, the tangent goes to the
-    first maximum instead, found by index (:func:`_first_maximum`), never by comparing ``x`` again.
+    Not ``jnp.max``'s rule, which averages over every entry equal to the maximum: finding those
+    compares ``x`` with its maximum bit for bit, and XLA may recompute ``x`` inside each fusion
+    that reads it, rounding differently in each (XLA:CPU with ``x + jax.random.normal(...)``: the
+    normal's polynomial), so under ``jax.jit`` that gradient can come out 0 or NaN (the class of
+    jax-ml/jax#40564). Here the entry is found by index, from one reduction that yields each
+    device's maximum and its position together; the two rules differ only at exact ties.
     """
     local = jnp.max(x, axis=positions)
     return lax.pmax(local, axes) if axes else local
@@ -50,32 +50,31 @@ def exact_max(x: jax.Array, positions: tuple[int, ...], axes: tuple[str, ...]) -
 @exact_max.defjvp
 def _exact_max_jvp(positions: tuple[int, ...], axes: tuple[str, ...], primals: tuple, tangents: tuple) -> tuple:
     (x,), (t,) = primals, tangents
-    out = exact_max(x, positions, axes)
-    hit = x == jnp.expand_dims(out, positions)
-    hits = _summed(jnp.sum(hit, axis=positions, dtype=jnp.int32), axes)
-    chosen = jnp.where(jnp.expand_dims(hits, positions) > 0, hit, _first_maximum(x, out, positions, axes))
-    total = _summed(jnp.sum(t * chosen.astype(t.dtype), axis=positions), axes)
-    return out, total / jnp.maximum(hits, 1).astype(t.dtype)
-
-
-def _summed(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    return lax.psum(x, axes) if axes else x
-
-
-def _first_maximum(x: jax.Array, out: jax.Array, positions: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
-    """A mask of one entry per slice over ``positions``: a maximum (``out``), the first on the
-    first device holding one, found by index: each device's first local maximum, and the devices
-    whose local maximum (the reduction ``out`` was made from) is ``out``."""
     k = len(positions)
-    moved = jnp.moveaxis(x, positions, tuple(range(x.ndim - k, x.ndim)))
+    ends = tuple(range(x.ndim - k, x.ndim))
+    moved = jnp.moveaxis(x, positions, ends)
     flat = moved.reshape(moved.shape[: x.ndim - k] + (-1,))
-    mask = jnp.arange(flat.shape[-1]) == jnp.argmax(flat, axis=-1)[..., None]
-    if axes:
+    best, index = lax.reduce((flat, lax.broadcasted_iota(jnp.int32, flat.shape, flat.ndim - 1)),
+                             (jnp.array(-jnp.inf, flat.dtype), jnp.array(_NO_INDEX, jnp.int32)), _larger_first, (flat.ndim - 1,))
+    out = lax.pmax(best, axes) if axes else best
+    chosen = lax.broadcasted_iota(jnp.int32, flat.shape, flat.ndim - 1) == index[..., None]
+    if axes:  # the first device whose local maximum is the maximum (both from the one reduction above)
         device = lax.axis_index(axes)
-        holds = jnp.max(x, axis=positions) == out
-        winner = lax.pmin(jnp.where(holds, device, jnp.iinfo(jnp.int32).max), axes)
-        mask = mask & (device == winner)[..., None]
-    return jnp.moveaxis(mask.reshape(moved.shape), tuple(range(x.ndim - k, x.ndim)), positions)
+        chosen = chosen & (device == lax.pmin(jnp.where(best == out, device, _NO_INDEX), axes))[..., None]
+    chosen = jnp.moveaxis(chosen.reshape(moved.shape), ends, positions)
+    total = jnp.sum(t * chosen.astype(t.dtype), axis=positions)
+    return out, lax.psum(total, axes) if axes else total
+
+
+_NO_INDEX = jnp.iinfo(jnp.int32).max
+
+
+def _larger_first(a: tuple, b: tuple) -> tuple:
+    """The reduction step of (value, index) pairs keeping the larger value, the lower index on a tie
+    (one function object, so JAX traces it once and equal reductions stay equal for XLA's CSE)."""
+    (va, ia), (vb, ib) = a, b
+    take_a = (va > vb) | ((va == vb) & (ia < ib))
+    return lax.select(take_a, va, vb), lax.select(take_a, ia, ib)
 
 
 class Lowering:
