@@ -25,9 +25,10 @@
   recomputed all-gather, reduce-scatter, all-to-all or permute merges with the forward pass's
   either way. A global array that leaves one ``shard_map`` and enters another under the same
   spec is the same per-device block: XLA cancels that round trip.
-* An all-reduce of a value computed from constants alone (a shift past the end of a dim, a sum
-  of ``md.zeros``) is gone: the value is the same on every device, and XLA's all-reduce
-  simplifier turns a sum of ``n`` equal values into one times ``n`` and a max or min into the value.
+* An all-reduce or all-gather of a value computed from constants alone (a shift past the end of
+  a dim, ``md.zeros``) moves nothing: the value is the same on every device, XLA's all-reduce
+  simplifier turns a sum of ``n`` equal values into one times ``n`` and a max or min into the
+  value, and an all-gather of a constant becomes the constant tiled.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ _NO_OP = frozenset({"name", "stop_gradient"})
 ENTER_SHARD_MAP = jex_core.Primitive("enter_shard_map")
 """A global operand becoming a ``shard_map`` body's per-device block (``spec``, ``mesh``): no data moves."""
 LEAVE_SHARD_MAP = jex_core.Primitive("leave_shard_map")
+GATHERED_CONSTANT = jex_core.Primitive("gathered_constant")
+"""An ``all_gather`` of a value that is the same on every device: XLA tiles it locally, no data moves."""
 """A ``shard_map`` body's per-device result becoming a global result (``spec``, ``mesh``): no data moves."""
 
 
@@ -103,7 +106,7 @@ def as_compiled(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
     """``jaxpr`` as XLA compiles it (see the module docstring); every output is kept."""
     live = _dead_dropped(jaxpr)
     inlined = _dead_dropped(_rewritten(live, _inline_eqns, {}))
-    inlined = _rewritten(inlined, _constant_all_reduces_dropped, {})
+    inlined = _rewritten(inlined, _constant_collectives_dropped, {})
     merged = _rewritten(inlined, functools.partial(_merge_eqns, barriers=True), {})
     merged = _rewritten(merged, functools.partial(_merge_eqns, barriers=False), {})
     return _rewritten(merged, _unused_dropped, {})
@@ -318,13 +321,15 @@ def _one_trip(scan: jex_core.JaxprEqn, subst: dict[Any, Any]) -> list[jex_core.J
 # ---- all-reduces of constants (XLA's all-reduce simplifier) ------------------------------------
 
 
-_PER_DEVICE = frozenset({"axis_index", "all_gather", "all_gather_invariant", "ppermute", "all_to_all", "reduce_scatter", "psum_scatter"})
+_PER_DEVICE = frozenset({"axis_index", "ppermute", "all_to_all", "reduce_scatter", "psum_scatter"})
 """Primitives whose result may differ between devices even when every operand is a constant."""
+_ALL_GATHERS = frozenset({"all_gather", "all_gather_invariant"})
 
 
-def _constant_all_reduces_dropped(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dict[Any, Any]) -> list[jex_core.JaxprEqn]:
+def _constant_collectives_dropped(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dict[Any, Any]) -> list[jex_core.JaxprEqn]:
     """Each all-reduce whose operand is computed from literals alone removed, its result recorded
-    in ``subst`` as its operand (a buffer of the same type; XLA computes it locally).
+    in ``subst`` as its operand (a buffer of the same type; XLA computes it locally); each
+    all-gather of such an operand made a :data:`GATHERED_CONSTANT` (its result is still a buffer).
 
     A computation's inputs and whatever enters a ``shard_map``, a loop or a branch count as
     varying; a value is constant when every operand of the equation making it is.
@@ -340,6 +345,8 @@ def _constant_all_reduces_dropped(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.Jax
         if from_constants and name in _ALL_REDUCES:
             subst.update(zip(eqn.outvars, invars))
             continue
+        if from_constants and name in _ALL_GATHERS:
+            eqn = eqn.replace(primitive=GATHERED_CONSTANT, effects=jex_core.no_effects)
         if (from_constants and not _effectful(eqn) and not bodies(eqn) and name not in _PER_DEVICE
                 and eqn.primitive not in (ENTER_SHARD_MAP, LEAVE_SHARD_MAP)):
             constant.update(eqn.outvars)

@@ -186,6 +186,21 @@ def test_explain_of_an_all_reduce_of_constants(mesh_name, layout):
     harness.assert_values_close(out.numpy(), np.zeros((16, 16)), what="mean of a shift past the end")
 
 
+def test_explain_of_an_all_gather_of_constants():
+    """A shift past the end, joined to a split tensor: the zeros' all-gather is XLA's local tile,
+    the other is a real all-gather (found by the generator on 2026-11-23, seed 255)."""
+    rng = np.random.default_rng(8)
+    x, f = harness.rand(rng, {"d_ff": 4, "seq": 16}), harness.rand(rng, {"d_ff": 8, "seq": 16})
+
+    def fn(x, f):
+        return md.pad(md.concat([f, md.shift(x, 7, "d_ff")], "d_ff"), [0, 2], "seq")
+
+    mesh, layout = harness.mesh("a2_b2_c2"), "seq:c; d_ff:(b, a)"
+    harness.assert_explain_matches_hlo(fn, mesh, layout, [x, f])
+    want = np.pad(np.concatenate([f.numpy(), np.zeros((4, 16))]), [(0, 0), (0, 2)])
+    harness.assert_values_close(md.compile(fn, mesh, layout)(x, f).numpy(), want, what="concat of a shift past the end")
+
+
 @pytest.mark.parametrize("layout", ["", "seq:model", "heads:data; seq:model"])
 def test_max_gradient_when_xla_recomputes_its_operand(layout):
     """The gradient of one_hot(argmax(h)) * reduce_max(h) with h = x + normal noise: XLA:CPU
