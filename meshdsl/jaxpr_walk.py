@@ -347,11 +347,19 @@ def _constant_collectives_dropped(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.Jax
             continue
         if from_constants and name in _ALL_GATHERS:
             eqn = eqn.replace(primitive=GATHERED_CONSTANT, effects=jex_core.no_effects)
-        if (from_constants and not _effectful(eqn) and not bodies(eqn) and name not in _PER_DEVICE
-                and eqn.primitive not in (ENTER_SHARD_MAP, LEAVE_SHARD_MAP)):
+        if from_constants and _same_on_every_device(eqn):
             constant.update(eqn.outvars)
         out.append(eqn)
     return out
+
+
+def _same_on_every_device(eqn: jex_core.JaxprEqn) -> bool:
+    """Whether ``eqn`` computes the same result on every device from equal operands: no effect,
+    no device index or data exchange, no ``shard_map`` boundary, and likewise in its bodies (a
+    reduction's step, a loop's body)."""
+    if _effectful(eqn) or eqn.primitive.name in _PER_DEVICE or eqn.primitive in (ENTER_SHARD_MAP, LEAVE_SHARD_MAP):
+        return False
+    return all(_same_on_every_device(e) for body in bodies(eqn) for e in body.eqns)
 
 
 # ---- merging identical computations (XLA's CSE) ----------------------------------------------------

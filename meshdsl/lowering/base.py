@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from meshdsl.dims import Shape
@@ -30,8 +31,40 @@ if TYPE_CHECKING:
     from meshdsl.tensor import Tensor
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
-def exact_max(x: jax.Array, positions: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
+NO_INDEX = jnp.iinfo(jnp.int32).max
+"""The index a ``pmin`` ignores: what a device contributes when it holds no maximum."""
+
+
+def max_and_index(x: jax.Array, positions: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """This device's maximum of ``x`` over ``positions`` and the index (int32, in the flattened
+    ``positions``) of its first entry reaching it, from one reduction: the index always points at
+    an entry that reduction found largest. NaN counts as largest, as in ``jnp.max``/``jnp.argmax``.
+
+    ``md.argmax`` and :func:`exact_max` both call it, so their reductions are one for XLA's CSE
+    and for ``md.explain`` alike.
+    """
+    k = len(positions)
+    ends = tuple(range(x.ndim - k, x.ndim))
+    moved = jnp.moveaxis(x, positions, ends)
+    flat = moved.reshape(moved.shape[: x.ndim - k] + (-1,))
+    last = flat.ndim - 1
+    iota = lax.broadcasted_iota(jnp.int32, flat.shape, last)
+    lowest = -jnp.inf if jnp.issubdtype(flat.dtype, jnp.floating) else jnp.iinfo(flat.dtype).min if jnp.issubdtype(flat.dtype, jnp.integer) else False
+    return lax.reduce((flat, iota), (jnp.array(lowest, flat.dtype), jnp.array(NO_INDEX, jnp.int32)), _larger_first, (last,))
+
+
+def _larger_first(a: tuple, b: tuple) -> tuple:
+    """The reduction step of (value, index) pairs: the larger value (NaN largest), the lower index
+    on a tie. One function object, so JAX traces it once and equal reductions stay equal."""
+    (va, ia), (vb, ib) = a, b
+    a_nan, b_nan = va != va, vb != vb
+    tie = (va == vb) | (a_nan & b_nan)
+    take_a = (a_nan & ~b_nan) | (~b_nan & (va > vb)) | (tie & (ia < ib))
+    return lax.select(take_a, va, vb), lax.select(take_a, ia, ib)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def exact_max(x: jax.Array, offset: Any, positions: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
     """Maximum over ``positions`` of ``x``, whose dims there are split over ``axes`` (inside a
     ``shard_map``; ``()`` on global arrays). Its tangent is the tangent of one maximal entry: the
     first (in flattened index order) on the first device holding a maximum, as ``argmax`` picks.
@@ -40,41 +73,31 @@ def exact_max(x: jax.Array, positions: tuple[int, ...], axes: tuple[str, ...]) -
     compares ``x`` with its maximum bit for bit, and XLA may recompute ``x`` inside each fusion
     that reads it, rounding differently in each (XLA:CPU with ``x + jax.random.normal(...)``: the
     normal's polynomial), so under ``jax.jit`` that gradient can come out 0 or NaN (the class of
-    jax-ml/jax#40564). Here the entry is found by index, from one reduction that yields each
-    device's maximum and its position together; the two rules differ only at exact ties.
+    jax-ml/jax#40564). Here the entry is found by index (:func:`max_and_index`); the two rules
+    differ only at exact ties. ``offset``: this device's first global index in the flattened
+    ``positions`` (0 on global arrays), computed as ``md.argmax`` computes it, so that the
+    ``pmin`` choosing the entry is ``md.argmax``'s own when both run (one collective for XLA and
+    for ``md.explain``).
     """
-    local = jnp.max(x, axis=positions)
-    return lax.pmax(local, axes) if axes else local
+    best, _ = max_and_index(x, positions)
+    return lax.pmax(best, axes) if axes else best
 
 
 @exact_max.defjvp
 def _exact_max_jvp(positions: tuple[int, ...], axes: tuple[str, ...], primals: tuple, tangents: tuple) -> tuple:
-    (x,), (t,) = primals, tangents
+    (x, offset), (t, _) = primals, tangents
+    best, index = max_and_index(x, positions)
+    out = lax.pmax(best, axes) if axes else best
+    if axes:  # the global first maximum, as md.argmax finds it
+        index = lax.pmin(jnp.where(best == out, index + offset, NO_INDEX), axes) - offset
     k = len(positions)
     ends = tuple(range(x.ndim - k, x.ndim))
-    moved = jnp.moveaxis(x, positions, ends)
-    flat = moved.reshape(moved.shape[: x.ndim - k] + (-1,))
-    best, index = lax.reduce((flat, lax.broadcasted_iota(jnp.int32, flat.shape, flat.ndim - 1)),
-                             (jnp.array(-jnp.inf, flat.dtype), jnp.array(_NO_INDEX, jnp.int32)), _larger_first, (flat.ndim - 1,))
-    out = lax.pmax(best, axes) if axes else best
-    chosen = lax.broadcasted_iota(jnp.int32, flat.shape, flat.ndim - 1) == index[..., None]
-    if axes:  # the first device whose local maximum is the maximum (both from the one reduction above)
-        device = lax.axis_index(axes)
-        chosen = chosen & (device == lax.pmin(jnp.where(best == out, device, _NO_INDEX), axes))[..., None]
-    chosen = jnp.moveaxis(chosen.reshape(moved.shape), ends, positions)
+    moved_shape = jnp.moveaxis(x, positions, ends).shape
+    flat_shape = best.shape + (int(np.prod(moved_shape[x.ndim - k :], dtype=int)),)
+    chosen = lax.broadcasted_iota(jnp.int32, flat_shape, len(flat_shape) - 1) == index[..., None]
+    chosen = jnp.moveaxis(chosen.reshape(moved_shape), ends, positions)
     total = jnp.sum(t * chosen.astype(t.dtype), axis=positions)
     return out, lax.psum(total, axes) if axes else total
-
-
-_NO_INDEX = jnp.iinfo(jnp.int32).max
-
-
-def _larger_first(a: tuple, b: tuple) -> tuple:
-    """The reduction step of (value, index) pairs keeping the larger value, the lower index on a tie
-    (one function object, so JAX traces it once and equal reductions stay equal for XLA's CSE)."""
-    (va, ia), (vb, ib) = a, b
-    take_a = (va > vb) | ((va == vb) & (ia < ib))
-    return lax.select(take_a, va, vb), lax.select(take_a, ia, ib)
 
 
 class Lowering:
@@ -172,7 +195,7 @@ class Lowering:
 
     def reduce_max(self, x: jax.Array, positions: tuple[int, ...], axes: Sequence[str]) -> jax.Array:
         """Maximum over ``positions`` of ``x``, whose dims there are split over ``axes`` (differentiable, as ``jnp.max``)."""
-        return exact_max(x, positions, ())
+        return exact_max(x, 0, positions, ())
 
     def pmax(self, x: Any, axes: Sequence[str]) -> Any:
         """Maximum across ``axes`` (not differentiated: for indices and stopped values)."""

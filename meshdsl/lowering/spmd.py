@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from meshdsl import relayout
@@ -170,7 +171,9 @@ class SpmdLowering(Lowering):
         return relayout.axis_index(axes, self.axis_sizes) if axes else 0
 
     def reduce_max(self, x: jax.Array, positions: tuple[int, ...], axes: Sequence[str]) -> jax.Array:
-        return exact_max(x, positions, tuple(axes))
+        local = int(np.prod([x.shape[p] for p in positions], dtype=int))
+        _, offset = self.shard(local * self.group_size(axes), axes)
+        return exact_max(x, offset, positions, tuple(axes))
 
     def pmax(self, x: Any, axes: Sequence[str]) -> Any:
         return lax.pmax(x, tuple(axes)) if axes else x

@@ -29,6 +29,7 @@ from jax import lax
 from meshdsl.dims import Dim, DimLike, Shape
 from meshdsl.errors import ShapeError
 from meshdsl.lowering import compute_layout
+from meshdsl.lowering.base import NO_INDEX, max_and_index
 from meshdsl.lowering.context import current, op
 from meshdsl.ops import elementwise
 from meshdsl.tensor import Tensor, describe, dtype_of
@@ -164,13 +165,12 @@ def argmax(x: Tensor, reduced_dim: DimLike) -> Tensor:
     position = x.shape.index(reduced_dim)
     axes = lowering.axes(x.shape)
     split = axes[position]
-    array = lax.stop_gradient(lowering.prepare(x))
-    best = jnp.max(array, axis=position)
+    best, index = max_and_index(lax.stop_gradient(lowering.prepare(x)), (position,))
     _, offset = lowering.shard(x.shape[position].size, split)
-    index = (jnp.argmax(array, axis=position) + offset).astype(jnp.int32)
+    index = index + offset
     if split:
         top = lowering.pmax(best, split)
-        index = lowering.pmin(jnp.where(best == top, index, jnp.iinfo(jnp.int32).max), split)
+        index = lowering.pmin(jnp.where(best == top, index, NO_INDEX), split)
     out = x.shape.without([x.shape[position].name])
     return lowering.finish(index, out, axes[:position] + axes[position + 1 :])
 
