@@ -64,6 +64,7 @@ FIELDS = {
     "collectives_predicted", "collective_count", "collective_bytes_per_device", "predicted_bytes_per_device",
     "predicted_bytes_per_device_on_accelerator",
     "bytes_match_prediction", "analytic_minimum_bytes", "bytes_over_minimum", "baseline_jax_step_s", "overhead_vs_jax",
+    "baseline_losses_match", "baseline_note", "timing_seed", "round_orders",
 }
 
 
@@ -84,6 +85,26 @@ def test_bench_measures_what_explain_predicts(tmp_path):
     per_layer = c.d_model * 3 * c.heads * c.d_kv + c.heads * c.d_kv * c.d_model + 2 * c.d_model * c.d_ff + 2 * c.d_model
     extra = by["fsdp"]["collective_bytes_per_device"] - by["data_parallel"]["collective_bytes_per_device"]
     assert extra == pytest.approx(4 * c.layers * per_layer * 7 / 8, rel=1e-3)
+
+
+def test_bench_times_a_baseline_only_where_it_runs_meshdsls_step(tmp_path):
+    """A pipelined entry gets no baseline (null time, a note); the data-parallel one is checked and
+    timed. Every row records the seed and each round's order of the three steps timed."""
+    cfg = BenchConfig(models=["transformer"], preset="tiny", layouts=["gpipe", "data_parallel"], rounds=3, steps_per_round=1,
+                      baseline="jax", seed=7, out=str(tmp_path))
+    lines: list[str] = []
+    pipelined, data_parallel = run(cfg, out=lines.append)
+    assert (pipelined["baseline_jax_step_s"], pipelined["baseline_losses_match"], pipelined["overhead_vs_jax"]) == (None, None, None)
+    assert pipelined["baseline_note"] == "pipelined (gpipe, 4 microbatches): plain JAX has no version of the schedule"
+    assert data_parallel["baseline_losses_match"] is True and data_parallel["baseline_note"] is None
+    assert data_parallel["baseline_jax_step_s"] > 0 and len(data_parallel["baseline_jax_step_times_s"]) == 3
+    timed = {"transformer x gpipe[gpipe M=4]", "transformer x data_parallel", "transformer x data_parallel (plain JAX)"}
+    for row in (pipelined, data_parallel):
+        assert row["timing_seed"] == 7 and len(row["round_orders"]) == 3
+        assert all(sorted(order) == sorted(timed) for order in row["round_orders"])
+    assert pipelined["round_orders"] == data_parallel["round_orders"]
+    note = "transformer x gpipe[gpipe M=4]: plain-JAX baseline not timed: pipelined"
+    assert note in (tmp_path / "results.md").read_text() and any(note in line for line in lines)
 
 
 def _affine_tokens(n: int, vocab: int) -> np.ndarray:
@@ -138,6 +159,9 @@ def test_bench_shows_bf16_gradient_reduction_halving_the_bytes(tmp_path):
     assert f32["predicted_bytes_per_device_on_accelerator"] == f32["collective_bytes_per_device"]
     assert bf16["collective_bytes_per_device"] == f32["collective_bytes_per_device"]
     assert bf16["predicted_bytes_per_device_on_accelerator"] == pytest.approx((f32["collective_bytes_per_device"] - loss) / 2 + loss)
+    # the minimum prices the gradient sums in bf16 too; the step's accelerator bytes meet it
+    assert bf16["analytic_minimum_bytes"] == pytest.approx((f32["analytic_minimum_bytes"] - loss) / 2 + loss)
+    assert f32["bytes_over_minimum"] == pytest.approx(1.0) and bf16["bytes_over_minimum"] == pytest.approx(1.0)
     assert "(accel. " in (tmp_path / "results.md").read_text()
 
 
@@ -338,6 +362,7 @@ def test_a_users_model_is_never_taken_for_a_shipped_one(models_dir: Path) -> Non
     (they would read fields it lacks); the shipped MLP gets both."""
     from meshdsl.bench import analytic, baselines
     from meshdsl.model_loader import build_model, shipped_name
+    from meshdsl.train import optim
 
     (models_dir / "userpkg" / "mlp.py").write_text(MODEL)
     importlib.invalidate_caches()  # the folder was listed when userpkg was imported
@@ -346,7 +371,8 @@ def test_a_users_model_is_never_taken_for_a_shipped_one(models_dir: Path) -> Non
     mesh = md.Mesh({"data": 8})
     layout = md.Layout("rows:data")
     params = mine.init(jax.random.key(0))
-    assert analytic.minimum_bytes("data_parallel", mine, params, mesh, layout, clips=False) is None
-    assert baselines.make_step(mine, layout, mesh, {"params": params}, None, "sgd") is None
+    sgd = optim.make("sgd")
+    assert analytic.minimum_bytes(mine, params, mesh, layout, sgd) is None
+    assert baselines.make_step(mine, layout, mesh, {"params": params}, None, sgd) is None
     shipped_params = shipped.init(jax.random.key(0))
-    assert analytic.minimum_bytes("data_parallel", shipped, shipped_params, mesh, md.Layout("batch:data"), clips=False) > 0
+    assert analytic.minimum_bytes(shipped, shipped_params, mesh, md.Layout("batch:data"), sgd) > 0

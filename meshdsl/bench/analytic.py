@@ -1,78 +1,123 @@
-"""The least communication a training step needs, per device, for the standard layouts.
+"""The collectives a layout's rules cannot avoid under the ring model: bench's consistency anchor.
 
-Each formula is the ring-model cost (``meshdsl.collectives.bytes_moved``) of the collectives the
-layout cannot avoid; docs/performance.md writes them out. ``n`` is the size of the split axis,
-``P`` the parameter count (4-byte f32), ``B, L, D`` batch, length and d_model.
+For the shipped MLP and Transformer, each term below is read off the rules themselves (which dims
+are split over which mesh axes; not the layout file's name) and priced in the dtypes the step
+uses, by the ring model (``meshdsl.collectives.bytes_moved``): ``AR(S, n) = 2(n-1)/n S``,
+``AG(S, n) = RS(S, n) = (n-1)/n S``. It is a floor for these rules, not a proof that no other
+program could move less; bench reports the step's bytes over it (``bytes_over_minimum``).
+docs/performance.md writes the terms out.
 
-* data_parallel: all-reduce of every gradient, plus the loss: ``AR(4P) + AR(4)``.
-* fsdp (ZeRO-3): all-gather of every parameter forward, reduce-scatter of every gradient, and a
-  second all-gather of the layer loop's parameters in the backward pass (so a device holds one
-  layer's gathered weights at a time, never all layers'), plus the loss:
-  ``AG(4P) + RS(4P) + AG(4 P_loop) + AR(4)``. ``P_loop``: the parameters stacked along
-  ``layers`` (the transformer's layers; the MLP has none).
-* megatron (transformer): per layer, the attention and feed-forward outputs are all-reduced
-  forward and their inputs' gradients backward: ``4 L_layers AR(4BLD)``; the vocab-parallel
-  embedding's lookup and the unembedding's input gradient: ``2 AR(4BLD)``; the loss's max, sum of
-  exponentials and target logit over the split vocab: ``3 AR(4BL)``. MLP: ``AR(4 B d_io)``, the
-  output's partial sums over ``d_ff``.
-* with a clipping optimizer (AdamW's default), the global norm's scalar all-reduce over each axis
-  that splits parameters: ``AR(4)`` for fsdp, megatron and dp_tp.
-* dp_tp: megatron's activation terms on the ``model`` axis with ``B`` the local batch, plus data
-  parallel's gradient all-reduce on the ``data`` axis of each parameter's local shard (the
-  ``model``-split ones are 1/m the size), plus the loss over ``data``.
+* ``batch`` split over axes D (size d): every parameter's gradient summed over D (``AR`` of its
+  shard under the compute rules, in ``grad_reduce_dtype`` where narrower than the parameter),
+  and the loss, ``AR(4, d)``.
+* a parameter stored split (``layout.param_layout``) over axes A that the compute rules leave whole
+  (FSDP / ZeRO-3): gathered where used, ``AG(S, a)``, and once more for the backward pass if it is
+  one of the layer loop's (stacked along ``layers``: meshdsl holds one layer's gathered weights
+  at a time); its gradient reduce-scattered over A's batch axes and all-reduced over D's others.
+* ``heads`` split (size h): per layer, the attention output forward and its input's gradient
+  backward, ``AR(act B L D, h) + AR(grad B L D, h)`` (``act``: bytes of the compute dtype,
+  ``grad``: of the gradients' sums, ``grad_reduce_dtype`` where narrower; ``B`` the local batch,
+  ``L`` length, ``D`` d_model), and with ``remat`` the attention's forward sum once more (the
+  recomputed feed-forward needs it); ``d_ff`` split (f): the same two for the feed-forward.
+  ``vocab`` split (v): the embedding lookup forward and the unembedding's input gradient
+  backward, the same two, and the loss's max, sum of exponentials and target logit,
+  ``3 AR(4 B L, v)`` (float32 logits). MLP with ``d_ff`` split: its output's partial sums,
+  ``AR(4 B d_io, f)``.
+* an optimizer that clips by global norm: one scalar ``AR(4)`` over the axes that split parameters.
+
+No minimum (None) for a model of the user's, rules that split another dim of the model (or
+pipeline it), a parameter whose stored split moves to another dim, or an optimizer that is not
+element-wise (Adafactor's statistics over named dims are collectives of their own).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 import meshdsl as md
+from meshdsl import relayout
 from meshdsl.collectives import Collective, bytes_moved
 from meshdsl.model_loader import shipped_name
 from meshdsl.planner.memory import local_bytes
+from meshdsl.train.optim import OptaxOptimizer
+from meshdsl.train.rules import model_dims
+
+_MODELLED = {"mlp": {"batch", "d_ff"}, "transformer": {"batch", "heads", "d_ff", "vocab"}}
+"""The dims whose splits the terms cover, per shipped model."""
 
 
 def _ar(buffer: float, n: int) -> float:
     return bytes_moved(Collective.ALL_REDUCE, buffer, n)
 
 
-def _loop_params(params: Any) -> Any:
-    """The parameters of the layer loop: those stacked along ``layers``."""
-    return [t for t in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, md.Tensor)) if "layers" in t.shape]
+def _size(axes: set[str], mesh: md.Mesh) -> int:
+    return math.prod(mesh.axis_sizes[a] for a in axes)
 
 
-def minimum_bytes(name: str, model: Any, params: Any, mesh: md.Mesh, layout: md.Layout, clips: bool) -> float | None:
-    """Least bytes per device one training step moves under the shipped layout ``name``; None if no formula.
+def _split_axes(t: md.Tensor, layout: md.Layout) -> dict[str, set[str]]:
+    return {d.name: set(layout.axes_of(d.name)) for d in t.shape}
 
-    ``clips``: the optimizer clips by global norm.
-    """
-    sizes = mesh.axis_sizes
-    config = model.config
-    kind = shipped_name(model)
-    if kind not in ("mlp", "transformer"):
+
+def _itemsize(dtype: Any, grad_reduce_dtype: Any) -> int:
+    """Bytes of a gradient of a ``dtype`` value as meshdsl sums it: in ``grad_reduce_dtype`` where narrower."""
+    return jnp.dtype(grad_reduce_dtype if relayout.narrower(dtype, grad_reduce_dtype) else dtype).itemsize
+
+
+def _parameter(t: md.Tensor, layout: md.Layout, mesh: md.Mesh, grad_reduce_dtype: Any) -> dict[str, float] | None:
+    """Gathers and gradient sums of one parameter (None: its stored split moves to another dim)."""
+    stored, compute = _split_axes(t, layout.param_layout), _split_axes(t, layout)
+    gathered = set().union(*(stored[d] - compute[d] for d in stored))
+    if gathered & set().union(*compute.values()):
         return None
-    if name == "data_parallel":
-        n = sizes["data"]
-        return _ar(local_bytes(params, layout, mesh), n) + _ar(4, n)
-    if name == "fsdp":
-        n = sizes["data"]
-        stored = local_bytes(params, layout.param_layout, mesh) * n
-        regathered = local_bytes(_loop_params(params), layout.param_layout, mesh) * n
-        gathers = bytes_moved(Collective.ALL_GATHER, stored + regathered, n)
-        return gathers + bytes_moved(Collective.REDUCE_SCATTER, stored, n) + _ar(4, n) + clips * _ar(4, n)
-    if name not in ("megatron", "dp_tp"):
-        return None
-    m = sizes["model"]
-    d = sizes.get("data", 1)
-    batch = config.batch // d
+    shard = local_bytes([t], layout, mesh)
+    grad = shard * _itemsize(t.dtype, grad_reduce_dtype) / t.dtype.itemsize
+    batch = set(layout.axes_of("batch"))
+    a, scattered = _size(gathered, mesh), gathered & batch
+    gathers = bytes_moved(Collective.ALL_GATHER, shard, a) * (2 if "layers" in t.shape else 1)
+    sums = bytes_moved(Collective.REDUCE_SCATTER, grad / _size(gathered - batch, mesh), _size(scattered, mesh))
+    return {"parameter gathers": gathers, "gradient sums": sums + _ar(grad / a, _size(batch - gathered, mesh))}
+
+
+def _activations(kind: str, config: Any, layout: md.Layout, mesh: md.Mesh, grad_reduce_dtype: Any) -> dict[str, float]:
+    """The tensor-parallel sums of activations (forward) and of their gradients (backward), and the split vocab's loss."""
+    sizes = {d: _size(set(layout.axes_of(d)), mesh) for d in _MODELLED[kind]}
+    batch = config.batch // sizes["batch"]
     if kind == "mlp":
-        activations = _ar(4 * batch * config.d_io, m)
-    else:
-        tokens = batch * config.length
-        activations = (4 * config.layers + 2) * _ar(4 * tokens * config.d_model, m) + 3 * _ar(4 * tokens, m)
-    activations += clips * _ar(4, m)
-    if d == 1:
-        return activations
-    return activations + _ar(local_bytes(params, layout, mesh), d) + _ar(4, d)
+        return {"activations": _ar(4 * batch * config.d_io, sizes["d_ff"]), "loss": 0.0}
+    dtype = jnp.dtype(config.compute_dtype)
+    tokens = batch * config.length
+    forward, backward = (tokens * config.d_model * n for n in (dtype.itemsize, _itemsize(dtype, grad_reduce_dtype)))
+    recomputed = config.remat * _ar(forward, sizes["heads"])  # the attention's sum: the feed-forward's input
+    layer = sum(_ar(forward, sizes[d]) + _ar(backward, sizes[d]) for d in ("heads", "d_ff")) + recomputed
+    vocab = _ar(forward, sizes["vocab"]) + _ar(backward, sizes["vocab"])
+    return {"activations": config.layers * layer + vocab, "loss": 3 * _ar(4 * tokens, sizes["vocab"])}
+
+
+def terms(model: Any, params: Any, mesh: md.Mesh, layout: md.Layout, optimizer: Any, grad_reduce_dtype: Any = None) -> dict[str, float] | None:
+    """Least bytes per device of one training step under ``layout``'s rules, term by term
+    (parameter gathers, gradient sums, activations, loss, clipping); None where there is no formula."""
+    kind = shipped_name(model)
+    if kind not in _MODELLED or not isinstance(optimizer, OptaxOptimizer) or layout.pipeline.microbatches > 1:
+        return None
+    if any(layout.axes_of(d) for d in model_dims(model) - _MODELLED[kind]):
+        return None
+    tensors = [t for t in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, md.Tensor)) if isinstance(t, md.Tensor)]
+    per_parameter = [_parameter(t, layout, mesh, grad_reduce_dtype) for t in tensors]
+    if None in per_parameter:
+        return None
+    out = {k: sum(p[k] for p in per_parameter) for k in ("parameter gathers", "gradient sums")}
+    out.update(_activations(kind, model.config, layout, mesh, grad_reduce_dtype))
+    out["loss"] += _ar(4, _size(set(layout.axes_of("batch")), mesh))
+    splitting = set().union(*(a for t in tensors for a in _split_axes(t, layout.param_layout).values()))
+    out["clipping"] = _ar(4, _size(splitting, mesh)) if optimizer.clip_norm is not None else 0.0
+    return out
+
+
+def minimum_bytes(model: Any, params: Any, mesh: md.Mesh, layout: md.Layout, optimizer: Any, grad_reduce_dtype: Any = None) -> float | None:
+    """The sum of :func:`terms`: least bytes per device one step moves under these rules; None if no formula."""
+    parts = terms(model, params, mesh, layout, optimizer, grad_reduce_dtype)
+    return None if parts is None else sum(parts.values())

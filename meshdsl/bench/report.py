@@ -95,11 +95,19 @@ def _charts(summaries: list[dict[str, Any]], out: Path) -> list[Path]:
     return paths
 
 
+def notes(summaries: list[dict[str, Any]]) -> str:
+    """Lines under the table: why each baseline asked for was not timed, and the timing order's seed."""
+    lines = [f"{s['model']} x {s['layout']}: plain-JAX baseline not timed: {s['baseline_note']}" for s in summaries if s["baseline_note"]]
+    if summaries:
+        lines.append(f"timing: {len(summaries[0]['round_orders'])} rounds, each in an order shuffled from seed {summaries[0]['timing_seed']} (results.json: round_orders)")
+    return "\n".join(lines)
+
+
 def write_reports(summaries: list[dict[str, Any]], out: Path) -> str:
-    """Write results.json, results.md and the charts into ``out``; return the terminal table."""
+    """Write results.json, results.md and the charts into ``out``; return the terminal table and its notes."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(summaries, indent=2))
-    (out / "results.md").write_text(table(summaries, markdown=True) + "\n")
+    (out / "results.md").write_text(table(summaries, markdown=True) + "\n\n" + notes(summaries) + "\n")
     charts = _charts(summaries, out) if summaries else []
     written = ", ".join(str(p) for p in [out / "results.json", out / "results.md", *charts])
-    return table(summaries) + f"\n\nwrote {written}"
+    return table(summaries) + "\n\n" + notes(summaries) + f"\n\nwrote {written}"

@@ -1,9 +1,11 @@
 """Run the benchmark: compile every model x layout, time them side by side, report.
 
 Timing is interleaved (:mod:`meshdsl.bench.timing`): every round runs every entry once (its
-step, and its baseline when asked for), in an order shuffled per round from ``--seed``, and each
-entry's step time is the median over rounds, with the spread (75th minus 25th percentile) beside
-it. Side by side, slow drifts of a shared machine hit every entry alike.
+step, and its baseline when asked for), in an order shuffled per round from ``--seed`` (each
+summary records the seed and every round's order), and each entry's step time is the median over
+rounds, with the spread (75th minus 25th percentile) beside it. Side by side, slow drifts of a
+shared machine hit every entry alike. A baseline is timed only where it runs meshdsl's step: its
+first losses are checked against meshdsl's first (:func:`meshdsl.bench.baselines.baseline`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import meshdsl as md
@@ -22,7 +25,7 @@ from meshdsl import hlo, outputs
 from meshdsl.bench import analytic, baselines
 from meshdsl.bench.peaks import peak_flops
 from meshdsl.bench.report import write_reports
-from meshdsl.bench.timing import compile_step, interleaved_rounds, memory_bytes
+from meshdsl.bench.timing import compile_step, interleaved_rounds, memory_bytes, round_orders
 from meshdsl.pipeline import PipelineConfig, bubble, schedule_bubble, stages
 from meshdsl.train import optim
 from meshdsl.errors import ConfigError
@@ -75,6 +78,13 @@ class Entry:
     minimum_bytes: float | None
     step_times: list[float] = dataclasses.field(default_factory=list)
     baseline_step_times: list[float] = dataclasses.field(default_factory=list)
+    baseline_losses_match: bool | None = None
+    """Whether the plain-JAX baseline's first losses equal meshdsl's (None: no baseline was run)."""
+    baseline_note: str | None = None
+    """Why no baseline was timed, in one line (None: one was, or none was asked for)."""
+    timing_seed: int | None = None
+    round_orders: list[list[str]] = dataclasses.field(default_factory=list)
+    """Every round's order: the labels of the steps timed, entries' and baselines', as they ran."""
     peak_flops: float | None = None
     pipeline: dict[str, Any] | None = None
     """Pipelined layouts: schedule, stages, microbatches and rows per microbatch, bubble fractions."""
@@ -109,6 +119,13 @@ class Entry:
         return sum(v["bytes"] for v in self.predicted_on_accelerator.values())
 
     @property
+    def moved_bytes(self) -> float:
+        """Bytes per device the step moves: the HLO's, except where XLA's CPU backend widens 16-bit sums
+        to f32 (``predicted_on_accelerator`` then differs): there ``md.explain``'s accelerator figure,
+        the sums in the dtype the program gives them, as the analytic minimum prices them."""
+        return self.measured_bytes if self.accelerator_bytes == self.predicted_bytes else self.accelerator_bytes
+
+    @property
     def collectives(self) -> int:
         return int(sum(v["count"] for v in self.measured.values()))
 
@@ -130,9 +147,11 @@ class Entry:
             "predicted_bytes_per_device_on_accelerator": self.accelerator_bytes,
             "bytes_match_prediction": self.measured == self.predicted,
             "analytic_minimum_bytes": self.minimum_bytes,
-            "bytes_over_minimum": None if not self.minimum_bytes else self.measured_bytes / self.minimum_bytes,
+            "bytes_over_minimum": None if not self.minimum_bytes else self.moved_bytes / self.minimum_bytes,
             "baseline_jax_step_s": baseline, "baseline_jax_step_times_s": self.baseline_step_times,
+            "baseline_losses_match": self.baseline_losses_match, "baseline_note": self.baseline_note,
             "overhead_vs_jax": None if baseline is None else self.step_s / baseline, "overhead_vs_jax_spread": self.overhead_spread,
+            "timing_seed": self.timing_seed, "round_orders": self.round_orders,
             "pipeline": self.pipeline,
         }
 
@@ -207,9 +226,9 @@ def _prepare(
     trainer, state, data = step.trainer, step.state, step.data
     text = step.compiled.as_text()
     device = jax.devices()[0]
-    narrow_on_cpu = cfg.grad_reduce_dtype is not None and device.platform == "cpu"
-    predicted = trainer.explain(state, data).summary()
     dtype = getattr(model.config, "compute_dtype", "float32")
+    narrow_on_cpu = device.platform == "cpu" and (cfg.grad_reduce_dtype is not None or jnp.dtype(dtype).itemsize < 4)
+    predicted = trainer.explain(state, data).summary()
     entry = Entry(
         model=model_name, preset=cfg.preset, layout=label, mesh=str(mesh), devices=mesh.size, compile_s=step.compile_s,
         flops_per_step=model.flops_per_step() if hasattr(model, "flops_per_step") else None,
@@ -218,16 +237,17 @@ def _prepare(
         memory_bytes=memory_bytes(step.compiled), measured=hlo.summary(text, num_devices=mesh.size),
         predicted=predicted,
         predicted_on_accelerator=trainer.explain(state, data, platform="gpu").summary() if narrow_on_cpu else predicted,
-        minimum_bytes=analytic.minimum_bytes(name, model, state["params"], mesh, layout, getattr(optimizer, "clip_norm", None) is not None),
+        minimum_bytes=analytic.minimum_bytes(model, state["params"], mesh, layout, optimizer, cfg.grad_reduce_dtype),
         peak_flops=peak_flops(device.device_kind, dtype),
         pipeline=None if pipe is None else _pipeline_fields(pipe, trainer, model),
     )
-    baseline = None
+    plain = None
     if cfg.baseline == "jax":
-        baseline = baselines.make_step(model, layout, mesh, state, data, cfg.optimizer)
-        if baseline is None:
-            out(f"  {model_name} x {name}: no hand-written JAX baseline for this model")
-    return entry, step, baseline
+        checked = baselines.baseline(step)
+        entry.baseline_losses_match, entry.baseline_note, plain = checked.losses_match, checked.note, checked.step
+        if checked.note is not None:
+            out(f"  {model_name} x {label}: plain-JAX baseline not timed: {checked.note}")
+    return entry, step, plain
 
 
 def _pipeline_fields(pipe: PipelineConfig, trainer: Trainer, model: Any) -> dict[str, Any]:
@@ -257,6 +277,23 @@ def _measure_bubbles(entries: list[Entry]) -> None:
         slope, _ = np.polyfit(ms, [e.step_s for e in group], 1)
         for e, m in zip(group, ms):
             e.pipeline["bubble_measured"] = 1 - slope * m / e.step_s
+
+
+def _time(prepared: list[tuple[Entry, Callable, Callable | None]], cfg: BenchConfig) -> None:
+    """Time every entry's step and baseline in interleaved rounds; record each round's order on every entry."""
+    timed = [(entry.step_times, step, _name(entry)) for entry, step, _ in prepared]
+    timed += [(entry.baseline_step_times, plain, f"{_name(entry)} (plain JAX)") for entry, _, plain in prepared if plain is not None]
+    orders = round_orders(len(timed), cfg.rounds, cfg.seed)
+    samples = interleaved_rounds([step for _, step, _ in timed], orders, cfg.steps_per_round)
+    for (times, _, _), seconds in zip(timed, samples):
+        times.extend(seconds)
+    labelled = [[timed[i][2] for i in order] for order in orders]
+    for entry, _, _ in prepared:
+        entry.timing_seed, entry.round_orders = cfg.seed, labelled
+
+
+def _name(entry: Entry) -> str:
+    return f"{entry.model} x {entry.layout}"
 
 
 def _stderr(line: str) -> None:
@@ -289,11 +326,7 @@ def run(cfg: BenchConfig, out: Callable[[str], None] = print, warn: Callable[[st
                     out(f"  compiled {model_name} x {item[0].layout} in {item[0].compile_s:.1f} s")
     if not prepared:
         raise ConfigError(f"nothing to measure: every layout was skipped as not fitting ({', '.join(dict.fromkeys(skipped))}; see why above)")
-    timed = [(entry.step_times, step) for entry, step, _ in prepared]
-    timed += [(entry.baseline_step_times, baseline) for entry, _, baseline in prepared if baseline is not None]
-    samples = interleaved_rounds([step for _, step in timed], cfg.rounds, cfg.steps_per_round, cfg.seed)
-    for (times, _), seconds in zip(timed, samples):
-        times.extend(seconds)
+    _time(prepared, cfg)
     _measure_bubbles([entry for entry, _, _ in prepared])
     summaries = [entry.summary() for entry, _, _ in prepared]
     if jax.process_index() == 0:  # a multi-process run: process 0 writes the reports

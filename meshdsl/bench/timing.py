@@ -2,9 +2,9 @@
 
 A step is compiled once from a :class:`~meshdsl.train.step.Trainer` and the state it inits from a
 seed; calling the result runs one step and carries the state. Timing is interleaved: every step
-once per round, in an order shuffled per round from a seed, so slow drifts of a shared machine
-(and the cold caches right after a much larger program) hit every candidate alike; the caller
-takes the median over rounds.
+once per round, in an order shuffled per round from a seed (:func:`round_orders`, which bench's
+report records), so slow drifts of a shared machine (and the cold caches right after a much
+larger program) hit every candidate alike; the caller takes the median over rounds.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from meshdsl.train.step import Trainer
 
@@ -32,6 +33,21 @@ class CompiledStep:
     def __call__(self) -> None:
         self.state, loss = self.compiled(self.state, self.data)
         jax.block_until_ready(loss)
+
+    def losses(self, steps: int) -> list[float]:
+        """The first ``steps`` losses from the current state, run on a copy of it."""
+        return losses_from(self.state, lambda state: self.compiled(state, self.data), steps)
+
+
+def losses_from(state: Any, advance: Callable[[Any], tuple[Any, Any]], steps: int) -> list[float]:
+    """The losses of ``steps`` calls of ``advance`` (``state -> (state, loss)``) from a copy of
+    ``state``: a step that donates its input leaves ``state`` itself untouched."""
+    state = jax.tree_util.tree_map(jnp.copy, state)
+    out = []
+    for _ in range(steps):
+        state, loss = advance(state)
+        out.append(float(loss))
+    return out
 
 
 def compile_step(trainer: Trainer, seed: int) -> CompiledStep:
@@ -60,16 +76,25 @@ def memory_bytes(compiled: Any) -> dict[str, int]:
     return {k: int(v) for k, v in fields.items()}
 
 
-def interleaved_rounds(steps: Sequence[Callable[[], None]], rounds: int, steps_per_round: int, seed: int) -> list[list[float]]:
+def round_orders(count: int, rounds: int, seed: int) -> list[list[int]]:
+    """The order each of ``rounds`` rounds runs ``count`` steps in: a fresh shuffle per round,
+    drawn from ``seed`` (the same seed, the same orders: a report can say which ran when)."""
+    shuffle = random.Random(seed).shuffle
+    orders = []
+    for _ in range(rounds):
+        order = list(range(count))
+        shuffle(order)
+        orders.append(order)
+    return orders
+
+
+def interleaved_rounds(steps: Sequence[Callable[[], None]], orders: Sequence[Sequence[int]], steps_per_round: int) -> list[list[float]]:
     """Seconds per step of each of ``steps``, one sample per round: after one warm-up call each,
-    every round runs each step ``steps_per_round`` times, the steps in a fresh shuffled order."""
+    every round runs each step ``steps_per_round`` times, in that round's order (:func:`round_orders`)."""
     for step in steps:
         step()
-    shuffle = random.Random(seed).shuffle
     samples: list[list[float]] = [[] for _ in steps]
-    for _ in range(rounds):
-        order = list(range(len(steps)))
-        shuffle(order)
+    for order in orders:
         for i in order:
             start = time.perf_counter()
             for _ in range(steps_per_round):

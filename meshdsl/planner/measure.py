@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import scipy.stats
 
 import meshdsl as md
-from meshdsl.bench.timing import compile_step, interleaved_rounds
+from meshdsl.bench.timing import compile_step, interleaved_rounds, round_orders
 from meshdsl.planner.search import Candidate
 from meshdsl.train.step import Trainer
 
@@ -22,7 +22,7 @@ def measure(model: Any, optimizer: Any, candidates: Sequence[Candidate], rounds:
     """Median seconds per step of each candidate, timed in ``rounds`` interleaved rounds of ``steps``
     steps, the candidates in a fresh shuffled order each round (:func:`meshdsl.bench.timing.interleaved_rounds`)."""
     compiled = [compile_step(Trainer(model, optimizer, md.Mesh(c.axis_sizes), c.layout), seed) for c in candidates]
-    return [statistics.median(s) for s in interleaved_rounds(compiled, rounds, steps, seed)]
+    return [statistics.median(s) for s in interleaved_rounds(compiled, round_orders(len(compiled), rounds, seed), steps)]
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:

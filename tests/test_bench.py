@@ -1,0 +1,120 @@
+"""The benchmark's yardsticks: the plain-JAX baseline runs meshdsl's step, the analytic minimum
+follows the rules and dtypes, and the timing order is recorded and reproducible.
+
+Baselines are checked at tiny presets on 4 of the 8 simulated devices; each compiles both steps.
+"""
+
+import shutil
+from pathlib import Path
+
+import jax
+import pytest
+
+import meshdsl as md
+from meshdsl.bench import analytic, baselines
+from meshdsl.bench.timing import CompiledStep, compile_step, interleaved_rounds, round_orders
+from meshdsl.model_loader import build_model
+from meshdsl.train import optim
+from meshdsl.train.loop import load_layout
+from meshdsl.train.step import Trainer
+
+LAYOUTS = Path(__file__).resolve().parents[1] / "layouts"
+DP_TP = md.Layout("batch:data; heads:model; d_ff:model; vocab:model", mesh_axes={"data": 2, "model": 2})
+DATA = md.Layout("batch:data", mesh_axes={"data": 4})
+
+
+def _step(model: str, optimizer: str, layout: md.Layout, grad_reduce_dtype: str | None = None, **overrides) -> CompiledStep:
+    trainer = Trainer(build_model(model, "tiny", **overrides), optim.make(optimizer), layout.mesh(jax.devices()[:4]), layout,
+                      grad_reduce_dtype=grad_reduce_dtype)
+    return compile_step(trainer, seed=0)
+
+
+def _checked(step: CompiledStep) -> baselines.Baseline:
+    """The baseline of ``step``, asserting the check ran on copies: both states still at step 0."""
+    checked = baselines.baseline(step)
+    assert int(step.state["step"]) == 0
+    assert checked.step is None or int(checked.step.state[2]) == 0
+    return checked
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "adafactor"])
+@pytest.mark.parametrize("model", ["mlp", "transformer"])
+def test_the_baseline_runs_meshdsls_step(model: str, optimizer: str) -> None:
+    """Every shipped model x optimizer: the plain-JAX step's first three losses equal meshdsl's
+    (Adafactor as meshdsl defines it, clipping and all), so it is timed."""
+    checked = _checked(_step(model, optimizer, DP_TP))
+    assert (checked.losses_match, checked.note) == (True, None)
+    assert checked.step is not None
+
+
+def test_the_baseline_follows_the_models_dtype_remat_and_norm() -> None:
+    """bf16 compute (whose gradient sums the baseline writes out over the batch shards, as meshdsl
+    sums them), remat and LayerNorm: the same losses."""
+    step = _step("transformer", "adamw", DATA, compute_dtype="bfloat16", remat=True, norm="layer")
+    checked = _checked(step)
+    assert (checked.losses_match, checked.note) == (True, None)
+
+
+def test_the_baseline_sums_gradients_in_grad_reduce_dtype() -> None:
+    """bf16 gradient sums: reproduced under data parallelism; under tensor parallelism (where meshdsl
+    also sums activation gradients in bf16) no baseline, and the note says why."""
+    step = _step("mlp", "adamw", DATA, grad_reduce_dtype="bfloat16")
+    checked = _checked(step)
+    assert (checked.losses_match, checked.note) == (True, None)
+    assert checked.step.losses(3) == pytest.approx(step.losses(3), rel=1e-6)
+    tp = _checked(_step("mlp", "adamw", DP_TP, grad_reduce_dtype="bfloat16"))
+    assert (tp.step, tp.losses_match) == (None, None)
+    assert tp.note.startswith("gradients summed in bfloat16 with d_ff split")
+
+
+def test_a_baseline_whose_losses_differ_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A check that fails leaves the baseline untimed, with both loss lists in the note."""
+    step = _step("mlp", "sgd", DATA)
+    monkeypatch.setattr(baselines, "_MODELS", {**baselines._MODELS, "mlp": (*baselines._MODELS["mlp"][:2], lambda p, b, c, f: 2 * baselines._mlp_loss(p, b, c, f))})
+    checked = baselines.baseline(step)
+    assert (checked.step, checked.losses_match) == (None, False)
+    assert checked.note.startswith("losses differ, not timed: meshdsl [1.19") and ", plain JAX [2.38" in checked.note
+
+
+# ---- the analytic minimum ------------------------------------------------------------------------------
+
+
+def _minimum(layout: md.Layout, model: str = "transformer", optimizer: str = "adamw", **overrides) -> dict[str, float] | None:
+    m = build_model(model, "tiny", **overrides)
+    return analytic.terms(m, m.init(jax.random.key(0)), layout.mesh(), layout, optim.make(optimizer))
+
+
+def test_the_minimum_follows_the_rules_not_the_file_name(tmp_path: Path) -> None:
+    (tmp_path / "renamed").mkdir()
+    (tmp_path / "renamed" / "fsdp.toml").write_text((LAYOUTS / "data_parallel.toml").read_text())
+    shutil.copy(LAYOUTS / "fsdp.toml", tmp_path / "zero3.toml")
+    fsdp, data_parallel = _minimum(load_layout(str(LAYOUTS / "fsdp.toml"))), _minimum(load_layout(str(LAYOUTS / "data_parallel.toml")))
+    assert fsdp["parameter gathers"] > 0 and data_parallel["parameter gathers"] == 0
+    assert _minimum(load_layout(str(tmp_path / "zero3.toml"))) == fsdp
+    assert _minimum(load_layout(str(tmp_path / "renamed" / "fsdp.toml"))) == data_parallel
+
+
+def test_bf16_compute_halves_the_activation_terms() -> None:
+    megatron = load_layout(str(LAYOUTS / "megatron.toml"))
+    f32, bf16 = _minimum(megatron), _minimum(megatron, compute_dtype="bfloat16")
+    assert f32["activations"] > 0 and bf16["activations"] == f32["activations"] / 2
+    assert {k: v for k, v in bf16.items() if k != "activations"} == {k: v for k, v in f32.items() if k != "activations"}
+
+
+def test_no_minimum_where_the_formula_has_no_terms() -> None:
+    """Adafactor reduces over named dims (collectives of its own); a rule splitting d_model in compute is not modelled."""
+    assert _minimum(load_layout(str(LAYOUTS / "data_parallel.toml")), optimizer="adafactor") is None
+    assert _minimum(md.Layout("batch:data; d_model:model", mesh_axes={"data": 4, "model": 2})) is None
+
+
+# ---- the timing order ------------------------------------------------------------------------------------
+
+
+def test_round_orders_are_recorded_permutations_fixed_by_the_seed() -> None:
+    orders = round_orders(5, 4, seed=0)
+    assert all(sorted(o) == list(range(5)) for o in orders)
+    assert len({tuple(o) for o in orders}) == 4  # a fresh order every round
+    assert round_orders(5, 4, seed=0) == orders and round_orders(5, 4, seed=1) != orders
+    ran: list[int] = []
+    interleaved_rounds([lambda i=i: ran.append(i) for i in range(5)], orders, steps_per_round=2)
+    assert ran == list(range(5)) + [i for o in orders for i in o for _ in range(2)]  # warm-up, then the recorded orders
