@@ -40,7 +40,7 @@ def default_out(*shapes):
     return [n for n in dict.fromkeys(names) if names.count(n) == 1]
 
 
-@settings(max_examples=S.examples(36))
+@settings(max_examples=S.examples(20))
 @given(mesh=S.meshes(), pool=S.dim_pool(5), data=st.data(), rng=S.rngs())
 def test_einsum(mesh, pool, data, rng):
     xs = data.draw(S.sub_shape(pool), label="x dims")

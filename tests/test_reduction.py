@@ -48,7 +48,7 @@ def _cases(arg, names):
     ]
 
 
-@settings(max_examples=S.examples(25))
+@settings(max_examples=S.examples(15))
 @given(mesh=S.meshes(), pool=S.dim_pool(3), data=st.data(), rng=S.rngs())
 def test_reductions(mesh, pool, data, rng):
     # Every result gets inputs of its own: the same reduction of one tensor computed twice is

@@ -36,7 +36,7 @@ def _sizes(d):
     return [(n, s) for n, s in d.items()]
 
 
-@settings(max_examples=S.examples(25))
+@settings(max_examples=S.examples(15))
 @given(mesh=S.meshes(), pool=S.dim_pool(3), data=st.data(), rng=S.rngs())
 def test_reshape_family(mesh, pool, data, rng):
     x = data.draw(S.sub_shape(pool, min_rank=2, max_rank=3), label="x dims")
