@@ -410,12 +410,53 @@ def apply(
             group = step.from_axes or step.axes
             x = _reorder_blocks(x, step.dim, step.axes, group, axis_sizes)
             x = lax.all_to_all(x, group, split_axis=step.dim, concat_axis=step.from_dim, tiled=True)
+        elif step.axes and not varying_axes(x) & set(step.axes):
+            x = _slice_gathering_grads(x, step.axes, step.dim, tuple(axis_sizes[a] for a in step.axes))
         else:
-            n = group_size(step.axes, axis_sizes)
-            chunk = x.shape[step.dim] // n
-            start = axis_index(step.axes, axis_sizes) * chunk
-            x = lax.dynamic_slice_in_dim(x, start, chunk, axis=step.dim)
+            x = _block(x, step.axes, step.dim, tuple(axis_sizes[a] for a in step.axes))
     return x
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """Mesh axes along which JAX tracks ``x`` as varying (``shard_map``'s ``check_vma`` types)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # JAX >= 0.10; earlier releases call it vma
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def _block(x: jax.Array, axes: tuple[str, ...], dim: int, counts: tuple[int, ...]) -> jax.Array:
+    """This device's block of ``dim`` of ``x``, numbered along ``axes`` (``counts`` devices each), major to minor."""
+    chunk = x.shape[dim] // math.prod(counts)
+    return lax.dynamic_slice_in_dim(x, axis_index(axes, dict(zip(axes, counts))) * chunk, chunk, axis=dim)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _slice_gathering_grads(x: jax.Array, axes: tuple[str, ...], dim: int, counts: tuple[int, ...]) -> jax.Array:
+    """The free slice of a value replicated along ``axes``; its gradient is one ``all_gather``.
+
+    Every device holds all of ``x`` and keeps one block, so the gradient of ``x`` is the blocks'
+    gradients side by side: an all-gather of ``(n - 1) / n`` of ``x``'s bytes. JAX's own transpose
+    of the slice pads each block's gradient with zeros to the whole of ``x`` and sums the padded
+    copies (an all-reduce of ``2 (n - 1) / n`` of them): the same values for twice the bytes.
+
+    A custom VJP, so forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) of a program that
+    slices a replicated value this way is refused by JAX, as for the gathers of ``grad_reduce_dtype``;
+    and it must not run inside another custom rule's tangent (JAX cannot transpose it there): the
+    tangent rules of ``exact_max``, the softmax family and ``_vary_summing_grads_in`` slice nothing.
+    """
+    return _block(x, axes, dim, counts)
+
+
+def _slice_fwd(x: jax.Array, axes: tuple[str, ...], dim: int, counts: tuple[int, ...]) -> tuple[jax.Array, None]:
+    return _block(x, axes, dim, counts), None
+
+
+def _slice_bwd(axes: tuple[str, ...], dim: int, counts: tuple[int, ...], _: None, ct: jax.Array) -> tuple[jax.Array]:
+    return (_leading(ct, dim, lambda a: lax.all_gather(a, axes, axis=0, tiled=True, to="invarying")),)
+
+
+_slice_gathering_grads.defvjp(_slice_fwd, _slice_bwd)
+
 
 
 def gather_together(

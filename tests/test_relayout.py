@@ -504,3 +504,61 @@ def test_out_layouts_move_the_least_bytes(fn, layout, in_layouts, src, pending):
     report = md.explain(fn, mesh, layout, *args, in_layouts=in_layouts, out_layouts=out_layout)
     assert report.total_bytes == _least_bytes(AXES, (64, 16), src, pending, (("model", "data"), ()))
     assert report.summary() == hlo.summary(compiled.lower(*args).compile().as_text())
+
+
+# ---- the gradient of a relayout is the cheapest relayout back ----
+
+
+@pytest.mark.parametrize(("axis_sizes", "shape"), APPLY, ids=[f"{'x'.join(map(str, m.values()))}-{s}" for m, s in APPLY])
+def test_gradient_moves_the_least_bytes_back(axis_sizes, shape):
+    """The gradient of relayout ``src -> dst`` is the cotangent moved ``dst -> src``: its values are
+    the cotangent's blocks (numpy), and its bytes the brute-force minimum of that relayout. A free
+    slice of a replicated value has an all-gather for its gradient, not an all-reduce of copies
+    padded with zeros (twice the bytes); JAX derives the rest (an all-gather's gradient is a local
+    slice, an all-to-all's the reverse all-to-all)."""
+    names = tuple(axis_sizes)
+    mesh = Mesh(np.array(jax.devices()[: math.prod(axis_sizes.values())]).reshape(tuple(axis_sizes.values())), names)
+    cases = [(src, dst) for src, pending, dst in _cover(axis_sizes, shape) if not pending]
+    rng = np.random.default_rng(1)
+    cts = [rng.integers(-8, 9, shape).astype(np.float32) for _ in cases]
+
+    def body(*arrays):
+        xs, cs = arrays[: len(cases)], arrays[len(cases) :]
+        out = []
+        for (src, dst), x, c in zip(cases, xs, cs):
+            steps = relayout.plan(src, dst, (), shape, axis_sizes)
+            _, pull = jax.vjp(lambda v, steps=steps: relayout.apply(v, steps, axis_sizes), x)
+            out.append(pull(c)[0])
+        return tuple(out)
+
+    in_specs = tuple(_spec(src) for src, _ in cases) + tuple(_spec(dst) for _, dst in cases)
+    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=tuple(_spec(src) for src, _ in cases)))
+    args = [np.zeros(shape, np.float32) for _ in cases] + cts
+    compiled = program.lower(*args).compile()
+    for (src, dst), got, ct in zip(cases, compiled(*args), cts):
+        np.testing.assert_array_equal(np.asarray(got), ct, err_msg=f"gradient of {src} -> {dst}")
+    moved = sum(entry["bytes"] for entry in hlo.summary(compiled.as_text()).values())
+    least = sum(_least_bytes(axis_sizes, shape, dst, (), src) for src, dst in cases)
+    assert moved == least
+
+
+def test_replicated_weight_used_split_gets_its_gradient_gathered():
+    """The issue's reproduction: ``w[d, d_ff]`` stored replicated, used under ``d_ff:model`` on
+    ``model=8``. Its gradient is one all-gather of the blocks' gradients (7/8 of 3,584 bytes), not
+    an all-reduce of zero-padded copies (2 x 7/8 of them); values against jax.numpy."""
+    mesh = md.Mesh({"model": 8})
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 16)).astype(np.float32)
+    w = rng.standard_normal((16, 56)).astype(np.float32)
+
+    def loss(x, w):
+        return md.reduce_sum(md.relu(md.einsum(x, w, out=["batch", "d_ff"]))).array
+
+    args = (md.tensor(x, "batch d"), md.tensor(w, "d d_ff"))
+    layouts = (None, md.Layout(""))
+    f = md.compile(jax.grad(loss, argnums=1), mesh, "d_ff:model", in_layouts=layouts)
+    want = jax.grad(lambda w: jax.numpy.sum(jax.nn.relu(x @ w)))(w)
+    np.testing.assert_allclose(f(*args).numpy(), want, rtol=1e-6, atol=1e-6)
+    report = md.explain(jax.grad(loss, argnums=1), mesh, "d_ff:model", *args, in_layouts=layouts)
+    assert report.summary() == hlo.summary(f.lower(*args).compile().as_text())
+    assert report.summary() == {"all-gather": {"count": 1, "bytes": 7 / 8 * 16 * 56 * 4}}

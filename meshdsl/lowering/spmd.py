@@ -20,15 +20,8 @@ from meshdsl.dims import Shape
 from meshdsl.layout import Layout
 from meshdsl.lowering.base import Lowering, exact_max
 from meshdsl.mesh import Mesh
-from meshdsl.relayout import Axes
+from meshdsl.relayout import Axes, varying_axes as _varying_axes
 from meshdsl.tensor import Tensor
-
-
-def _varying_axes(x: Any) -> frozenset[str]:
-    """Mesh axes along which JAX tracks ``x`` as varying (``shard_map``'s ``check_vma`` types)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # JAX >= 0.10; earlier releases call it vma
-    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
 
 
 def _pvary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
