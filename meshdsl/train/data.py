@@ -70,8 +70,8 @@ class TokenFile:
         self.eval_windows = (n - self.train_tokens - 1) // self.length if n > self.train_tokens else 0
         """Held-out windows (0 when the tail is shorter than one window)."""
         if self.windows < 1:
-            raise DataError(f"{self._where} has {n} tokens, {self.train_tokens} before the held-out tail "
-                            f"(--eval-fraction {eval_fraction}); a window needs at least {self.length + 1}")
+            raise DataError(f"{self._where} has {n} tokens; a window needs at least {self.length + 1} before the held-out tail "
+                            f"({n - self.train_tokens} tokens, --eval-fraction {eval_fraction})")
         self.crc32 = _scan(self.path, self.tokens, vocab)
         self.seed = seed % 2**32
         self.order = grain.MapDataset.range(self.windows).shuffle(seed=self.seed)
