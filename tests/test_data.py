@@ -3,6 +3,8 @@ only its rows, grain-shuffled windows with a held-out tail, an iterator state a 
 from, and ids scanned once before step 1. References: numpy slicing of the token file."""
 
 import io
+import json
+import subprocess
 import zlib
 from pathlib import Path
 
@@ -84,16 +86,18 @@ def _windows(tokens: np.ndarray, starts: list[int], length: int) -> np.ndarray:
 def test_the_model_s_own_keys_and_dims_are_read_off_its_batch(user_model):
     model = build_model(user_model, "tiny")
     spec = token_batch_of(model, "--data t.npy: model user_lm.py")
-    assert (spec.rows, spec.positions, spec.inputs, spec.targets) == (md.Dim("examples", 8), md.Dim("seq", 8), "tokens", "labels")
+    assert (spec.rows, spec.positions) == (md.Dim("examples", 8), md.Dim("seq", 8))
+    assert (spec.inputs, spec.targets) == ("tokens", "labels")
     assert spec.dtype == np.int32
     shipped = token_batch_of(build_model("transformer", "tiny"), "m")
-    assert (shipped.rows.name, shipped.positions.name, shipped.inputs, shipped.targets) == ("batch", "length", "inputs", "targets")
+    assert (shipped.rows.name, shipped.positions.name) == ("batch", "length")
+    assert (shipped.inputs, shipped.targets) == ("inputs", "targets")
 
 
 def test_a_batch_without_a_token_pair_is_one_line_saying_what_data_needs(user_model, tmp_path):
     np.save(tmp_path / "t.npy", _tokens(1000, 64))
-    with pytest.raises(ConfigError, match=r"--data .*model mlp reads no token sequences: its batch key 'x' is .*float32.*"
-                                          r"--data needs .*TOKEN_KEYS.*transformer, moe") as e:
+    needs = r"--data .*model mlp reads no token sequences: its batch key 'x' is .*float32.*--data needs .*TOKEN_KEYS"
+    with pytest.raises(ConfigError, match=needs + ".*transformer, moe") as e:
         check(RunConfig(model="mlp", preset="tiny", data=str(tmp_path / "t.npy"), steps=1))
     assert "\n" not in str(e.value)
     model = Renamed(build_model(user_model, "tiny"))
@@ -149,8 +153,9 @@ def test_training_windows_are_a_seeded_permutation_each_epoch_and_never_the_tail
     second = [data.window_of(data.windows + i) for i in range(data.windows)]
     assert sorted(second) == list(range(data.windows)) and second != epoch
     assert max(epoch) * 16 + 17 <= data.train_tokens  # no training window reaches the tail
-    assert epoch == [TokenFile(tmp_path / "t.npy", spec, 64, seed=3, eval_fraction=0.1).window_of(i) for i in range(data.windows)]
-    assert epoch != [TokenFile(tmp_path / "t.npy", spec, 64, seed=4, eval_fraction=0.1).window_of(i) for i in range(data.windows)]
+    for seed, same in ((3, True), (4, False)):
+        other = TokenFile(tmp_path / "t.npy", spec, 64, seed=seed, eval_fraction=0.1)
+        assert ([other.window_of(i) for i in range(data.windows)] == epoch) == same
 
 
 def test_eval_batches_read_the_held_out_tail(tmp_path):
@@ -198,7 +203,8 @@ def test_an_out_of_range_id_stops_train_before_step_1(tmp_path):
     tokens = np.zeros(20000, np.uint64)
     tokens[19000] = 2**40
     np.save(tmp_path / "t.npy", tokens)
-    result = meshdsl("train", "--model", "transformer", "--preset", "tiny", "--data", "t.npy", "--steps", "3", cwd=tmp_path)
+    result = meshdsl("train", "--model", "transformer", "--preset", "tiny", "--data", "t.npy", "--steps", "3",
+                     cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip() == (f"meshdsl train: error: token file 't.npy' holds id {2**40} at position 19000, "
                                      "outside the model's vocab of 64 (ids 0 to 63)")
@@ -207,9 +213,11 @@ def test_an_out_of_range_id_stops_train_before_step_1(tmp_path):
 
 def test_compute_dtype_and_remat_need_the_model_s_config_field(user_model):
     for flags, field in (({"compute_dtype": "bfloat16"}, "compute_dtype"), ({"remat": True}, "remat")):
-        with pytest.raises(ConfigError, match=f"^--{field.replace('_', '-')}: model .*user_lm.py cannot take it: its Config has no {field} field"):
+        flag = "--" + field.replace("_", "-")
+        refused = f"^{flag}: model .*user_lm.py cannot take it: its Config has no {field} field"
+        with pytest.raises(ConfigError, match=refused):
             check(RunConfig(model=user_model, preset="tiny", steps=1, **flags))
-    help_text = meshdsl("train", "--help").stdout
+    help_text = " ".join(meshdsl("train", "--help").stdout.split())
     assert "Config declares a compute_dtype field" in help_text and "Config declares a remat" in help_text
 
 
@@ -218,11 +226,12 @@ def test_a_layout_splitting_almost_nothing_of_the_model_is_warned_about(user_mod
     mesh = md.Mesh({"data": 4, "model": 2})
     (warning,) = split_warnings(md.Layout.load(LAYOUTS / "dp_tp.toml"), mesh, model, "user_lm.py")
     vocab, hidden = 2 * 64 * 16, 2 * 16 * 256  # parameters with vocab; the MLP's two weights
-    assert warning == (f"layout batch:data; groups:data; heads:model; d_ff:model; vocab:model splits only vocab of model user_lm.py: "
-                       f"{vocab / (vocab + hidden):.0%} of its parameters and none of its batch's dims (examples, seq), "
-                       "so most of the step runs replicated on each of the 8 devices")
+    assert warning == ("layout batch:data; groups:data; heads:model; d_ff:model; vocab:model splits only vocab of "
+                       f"model user_lm.py: {vocab / (vocab + hidden):.0%} of its parameters and none of its batch's "
+                       "dims (examples, seq), so most of the step runs replicated on each of the 8 devices")
     (nothing,) = split_warnings(md.Layout("batch:data; d_ff:model"), mesh, model, "user_lm.py")
-    assert nothing == ("layout batch:data; d_ff:model splits no dim of model user_lm.py (its dims: embed, examples, hidden, seq, vocab), "
+    assert nothing == ("layout batch:data; d_ff:model splits no dim of model user_lm.py "
+                       "(its dims: embed, examples, hidden, seq, vocab), "
                        "so each of the 8 devices holds and computes everything")
     assert split_warnings(md.Layout("examples:data"), mesh, model, "user_lm.py") == []
     assert split_warnings(md.Layout("batch:data"), md.Mesh({"data": 1}), model, "user_lm.py") == []
@@ -246,7 +255,8 @@ def test_a_resumed_run_reads_the_batches_and_gets_the_losses_of_an_uninterrupted
         return batch
 
     monkeypatch.setattr(TokenFile, "batch_at", recorded)
-    base = dict(model=user_model, preset="tiny", layout="examples:data", data=str(tmp_path / "t.npy"), seed=5, learning_rate=0.05)
+    base = dict(model=user_model, preset="tiny", layout="examples:data", data=str(tmp_path / "t.npy"), seed=5,
+                learning_rate=0.05)
     run_name, seen["whole"] = "whole", []
     whole = train(RunConfig(**base, steps=5), out=io.StringIO())
     run_name, seen["parts"] = "parts", []
@@ -272,3 +282,48 @@ def test_train_reads_a_token_file_into_a_user_model_s_own_names(user_model, tmp_
     assert "warning" not in result.stderr
     losses = [float(line.split("loss ")[1].split()[0]) for line in result.stdout.splitlines() if " loss " in line]
     assert losses[-1] < 0.5 * losses[0]
+
+
+RECORDING = '''
+import json, os
+import jax
+from meshdsl.train.data import TokenFile
+
+_read = TokenFile._read
+
+
+def _recorded(self, starts):
+    with open(os.path.join(os.environ["READS_DIR"], f"p{jax.process_index()}.jsonl"), "a") as f:
+        f.write(json.dumps(starts) + "\\n")
+    return _read(self, starts)
+
+
+TokenFile._read = _recorded
+'''
+
+
+def test_each_of_two_processes_reads_only_its_rows_and_they_train_as_one(user_model, tmp_path):
+    """2 processes x 4 devices under examples:data: each reads the windows of its own 4 rows of every step
+    (the user's model file records every read), together every row once, and the losses are one process's."""
+    from test_multiprocess import HANG_GUARD_S, _env, _launch_cmd
+
+    np.save(tmp_path / "t.npy", _affine(5000, 64))
+    recording = tmp_path / "recording_lm.py"
+    recording.write_text(USER_MODEL + RECORDING)
+    run = dict(model=user_model, preset="tiny", layout="examples:data", data=str(tmp_path / "t.npy"), steps=3)
+    cmd = _launch_cmd("train", "--model", str(recording), "--preset", "tiny", "--layout", "examples:data",
+                      "--data", "t.npy", "--steps", "3", "--log-json", "losses.jsonl")
+    result = subprocess.run(cmd, cwd=tmp_path, env=_env(READS_DIR=str(tmp_path)), capture_output=True, text=True,
+                            timeout=HANG_GUARD_S)
+    assert result.returncode == 0, result.stdout + result.stderr
+    reference = train(RunConfig(**run), out=io.StringIO())
+    got = [json.loads(line)["loss"] for line in (tmp_path / "losses.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose(got, reference, rtol=1e-5)
+    data = TokenFile(tmp_path / "t.npy", token_batch_of(build_model(user_model, "tiny"), "m"), 64)
+    reads = [[json.loads(line) for line in (tmp_path / f"p{p}.jsonl").read_text().splitlines()] for p in (0, 1)]
+    for mine in reads:  # one read of one device's row per device, 4 devices, 3 steps
+        assert len(mine) == 4 * 3 and all(len(starts) == 1 for starts in mine)
+    for step in range(3):
+        every = sorted(data.window_of(step * 8 + r) * 8 for r in range(8))
+        both = [sorted(s[0] for s in mine[4 * step : 4 * step + 4]) for mine in reads]
+        assert sorted(both[0] + both[1]) == every and not set(both[0]) & set(both[1])

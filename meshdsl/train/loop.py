@@ -83,8 +83,9 @@ def _model(run: RunConfig) -> Any:
     for field, value in flags.items():
         if value is not None and field not in fields:
             flag = "--" + field.replace("_", "-")
-            raise ConfigError(f"{flag}: model {run.model} cannot take it: its Config has no {field} field; a model takes "
-                              f"{flag} by declaring {field}: {'str' if field == 'compute_dtype' else 'bool'} in its Config and using it")
+            kind = "str" if field == "compute_dtype" else "bool"
+            raise ConfigError(f"{flag}: model {run.model} cannot take it: its Config has no {field} field; "
+                              f"a model takes {flag} by declaring {field}: {kind} in its Config and using it")
     return build_model(run.model, run.preset, **run.overrides, **{k: v for k, v in flags.items() if v is not None})
 
 
@@ -110,7 +111,8 @@ def token_file(run: RunConfig, model: Any) -> TokenFile:
         raise ConfigError(f"{e}; of the shipped models, --data is for {', '.join(readers)}") from None
     vocab = getattr(model.config, "vocab", None)
     if isinstance(vocab, bool) or not isinstance(vocab, int):
-        raise ConfigError(f"{what}: its Config has no integer vocab field (the number of token ids), which --data needs to check the file's ids")
+        raise ConfigError(f"{what}: its Config has no integer vocab field (the number of token ids), "
+                          "which --data needs to check the file's ids")
     return TokenFile(run.data, spec, vocab, seed=run.seed, eval_fraction=run.eval_fraction)
 
 
@@ -237,8 +239,8 @@ def _check_data(found: Path, tokens: TokenFile | None, step: int) -> None:
         raise ConfigError(f"checkpoint {found} was trained on a token file; pass --data to continue it")
     if tokens is not None:
         if saved is None:
-            raise ConfigError(f"checkpoint {found} records no token-file state (trained without --data, or by an older meshdsl); "
-                              "start a new --checkpoint-dir to train on this file")
+            raise ConfigError(f"checkpoint {found} records no token-file state (trained without --data, or by an "
+                              "older meshdsl); start a new --checkpoint-dir to train on this file")
         tokens.check_state(saved, step, str(found))
 
 
@@ -266,7 +268,8 @@ def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None,
     manager = None if run.checkpoint_dir is None else md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
     trainer = build_trainer(run, mesh)
     model, mesh, layout = trainer.model, trainer.mesh, trainer.layout
-    for warning in [*rule_warnings(run.layout, layout, run.model, model), *split_warnings(layout, mesh, model, run.model)]:
+    warnings = rule_warnings(run.layout, layout, run.model, model)
+    for warning in [*warnings, *split_warnings(layout, mesh, model, run.model, warned=bool(warnings))]:
         err.write(f"meshdsl train: warning: {warning}\n")
     tokens = None if run.data is None else token_file(run, model)
     out.write(f"meshdsl train: {run.model} {run.preset} on mesh {mesh} ({jax.devices()[0].platform}) under {layout}\n")

@@ -62,13 +62,14 @@ def unused_rules(layout: md.Layout, model: Any, name: str) -> list[str]:
     return out
 
 
-def split_warnings(layout: md.Layout, mesh: md.Mesh, model: Any, name: str) -> list[str]:
+def split_warnings(layout: md.Layout, mesh: md.Mesh, model: Any, name: str, warned: bool = False) -> list[str]:
     """A warning when ``layout`` on ``mesh`` splits no dim of ``model``, or neither its batch nor at least
     half of its parameters (a layout written for other dim names, such as ``dp_tp`` on a model whose
     batch dim is ``examples``: it splits only ``vocab``, and the step runs almost replicated).
 
     A dim counts as split when a rule (``[rules]`` or ``[params]``) maps it to mesh axes of more than
-    one device; parameters count by elements, stored as the parameter rules say. None on one device.
+    one device; parameters count by elements, stored as the parameter rules say. None on one device, and
+    no "splits no dim" warning when ``warned`` (:func:`unused_rules` already named each rule that splits nothing).
     """
     if mesh.size == 1:
         return []
@@ -81,7 +82,7 @@ def split_warnings(layout: md.Layout, mesh: md.Mesh, model: Any, name: str) -> l
     stored = layout.param_layout
     done = sorted(d for d in dims if split(layout, d) or split(stored, d))
     if not done:
-        return [f"layout {layout} splits no dim of model {name} (its dims: {', '.join(sorted(dims))}), "
+        return [] if warned else [f"layout {layout} splits no dim of model {name} (its dims: {', '.join(sorted(dims))}), "
                 f"so each of the {mesh.size} devices holds and computes everything"]
     with use(Lowering()):
         params = jax.tree_util.tree_leaves(jax.eval_shape(model.init, key), is_leaf=lambda x: isinstance(x, md.Tensor))
@@ -94,4 +95,5 @@ def split_warnings(layout: md.Layout, mesh: md.Mesh, model: Any, name: str) -> l
     if share >= 0.5:
         return []
     return [f"layout {layout} splits only {', '.join(done)} of model {name}: {share:.0%} of its parameters and none of "
-            f"its batch's dims ({', '.join(batch_dims)}), so most of the step runs replicated on each of the {mesh.size} devices"]
+            f"its batch's dims ({', '.join(batch_dims)}), so most of the step runs replicated on each of the "
+            f"{mesh.size} devices"]
