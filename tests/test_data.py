@@ -16,7 +16,7 @@ from meshdsl.errors import ConfigError, DataError
 from meshdsl.model_loader import build_model
 from meshdsl.train import data as data_module
 from meshdsl.train.data import TokenFile
-from meshdsl.train.loop import RunConfig, check, train
+from meshdsl.train.loop import RunConfig, build_trainer, check, train
 from meshdsl.train.rules import LAYOUTS, split_warnings
 from meshdsl.train.token_batch import TokenBatch, token_batch_of
 from test_cli import meshdsl
@@ -217,6 +217,11 @@ def test_compute_dtype_and_remat_need_the_model_s_config_field(user_model):
         refused = f"^{flag}: model .*user_lm.py cannot take it: its Config has no {field} field"
         with pytest.raises(ConfigError, match=refused):
             check(RunConfig(model=user_model, preset="tiny", steps=1, **flags))
+    declares = Path(user_model).with_name("declares.py")
+    declares.write_text(USER_MODEL.replace("    vocab: int = 64\n", "    vocab: int = 64\n    compute_dtype: str = 'float32'\n"
+                                                                  "    remat: bool = False\n"))
+    model = build_trainer(RunConfig(model=str(declares), preset="tiny", compute_dtype="bfloat16", remat=True)).model
+    assert (model.config.compute_dtype, model.config.remat) == ("bfloat16", True)
     help_text = " ".join(meshdsl("train", "--help").stdout.split())
     assert "Config declares a compute_dtype field" in help_text and "Config declares a remat" in help_text
 
