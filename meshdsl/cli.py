@@ -73,9 +73,15 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--learning-rate", type=float, default=None)
     train.add_argument("--backend", default="spmd", choices=["spmd", "gspmd"])
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--data", default=None, help="token file (.npy, or raw uint16 .bin/.u16, uint32 .u32); default: the synthetic task")
-    train.add_argument("--compute-dtype", default=None, choices=["float32", "bfloat16"], help="compute in bf16 with f32 master parameters")
-    train.add_argument("--remat", action="store_true", help="recompute each layer's activations in the backward pass")
+    train.add_argument("--data", default=None, help="token file (.npy, or raw uint16 .bin/.u16, uint32 .u32) read "
+                       "into the keys and dims of the model's own batch(key), in a seeded shuffled order; default: the "
+                       "synthetic task")
+    train.add_argument("--eval-fraction", type=float, default=0.05, help="the tail of the --data file held out for "
+                       "evaluation, never trained on (default 0.05)")
+    train.add_argument("--compute-dtype", default=None, choices=["float32", "bfloat16"], help="compute in bf16 with "
+                       "f32 master parameters; for a model whose Config declares a compute_dtype field")
+    train.add_argument("--remat", action="store_true", help="recompute each layer's activations in the backward "
+                       "pass; for a model whose Config declares a remat field")
     train.add_argument("--grad-reduce-dtype", default=None, choices=["bfloat16"], help="sum gradients across devices in bf16 (half the bytes)")
     train.add_argument("--log-json", default=None, metavar="FILE", help="also write each step's loss and time to FILE, one JSON object a line")
     train.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="save checkpoints step_<N> here (and after the last step)")
@@ -142,6 +148,7 @@ def _config(args: argparse.Namespace) -> object:
         return RunConfig(
             model=args.model, preset=args.preset, overrides=overrides, layout=args.layout, steps=args.steps, optimizer=args.optimizer,
             learning_rate=args.learning_rate, backend=args.backend, seed=args.seed, data=args.data,
+            eval_fraction=args.eval_fraction,
             compute_dtype=args.compute_dtype, remat=args.remat, grad_reduce_dtype=args.grad_reduce_dtype,
             log_json=args.log_json, checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, keep=args.keep,
             resume=args.resume, microbatches=args.microbatches, schedule=args.schedule,

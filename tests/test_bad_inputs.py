@@ -30,6 +30,7 @@ from meshdsl import cli
 from meshdsl.planner.profile import load_profile
 from meshdsl.train import optim, rules
 from meshdsl.train.data import TokenFile
+from meshdsl.train.token_batch import TokenBatch
 from meshdsl.train.loop import RunConfig, build_model, load_layout, rule_warnings, train
 from meshdsl.train.step import Trainer
 
@@ -125,7 +126,7 @@ CLI_CASES = {
     "log-json empty": (["train", *MLP, "--log-json", ""], ["--log-json is empty"], True),
     "log-json kept when steps is 0": (["train", "--model", "mlp", "--preset", "tiny", "--steps", "0", "--log-json", "log.jsonl"], ["--steps 0"], True),
     # once raw tracebacks
-    "empty npy token file": (["train", *LM, "--data", "empty.npy"], ["token file 'empty.npy' is empty (0 bytes)", "at least 18 tokens"], True),
+    "empty npy token file": (["train", *LM, "--data", "empty.npy"], ["token file 'empty.npy' is empty (0 bytes)", "at least 17 tokens"], True),
     "empty bin token file": (["train", *LM, "--data", "empty.bin"], ["token file 'empty.bin' is empty (0 bytes)"], True),
     "data for a model without a sequence": (["train", *MLP, "--data", "tokens.npy"], ["--data 'tokens.npy'", "model mlp reads no token sequences", "transformer, moe"], True),
     "bench rounds 0": ([*BENCH, "--rounds", "0"], ["--rounds 0", "at least 1"], True),
@@ -188,7 +189,7 @@ CLI_CASES = {
     "float token file": (["train", *LM, "--data", "f32.npy"], ["holds float32[100]", "integer token ids"], True),
     "2-d token file": (["train", *LM, "--data", "two_d.npy"], ["holds int32[10, 10]"], True),
     "odd-sized raw token file": (["train", *LM, "--data", "odd.bin"], ["has 5 bytes, not a whole number of uint16 tokens"], True),
-    "token file too short": (["train", *LM, "--data", "short.npy"], ["has 10 tokens; a window needs at least 18"], True),
+    "token file too short": (["train", *LM, "--data", "short.npy"], ["has 10 tokens; a window needs at least 17"], True),
     "token file missing": (["train", *LM, "--data", "missing.npy"], ["token file 'missing.npy' not found"], True),
     "checkpoint dir without resume": (["train", *MLP, "--checkpoint-dir", "ckpt"], ["already holds step_2", "--resume"], False),
     "resume past steps": (["train", *MLP, "--checkpoint-dir", "ckpt", "--resume"], ["at step 2, past --steps 1"], False),
@@ -326,7 +327,7 @@ def _mesh_of_a_layout_without_rules() -> None:
 
 
 def _token_file_unknown_suffix() -> None:
-    TokenFile(Path("corpus.txt"), 8, 16, 64)
+    TokenFile(Path("corpus.txt"), TokenBatch(md.Dim("batch", 8), md.Dim("length", 16)), 64)
 
 
 def _trainer_mlp_under_stage() -> None:

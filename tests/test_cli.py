@@ -14,11 +14,9 @@ import pytest
 import harness
 import meshdsl as md
 from meshdsl.bench.run import BenchConfig, run
-from meshdsl.errors import DataError
 from meshdsl.model_loader import build_model
 from meshdsl.train import optim
 from meshdsl.train.step import Trainer
-from meshdsl.train.data import TokenFile
 from meshdsl.models import transformer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,32 +125,6 @@ def _affine_tokens(n: int, vocab: int) -> np.ndarray:
     for i in range(1, n):
         out[i] = (5 * int(out[i - 1]) + 3) % vocab
     return out
-
-
-def test_token_file_batches_read_only_the_rows_each_device_holds(tmp_path):
-    tokens = _affine_tokens(5000, 64)
-    path = tmp_path / "tokens.bin"
-    tokens.tofile(path)
-    data = TokenFile(path, batch=8, length=16, vocab=64)
-    mesh, layout = md.Mesh({"data": 4, "model": 2}), md.Layout("batch:data")
-    batch = data.batch_at(3, mesh, layout)
-    starts = ((3 * 8 + np.arange(8)) * 16) % (5000 - 17)
-    expected = np.stack([tokens[s : s + 17] for s in starts]).astype(np.int32)
-    np.testing.assert_array_equal(batch["inputs"].numpy(), expected[:, :16])
-    np.testing.assert_array_equal(batch["targets"].numpy(), expected[:, 1:])
-    for shard in batch["inputs"].array.addressable_shards:
-        assert shard.data.shape == (2, 16)
-
-
-def test_token_file_mistakes_are_named(tmp_path):
-    with pytest.raises(DataError, match="not found"):
-        TokenFile(tmp_path / "none.npy", 8, 16, 64)
-    np.save(tmp_path / "short.npy", np.arange(10, dtype=np.int32))
-    with pytest.raises(DataError, match="has 10 tokens; a window needs at least 18"):
-        TokenFile(tmp_path / "short.npy", 8, 16, 64)
-    np.save(tmp_path / "big.npy", np.full(100, 70, np.int32))
-    with pytest.raises(DataError, match="holds id 70, outside the model's vocab of 64"):
-        TokenFile(tmp_path / "big.npy", 2, 16, 64).batch_at(0, md.Mesh({"data": 2}), md.Layout("batch:data"))["inputs"].numpy()
 
 
 def test_training_on_a_token_file_learns(tmp_path):

@@ -18,9 +18,10 @@ from meshdsl import distributed, models, outputs
 from meshdsl.errors import ConfigError
 from meshdsl.model_loader import build_model, load_module
 from meshdsl.train import optim
-from meshdsl.train.data import TokenFile
-from meshdsl.train.rules import LAYOUTS, is_shipped, unused_rules
+from meshdsl.train.data import EVAL_FRACTION, TokenFile
+from meshdsl.train.rules import LAYOUTS, is_shipped, split_warnings, unused_rules
 from meshdsl.train.step import Trainer, pipelined
+from meshdsl.train.token_batch import token_batch_of
 
 
 @dataclasses.dataclass
@@ -39,6 +40,8 @@ class RunConfig:
     backend: str = "spmd"
     seed: int = 0
     data: str | None = None
+    eval_fraction: float = EVAL_FRACTION
+    """The tail of the token file held out for evaluation (never trained on)."""
     compute_dtype: str | None = None
     remat: bool = False
     grad_reduce_dtype: str | None = None
@@ -76,6 +79,13 @@ def load_layout(spec: str) -> md.Layout:
 
 def _model(run: RunConfig) -> Any:
     flags = {"compute_dtype": run.compute_dtype, "remat": run.remat or None}
+    fields = {f.name for f in dataclasses.fields(load_module(run.model).Config)}
+    for field, value in flags.items():
+        if value is not None and field not in fields:
+            flag = "--" + field.replace("_", "-")
+            kind = "str" if field == "compute_dtype" else "bool"
+            raise ConfigError(f"{flag}: model {run.model} cannot take it: its Config has no {field} field; "
+                              f"a model takes {flag} by declaring {field}: {kind} in its Config and using it")
     return build_model(run.model, run.preset, **run.overrides, **{k: v for k, v in flags.items() if v is not None})
 
 
@@ -90,13 +100,20 @@ def build_trainer(run: RunConfig, mesh: md.Mesh | None = None) -> Trainer:
     return Trainer(_model(run), _optimizer(run), mesh or layout.mesh(), layout, run.backend, run.grad_reduce_dtype, pipeline=pipeline)
 
 
-def token_file(path: str, model: Any, name: str) -> TokenFile:
-    """The token file ``path`` for ``model``; ConfigError for a model that reads no token sequences."""
-    if not all(hasattr(model.config, f) for f in ("batch", "length", "vocab")):
+def token_file(run: RunConfig, model: Any) -> TokenFile:
+    """The token file ``run.data`` for ``model``, in the keys and dims of the model's own batch
+    (:mod:`meshdsl.train.token_batch`); ConfigError for a model that reads no token sequences."""
+    what = f"--data {run.data!r}: model {run.model}"
+    try:
+        spec = token_batch_of(model, what)
+    except ConfigError as e:
         readers = [n for n in models.NAMES if {"length", "vocab"} <= {f.name for f in dataclasses.fields(load_module(n).Config)}]
-        raise ConfigError(f"--data {path!r}: model {name} reads no token sequences (its config has no length and vocab); --data is for {', '.join(readers)}")
-    c = model.config
-    return TokenFile(path, c.batch, c.length, c.vocab)
+        raise ConfigError(f"{e}; of the shipped models, --data is for {', '.join(readers)}") from None
+    vocab = getattr(model.config, "vocab", None)
+    if isinstance(vocab, bool) or not isinstance(vocab, int):
+        raise ConfigError(f"{what}: its Config has no integer vocab field (the number of token ids), "
+                          "which --data needs to check the file's ids")
+    return TokenFile(run.data, spec, vocab, seed=run.seed, eval_fraction=run.eval_fraction)
 
 
 def check(run: RunConfig) -> None:
@@ -118,7 +135,7 @@ def check(run: RunConfig) -> None:
     layout = load_layout(run.layout)
     pipelined(model, layout, layout.pipeline.replace(run.microbatches, run.schedule), run.backend)
     if run.data is not None:
-        token_file(run.data, model, run.model)
+        token_file(run, model)
     if run.checkpoint_dir is not None:
         md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
         outputs.check_dir(run.checkpoint_dir, "--checkpoint-dir")
@@ -214,6 +231,19 @@ def _start(run: RunConfig, trainer: Trainer, manager: md.checkpoint.CheckpointMa
     return state, state.pop("data_key"), int(saved["step"])
 
 
+def _check_data(found: Path, tokens: TokenFile | None, step: int) -> None:
+    """ConfigError unless the checkpoint ``found`` was trained on the data this run reads (same file, seed
+    and windows; see :meth:`TokenFile.check_state`), so the resumed run reads its next unseen batch."""
+    saved = md.checkpoint.read_manifest(found)["metadata"].get("data_state")
+    if tokens is None and saved is not None:
+        raise ConfigError(f"checkpoint {found} was trained on a token file; pass --data to continue it")
+    if tokens is not None:
+        if saved is None:
+            raise ConfigError(f"checkpoint {found} records no token-file state (trained without --data, or by an "
+                              "older meshdsl); start a new --checkpoint-dir to train on this file")
+        tokens.check_state(saved, step, str(found))
+
+
 def _save(manager: md.checkpoint.CheckpointManager, step: int, state: Any, data_key: jax.Array, metadata: dict[str, Any], out: TextIO) -> None:
     """Save the state and data key as ``step_<step>`` and print one line."""
     start = time.perf_counter()
@@ -238,11 +268,14 @@ def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None,
     manager = None if run.checkpoint_dir is None else md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
     trainer = build_trainer(run, mesh)
     model, mesh, layout = trainer.model, trainer.mesh, trainer.layout
-    for warning in rule_warnings(run.layout, layout, run.model, model):
+    warnings = rule_warnings(run.layout, layout, run.model, model)
+    for warning in [*warnings, *split_warnings(layout, mesh, model, run.model, warned=bool(warnings))]:
         err.write(f"meshdsl train: warning: {warning}\n")
-    tokens = None if run.data is None else token_file(run.data, model, run.model)
+    tokens = None if run.data is None else token_file(run, model)
     out.write(f"meshdsl train: {run.model} {run.preset} on mesh {mesh} ({jax.devices()[0].platform}) under {layout}\n")
     state, data_key, first = _start(run, trainer, manager, out)
+    if first:
+        _check_data(manager.latest(), tokens, first)
     if first == run.steps:
         out.write(f"nothing to train: the checkpoint is at step {first}, which is --steps\n")
         return []
@@ -260,6 +293,7 @@ def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None,
         losses.append(float(distributed.local_value(loss)))
         progress.update(step + 1, losses[-1], time.perf_counter() - start, examples)
         if manager is not None and (manager.due(step + 1) or step + 1 == run.steps):
-            _save(manager, step + 1, state, data_key, metadata, out)
+            data_state = {} if tokens is None else {"data_state": tokens.state(step + 1)}
+            _save(manager, step + 1, state, data_key, {**metadata, **data_state}, out)
     progress.close()
     return losses

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 
 import meshdsl as md
+from meshdsl.lowering.base import Lowering
+from meshdsl.lowering.context import use
 from meshdsl.lowering.recorder import recorded_shapes
 
 LAYOUTS = Path(str(importlib.resources.files("meshdsl.layouts"))).resolve()
@@ -58,3 +60,48 @@ def unused_rules(layout: md.Layout, model: Any, name: str) -> list[str]:
             guess = f"; did you mean {close[0]}?" if close else ""
             out.append(f"layout {table} {dim}:{','.join(axes)} names no dim of model {name} (its dims: {shown}), so it splits nothing{guess}")
     return out
+
+
+def split_warnings(layout: md.Layout, mesh: md.Mesh, model: Any, name: str, warned: bool = False) -> list[str]:
+    """A warning when ``layout`` on ``mesh`` splits no dim of ``model``, or neither its batch nor at least
+    half of its parameters (a layout written for other dim names, such as ``dp_tp`` on a model whose
+    batch dim is ``examples``: it splits only ``vocab``, and the step runs almost replicated).
+
+    A dim counts as split when a rule (``[rules]`` or ``[params]``) maps it to mesh axes of more than
+    one device; parameters count by elements, stored as the parameter rules say. None on one device,
+    and no "splits no dim" warning when ``warned`` (:func:`unused_rules` named each rule splitting
+    nothing). None for a model that cannot be traced: the step reports the model's own error.
+    """
+    if mesh.size == 1:
+        return []
+    try:
+        dims, params, batch_dims = _traced(model)
+    except Exception:  # the model's own mistake, reported where the step runs it
+        return []
+
+    def split(rules: md.Layout, dim: str) -> bool:
+        return any(mesh.axis_sizes.get(a, 1) > 1 for a in rules.axes_of(dim))
+
+    stored = layout.param_layout
+    done = sorted(d for d in dims if split(layout, d) or split(stored, d))
+    if not done:
+        return [] if warned else [f"layout {layout} splits no dim of model {name} (its dims: {', '.join(dims)}), "
+                                  f"so each of the {mesh.size} devices holds and computes everything"]
+    if any(split(layout, d) for d in batch_dims):
+        return []
+    sizes = [(t.shape.size, any(split(stored, d.name) for d in t.shape)) for t in params]
+    share = sum(n for n, s in sizes if s) / max(1, sum(n for n, _ in sizes))
+    if share >= 0.5:
+        return []
+    return [f"layout {layout} splits only {', '.join(done)} of model {name}: {share:.0%} of its parameters and none of "
+            f"its batch's dims ({', '.join(batch_dims)}), so most of the step runs replicated on each of the "
+            f"{mesh.size} devices"]
+
+
+def _traced(model: Any) -> tuple[list[str], list[md.Tensor], list[str]]:
+    """The model's dims, its parameter tensors and its batch's dims, traced on global arrays (nothing computed)."""
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    with use(Lowering()):
+        params = jax.tree_util.tree_leaves(jax.eval_shape(model.init, key), is_leaf=lambda x: isinstance(x, md.Tensor))
+        batch = jax.tree_util.tree_leaves(jax.eval_shape(model.batch, key), is_leaf=lambda x: isinstance(x, md.Tensor))
+    return sorted(model_dims(model)), params, sorted({d.name for t in batch for d in t.shape})
