@@ -56,7 +56,7 @@ class Source:
     def axes(self) -> list[list[str]]:
         """The file axes, each as the dim names it holds."""
         tokens = re.findall(r"\([^()]*\)|[^\s()]+", self.dims)
-        if "".join(tokens).replace("(", "").replace(")", "") != re.sub(r"[\s()]", "", self.dims):
+        if re.sub(r"[\s()]", "", "".join(tokens)) != re.sub(r"[\s()]", "", self.dims) or not all(t.strip("()").split() for t in tokens):
             raise ConfigError(f"Source {self.name!r}: cannot read the dims {self.dims!r} (names, groups in parentheses)")
         return [t.strip("()").split() for t in tokens]
 
