@@ -216,3 +216,15 @@ def test_llama_trains_under_the_shipped_layouts_like_one_device():
         layout = md.Layout.load(LAYOUTS / f"{name}.toml")
         losses, _ = harness.train(Trainer(model, optim.adamw(1e-2), layout.mesh(), layout), 5)
         np.testing.assert_allclose(losses, reference[:5], rtol=1e-4, err_msg=name)
+
+
+def test_explain_and_search_know_llama(capsys):
+    """``meshdsl explain`` and ``search`` on the shipped llama: Megatron splits its key/value heads."""
+    from meshdsl.cli import main
+
+    assert main(["explain", "--model", "llama", "--preset", "tiny", "--layout", "megatron", "--no-compile"]) == 0
+    out = capsys.readouterr().out
+    assert "kv_heads:model" in out, out
+    assert main(["search", "--model", "llama", "--preset", "tiny", "--devices", "8", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "fit" in out and "kv_heads" in out, out
