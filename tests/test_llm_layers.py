@@ -174,3 +174,44 @@ LAYOUTS = {
 def test_llm_layers(name):
     mesh_name, rules = LAYOUTS[name]
     assert harness.check(program, _args(), ref_program, harness.mesh(mesh_name), rules, around=True)
+
+
+def test_grouped_query_attention_runs_the_fused_kernel_with_fewer_kv_heads(monkeypatch):
+    """The kernel gets each device's queries with kv_heads x group heads and keys with kv_heads: no copies."""
+    seen = []
+    kernel = jax.nn.dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((q.shape, k.shape, kwargs.get("implementation")))
+        return kernel(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    args = _args()[-3:]
+    q = md.concat([args[0]] * 4, "heads")  # [batch, one_kv=1, heads=8, length, d_kv]
+    fn = lambda q, k, v: md.nn.dot_product_attention(q, k, v, heads="one_kv", causal=True, implementation="xla")  # noqa: E731
+    assert md.explain(fn, harness.mesh("data4_model2"), "batch:data; heads:model", q, *args[1:]).summary() == {}
+    assert ((1, 8, 4, 8), (1, 8, 1, 8), "xla") in seen  # [B, T, N, H]: 4 of the 8 query heads, the one kv head
+    seen.clear()
+    kv = lambda x: md.concat([x] * 2, "one_kv")  # noqa: E731  (2 kv heads, split over model)
+    md.explain(fn, harness.mesh("data4_model2"), "batch:data; one_kv:model", md.concat([q] * 2, "one_kv"), kv(args[1]), kv(args[2]))
+    assert ((1, 8, 8, 8), (1, 8, 1, 8), "xla") in seen
+
+
+def test_layer_mistakes_are_named():
+    x = md.zeros([dim("batch"), dim("length"), dim("d_model")])
+    with pytest.raises(md.ShapeError, match="Rotary: depth must be an md.Dim of even size"):
+        md.nn.Rotary(D("d_kv", 5))
+    with pytest.raises(md.ShapeError, match="Rotary: input .* needs the depth dim d_kv=8"):
+        md.nn.Rotary(dim("d_kv"))(x)
+    with pytest.raises(md.ShapeError, match="rotary over .* must be over this layer's"):
+        md.nn.MultiHeadAttention(dim("d_model"), dim("heads"), dim("d_kv"), rotary=md.nn.Rotary(D("d_kv", 4)))
+    with pytest.raises(md.ShapeError, match=r"positions 4..11 of .* are outside the table's positions=8"):
+        POS(md.zeros([D("positions", 8), dim("d_model")]), x, offset=4)
+    with pytest.raises(md.ShapeError, match="map: sum turned blocks of shape .* into"):
+        md.map(jnp.sum, x)
+    with pytest.raises(md.ShapeError, match="must be callable"):
+        md.map(3, x)
+    with pytest.raises(md.ShapeError, match="differ in dims other than length and memory"):
+        q = md.zeros([dim("batch"), dim("kv_heads"), dim("heads"), dim("length"), dim("d_kv")])
+        k = md.zeros([dim("batch"), D("kv_heads", 3), D("memory", 8), dim("d_kv")])
+        md.nn.dot_product_attention(q, k, k, heads="kv_heads")
