@@ -179,7 +179,8 @@ def load_safetensors(
 
     ``path``: a ``.safetensors`` file or a directory of them (a sharded checkpoint). Values are
     converted to each leaf's dtype (a bfloat16 file into float32 parameters). Leaves that are not
-    md tensors are returned as they are.
+    md tensors are returned as they are. For a layout that stores parameters apart (FSDP's
+    ``[params]`` table) pass ``layout.param_layout``, as a trainer's state holds them.
     """
     layout = Layout(layout if layout is not None else {})
     path = Path(path)
