@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import math
 import re
@@ -56,8 +57,9 @@ class Source:
     def axes(self) -> list[list[str]]:
         """The file axes, each as the dim names it holds."""
         tokens = re.findall(r"\([^()]*\)|[^\s()]+", self.dims)
-        if re.sub(r"[\s()]", "", "".join(tokens)) != re.sub(r"[\s()]", "", self.dims) or not all(t.strip("()").split() for t in tokens):
-            raise ConfigError(f"Source {self.name!r}: cannot read the dims {self.dims!r} (names, groups in parentheses)")
+        bare = re.sub(r"[\s()]", "", "".join(tokens))
+        if bare != re.sub(r"[\s()]", "", self.dims) or not all(t.strip("()").split() for t in tokens):
+            raise ConfigError(f"Source {self.name!r}: cannot read the dims {self.dims!r} (names, groups in ())")
         return [t.strip("()").split() for t in tokens]
 
     def placeholders(self) -> list[str]:
@@ -75,7 +77,7 @@ def _path(entries: Sequence[Any]) -> str:
 
 
 def _files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: the file, or every ``*.safetensors`` of a directory (sharded checkpoints)."""
+    """The files of a checkpoint: the file, or every ``*.safetensors`` of a directory (a sharded checkpoint)."""
     if path.is_dir():
         files = sorted(path.glob("*.safetensors"))
         if not files:
@@ -127,7 +129,8 @@ def _plan(path: str, leaf: Any, source: Any, where: Mapping[str, Any], label: st
                           f"({source.dims!r}) names {named}")
     for p in stacked:
         if p in source.values and len(source.values[p]) != shape[p].size:
-            raise ConfigError(f"load_safetensors: {path}: {len(source.values[p])} values for {{{p}}}, its dim is {shape[p]}")
+            raise ConfigError(f"load_safetensors: {path}: {len(source.values[p])} values for {{{p}}}, "
+                              f"its dim is {shape[p]}")
     want = [math.prod(shape[n].size for n in group) for group in axes]
     for index in itertools.product(*(range(shape[p].size) for p in stacked)):
         name = source.tensor_name(dict(zip(stacked, index)))
@@ -135,7 +138,8 @@ def _plan(path: str, leaf: Any, source: Any, where: Mapping[str, Any], label: st
             raise DataError(f"load_safetensors: {label} has no tensor {name!r} (for {path})")
         got = list(where[name].get_slice(name).get_shape())
         if got != want:
-            raise DataError(f"load_safetensors: tensor {name!r} in {label} has shape {got}; {path} {shape} needs {want} ({source.dims})")
+            raise DataError(f"load_safetensors: tensor {name!r} in {label} has shape {got}; "
+                            f"{path} {shape} needs {want} ({source.dims})")
     return _Leaf(path, shape, leaf.dtype, source, axes, stacked)
 
 
@@ -175,7 +179,7 @@ def load_safetensors(
     mesh: Mesh,
     layout: Layout | str | Mapping | None = None,
 ) -> Any:
-    """``like``'s pytree with every md tensor read from the safetensors checkpoint at ``path`` (see the module docstring).
+    """``like``'s pytree, every md tensor read from the safetensors checkpoint at ``path`` (see the module docstring).
 
     ``path``: a ``.safetensors`` file or a directory of them (a sharded checkpoint). Values are
     converted to each leaf's dtype (a bfloat16 file into float32 parameters). Leaves that are not
@@ -196,7 +200,8 @@ def load_safetensors(
         raise ConfigError(f"load_safetensors: no source in names for the parameters {missing}")
     with contextlib.ExitStack() as stack:
         where = _open(stack, files)
-        plans = {p: _plan(p, leaf, names[p], where, label) for p, (_, leaf) in zip(paths, flat) if isinstance(leaf, Tensor)}
+        tensors = [(p, leaf) for p, (_, leaf) in zip(paths, flat) if isinstance(leaf, Tensor)]
+        plans = {p: _plan(p, leaf, names[p], where, label) for p, leaf in tensors}
         out = []
         for p, (_, leaf) in zip(paths, flat):
             if p not in plans:
@@ -205,6 +210,7 @@ def load_safetensors(
             plan = plans[p]
             layout.axes(plan.shape, mesh, tensor=f"parameter {p}")
             sharding = NamedSharding(mesh.jax_mesh, layout.spec(plan.shape))
-            array = jax.make_array_from_callback(plan.shape.sizes, sharding, lambda index, plan=plan: _block(plan, where, index))
+            read = functools.partial(_block, plan, where)
+            array = jax.make_array_from_callback(plan.shape.sizes, sharding, read)
             out.append(Tensor(array, plan.shape))
     return jax.tree_util.tree_unflatten(tree, out)

@@ -84,7 +84,8 @@ class Model(transformer.Model):
         self.dtype = jax.numpy.dtype(c.compute_dtype)
         self.norm = md.nn.RMSNorm(self.d_model, eps=c.norm_eps)
         rotary = md.nn.Rotary(self.d_kv, theta=c.rope_theta, interleaved=c.rope == "interleaved")
-        self.attention = md.nn.MultiHeadAttention(self.d_model, self.group, self.d_kv, kv_heads=self.kv_heads, causal=True, rotary=rotary)
+        self.attention = md.nn.MultiHeadAttention(
+            self.d_model, self.group, self.d_kv, kv_heads=self.kv_heads, causal=True, rotary=rotary)
         self.feed_forward = md.nn.GatedMLP(self.d_model, self.d_ff)
         self.embedding = md.nn.Embedding(self.vocab, self.d_model)
         self.unembedding = md.nn.Linear(self.d_model, self.vocab)
@@ -124,13 +125,15 @@ class Model(transformer.Model):
         this mapping does not do: a ConfigError.
         """
         if self.config.rope != "half":
-            raise ConfigError(f"hf_names: Hugging Face's LLaMA weights are for rope='half' (rotate-half), not {self.config.rope!r}")
+            raise ConfigError(f"hf_names: Hugging Face's LLaMA weights are for rope='half' (rotate-half), "
+                              f"not {self.config.rope!r}")
         layer = "model.layers.{layers}."
         return {
             "embed": Source("model.embed_tokens.weight", "vocab d_model"),
             "layers/attn_norm": Source(layer + "input_layernorm.weight", "d_model"),
             "layers/wq": Source(layer + "self_attn.q_proj.weight", "(kv_heads group d_kv) d_model"),
-            "layers/wkv": Source(layer + "self_attn.{kv}_proj.weight", "(kv_heads d_kv) d_model", values={"kv": ("k", "v")}),
+            "layers/wkv": Source(layer + "self_attn.{kv}_proj.weight", "(kv_heads d_kv) d_model",
+                                 values={"kv": ("k", "v")}),
             "layers/wo": Source(layer + "self_attn.o_proj.weight", "d_model (kv_heads group d_kv)"),
             "layers/mlp_norm": Source(layer + "post_attention_layernorm.weight", "d_model"),
             "layers/w_gate": Source(layer + "mlp.gate_proj.weight", "d_ff d_model"),

@@ -23,7 +23,8 @@ from meshdsl.models import llama
 from meshdsl.train import optim
 from meshdsl.train.step import Trainer
 
-CONFIG = llama.Config(batch=4, length=8, d_model=16, heads=4, kv_heads=2, d_kv=4, d_ff=24, vocab=32, layers=2, rope_theta=10000.0)
+CONFIG = llama.Config(batch=4, length=8, d_model=16, heads=4, kv_heads=2, d_kv=4, d_ff=24, vocab=32, layers=2,
+                      rope_theta=10000.0)
 LAYOUTS = Path(__file__).resolve().parents[1] / "layouts"
 
 
@@ -34,8 +35,8 @@ def hf_weights(c: llama.Config, seed: int = 0) -> dict[str, np.ndarray]:
     def w(*shape: int, scale: float = 0.3) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-    out = {"model.embed_tokens.weight": w(c.vocab, c.d_model, scale=1.0), "model.norm.weight": 1 + w(c.d_model, scale=0.1),
-           "lm_head.weight": w(c.vocab, c.d_model)}
+    out = {"model.embed_tokens.weight": w(c.vocab, c.d_model, scale=1.0),
+           "model.norm.weight": 1 + w(c.d_model, scale=0.1), "lm_head.weight": w(c.vocab, c.d_model)}
     for i in range(c.layers):
         p = f"model.layers.{i}."
         out |= {
@@ -74,13 +75,15 @@ def hf_logits(w: dict[str, np.ndarray], ids: np.ndarray, c: llama.Config) -> np.
         h = rms(x, w[p + "input_layernorm.weight"])
         q, k, v = (heads(h @ w[p + f"self_attn.{n}_proj.weight"].T, m) for n, m in (("q", H), ("k", K), ("v", K)))
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        k, v = jnp.repeat(k, H // K, axis=1), jnp.repeat(v, H // K, axis=1)  # repeat_kv: query head n reads kv head n // (H/K)
+        # repeat_kv: query head n reads kv head n // (H/K)
+        k, v = jnp.repeat(k, H // K, axis=1), jnp.repeat(v, H // K, axis=1)
         scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(Dh)
         scores = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores, -jnp.inf)
         attended = (jax.nn.softmax(scores, -1) @ v).transpose(0, 2, 1, 3).reshape(B, T, H * Dh)
         x = x + attended @ w[p + "self_attn.o_proj.weight"].T
         h = rms(x, w[p + "post_attention_layernorm.weight"])
-        x = x + (jax.nn.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+        gated = jax.nn.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)
+        x = x + gated @ w[p + "mlp.down_proj.weight"].T
     return np.asarray(rms(x, w["model.norm.weight"]) @ w["lm_head.weight"].T)
 
 
@@ -156,8 +159,10 @@ def test_hf_safetensors_logits_equal_plain_jax(name, checkpoint, monkeypatch):
         ups = [i for n, i in SpyReads.reads if n == "model.layers.0.mlp.up_proj.weight"]
         assert {(s[0].start, s[0].stop) for s in ups} == {(0, 12), (12, 24)}, ups
     else:  # layers over stage: each device read only its own layer
-        assert sum(n.startswith("model.layers.0.") for n, _ in SpyReads.reads) == 4 * 9  # 4 devices of stage 0, 9 tensors
-        downs = [i for n, i in SpyReads.reads if n == "model.layers.1.mlp.down_proj.weight"]  # [d_model, d_ff]: its rows split
+        # 4 devices of stage 0, 9 tensors
+        assert sum(n.startswith("model.layers.0.") for n, _ in SpyReads.reads) == 4 * 9
+        # down_proj is [d_model, d_ff]: its rows split over model
+        downs = [i for n, i in SpyReads.reads if n == "model.layers.1.mlp.down_proj.weight"]
         assert {(s[0].start, s[0].stop) for s in downs} == {(0, 8), (8, 16)}, downs
 
 
@@ -168,11 +173,13 @@ def test_loading_converts_bf16(tmp_path):
     weights = {k: v.astype(ml_dtypes.bfloat16) for k, v in hf_weights(CONFIG).items()}
     save_file(weights, str(tmp_path / "bf16.safetensors"))
     model = llama.Model(CONFIG)
-    params = md.checkpoint.load_safetensors(tmp_path / "bf16.safetensors", like=jax.eval_shape(model.init, jax.random.key(0)),
-                                            names=model.hf_names(), mesh=md.Mesh({"x": 1}))
+    like = jax.eval_shape(model.init, jax.random.key(0))
+    params = md.checkpoint.load_safetensors(tmp_path / "bf16.safetensors", like=like, names=model.hf_names(),
+                                            mesh=md.Mesh({"x": 1}))
     assert params["embed"].dtype == jnp.float32
     np.testing.assert_array_equal(params["embed"].numpy(), weights["model.embed_tokens.weight"].astype(np.float32))
-    np.testing.assert_array_equal(params["layers"]["w_in"].numpy()[1], weights["model.layers.1.mlp.up_proj.weight"].astype(np.float32).T)
+    up = weights["model.layers.1.mlp.up_proj.weight"].astype(np.float32)
+    np.testing.assert_array_equal(params["layers"]["w_in"].numpy()[1], up.T)
 
 
 def test_loader_mistakes_are_named(tmp_path, checkpoint):
@@ -186,7 +193,8 @@ def test_loader_mistakes_are_named(tmp_path, checkpoint):
 
     with pytest.raises(md.DataError, match="no safetensors file at .*missing.safetensors"):
         load(tmp_path / "missing.safetensors")
-    save_file({k: v for k, v in weights.items() if k != "model.layers.1.mlp.up_proj.weight"}, str(tmp_path / "short.safetensors"))
+    short = {k: v for k, v in weights.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    save_file(short, str(tmp_path / "short.safetensors"))
     with pytest.raises(md.DataError, match=r"has no tensor 'model.layers.1.mlp.up_proj.weight' \(for layers/w_in\)"):
         load(tmp_path / "short.safetensors")
     save_file({**weights, "lm_head.weight": weights["lm_head.weight"].T.copy()}, str(tmp_path / "wrong.safetensors"))

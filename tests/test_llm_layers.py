@@ -51,8 +51,8 @@ def ops(y, z):
             "map": md.map(lambda a, b: a * jnp.cos(b) + 1.0, y, z)}
 
 
-def program(y, z, x, pad, scale, wq, wkv, wo, w_gate, w_in, w_out, table, wqkv, bqkv, wo2, bo2, g_gate, gb_gate, g_in, gb_in,
-            g_out, gb_out, mq, mk, mv):
+def program(y, z, x, pad, scale, wq, wkv, wo, w_gate, w_in, w_out, table, wqkv, bqkv, wo2, bo2,
+            g_gate, gb_gate, g_in, gb_in, g_out, gb_out, mq, mk, mv):
     h = x + GQA({"wq": wq, "wkv": wkv, "wo": wo}, RMS(scale, x))
     h = h + SWIGLU({"w_gate": w_gate, "w_in": w_in, "w_out": w_out}, RMS(scale, h))
     g = POS(table, x)
@@ -108,15 +108,16 @@ def ref_ops(y, z):
             "silu": silu(y), "swish": silu(z), "map": y * R.lift(lambda xp, a: xp.cos(a))(z) + 1.0}
 
 
-def ref_program(y, z, x, pad, scale, wq, wkv, wo, w_gate, w_in, w_out, table, wqkv, bqkv, wo2, bo2, g_gate, gb_gate, g_in,
-                gb_in, g_out, gb_out, mq, mk, mv):
+def ref_program(y, z, x, pad, scale, wq, wkv, wo, w_gate, w_in, w_out, table, wqkv, bqkv, wo2, bo2,
+                g_gate, gb_gate, g_in, gb_in, g_out, gb_out, mq, mk, mv):
     n = ref_rms(x, scale)
     q = ref_rotary(R.einsum("batch kv_heads heads length d_kv", n, wq), False)
     k, v = R.unstack(R.einsum("kv batch kv_heads length d_kv", n, wkv), "kv")
     k, v = R.rename(ref_rotary(k, False), "length", "memory"), R.rename(v, "length", "memory")
     h = x + R.einsum("batch length d_model", ref_attend(q, k, v, ["kv_heads", "heads"], causal()), wo)
     n = ref_rms(h, scale)
-    h = h + R.einsum("batch length d_model", silu(R.einsum("batch length d_ff", n, w_gate)) * R.einsum("batch length d_ff", n, w_in), w_out)
+    gated = silu(R.einsum("batch length d_ff", n, w_gate)) * R.einsum("batch length d_ff", n, w_in)
+    h = h + R.einsum("batch length d_model", gated, w_out)
 
     g = x + R.rename(table, "positions", "length")
     qkv = R.einsum("qkv batch heads length d_kv", g, wqkv) + bqkv
@@ -143,7 +144,8 @@ def _args() -> list[md.Tensor]:
     return [
         r({"batch": 4, "d_ff": 8}), r({"d_ff": 8, "d_model": 8}),
         r({"batch": 4, "length": 8, "d_model": 8}), md.tensor(pad, "batch memory"), r({"d_model": 8}) * 0.2 + 1.0,
-        r({"d_model": s["d_model"], "kv_heads": 2, "heads": 2, "d_kv": 8}, w), r({"d_model": 8, "kv": 2, "kv_heads": 2, "d_kv": 8}, w),
+        r({"d_model": s["d_model"], "kv_heads": 2, "heads": 2, "d_kv": 8}, w),
+        r({"d_model": 8, "kv": 2, "kv_heads": 2, "d_kv": 8}, w),
         r({"kv_heads": 2, "heads": 2, "d_kv": 8, "d_model": 8}, w),
         r({"d_model": 8, "d_ff": 8}, w), r({"d_model": 8, "d_ff": 8}, w), r({"d_ff": 8, "d_model": 8}, w),
         r({"positions": 8, "d_model": 8}, 0.3),
@@ -151,7 +153,8 @@ def _args() -> list[md.Tensor]:
         r({"heads": 2, "d_kv": 8, "d_model": 8}, w), r({"d_model": 8}, 0.1),
         r({"d_model": 8, "d_ff": 8}, w), r({"d_ff": 8}, 0.1), r({"d_model": 8, "d_ff": 8}, w), r({"d_ff": 8}, 0.1),
         r({"d_ff": 8, "d_model": 8}, w), r({"d_model": 8}, 0.1),
-        r({"batch": 4, "one_kv": 1, "heads": 2, "length": 8, "d_kv": 8}), r({"batch": 4, "one_kv": 1, "memory": 8, "d_kv": 8}),
+        r({"batch": 4, "one_kv": 1, "heads": 2, "length": 8, "d_kv": 8}),
+        r({"batch": 4, "one_kv": 1, "memory": 8, "d_kv": 8}),
         r({"batch": 4, "one_kv": 1, "memory": 8, "d_kv": 8}),
     ]
 
@@ -188,12 +191,15 @@ def test_grouped_query_attention_runs_the_fused_kernel_with_fewer_kv_heads(monke
     monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
     args = _args()[-3:]
     q = md.concat([args[0]] * 4, "heads")  # [batch, one_kv=1, heads=8, length, d_kv]
-    fn = lambda q, k, v: md.nn.dot_product_attention(q, k, v, heads="one_kv", causal=True, implementation="xla")  # noqa: E731
+    def fn(q, k, v):
+        return md.nn.dot_product_attention(q, k, v, heads="one_kv", causal=True, implementation="xla")
+
     assert md.explain(fn, harness.mesh("data4_model2"), "batch:data; heads:model", q, *args[1:]).summary() == {}
     assert ((1, 8, 4, 8), (1, 8, 1, 8), "xla") in seen  # [B, T, N, H]: 4 of the 8 query heads, the one kv head
     seen.clear()
     kv = lambda x: md.concat([x] * 2, "one_kv")  # noqa: E731  (2 kv heads, split over model)
-    md.explain(fn, harness.mesh("data4_model2"), "batch:data; one_kv:model", md.concat([q] * 2, "one_kv"), kv(args[1]), kv(args[2]))
+    rules = "batch:data; one_kv:model"
+    md.explain(fn, harness.mesh("data4_model2"), rules, md.concat([q] * 2, "one_kv"), kv(args[1]), kv(args[2]))
     assert ((1, 8, 8, 8), (1, 8, 1, 8), "xla") in seen
 
 

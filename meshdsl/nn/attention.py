@@ -122,10 +122,12 @@ class MultiHeadAttention:
         length = x.shape[self.length]
         # Dims ordered as the matmuls want them (heads before length): no transposes between them.
         if self.kv_heads is None:
-            q, k, v = unstack(self._project(params["wqkv"], x, [Dim(self.fused, 3), *batch, self.heads, length, self.d_kv]), self.fused)
+            qkv = self._project(params["wqkv"], x, [Dim(self.fused, 3), *batch, self.heads, length, self.d_kv])
+            q, k, v = unstack(qkv, self.fused)
         else:
             q = self._project(params["wq"], x, [*batch, *self.query_heads, length, self.d_kv])
-            k, v = unstack(self._project(params["wkv"], x, [Dim(self.fused_kv, 2), *batch, self.kv_heads, length, self.d_kv]), self.fused_kv)
+            kv = self._project(params["wkv"], x, [Dim(self.fused_kv, 2), *batch, self.kv_heads, length, self.d_kv])
+            k, v = unstack(kv, self.fused_kv)
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         k, v = rename(k, self.length, self.memory), rename(v, self.length, self.memory)

@@ -61,8 +61,10 @@ def _name(d: DimLike) -> str:
     return d if isinstance(d, str) else d.name
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, h: str, t: str, s: str, d: str, mask: Tensor | None) -> tuple[list[str], list[str]]:
-    """The batch dims and the query-group dims (each in ``q``'s order); ShapeError when the operands do not fit together."""
+def _check(
+    q: Tensor, k: Tensor, v: Tensor, h: str, t: str, s: str, d: str, mask: Tensor | None
+) -> tuple[list[str], list[str]]:
+    """The batch dims and the query-group dims, in ``q``'s order; ShapeError when the operands do not fit together."""
     if t == s:
         raise ShapeError(f"dot_product_attention: the query length and memory dims need distinct names, got {t!r} twice")
     for x, role, need in ((q, "query", (h, t, d)), (k, "key", (h, s, d)), (v, "value", (h, s, d))):
@@ -74,8 +76,9 @@ def _check(q: Tensor, k: Tensor, v: Tensor, h: str, t: str, s: str, d: str, mask
     batch = [n for n in q.names if n not in (h, t, d) and n in k.shape]
     groups = [n for n in q.names if n not in (h, t, d) and n not in k.shape]
     if {x for x in q.shape if x.name in batch} | {q.shape[h], q.shape[d]} != {x for x in k.shape if x.name != s}:
-        raise ShapeError(f"dot_product_attention: queries {q.shape} and keys {k.shape} differ in dims other than {t} and {s}"
-                         f"{' (and the query groups ' + str(groups) + ')' if groups else ''}")
+        also = f" (and the query groups {groups})" if groups else ""
+        raise ShapeError(f"dot_product_attention: queries {q.shape} and keys {k.shape} "
+                         f"differ in dims other than {t} and {s}{also}")
     if mask is not None:
         allowed = {*batch, *groups, h, t, s}
         if mask.dtype != jnp.bool_ or not set(mask.names) <= allowed:
@@ -150,7 +153,9 @@ def _as(x: Tensor, dtype: Any) -> Tensor:
     return x if x.dtype == dtype else elementwise.cast(x, dtype)
 
 
-def _einsum_attention(q: Tensor, k: Tensor, v: Tensor, others: list[str], t: str, s: str, causal: bool, mask: Tensor | None, scale: float) -> Tensor:
+def _einsum_attention(
+    q: Tensor, k: Tensor, v: Tensor, others: list[str], t: str, s: str, causal: bool, mask: Tensor | None, scale: float
+) -> Tensor:
     """The same attention in md ops, for a split ``memory`` (``others``: the batch, head and group dims)."""
     logits_dtype = jnp.promote_types(q.dtype, jnp.float32)
     scores = _as(einsum(q, k, out=[*others, t, s]), logits_dtype) * scale

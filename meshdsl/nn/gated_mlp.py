@@ -34,7 +34,8 @@ class GatedMLP:
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", as_dims(self.inputs, "GatedMLP inputs"))
         object.__setattr__(self, "hidden", as_dims(self.hidden, "GatedMLP hidden"))
-        object.__setattr__(self, "outputs", self.inputs if self.outputs is None else as_dims(self.outputs, "GatedMLP outputs"))
+        outputs = self.inputs if self.outputs is None else as_dims(self.outputs, "GatedMLP outputs")
+        object.__setattr__(self, "outputs", outputs)
 
     @property
     def input_projection(self) -> Linear:

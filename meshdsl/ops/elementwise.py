@@ -180,7 +180,8 @@ def map(fn: Callable[..., jax.Array], *operands: Any) -> Tensor:  # noqa: A001  
         result = jnp.asarray(fn(*arrays))
         want = jnp.broadcast_shapes(*(jnp.shape(a) for a in arrays))
         if result.shape != want:
-            raise ShapeError(f"map: {label} turned blocks of shape {want} into {result.shape}; it must work element by element")
+            raise ShapeError(f"map: {label} turned blocks of shape {want} into {result.shape}; "
+                             "it must work element by element")
         return result
 
     return _map("map", checked, *operands)
@@ -213,7 +214,8 @@ def stop_gradient(x: Tensor) -> Tensor:
 
 __all__ = [
     "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "softplus", "log_sigmoid", "relu", "gelu", "square", "abs", "negative",
-    "logical_not", "sin", "cos", "erf", "silu", "swish", "map", "add", "subtract", "multiply", "divide", "power", "mod", "maximum", "minimum", "equal",
+    "logical_not", "sin", "cos", "erf", "silu", "swish", "map",
+    "add", "subtract", "multiply", "divide", "power", "mod", "maximum", "minimum", "equal",
     "not_equal", "less", "less_equal", "greater", "greater_equal", "logical_and", "logical_or", "cast",
     "where", "stop_gradient", "broadcast_shape", "align",
 ]
