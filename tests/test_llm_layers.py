@@ -221,3 +221,36 @@ def test_layer_mistakes_are_named():
         q = md.zeros([dim("batch"), dim("kv_heads"), dim("heads"), dim("length"), dim("d_kv")])
         k = md.zeros([dim("batch"), D("kv_heads", 3), D("memory", 8), dim("d_kv")])
         md.nn.dot_product_attention(q, k, k, heads="kv_heads")
+
+
+def test_rotary_offset_and_positions_on_global_arrays():
+    """Rotating the last 5 of 8 positions with ``offset=3`` or ``positions=3..7`` is the same as
+    rotating all 8 and keeping the last 5; both conventions equal the reference."""
+    x = _args()[2]  # [batch, length=8, d_model=8]: d_model as the depth here
+    rope = {flag: md.nn.Rotary(dim("d_model"), theta=THETA, interleaved=flag) for flag in (False, True)}
+    tail = md.slice(x, 3, 5, "length")
+    positions = md.range(D("length", 5)) + 3
+    for interleaved, layer in rope.items():
+        whole = layer(x).numpy()
+        want = ref_rotary(Named(x.numpy().astype(np.float64), ("batch", "length", "d_kv")), interleaved).array
+        harness.assert_values_close(whole, want, 1e-5, f"interleaved={interleaved}")
+        harness.assert_values_close(layer(tail, offset=3).numpy(), whole[:, 3:], 1e-6, "offset")
+        harness.assert_values_close(layer(tail, positions=positions).numpy(), whole[:, 3:], 1e-6, "positions")
+
+
+def test_grouped_query_mask_over_query_groups():
+    """A mask over the query group (and batch, memory) on the fused path equals the reference."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((2, 2, 3, 4, 8)).astype(np.float32)  # [batch, kv_heads, heads, length, d_kv]
+    k, v = (rng.standard_normal((2, 2, 6, 8)).astype(np.float32) for _ in range(2))  # [batch, kv_heads, memory, d_kv]
+    mask = rng.random((2, 3, 6)) < 0.7
+    mask[..., 0] = True  # every query sees something
+    kv = "batch kv_heads memory d_kv"
+    queries = md.tensor(q, "batch kv_heads heads length d_kv")
+    got = md.nn.dot_product_attention(queries, md.tensor(k, kv), md.tensor(v, kv), heads="kv_heads",
+                                      mask=md.tensor(mask, "batch heads memory"))
+    scores = np.einsum("bkgtd,bksd->bkgts", q, k) / np.sqrt(8)
+    scores = np.where(mask[:, None, :, None, :], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    want = np.einsum("bkgts,bksd->bkgtd", probs / probs.sum(-1, keepdims=True), v)
+    harness.assert_values_close(got.numpy(), want, 1e-5, "grouped-query attention with a group mask")
