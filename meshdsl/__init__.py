@@ -17,10 +17,11 @@ from meshdsl.ops.concat import concat, pad, slice, split, stack, unstack
 from meshdsl.ops.creation import full, ones, zeros
 from meshdsl.ops.einsum import einsum
 from meshdsl.ops.elementwise import (
-    abs, add, cast, divide, equal, exp, gelu, greater, greater_equal, less, less_equal, log, logical_and,
+    abs, add, cast, cos, divide, equal, erf, exp, gelu, greater, greater_equal, less, less_equal, log, logical_and,
     log_sigmoid, logical_not, logical_or, maximum, minimum, mod, multiply, negative, not_equal, power, relu, rsqrt,
-    sigmoid, softplus, sqrt, square, stop_gradient, subtract, tanh, where,
+    sigmoid, silu, sin, softplus, sqrt, square, stop_gradient, subtract, swish, tanh, where,
 )
+from meshdsl.ops.elementwise import map  # noqa: A004  (md.map, as Python's)
 from meshdsl.ops.indexing import argmax, cumsum, gather, one_hot, range, shift, take_along, top_k
 from meshdsl.ops.reduction import log_softmax, logsumexp, reduce_max, reduce_mean, reduce_min, reduce_sum, softmax
 from meshdsl.ops.scan import scan
@@ -39,8 +40,9 @@ __all__ = [
     "compile",
     "Compiled",
     "concat",
-    "conv2d",
     "ConfigError",
+    "conv2d",
+    "cos",
     "cumsum",
     "DataError",
     "Dim",
@@ -48,6 +50,7 @@ __all__ = [
     "dropout",
     "einsum",
     "equal",
+    "erf",
     "exp",
     "explain",
     "full",
@@ -66,6 +69,7 @@ __all__ = [
     "logical_not",
     "logical_or",
     "logsumexp",
+    "map",
     "maximum",
     "Mesh",
     "MeshDslError",
@@ -98,6 +102,8 @@ __all__ = [
     "ShapeError",
     "shift",
     "sigmoid",
+    "silu",
+    "sin",
     "slice",
     "softmax",
     "softplus",
@@ -107,6 +113,7 @@ __all__ = [
     "stack",
     "stop_gradient",
     "subtract",
+    "swish",
     "take_along",
     "tanh",
     "Tensor",

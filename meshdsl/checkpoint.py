@@ -468,3 +468,6 @@ def _prune(path: Path) -> None:
     os.replace(path, tomb)
     _fsync(path.parent)
     shutil.rmtree(tomb)
+
+
+from meshdsl.safetensors_io import Source, load_safetensors  # noqa: E402  (md.checkpoint's reader of other formats)

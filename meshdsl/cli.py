@@ -45,8 +45,8 @@ def simulate_devices(count: int | None) -> None:
     jax.config.update("jax_num_cpu_devices", count or 8)
 
 
-MODEL_HELP = "a shipped model (mlp, transformer, moe, convnet), a Python file (path/to/my_model.py) or an importable module (mypkg.my_model)"
-PRESET_HELP = "a preset of the model's Config.PRESETS (the shipped models: tiny, small, 1b)"
+MODEL_HELP = "a shipped model (mlp, transformer, moe, convnet, llama), a Python file (path/to/my_model.py) or an importable module (mypkg.my_model)"
+PRESET_HELP = "a preset of the model's Config.PRESETS (the shipped models: tiny, small, 1b; llama also 8b)"
 SET_HELP = "override a field of the model's Config, e.g. --set layers=32 (repeatable)"
 
 

@@ -5,5 +5,5 @@ shipped or the user's (see :mod:`meshdsl.model_loader`, which loads them all). A
 layout-free: the same code runs under every layout.
 """
 
-NAMES = ("mlp", "transformer", "moe", "convnet")
+NAMES = ("mlp", "transformer", "moe", "convnet", "llama")
 """The shipped models, by the name ``--model`` takes."""

@@ -14,10 +14,13 @@ from meshdsl.nn.attention_core import dot_product_attention
 from meshdsl.nn.conv import Conv2d
 from meshdsl.nn.dropout import dropout
 from meshdsl.nn.embedding import Embedding
+from meshdsl.nn.gated_mlp import GatedMLP
 from meshdsl.nn.linear import Linear
 from meshdsl.nn.mlp import MLP
 from meshdsl.nn.moe import MoE
 from meshdsl.nn.normalization import LayerNorm, RMSNorm
+from meshdsl.nn.position import PositionEmbedding
+from meshdsl.nn.rotary import Rotary
 from meshdsl.ops.pool import avg_pool, max_pool
 
 __all__ = [
@@ -26,11 +29,14 @@ __all__ = [
     "dot_product_attention",
     "dropout",
     "Embedding",
+    "GatedMLP",
     "LayerNorm",
     "Linear",
     "max_pool",
     "MLP",
     "MoE",
     "MultiHeadAttention",
+    "PositionEmbedding",
     "RMSNorm",
+    "Rotary",
 ]

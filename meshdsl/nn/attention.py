@@ -1,4 +1,5 @@
-"""``MultiHeadAttention``: self-attention with one fused query/key/value projection."""
+"""``MultiHeadAttention``: self-attention with one fused query/key/value projection (or a query and a fused
+key/value projection for grouped-query attention), optional biases and rotary position embeddings."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from meshdsl.errors import ShapeError
 from meshdsl.nn.attention_core import dot_product_attention
 from meshdsl.nn.linear import Linear
 from meshdsl.nn.params import Stack, cast_like, check_has
+from meshdsl.nn.rotary import Rotary
 from meshdsl.ops.concat import unstack
 from meshdsl.ops.einsum import einsum
 from meshdsl.ops.reshape import rename
@@ -29,12 +31,23 @@ class MultiHeadAttention:
     ``wo[heads, d_kv, model]`` projects back. Splitting ``heads`` is Megatron's attention: the
     projections and the attention are local and the output projection leaves one pending ``psum``.
 
+    ``kv_heads`` (a Dim): grouped-query attention (multi-query at size 1). ``heads`` is then the
+    query heads *of each* key/value head (the group; ``kv_heads.size * heads.size`` query heads in
+    all): ``wq[model, kv_heads, heads, d_kv]`` makes queries ``[*batch, kv_heads, heads, length,
+    d_kv]`` and ``wkv[model, kv, kv_heads, d_kv]`` keys and values ``[*batch, kv_heads, length,
+    d_kv]``; ``wo[kv_heads, heads, d_kv, model]``. Query head ``k * heads.size + g`` is Hugging
+    Face's ``q_proj`` head of that number. Splitting ``kv_heads`` (or ``heads``) is Megatron's.
+
+    ``bias``: biases on the projections (GPT-2): the projection params become ``Linear``'s
+    ``{"kernel", "bias"}``. ``rotary``: an ``md.nn.Rotary`` over ``d_kv``, applied to the queries
+    and keys before the attention (its ``length`` must be this layer's).
+
     ``causal``: position ``i`` attends to positions ``<= i``. ``__call__``'s ``mask``: a boolean
     tensor over some of ``batch``, ``heads``, ``length``, ``memory`` (True: attend), e.g. a padding
     mask ``[batch, memory]``. ``implementation``: see ``jax.nn.dot_product_attention``.
 
-    Params: ``{"wqkv": qkv_projection's, "wo": output_projection's}`` (``Linear`` weights, LeCun
-    normal).
+    Params: ``{"wqkv": qkv_projection's, "wo": output_projection's}``, or with ``kv_heads``
+    ``{"wq", "wkv", "wo"}`` (``Linear`` weights, LeCun normal; with ``bias``, ``{"kernel", "bias"}``).
     """
 
     model: Dim
@@ -44,39 +57,82 @@ class MultiHeadAttention:
     length: str = "length"
     memory: str = "memory"
     fused: str = "qkv"
+    fused_kv: str = "kv"
     causal: bool = False
     implementation: str | None = None
+    kv_heads: Dim | None = None
+    bias: bool = False
+    rotary: Rotary | None = None
 
     def __post_init__(self) -> None:
-        names = [self.model.name, self.heads.name, self.d_kv.name, self.length, self.memory, self.fused]
+        names = [self.model.name, self.heads.name, self.d_kv.name, self.length, self.memory]
+        names += [self.fused] if self.kv_heads is None else [self.fused_kv, self.kv_heads.name]
         if len(set(names)) != len(names):
             raise ShapeError(f"MultiHeadAttention: dim names {names} must be distinct")
+        if self.kv_heads is not None and not isinstance(self.kv_heads, Dim):
+            raise ShapeError(f"MultiHeadAttention: kv_heads must be an md.Dim, got {self.kv_heads!r}")
+        if self.rotary is not None and (self.rotary.depth != self.d_kv or self.rotary.length != self.length):
+            raise ShapeError(f"MultiHeadAttention: rotary over {self.rotary.depth} and {self.rotary.length!r} "
+                             f"must be over this layer's d_kv {self.d_kv} and length {self.length!r}")
+
+    @property
+    def query_heads(self) -> list[Dim]:
+        """The head dims of the queries: ``[heads]``, or ``[kv_heads, heads]`` (grouped-query)."""
+        return [self.heads] if self.kv_heads is None else [self.kv_heads, self.heads]
 
     @property
     def qkv_projection(self) -> Linear:
-        """``model -> [qkv, heads, d_kv]``."""
-        return Linear(self.model, [Dim(self.fused, 3), self.heads, self.d_kv])
+        """``model -> [qkv, heads, d_kv]`` (without ``kv_heads``)."""
+        return Linear(self.model, [Dim(self.fused, 3), self.heads, self.d_kv], bias=self.bias)
+
+    @property
+    def query_projection(self) -> Linear:
+        """``model -> [kv_heads, heads, d_kv]`` (with ``kv_heads``)."""
+        return Linear(self.model, [*self.query_heads, self.d_kv], bias=self.bias)
+
+    @property
+    def kv_projection(self) -> Linear:
+        """``model -> [kv, kv_heads, d_kv]`` (with ``kv_heads``)."""
+        return Linear(self.model, [Dim(self.fused_kv, 2), self.kv_heads, self.d_kv], bias=self.bias)
 
     @property
     def output_projection(self) -> Linear:
-        """``[heads, d_kv] -> model``."""
-        return Linear([self.heads, self.d_kv], self.model)
+        """``[heads, d_kv] -> model`` (``[kv_heads, heads, d_kv]`` with ``kv_heads``)."""
+        return Linear([*self.query_heads, self.d_kv], self.model, bias=self.bias)
 
-    def init(self, key: jax.Array, stack: Stack = ()) -> dict[str, Tensor]:
-        k_qkv, k_out = jax.random.split(key)
-        return {"wqkv": self.qkv_projection.init(k_qkv, stack), "wo": self.output_projection.init(k_out, stack)}
+    def init(self, key: jax.Array, stack: Stack = ()) -> dict[str, Any]:
+        if self.kv_heads is None:
+            k_qkv, k_out = jax.random.split(key)
+            return {"wqkv": self.qkv_projection.init(k_qkv, stack), "wo": self.output_projection.init(k_out, stack)}
+        k_q, k_kv, k_out = jax.random.split(key, 3)
+        return {"wq": self.query_projection.init(k_q, stack), "wkv": self.kv_projection.init(k_kv, stack),
+                "wo": self.output_projection.init(k_out, stack)}
+
+    def _project(self, params: Any, x: Tensor, out: list[Dim]) -> Tensor:
+        """``x`` through a projection's weight (and bias), with dims ordered ``out``."""
+        w = params["kernel"] if self.bias else params
+        y = einsum(x, cast_like(w, x), out=out)
+        return y + cast_like(params["bias"], x) if self.bias else y
 
     def __call__(self, params: dict[str, Any], x: Tensor, *, mask: Tensor | None = None) -> Tensor:
         check_has("MultiHeadAttention", x, [self.model], "model")
         if self.length not in x.shape:
             raise ShapeError(f"MultiHeadAttention: input {x.shape} has no length dim {self.length!r}")
         batch = [d for d in x.shape if d.name not in (self.length, self.model.name)]
+        length = x.shape[self.length]
         # Dims ordered as the matmuls want them (heads before length): no transposes between them.
-        out = [Dim(self.fused, 3), *batch, self.heads, x.shape[self.length], self.d_kv]
-        q, k, v = unstack(einsum(x, cast_like(params["wqkv"], x), out=out), self.fused)
+        if self.kv_heads is None:
+            qkv = self._project(params["wqkv"], x, [Dim(self.fused, 3), *batch, self.heads, length, self.d_kv])
+            q, k, v = unstack(qkv, self.fused)
+        else:
+            q = self._project(params["wq"], x, [*batch, *self.query_heads, length, self.d_kv])
+            kv = self._project(params["wkv"], x, [Dim(self.fused_kv, 2), *batch, self.kv_heads, length, self.d_kv])
+            k, v = unstack(kv, self.fused_kv)
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
         k, v = rename(k, self.length, self.memory), rename(v, self.length, self.memory)
         attended = dot_product_attention(
-            q, k, v, heads=self.heads, length=self.length, memory=self.memory, depth=self.d_kv,
+            q, k, v, heads=self.query_heads[0], length=self.length, memory=self.memory, depth=self.d_kv,
             causal=self.causal, mask=mask, implementation=self.implementation,
         )
         return self.output_projection(params["wo"], attended)

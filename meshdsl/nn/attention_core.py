@@ -3,6 +3,13 @@
 Queries ``q[*batch, heads, length, d_kv]`` (any order), keys and values ``[*batch, heads, memory,
 d_kv]``; the result has ``q``'s shape. ``batch`` is every other dim, shared by all three.
 
+Grouped-query and multi-query attention (Ainslie et al., 2023; Shazeer, 2019): a dim of the
+queries that the keys lack (``q[batch, kv_heads, group, length, d_kv]`` with ``heads="kv_heads"``)
+is a group of query heads sharing one key/value head (``kv_heads`` of size 1: multi-query). The
+kernel gets the ``heads`` and group dims flattened into its head axis, key/value head major
+(query head ``n`` reads key/value head ``n // group``), which ``jax.nn.dot_product_attention``
+takes with fewer key/value heads than query heads: the fused call, whichever of the two is split.
+
 Where the keys' ``memory`` dim is whole on every device, each device runs
 ``jax.nn.dot_product_attention`` on its local blocks, laid out as it wants them (``[B, T, N, H]``:
 the batch dims flattened, then query length, heads, depth), with no communication:
@@ -30,6 +37,7 @@ over some of ``batch``, ``heads``, ``length``, ``memory`` (True: attend; a paddi
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -53,8 +61,10 @@ def _name(d: DimLike) -> str:
     return d if isinstance(d, str) else d.name
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, h: str, t: str, s: str, d: str, mask: Tensor | None) -> list[str]:
-    """The batch dims (in ``q``'s order); ShapeError when the operands do not fit together."""
+def _check(
+    q: Tensor, k: Tensor, v: Tensor, h: str, t: str, s: str, d: str, mask: Tensor | None
+) -> tuple[list[str], list[str]]:
+    """The batch dims and the query-group dims, in ``q``'s order; ShapeError when the operands do not fit together."""
     if t == s:
         raise ShapeError(f"dot_product_attention: the query length and memory dims need distinct names, got {t!r} twice")
     for x, role, need in ((q, "query", (h, t, d)), (k, "key", (h, s, d)), (v, "value", (h, s, d))):
@@ -63,14 +73,17 @@ def _check(q: Tensor, k: Tensor, v: Tensor, h: str, t: str, s: str, d: str, mask
             raise ShapeError(f"dot_product_attention: {role} {x.shape} lacks dims {missing}")
     if set(k.shape) != set(v.shape):
         raise ShapeError(f"dot_product_attention: keys {k.shape} and values {v.shape} must have the same dims")
-    batch = [n for n in q.names if n not in (h, t, d)]
+    batch = [n for n in q.names if n not in (h, t, d) and n in k.shape]
+    groups = [n for n in q.names if n not in (h, t, d) and n not in k.shape]
     if {x for x in q.shape if x.name in batch} | {q.shape[h], q.shape[d]} != {x for x in k.shape if x.name != s}:
-        raise ShapeError(f"dot_product_attention: queries {q.shape} and keys {k.shape} differ in dims other than {t} and {s}")
+        also = f" (and the query groups {groups})" if groups else ""
+        raise ShapeError(f"dot_product_attention: queries {q.shape} and keys {k.shape} "
+                         f"differ in dims other than {t} and {s}{also}")
     if mask is not None:
-        allowed = {*batch, h, t, s}
+        allowed = {*batch, *groups, h, t, s}
         if mask.dtype != jnp.bool_ or not set(mask.names) <= allowed:
             raise ShapeError(f"dot_product_attention: mask {mask.shape} ({mask.dtype}) must be boolean over dims of {sorted(allowed)}")
-    return batch
+    return batch, groups
 
 
 @op("dot_product_attention")
@@ -94,39 +107,44 @@ def dot_product_attention(
     ``jax.nn.dot_product_attention`` (None, "xla" or "cudnn").
     """
     h, t, s, d = map(_name, (heads, length, memory, depth))
-    batch = _check(q, k, v, h, t, s, d, mask)
+    batch, groups = _check(q, k, v, h, t, s, d, mask)
     scale = q.shape[d].size ** -0.5 if scale is None else scale
     lowering = current()
     own = dict(zip(k.names, lowering.axes(k.shape)))
     if own[s]:
-        return _einsum_attention(q, k, v, batch, h, t, s, d, causal, mask, scale)
+        return _einsum_attention(q, k, v, [*batch, h, *groups], t, s, causal, mask, scale)
     own.update(zip(q.names, lowering.axes(q.shape)))
     own[d] = ()
 
-    def local(x: Tensor, position: str, others: list[Tensor]) -> jax.Array:
-        """``x``'s local block as ``[B, position, heads, d_kv]``."""
+    def local(x: Tensor, position: str, heads: list[str], others: list[Tensor]) -> jax.Array:
+        """``x``'s local block as ``[B, position, N, d_kv]``, ``N`` the ``heads`` dims flattened (kv head major)."""
         a = lowering.prepare(x, tuple(own[n] for n in x.names), beside=others)
-        a = jnp.transpose(a, [x.shape.index(n) for n in (*batch, position, h, d)])
-        return jnp.reshape(a, (-1, *a.shape[len(batch):]))
+        a = jnp.transpose(a, [x.shape.index(n) for n in (*batch, position, *heads, d)])
+        return jnp.reshape(a, (math.prod(a.shape[:len(batch)]), a.shape[len(batch)], -1, a.shape[-1]))
 
-    qa, ka, va = local(q, t, [k, v]), local(k, s, [q, v]), local(v, s, [q, k])
+    qa, ka, va = local(q, t, [h, *groups], [k, v]), local(k, s, [h], [q, v]), local(v, s, [h], [q, k])
     qa, ka, va = (lowering.vary_like(a, qa, ka, va) for a in (qa, ka, va))
-    local_batch = [q.shape[n].size // lowering.group_size(own[n]) for n in batch]
+    local_of = {n: q.shape[n].size // lowering.group_size(own[n]) for n in q.names}
+    local_batch = [local_of[n] for n in batch]
     rows, offset = lowering.shard(q.shape[t].size, own[t])
     allowed = None
     if mask is not None:
-        full = Shape([*(q.shape[n] for n in batch), q.shape[h], q.shape[t], k.shape[s]])
+        full = Shape([*(q.shape[n] for n in batch), q.shape[h], *(q.shape[n] for n in groups), q.shape[t], k.shape[s]])
         m = elementwise.align(lowering.prepare(mask, tuple(own[n] for n in mask.names)), mask.shape, full)
-        m = jnp.broadcast_to(m, (*local_batch, *m.shape[len(batch):]))
-        allowed = lowering.vary_like(jnp.reshape(m, (-1, *m.shape[len(batch):])), qa)
+        head_sizes = m.shape[len(batch):-2]
+        if math.prod(head_sizes) > 1:  # a mask over some of the head dims: over all of them, as the kernel's N
+            head_sizes = [local_of[n] for n in (h, *groups)]
+        m = jnp.broadcast_to(m, (*local_batch, *head_sizes, *m.shape[-2:]))
+        m = jnp.reshape(m, (math.prod(local_batch), math.prod(head_sizes), *m.shape[-2:]))  # [B, N or 1, T or 1, S]
+        allowed = lowering.vary_like(m, qa)
     whole_causal = causal and not own[t]  # JAX's is_causal: query i sees keys j <= i, from position 0
     if causal and own[t]:
         positions = (jnp.arange(rows) + offset)[:, None] >= jnp.arange(k.shape[s].size)[None, :]
         positions = lowering.vary_like(positions[None, None], qa)
         allowed = positions if allowed is None else jnp.logical_and(allowed, positions)
     out = jax.nn.dot_product_attention(qa, ka, va, mask=allowed, scale=scale, is_causal=whole_causal, implementation=implementation)
-    out = jnp.reshape(out, (*local_batch, *out.shape[1:]))
-    order = [*batch, t, h, d]
+    out = jnp.reshape(out, (*local_batch, out.shape[1], *(local_of[n] for n in (h, *groups)), out.shape[-1]))
+    order = [*batch, t, h, *groups, d]
     out = jnp.transpose(out, [order.index(n) for n in q.names])
     return lowering.finish(out, q.shape, tuple(own[n] for n in q.names))
 
@@ -135,10 +153,12 @@ def _as(x: Tensor, dtype: Any) -> Tensor:
     return x if x.dtype == dtype else elementwise.cast(x, dtype)
 
 
-def _einsum_attention(q: Tensor, k: Tensor, v: Tensor, batch: list[str], h: str, t: str, s: str, d: str, causal: bool, mask: Tensor | None, scale: float) -> Tensor:
-    """The same attention in md ops, for a split ``memory``."""
+def _einsum_attention(
+    q: Tensor, k: Tensor, v: Tensor, others: list[str], t: str, s: str, causal: bool, mask: Tensor | None, scale: float
+) -> Tensor:
+    """The same attention in md ops, for a split ``memory`` (``others``: the batch, head and group dims)."""
     logits_dtype = jnp.promote_types(q.dtype, jnp.float32)
-    scores = _as(einsum(q, k, out=[*batch, h, t, s]), logits_dtype) * scale
+    scores = _as(einsum(q, k, out=[*others, t, s]), logits_dtype) * scale
     allowed: Any = None
     if causal:
         allowed = md_range(q.shape[t]) >= md_range(k.shape[s])

@@ -11,6 +11,7 @@ those axes), so ``einsum(a, b) + einsum(c, d)`` over a split dim costs one ``psu
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -132,6 +133,25 @@ square = _unary("square", jnp.square, "x * x.")
 abs = _unary("abs", jnp.abs, "Absolute value.")  # noqa: A001  (md.abs, as numpy)
 negative = _unary("negative", jnp.negative, "-x.")
 logical_not = _unary("logical_not", jnp.logical_not, "Boolean not.")
+sin = _unary("sin", jnp.sin, "Sine (radians).")
+cos = _unary("cos", jnp.cos, "Cosine (radians).")
+@jax.custom_jvp
+def _erf(a: jax.Array) -> jax.Array:
+    """``lax.erf`` with its derivative written out: JAX 0.12's own derivative of erf builds constants
+    that ``shard_map``'s varying-axes check rejects ("Primitive polynomial requires varying manual
+    axes to match") inside the spmd lowering."""
+    return jax.lax.erf(a)
+
+
+@_erf.defjvp
+def _erf_jvp(primals: tuple, tangents: tuple) -> tuple:
+    (a,), (da,) = primals, tangents
+    return _erf(a), da * (2 / math.sqrt(math.pi)) * jnp.exp(-a * a)
+
+
+erf = _unary("erf", _erf, "The error function, 2 / sqrt(pi) * integral of exp(-t^2) from 0 to x.")
+silu = _unary("silu", jax.nn.silu, "x * sigmoid(x) (SiLU, also called swish): the gate of SwiGLU.")
+swish = silu
 
 add = _binary("add", jnp.add, "x + y, broadcast by name.")
 subtract = _binary("subtract", jnp.subtract, "x - y, broadcast by name.")
@@ -154,6 +174,32 @@ logical_or = _binary("logical_or", jnp.logical_or, "Boolean or.")
 def gelu(x: Tensor, approximate: bool = True) -> Tensor:
     """Gaussian error linear unit (tanh approximation by default, as Mesh-TF)."""
     return _map("gelu", lambda a: jax.nn.gelu(a, approximate=approximate), x)
+
+
+def map(fn: Callable[..., jax.Array], *operands: Any) -> Tensor:  # noqa: A001  (md.map, as Python's)
+    """``fn`` applied element by element to ``operands`` (md tensors and numbers), broadcast by name.
+
+    ``fn`` is any element-wise ``jnp`` function of as many arrays (``jnp.sin``, ``jax.nn.mish``,
+    ``lambda a, b: a * jnp.cos(b)``). It runs on each device's aligned blocks, as ``md.add`` does
+    (no communication when the operands share a layout); a pending sum is added first, since
+    ``fn`` need not be linear. The result has the union of the operands' dims. An ``fn`` whose
+    result is not the shape of its broadcast inputs is a ShapeError: it is not element-wise.
+    """
+    if not callable(fn):
+        raise ShapeError(f"map: the function to apply must be callable, got {describe(fn)}")
+    if not any(isinstance(x, Tensor) for x in operands):
+        raise ShapeError("map: at least one operand must be an md tensor")
+    label = getattr(fn, "__name__", "fn")
+
+    def checked(*arrays: Any) -> jax.Array:
+        result = jnp.asarray(fn(*arrays))
+        want = jnp.broadcast_shapes(*(jnp.shape(a) for a in arrays))
+        if result.shape != want:
+            raise ShapeError(f"map: {label} turned blocks of shape {want} into {result.shape}; "
+                             "it must work element by element")
+        return result
+
+    return _map("map", checked, *operands)
 
 
 def cast(x: Tensor, dtype: Any) -> Tensor:
@@ -183,7 +229,8 @@ def stop_gradient(x: Tensor) -> Tensor:
 
 __all__ = [
     "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "softplus", "log_sigmoid", "relu", "gelu", "square", "abs", "negative",
-    "logical_not", "add", "subtract", "multiply", "divide", "power", "mod", "maximum", "minimum", "equal",
+    "logical_not", "sin", "cos", "erf", "silu", "swish", "map",
+    "add", "subtract", "multiply", "divide", "power", "mod", "maximum", "minimum", "equal",
     "not_equal", "less", "less_equal", "greater", "greater_equal", "logical_and", "logical_or", "cast",
     "where", "stop_gradient", "broadcast_shape", "align",
 ]

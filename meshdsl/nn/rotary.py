@@ -1,0 +1,66 @@
+"""``Rotary``: rotary position embeddings (RoPE, Su et al., 2021), built inside the program from ``md.range``."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+from meshdsl.dims import Dim
+from meshdsl.errors import ShapeError
+from meshdsl.ops.concat import stack, unstack
+from meshdsl.ops.elementwise import cast, cos, exp, sin
+from meshdsl.ops.indexing import range as md_range
+from meshdsl.ops.reshape import reshape
+from meshdsl.tensor import Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Rotary:
+    """Rotates pairs of ``depth`` entries of ``x`` by angles ``position * theta ** (-2 i / depth)``.
+
+    Pair ``i`` (``i < depth / 2``) is ``(x[i], x[i + depth/2])`` in the rotate-half convention
+    (Hugging Face's LLaMA, GPT-NeoX) and ``(x[2i], x[2i + 1])`` with ``interleaved=True`` (Meta's
+    LLaMA, GPT-J). Positions are ``md.range`` of ``x``'s ``length`` dim (``0, 1, ...``; plus
+    ``offset``) unless ``positions`` (integer, over some of ``x``'s dims) is given; angles and
+    tables are made in float32 inside the program, and the result has ``x``'s dtype and shape.
+
+    The pairs are taken by ``md.reshape`` of ``depth`` into ``[{depth}_pair, {depth}_half]`` (or
+    the reverse): no layout rule names these, so under a split ``depth`` (``d_kv:model``) the
+    reshape gathers it and the way back splits it again; any other split stays local.
+    No parameters.
+    """
+
+    depth: Dim
+    _: dataclasses.KW_ONLY
+    theta: float = 10000.0
+    interleaved: bool = False
+    length: str = "length"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.depth, Dim) or self.depth.size % 2:
+            raise ShapeError(f"Rotary: depth must be an md.Dim of even size, got {self.depth!r}")
+        if not self.theta > 0:
+            raise ShapeError(f"Rotary: theta must be positive, got {self.theta}")
+
+    def __call__(self, x: Tensor, *, positions: Tensor | None = None, offset: int = 0) -> Tensor:
+        d = self.depth
+        if d.name not in x.shape or x.shape[d.name].size != d.size:
+            raise ShapeError(f"Rotary: input {x.shape} needs the depth dim {d}")
+        if positions is None:
+            if self.length not in x.shape:
+                raise ShapeError(f"Rotary: input {x.shape} has no length dim {self.length!r} (or pass positions=)")
+            positions = md_range(x.shape[self.length]) + offset
+        elif not jnp.issubdtype(positions.dtype, jnp.integer) or not set(positions.names) <= set(x.names):
+            raise ShapeError(f"Rotary: positions {positions.shape} must be integers over dims of the input {x.shape}")
+        pair, half = Dim(f"{d.name}_pair", 2), Dim(f"{d.name}_half", d.size // 2)
+        inverse = exp(cast(md_range(half), jnp.float32) * (-2.0 * math.log(self.theta) / d.size))
+        angles = cast(positions, jnp.float32) * inverse
+        c, s = cos(angles), sin(angles)
+        grouped = [half, pair] if self.interleaved else [pair, half]
+        at = x.shape.index(d.name)
+        shape = [*x.shape.dims[:at], *grouped, *x.shape.dims[at + 1:]]
+        first, second = unstack(cast(reshape(x, shape), jnp.float32), pair.name)
+        rotated = stack([first * c - second * s, second * c + first * s], pair.name, axis=shape.index(pair))
+        return cast(reshape(rotated, x.shape), x.dtype)
