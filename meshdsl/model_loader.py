@@ -101,8 +101,8 @@ def configure(config_class: type, preset: str, overrides: dict[str, Any], model:
     """``config_class`` at the preset ``preset`` with ``overrides``.
 
     ConfigError for an unknown preset (naming the presets), an unknown field (naming the fields),
-    or a value unlike the field's (its default, else the preset's value): integer fields (sizes,
-    counts) take integers of at least 1, float fields finite numbers of at least 0, other fields
+    or a value unlike the field's (its default, else the preset's value), in ``overrides`` or in the
+    preset itself: integer fields (sizes, counts) take integers of at least 1, float fields finite numbers of at least 0, other fields
     values of that value's type; and for a config that rejects the values (its ``__post_init__``).
     """
     presets = config_class.PRESETS
@@ -118,6 +118,10 @@ def configure(config_class: type, preset: str, overrides: dict[str, Any], model:
         reference = presets[preset].get(name, reference) if reference is dataclasses.MISSING else reference
         if reference is not dataclasses.MISSING:
             _check_field(model, name, value, reference)
+    for name, value in presets[preset].items():  # a preset's own sizes too: a 0 would train on empty tensors
+        reference = _default(fields[name]) if name in fields and name not in overrides else None
+        if reference is not None and reference is not dataclasses.MISSING:
+            _check_field(f"{model} preset {preset}", name, value, reference)
     try:
         return config_class(**values)
     except ConfigError:

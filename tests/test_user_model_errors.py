@@ -148,3 +148,13 @@ def test_a_good_model_through_the_loader_trains_like_the_raw_one(tmp_path: Path,
     x, w = np.asarray(batch["x"].array), np.asarray(params["w"].array)
     np.testing.assert_allclose(got, np.mean(np.square(x * w - x * x)), rtol=1e-6)
     assert model.config == module.Config()
+
+
+def test_a_preset_with_a_zero_size_is_refused(tmp_path: Path) -> None:
+    """A preset's own values are checked like --set's: a size of 0 would train on empty tensors, printing zeros."""
+    (tmp_path / "my_model.py").write_text(GOOD.replace('PRESETS = {"tiny": {}}', 'PRESETS = {"tiny": {"cols": 0}}'))
+    done = _meshdsl(tmp_path, "train", "--model", "my_model.py", "--preset", "tiny", "--steps", "1", "--layout", "batch:data")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip() == (
+        "meshdsl train: error: model my_model.py preset tiny: cols=0, but cols takes an integer of at least 1"
+    ), done.stderr

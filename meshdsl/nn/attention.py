@@ -11,7 +11,7 @@ from meshdsl.dims import Dim
 from meshdsl.errors import ShapeError
 from meshdsl.nn.attention_core import dot_product_attention
 from meshdsl.nn.linear import Linear
-from meshdsl.nn.params import Stack, cast_like, check_has
+from meshdsl.nn.params import Stack, cast_like, check_float, check_has, check_sizes
 from meshdsl.ops.concat import unstack
 from meshdsl.ops.einsum import einsum
 from meshdsl.ops.reshape import rename
@@ -48,6 +48,7 @@ class MultiHeadAttention:
     implementation: str | None = None
 
     def __post_init__(self) -> None:
+        check_sizes("MultiHeadAttention", [self.model, self.heads, self.d_kv])
         names = [self.model.name, self.heads.name, self.d_kv.name, self.length, self.memory, self.fused]
         if len(set(names)) != len(names):
             raise ShapeError(f"MultiHeadAttention: dim names {names} must be distinct")
@@ -67,6 +68,7 @@ class MultiHeadAttention:
         return {"wqkv": self.qkv_projection.init(k_qkv, stack), "wo": self.output_projection.init(k_out, stack)}
 
     def __call__(self, params: dict[str, Any], x: Tensor, *, mask: Tensor | None = None) -> Tensor:
+        check_float("MultiHeadAttention", x)
         check_has("MultiHeadAttention", x, [self.model], "model")
         if self.length not in x.shape:
             raise ShapeError(f"MultiHeadAttention: input {x.shape} has no length dim {self.length!r}")

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshdsl.arguments import number
 from meshdsl.dims import DimLike, Shape
 from meshdsl.errors import ShapeError
 from meshdsl.lowering.context import current, op
@@ -93,6 +94,8 @@ def dot_product_attention(
     ``scale`` multiplies the logits (default ``1 / sqrt(d_kv)``); ``implementation`` is passed to
     ``jax.nn.dot_product_attention`` (None, "xla" or "cudnn").
     """
+    if scale is not None:
+        number(scale, "dot_product_attention: scale", above=0.0)
     h, t, s, d = map(_name, (heads, length, memory, depth))
     batch = _check(q, k, v, h, t, s, d, mask)
     scale = q.shape[d].size ** -0.5 if scale is None else scale
