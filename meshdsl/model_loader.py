@@ -81,10 +81,10 @@ def build_model(spec: str, preset: str, **overrides: Any) -> Any:
 
 def describe_model(model: Any) -> str:
     """``model`` for a message: a user's model by the file or module it came from (``llama.py``), never by
-    the name meshdsl imported it under; a shipped one by its name; another by its class."""
+    the name meshdsl imported it under; another (a shipped one) by its class (``meshdsl.models.mlp.Model``)."""
     if isinstance(model, UserModel):
         return f"{model.spec} ({type(model.model).__name__})"
-    return shipped_name(model) or f"{type(model).__module__}.{type(model).__qualname__}"
+    return f"{type(model).__module__}.{type(model).__qualname__}"
 
 
 def shipped_name(model: Any) -> str | None:

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 
 from meshdsl.dims import Dim
 from meshdsl.errors import ShapeError
@@ -45,8 +46,9 @@ class Conv2d:
     def __post_init__(self) -> None:
         check_sizes("Conv2d channels", [self.in_channels, self.out_channels])
         for what, pair in (("kernel", self.kernel), ("stride", self.stride)):
-            if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in pair)):
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(_positive_int(n) for n in pair)):
                 raise ShapeError(f"Conv2d: {what} must be a pair of positive ints (height, width), got {pair!r}")
+            object.__setattr__(self, what, tuple(int(n) for n in pair))
         check_scale("Conv2d", self.init_scale)
         names = [self.in_channels.name, self.out_channels.name, self.height, self.width, self.kernel_height, self.kernel_width]
         if len(set(names)) != len(names):
@@ -69,3 +71,7 @@ class Conv2d:
             self.kernel_height, self.kernel_width, padding=self.padding, stride=self.stride,
         )
         return y + cast_like(params["bias"], x) if self.bias else y
+
+
+def _positive_int(n: Any) -> bool:
+    return isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 1
