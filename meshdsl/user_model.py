@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from meshdsl.errors import ConfigError, MeshDslError
+from meshdsl.errors import MeshDslError, ModelError
 from meshdsl.tensor import Tensor, describe
 
 LOSS = "a scalar float md tensor (the mean loss, e.g. md.reduce_mean(...) over every dim)"
@@ -47,14 +47,14 @@ def error_text(error: BaseException) -> str:
 def call(fn: Callable[..., Any], args: tuple, what: str, mine: Sequence[Path]) -> Any:
     """``fn(*args)``, the user's code; an exception from it as one line ``FILE:LINE (`code`): WHAT failed:
     Type: message`` at its deepest frame in ``mine`` (else where ``fn`` is defined). An md error keeps
-    its class (a ShapeError stays one); any other becomes a ConfigError."""
+    its class (a LayoutError stays one: it may be the layout's); any other becomes a ModelError."""
     try:
         return fn(*args)
     except Exception as e:
         where = location(e, mine) or defined_at(fn) or "?"
         if isinstance(e, MeshDslError):
             raise type(e)(f"{where}: {what} failed: {e}") from e
-        raise ConfigError(f"{where}: {what} failed: {error_text(e)}") from e
+        raise ModelError(f"{where}: {what} failed: {error_text(e)}") from e
 
 
 def defined_at(fn: Any) -> str | None:
@@ -125,12 +125,12 @@ class UserModel:
         out = call(method, args, what, self.mine)
         wrong = problem(out)
         if wrong:
-            raise ConfigError(f"{defined_at(method) or self.spec}: {what} returned {wrong}")
+            raise ModelError(f"{defined_at(method) or self.spec}: {what} returned {wrong}")
         return out
 
 
 def _check_signature(model: Any, name: str, args: tuple[str, ...]) -> None:
-    """ConfigError at the method's line unless ``model.name`` can be called with ``args``."""
+    """ModelError at the method's line unless ``model.name`` can be called with ``args``."""
     method = getattr(model, name)
     try:
         signature = inspect.signature(method)
@@ -140,7 +140,7 @@ def _check_signature(model: Any, name: str, args: tuple[str, ...]) -> None:
         signature.bind(*args)
     except TypeError:
         shown = inspect.signature(getattr(method, "__func__", method))
-        raise ConfigError(
+        raise ModelError(
             f"{defined_at(method) or type(model).__name__}: {type(model).__name__}.{name} takes {shown}, "
             f"but meshdsl calls {name}({', '.join(args)})"
         ) from None

@@ -158,3 +158,25 @@ def test_a_preset_with_a_zero_size_is_refused(tmp_path: Path) -> None:
     assert done.stderr.strip() == (
         "meshdsl train: error: model my_model.py preset tiny: cols=0, but cols takes an integer of at least 1"
     ), done.stderr
+
+
+COMMANDS = {
+    "bench": ["bench", "--layouts", "batch:data", "--rounds", "1", "--steps-per-round", "1", "--no-gspmd", "--out", "results"],
+    "explain": ["explain", "--layout", "batch:data", "--no-compile", "--profile", "cpu-sim"],
+    "search": ["search", "--profile", "cpu-sim", "--out", "best.toml"],
+}
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_command_reports_a_model_mistake_the_same_way(command: str, tmp_path: Path) -> None:
+    """bench and search stop at a mistake in the model (the same under every layout) instead of skipping
+    every layout as not fitting; explain says the same line as train."""
+    old, new, where, needles = MISTAKES["loss returns a vector"]
+    text = GOOD.replace(old, new, 1)
+    (tmp_path / "my_model.py").write_text(text)
+    done = _meshdsl(tmp_path, *COMMANDS[command][:1], "--model", "my_model.py", "--preset", "tiny", *COMMANDS[command][1:])
+    assert done.returncode == 2 and "Traceback" not in done.stderr, (done.returncode, done.stdout, done.stderr)
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"meshdsl {command}: error: my_model.py:{_line_of(text, where)}"), line
+    assert all(needle in line for needle in needles), line
+    assert "skipped" not in done.stdout and "no layout fits" not in line, (done.stdout, line)
