@@ -35,11 +35,15 @@ def _parse(axes: Mapping[str, int] | str | Sequence[tuple[str, int]]) -> list[tu
 def _devices(devices: object) -> list:
     """``devices`` as a list of distinct JAX devices; LayoutError naming what else it holds."""
     if isinstance(devices, (str, bytes)) or not isinstance(devices, (Sequence, np.ndarray)):
-        raise LayoutError(f"mesh devices must be a list of JAX devices (e.g. jax.devices()), got {type(devices).__name__} {devices!r}")
+        raise LayoutError(
+            f"mesh devices must be a list of JAX devices (e.g. jax.devices()), got {type(devices).__name__} {devices!r}"
+        )
     out = list(np.asarray(devices, dtype=object).flat) if isinstance(devices, np.ndarray) else list(devices)
     for d in out:
         if not isinstance(d, jax.Device):
-            raise LayoutError(f"mesh devices must be JAX devices (e.g. jax.devices()), got {type(d).__name__} {d!r} among them")
+            raise LayoutError(
+                f"mesh devices must be JAX devices (e.g. jax.devices()), got {type(d).__name__} {d!r} among them"
+            )
     seen: set = set()
     for d in out:
         if d in seen:

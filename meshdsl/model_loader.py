@@ -102,8 +102,9 @@ def configure(config_class: type, preset: str, overrides: dict[str, Any], model:
 
     ConfigError for an unknown preset (naming the presets), an unknown field (naming the fields),
     or a value unlike the field's (its default, else the preset's value), in ``overrides`` or in the
-    preset itself: integer fields (sizes, counts) take integers of at least 1, float fields finite numbers of at least 0, other fields
-    values of that value's type; and for a config that rejects the values (its ``__post_init__``).
+    preset itself: integer fields (sizes, counts) take integers of at least 1, float fields finite
+    numbers of at least 0, other fields values of that value's type; and for a config that rejects the
+    values (its ``__post_init__``), naming the line of ``mine`` (the user's files or folders) that raised.
     """
     presets = config_class.PRESETS
     if preset not in presets:

@@ -58,7 +58,7 @@ def bits(key: Any, shape: ShapeLike) -> Tensor:
 
 
 def _float_dtype(dtype: Any, name: str) -> np.dtype:
-    """``dtype`` if it is a float dtype; ShapeError otherwise (an int dtype would truncate the draws to a few values)."""
+    """``dtype`` if it is a float dtype; ShapeError otherwise (an int dtype truncates the draws to a few values)."""
     dtype = dtype_of(dtype, f"md.random.{name}")
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ShapeError(f"md.random.{name}: dtype {dtype.name} is not a floating dtype (float32, bfloat16, ...)")

@@ -62,9 +62,13 @@ class Embedding:
 
 def _check_ids(ids: Tensor, vocab: Dim) -> None:
     """ShapeError for concrete ``ids`` outside ``[0, vocab)`` (a traced id cannot be read: it gives a zero row)."""
-    if not isinstance(ids, Tensor) or isinstance(ids.array, jax.core.Tracer) or not jnp.issubdtype(ids.dtype, jnp.integer):
+    if not isinstance(ids, Tensor) or not jnp.issubdtype(ids.dtype, jnp.integer):
         return  # md.gather names a wrong kind of ids
+    if isinstance(ids.array, jax.core.Tracer):
+        return
     values = np.asarray(ids.array)
     bad = values[(values < 0) | (values >= vocab.size)]
     if bad.size:
-        raise ShapeError(f"Embedding: id {bad.flat[0]} of ids {ids.shape} is outside the vocab {vocab} (ids are 0..{vocab.size - 1})")
+        raise ShapeError(
+            f"Embedding: id {bad.flat[0]} of ids {ids.shape} is outside the vocab {vocab} (ids are 0..{vocab.size - 1})"
+        )

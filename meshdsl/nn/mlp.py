@@ -33,7 +33,9 @@ class MLP:
 
     def __post_init__(self) -> None:
         if not callable(self.activation):
-            raise ConfigError(f"MLP: activation must be a function of an md tensor (e.g. md.relu, md.gelu), got {self.activation!r}")
+            raise ConfigError(
+                f"MLP: activation must be a function of an md tensor (e.g. md.relu, md.gelu), got {self.activation!r}"
+            )
         object.__setattr__(self, "inputs", as_dims(self.inputs, "MLP inputs"))
         object.__setattr__(self, "hidden", as_dims(self.hidden, "MLP hidden"))
         object.__setattr__(self, "outputs", self.inputs if self.outputs is None else as_dims(self.outputs, "MLP outputs"))

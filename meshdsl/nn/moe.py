@@ -77,7 +77,9 @@ class MoE:
             raise ShapeError(f"MoE: top {self.top!r} must be an int between 1 and {self.experts}")
         number(self.capacity_factor, "MoE: capacity_factor", above=0.0)
         if not callable(self.activation):
-            raise ConfigError(f"MoE: activation must be a function of an md tensor (e.g. md.gelu), got {self.activation!r}")
+            raise ConfigError(
+                f"MoE: activation must be a function of an md tensor (e.g. md.gelu), got {self.activation!r}"
+            )
         names = [self.model.name, self.hidden.name, self.experts.name, self.group, self.tokens, self.experts_unsplit, self.groups, self.capacity, self.choices]
         if len(set(names)) != len(names):
             raise ShapeError(f"MoE: dim names {names} must be distinct")

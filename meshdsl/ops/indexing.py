@@ -226,7 +226,10 @@ def range(dim: Dim, dtype: Any = jnp.int32) -> Tensor:  # noqa: A001  (md.range,
         raise ShapeError(f"range: dtype {dtype.name} is neither an integer nor a float dtype")
     exact = jnp.iinfo(dtype).max if jnp.issubdtype(dtype, jnp.integer) else 2 ** (jnp.finfo(dtype).nmant + 1)
     if dim.size - 1 > exact:
-        raise ShapeError(f"range: {dim} counts to {dim.size - 1}, but {dtype.name} holds integers exactly only up to {exact}; use a wider dtype")
+        raise ShapeError(
+            f"range: {dim} counts to {dim.size - 1}, but {dtype.name} holds integers exactly only up to {exact}; "
+            "use a wider dtype"
+        )
     with jax.named_scope("md.range"):
         lowering = current()
         shape = Shape([dim])
