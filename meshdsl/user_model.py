@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 import linecache
-import os
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -81,7 +80,7 @@ def _shown(filename: str) -> str:
 def _is_mine(filename: str, mine: Sequence[Path]) -> bool:
     if filename.startswith("<"):
         return False
-    path = Path(os.path.abspath(filename))
+    path = Path(filename).resolve()
     return any(path == m or m in path.parents for m in mine)
 
 
