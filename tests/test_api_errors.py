@@ -251,6 +251,8 @@ CASES_ROUND_TWO = {
     "Linear on int input": (md.ShapeError, lambda: apply(md.nn.Linear(D("b", 8), D("f", 4)), XI), ["Linear", "int32", "md.cast"]),
     "MLP on int input": (md.ShapeError, lambda: apply(md.nn.MLP(D("b", 8), D("f", 4)), XI), ["MLP", "int32"]),
     "LayerNorm on int input": (md.ShapeError, lambda: apply(md.nn.LayerNorm(D("b", 8)), XI), ["LayerNorm", "int32"]),
+    "dot_product_attention of int queries": (md.ShapeError, lambda: md.nn.dot_product_attention(md.cast(Q, "int32"), KV, KV),
+                                             ["dot_product_attention queries", "int32"]),
     "attention on int input": (md.ShapeError, lambda: apply(ATTENTION, md.cast(SEQ, "int32")), ["MultiHeadAttention", "int32"]),
     "Embedding of an id beyond vocab": (md.ShapeError, lambda: EMBEDDING(EMBEDDING.init(KEY), md.tensor(np.array([3, 70]), "t")),
                                         ["Embedding", "70", "vocab=16"]),
