@@ -112,8 +112,8 @@ class Compiled:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._check_arguments(args, kwargs)
-        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(args))
-        if isinstance(self.mesh.jax_mesh, jax.sharding.AbstractMesh) and not traced:
+        abstract = isinstance(self.mesh.jax_mesh, jax.sharding.AbstractMesh)
+        if abstract and not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(args)):
             raise ConfigError(
                 f"md.compile'd {self._name}: mesh {self.mesh} is abstract (md.Mesh.abstract: no devices), so it can be "
                 "traced (md.explain, .lower) but not run; build the mesh on devices (md.Mesh(...))"
