@@ -182,8 +182,8 @@ def _as_array(data: Any) -> jax.Array:
         host = None
     if host is None:
         raise ShapeError(f"md.tensor: {describe(data)} is not an array of numbers")
-    if host.dtype.kind in "iu" and host.size:
-        target = jax.dtypes.canonicalize_dtype(host.dtype)
+    target = jax.dtypes.canonicalize_dtype(host.dtype) if host.dtype.kind in "iu" else host.dtype
+    if host.size and np.dtype(target).itemsize < host.dtype.itemsize:
         info = np.iinfo(target)
         lo, hi = host.min(), host.max()
         if lo < info.min or hi > info.max:
