@@ -292,3 +292,18 @@ def test_embedding_ids_traced_out_of_range_give_zeros():
     table = EMBEDDING.init(KEY)
     out = jax.jit(lambda t, i: EMBEDDING(t, i).array)(table, md.tensor(np.array([3, 70, -1]), "t"))
     np.testing.assert_array_equal(np.asarray(out), np.stack([table.numpy()[3], np.zeros(4), np.zeros(4)]))
+
+
+def test_the_readme_mesh_on_one_cpu_device_names_the_flag():
+    """The README's first program run without XLA_FLAGS (one CPU device): the error says how to get 8."""
+    import subprocess
+    import sys
+
+    import harness
+
+    program = "import meshdsl as md\nmd.Mesh({'data': 4, 'model': 2})\n"
+    done = subprocess.run([sys.executable, "-c", program], env=harness.subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("meshdsl.errors.LayoutError: mesh data=4 model=2 needs 8 devices, but only 1 are available"), last
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts" in last, last
