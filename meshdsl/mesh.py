@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -32,9 +32,9 @@ def _parse(axes: Mapping[str, int] | str | Sequence[tuple[str, int]]) -> list[tu
     raise LayoutError(f"mesh axes must be a dict, a string like 'data=4 model=2' or (name, size) pairs, got {type(axes).__name__} {axes!r}")
 
 
-def _devices(devices: object) -> list:
+def _devices(devices: Any) -> list:
     """``devices`` as a list of distinct JAX devices; LayoutError naming what else it holds."""
-    if isinstance(devices, (str, bytes)) or not isinstance(devices, (Sequence, np.ndarray)):
+    if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
         raise LayoutError(
             f"mesh devices must be a list of JAX devices (e.g. jax.devices()), got {type(devices).__name__} {devices!r}"
         )

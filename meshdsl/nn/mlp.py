@@ -7,8 +7,8 @@ from typing import Any, Callable
 
 import jax
 
-from meshdsl.nn.linear import Linear
 from meshdsl.errors import ConfigError
+from meshdsl.nn.linear import Linear
 from meshdsl.nn.params import Dims, Stack, as_dims, check_float
 from meshdsl.ops.elementwise import gelu
 from meshdsl.tensor import Tensor
