@@ -9,11 +9,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from meshdsl.dims import Dim
-from meshdsl.errors import ShapeError
-from meshdsl.nn.linear import Linear
 from meshdsl.arguments import number
-from meshdsl.errors import ConfigError
+from meshdsl.dims import Dim
+from meshdsl.errors import ConfigError, ShapeError
+from meshdsl.nn.linear import Linear
 from meshdsl.nn.params import Stack, check_float, check_sizes
 from meshdsl.ops.einsum import einsum
 from meshdsl.ops.elementwise import cast, equal, gelu

@@ -49,7 +49,7 @@ def check_float(layer: str, x: Tensor) -> None:
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ShapeError(
             f"{layer}: input {x.shape} is {x.dtype}, but a layer computes in its input's float dtype; "
-            f"cast it first (md.cast(x, 'float32')), or look integer ids up with md.nn.Embedding"
+            "cast it first (md.cast(x, 'float32')), or look integer ids up with md.nn.Embedding"
         )
 
 
