@@ -37,7 +37,7 @@ from meshdsl.dims import Dim, Shape
 from meshdsl.errors import ConfigError, DataError, LayoutError
 from meshdsl.layout import Layout
 from meshdsl.mesh import Mesh
-from meshdsl.tensor import Tensor
+from meshdsl.tensor import Tensor, is_tensor
 
 FORMAT = "meshdsl-checkpoint"
 VERSION = 1
@@ -47,10 +47,6 @@ _LEFTOVER = re.compile(r"^step_\d+\.(partial|old|deleted)-")
 """What crashed saves and prunes leave: unfinished, swapped-out and un-committed checkpoints."""
 _CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 _PLAIN = (bool, int, float, str)
-
-
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, Tensor)
 
 
 def _key(entry: Any) -> dict[str, Any]:
@@ -70,7 +66,7 @@ def _key(entry: Any) -> dict[str, Any]:
 
 def _leaves(tree: Any) -> list[tuple[str, list[dict[str, Any]], Any]]:
     """(path string, path as JSON, leaf) for every leaf; an ``md.Tensor`` is one leaf."""
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_tensor)[0]
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_tensor)[0]
     return [(jax.tree_util.keystr(path), [_key(e) for e in path], leaf) for path, leaf in flat]
 
 
@@ -110,7 +106,7 @@ def _describe(where: str, leaf: Any, index: int) -> dict[str, Any]:
     """The manifest record of one leaf (without its path)."""
     if isinstance(leaf, _PLAIN):
         return {"kind": "value", "value": leaf}
-    if _is_tensor(leaf):
+    if is_tensor(leaf):
         if leaf.pending:
             raise DataError(f"checkpoint: leaf {where} holds pending partial sums; save the global value")
         kind, array = "tensor", leaf.array
@@ -214,7 +210,7 @@ def save(path: str | Path, state: Any, *, metadata: dict[str, Any] | None = None
         raise DataError(f"checkpoint {str(path)!r}: metadata is not plain JSON: {e}") from None
     leaves = _leaves(state)
     records = [{"path": where, "keys": keys, **_describe(where, leaf, i)} for i, (where, keys, leaf) in enumerate(leaves)]
-    arrays = [(r, leaf.array if _is_tensor(leaf) else leaf) for r, (_, _, leaf) in zip(records, leaves) if r["kind"] != "value"]
+    arrays = [(r, leaf.array if is_tensor(leaf) else leaf) for r, (_, _, leaf) in zip(records, leaves) if r["kind"] != "value"]
     tmp = path.with_name(f"{path.name}.partial-{_token()}")
     if _process_zero():
         _create(tmp, arrays)
@@ -288,7 +284,7 @@ def _check_like(path: Path, records: list[dict[str, Any]], like: Any) -> tuple[A
         record = saved[where]
         if record["kind"] == "value":
             continue
-        if _is_tensor(leaf):
+        if is_tensor(leaf):
             have = str(_shape_of(record)) if record["kind"] == "tensor" else f"an array of shape {tuple(record['shape'])}"
             if record["kind"] != "tensor" or _shape_of(record) != leaf.shape:
                 raise DataError(f"checkpoint {str(path)!r}: leaf {where} is {have}, but the expected state has {leaf.shape}")
@@ -297,7 +293,7 @@ def _check_like(path: Path, records: list[dict[str, Any]], like: Any) -> tuple[A
         dtype = getattr(leaf, "dtype", None)
         if dtype is not None and np.dtype(dtype).name != record["dtype"]:
             raise DataError(f"checkpoint {str(path)!r}: leaf {where} has dtype {record['dtype']}, but the expected state has {np.dtype(dtype).name}")
-    return jax.tree_util.tree_structure(like, is_leaf=_is_tensor), [saved[w] for w, _, _ in expected]
+    return jax.tree_util.tree_structure(like, is_leaf=is_tensor), [saved[w] for w, _, _ in expected]
 
 
 def _open(path: Path, record: dict[str, Any]) -> ts.TensorStore:

@@ -33,7 +33,7 @@ from meshdsl.lowering.gspmd import GspmdLowering
 from meshdsl.lowering.spmd import SpmdLowering
 from meshdsl.mesh import Mesh
 from meshdsl.relayout import Axes
-from meshdsl.tensor import Tensor, describe
+from meshdsl.tensor import Tensor, describe, is_tensor
 
 LayoutLike = Layout | str | Mapping
 
@@ -43,10 +43,6 @@ class Backend(enum.Enum):
 
     SPMD = "spmd"
     GSPMD = "gspmd"
-
-
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, Tensor)
 
 
 def _as_layout(layout: LayoutLike | None, default: Layout, what: str = "layout") -> Layout:
@@ -114,20 +110,35 @@ class Compiled:
         self.donate_argnums = tuple(donate_argnums)
         self._jitted = jax.jit(program, donate_argnums=self.donate_argnums)
 
-    def __call__(self, *args: Any) -> Any:
-        self._check_arguments(args)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_arguments(args, kwargs)
+        abstract = isinstance(self.mesh.jax_mesh, jax.sharding.AbstractMesh)
+        if abstract and not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(args)):
+            raise ConfigError(
+                f"md.compile'd {self._name}: mesh {self.mesh} is abstract (md.Mesh.abstract: no devices), so it can be "
+                "traced (md.explain, .lower) but not run; build the mesh on devices (md.Mesh(...))"
+            )
         return self._jitted(*args)
 
-    def lower(self, *args: Any) -> jax.stages.Lowered:
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """Lower for ``args`` as ``jax.jit(...).lower`` does (then ``.compile().as_text()`` shows the HLO)."""
-        self._check_arguments(args)
+        self._check_arguments(args, kwargs)
         return self._jitted.lower(*args)
 
-    def _check_arguments(self, args: tuple) -> None:
+    @property
+    def _name(self) -> str:
+        return getattr(self.fn, "__name__", "function")
+
+    def _check_arguments(self, args: tuple, kwargs: dict[str, Any] | None = None) -> None:
+        if kwargs:
+            raise ShapeError(
+                f"md.compile'd {self._name} called with keyword argument(s) {', '.join(map(repr, kwargs))}; it takes "
+                "positional arguments only (in_layouts and donate_argnums count positions)"
+            )
         try:
             inspect.signature(self.fn).bind(*args)
         except TypeError as e:
-            raise ShapeError(f"md.compile'd {getattr(self.fn, '__name__', 'function')} called with {len(args)} argument(s): {e}") from None
+            raise ShapeError(f"md.compile'd {self._name} called with {len(args)} argument(s): {e}") from None
         except ValueError:  # no signature to check (a builtin)
             pass
         beyond = [i for i in self.donate_argnums if i >= len(args)]
@@ -135,7 +146,7 @@ class Compiled:
             raise ConfigError(f"md.compile: donate_argnums {beyond} name no argument of a call with {len(args)} argument(s)")
         if self.in_layouts is not None and len(self.in_layouts) != len(args):
             raise LayoutError(f"md.compile: {len(self.in_layouts)} in_layouts given for a call with {len(args)} argument(s); give one per positional argument")
-        for path, leaf in jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_tensor)[0]:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(args, is_leaf=is_tensor)[0]:
             _check_argument(f"argument {jax.tree_util.keystr(path)}", leaf)
 
     def _leaves(self, tree: Any, layouts: Layout | tuple[Layout, ...] | None, prefix: str) -> list[tuple[str, Any, Layout]]:
@@ -145,7 +156,7 @@ class Compiled:
                 got = f"a sequence of {len(tree)}" if isinstance(tree, (tuple, list)) else describe(tree)
                 raise LayoutError(f"md.compile: {len(layouts)} out_layouts given, one per {prefix}, but the {prefix} is {got}")
             return [item for i, (sub, lay) in enumerate(zip(tree, layouts)) for item in self._leaves(sub, lay, f"{prefix}[{i}]")]
-        leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_tensor)[0]
+        leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_tensor)[0]
         return [(prefix + jax.tree_util.keystr(p), x, layouts or self.layout) for p, x in leaves]
 
     def _axes(self, name: str, leaf: Any, layout: Layout) -> Axes | None:
@@ -157,12 +168,12 @@ class Compiled:
 
     def spmd_function(self, *args: Any) -> Any:
         """The unjitted spmd program: one ``shard_map`` over the mesh (``md.explain`` traces this)."""
-        treedef = jax.tree_util.tree_structure(args, is_leaf=_is_tensor)
+        treedef = jax.tree_util.tree_structure(args, is_leaf=is_tensor)
         ins = [item for i, a in enumerate(args) for item in self._leaves(a, self.in_layouts[i] if self.in_layouts else None, f"argument [{i}]")]
         in_axes = [self._axes(*item) for item in ins]
         with use(Lowering()):
             shapes = jax.eval_shape(self.fn, *args)
-        out_tree = jax.tree_util.tree_structure(shapes, is_leaf=_is_tensor)
+        out_tree = jax.tree_util.tree_structure(shapes, is_leaf=is_tensor)
         outs = self._leaves(shapes, self.out_layouts, "result")
         out_axes = [self._axes(*item) for item in outs]
 
@@ -170,7 +181,7 @@ class Compiled:
             inputs = [Tensor(a, x.shape, (), ax) if isinstance(x, Tensor) else a for a, (_, x, _), ax in zip(local, ins, in_axes)]
             with use(SpmdLowering(self.mesh, self.layout, self.grad_reduce_dtype)) as lowering:
                 result = self.fn(*jax.tree_util.tree_unflatten(treedef, inputs))
-                flat = jax.tree_util.tree_leaves(result, is_leaf=_is_tensor)
+                flat = jax.tree_util.tree_leaves(result, is_leaf=is_tensor)
                 with jax.named_scope("md.result"):
                     return tuple(lowering.prepare(x, ax) if isinstance(x, Tensor) else x for x, ax in zip(flat, out_axes))
 
@@ -191,7 +202,7 @@ class Compiled:
         def constrain(tree: Any, layouts: Any, prefix: str) -> Any:
             items = self._leaves(tree, layouts, prefix)
             leaves = [lowering.with_layout(lay).constrain(x, name) if isinstance(x, Tensor) else x for name, x, lay in items]
-            return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree, is_leaf=_is_tensor), leaves)
+            return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree, is_leaf=is_tensor), leaves)
 
         args = tuple(constrain(a, self.in_layouts[i] if self.in_layouts else None, f"argument [{i}]") for i, a in enumerate(args))
         with use(lowering):

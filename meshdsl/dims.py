@@ -33,6 +33,8 @@ class Dim:
             size = -1
         if isinstance(self.size, bool) or size < 0:
             raise ShapeError(f"dim {self.name!r} has size {self.size!r}; a size is a non-negative int")
+        if size >= 2**63:  # XLA's sizes are int64: a larger one overflows where the array is made
+            raise ShapeError(f"dim {self.name!r} has size {size}; a size is below 2**63 (XLA's sizes are 64-bit)")
         object.__setattr__(self, "size", size)
 
     def __str__(self) -> str:

@@ -26,3 +26,10 @@ class ConfigError(MeshDslError):
 
 class DataError(MeshDslError):
     """A token file that is missing, malformed, too short, or holds ids outside the vocabulary."""
+
+
+class ModelError(ConfigError):
+    """A mistake in the user's own model code: an exception in its ``Config``, ``Model(config)``, ``init``,
+    ``batch`` or ``loss``, or a result meshdsl cannot use (a loss that is no scalar float md tensor). The
+    message names the user's file and line. Unlike a layout that does not fit, it is the same under
+    every layout, so ``bench`` and ``search`` stop at it instead of skipping the layout."""

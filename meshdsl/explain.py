@@ -195,9 +195,9 @@ def report_of_hlo(hlo_text: str, mesh: Mesh) -> Report:
 
 
 def explain(
-    fn: Any,
-    mesh: Mesh,
-    layout: Layout | str | Mapping,
+    fn: Any = None,
+    mesh: Mesh | None = None,
+    layout: Layout | str | Mapping | None = None,
     *args: Any,
     in_layouts: Sequence[Any] | None = None,
     out_layouts: Any = None,
@@ -217,6 +217,9 @@ def explain(
     (:func:`report_of_hlo`; ``Report.source`` is ``Source.COMPILED``). ``platform`` must then be
     the devices' own (or None).
     """
+    missing = [name for name, value in (("fn", fn), ("mesh", mesh)) if value is None]
+    if missing:
+        raise ConfigError(f"md.explain: no {' and no '.join(missing)} given; call md.explain(fn, mesh, layout, *args)")
     compiled = Compiled(fn, mesh, layout, backend, in_layouts=in_layouts, out_layouts=out_layouts, grad_reduce_dtype=grad_reduce_dtype)
     if compiled.backend is Backend.GSPMD:
         if isinstance(mesh.jax_mesh, jax.sharding.AbstractMesh):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
 
 from meshdsl.errors import LayoutError
 
+DEVICE_FLAG = "--xla_force_host_platform_device_count"
+"""The XLA flag that makes the CPU backend simulate several devices."""
 _AXIS = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -30,6 +32,26 @@ def _parse(axes: Mapping[str, int] | str | Sequence[tuple[str, int]]) -> list[tu
     raise LayoutError(f"mesh axes must be a dict, a string like 'data=4 model=2' or (name, size) pairs, got {type(axes).__name__} {axes!r}")
 
 
+def _devices(devices: Any) -> list:
+    """``devices`` as a list of distinct JAX devices; LayoutError naming what else it holds."""
+    if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
+        raise LayoutError(
+            f"mesh devices must be a list of JAX devices (e.g. jax.devices()), got {type(devices).__name__} {devices!r}"
+        )
+    out = list(np.asarray(devices, dtype=object).flat) if isinstance(devices, np.ndarray) else list(devices)
+    for d in out:
+        if not isinstance(d, jax.Device):
+            raise LayoutError(
+                f"mesh devices must be JAX devices (e.g. jax.devices()), got {type(d).__name__} {d!r} among them"
+            )
+    seen: set = set()
+    for d in out:
+        if d in seen:
+            raise LayoutError(f"mesh devices list {d} twice; each device may hold one place of the mesh")
+        seen.add(d)
+    return out
+
+
 class Mesh:
     """Devices arranged as an array with named axes: ``Mesh({"data": 4, "model": 2})``.
 
@@ -39,7 +61,8 @@ class Mesh:
 
     def __init__(self, axes: Mapping[str, int] | str | Sequence[tuple[str, int]], devices: Sequence | None = None):
         items = _parse(axes)
-        devices = list(jax.devices() if devices is None else devices)
+        given = devices is not None
+        devices = _devices(devices) if given else list(jax.devices())
         names = [n for n, _ in items]
         for name, size in items:
             if not _AXIS.match(name):
@@ -61,7 +84,12 @@ class Mesh:
             items = [(n, len(devices) // fixed if s == -1 else int(s)) for n, s in items]
         self.axis_sizes: dict[str, int] = {n: int(s) for n, s in items}
         if self.size > len(devices):
-            raise LayoutError(f"mesh {self} needs {self.size} devices, but only {len(devices)} are available")
+            hint = "" if given or devices[0].platform != "cpu" else (
+                f"; on a machine without accelerators, simulate {self.size} CPU devices by setting "
+                f"XLA_FLAGS={DEVICE_FLAG}={self.size} before JAX starts (or jax.config.update('jax_num_cpu_devices', "
+                f"{self.size}) before its first use)"
+            )
+            raise LayoutError(f"mesh {self} needs {self.size} devices, but only {len(devices)} are available{hint}")
         grid = np.array(devices[: self.size], dtype=object).reshape(tuple(self.axis_sizes.values()))
         self.jax_mesh = jax.sharding.Mesh(grid, tuple(self.axis_sizes))
 

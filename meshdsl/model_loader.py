@@ -13,6 +13,9 @@ Optional, each used by the commands that need it (which say so in one line when 
 (bench's default layouts), ``DIM_ROLES`` (search's candidate splits, else inferred: see
 :mod:`meshdsl.planner.roles`), and the pipeline parts (``pipelined``, ``pre``, ``layer``, ``post``,
 ``with_batch``, ``layers``, ``batch_dim``: see :mod:`meshdsl.pipeline`).
+
+A model of the user's (not a shipped one) comes back wrapped in a :class:`meshdsl.user_model.UserModel`,
+so a mistake in its code is one line naming the user's file and line, whichever command runs it.
 """
 
 from __future__ import annotations
@@ -22,13 +25,13 @@ import importlib
 import importlib.util
 import math
 import sys
-import traceback
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Sequence
 
 from meshdsl.errors import ConfigError
 from meshdsl.models import NAMES
+from meshdsl.user_model import UserModel, call, error_text, location
 
 REQUIRED = ("init", "batch", "loss")
 """The methods every ``Model`` has."""
@@ -38,6 +41,8 @@ _FORM = (
     "(Model(config) with init(key), batch(key), loss(params, batch)); see docs/tutorial.md"
 )
 _files: dict[Path, ModuleType] = {}
+_PREFIX = "meshdsl_user_model_"
+"""The start of the module name a model file is imported under (never shown to the user)."""
 
 
 def load_module(spec: str) -> ModuleType:
@@ -60,13 +65,26 @@ def load_module(spec: str) -> ModuleType:
 def build_model(spec: str, preset: str, **overrides: Any) -> Any:
     """``Model(config)`` of the module ``spec`` names (see :func:`load_module`), ``config`` being its
     preset ``preset`` with ``overrides`` (those that are None keep the preset's values) checked by
-    :func:`configure`. The model gets a ``config`` attribute if its class sets none."""
+    :func:`configure`. The model gets a ``config`` attribute if its class sets none. A model of the
+    user's comes back as a :class:`~meshdsl.user_model.UserModel`: a mistake in ``Config``, ``Model(config)``,
+    ``init``, ``batch`` or ``loss`` is a one-line md error naming the user's file and line."""
     module = load_module(spec)
-    config = configure(module.Config, preset, {k: v for k, v in overrides.items() if v is not None}, spec)
-    model = module.Model(config)
+    shipped = module.__name__.startswith("meshdsl.models.")
+    mine = [] if shipped else _mine(module, spec)
+    values = {k: v for k, v in overrides.items() if v is not None}
+    config = configure(module.Config, preset, values, spec, mine)
+    model = module.Model(config) if shipped else call(module.Model, (config,), "Model(config)", mine)
     if getattr(model, "config", None) is None:
         model.config = config
-    return model
+    return model if shipped else UserModel(model, spec, mine)
+
+
+def describe_model(model: Any) -> str:
+    """``model`` for a message: a user's model by the file or module it came from (``llama.py``), never by
+    the name meshdsl imported it under; another (a shipped one) by its class (``meshdsl.models.mlp.Model``)."""
+    if isinstance(model, UserModel):
+        return f"{model.spec} ({type(model.model).__name__})"
+    return f"{type(model).__module__}.{type(model).__qualname__}"
 
 
 def shipped_name(model: Any) -> str | None:
@@ -79,13 +97,14 @@ def shipped_name(model: Any) -> str | None:
     return name
 
 
-def configure(config_class: type, preset: str, overrides: dict[str, Any], model: str) -> Any:
+def configure(config_class: type, preset: str, overrides: dict[str, Any], model: str, mine: Sequence[Path] = ()) -> Any:
     """``config_class`` at the preset ``preset`` with ``overrides``.
 
     ConfigError for an unknown preset (naming the presets), an unknown field (naming the fields),
-    or a value unlike the field's (its default, else the preset's value): integer fields (sizes,
-    counts) take integers of at least 1, float fields finite numbers of at least 0, other fields
-    values of that value's type; and for a config that rejects the values (its ``__post_init__``).
+    or a value unlike the field's (its default, else the preset's value), in ``overrides`` or in the
+    preset itself: integer fields (sizes, counts) take integers of at least 1, float fields finite
+    numbers of at least 0, other fields values of that value's type; and for a config that rejects the
+    values (its ``__post_init__``), naming the line of ``mine`` (the user's files or folders) that raised.
     """
     presets = config_class.PRESETS
     if preset not in presets:
@@ -100,12 +119,20 @@ def configure(config_class: type, preset: str, overrides: dict[str, Any], model:
         reference = presets[preset].get(name, reference) if reference is dataclasses.MISSING else reference
         if reference is not dataclasses.MISSING:
             _check_field(model, name, value, reference)
+    for name, value in presets[preset].items():  # a preset's own sizes too: a 0 would train on empty tensors
+        reference = _default(fields[name]) if name in fields and name not in overrides else None
+        if reference is not None and reference is not dataclasses.MISSING:
+            _check_field(f"{model} preset {preset}", name, value, reference)
     try:
         return config_class(**values)
     except ConfigError:
         raise
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"model {model} preset {preset}: {config_class.__name__}({_show(values)}) failed: {e}") from None
+    except Exception as e:
+        where = location(e, mine)
+        at = f" at {where}" if where else ""
+        raise ConfigError(
+            f"model {model} preset {preset}: {config_class.__name__}({_show(values)}) failed{at}: {error_text(e)}"
+        ) from None
 
 
 def _default(field: dataclasses.Field) -> Any:
@@ -147,7 +174,7 @@ def _load_file(spec: str) -> ModuleType:
     path = path.resolve()
     if path in _files:
         return _files[path]
-    name = f"meshdsl_user_model_{len(_files)}_{path.stem}"
+    name = f"{_PREFIX}{len(_files)}_{path.stem}"
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
     if str(path.parent) not in sys.path:  # as for a script: modules beside the file are importable
@@ -155,6 +182,9 @@ def _load_file(spec: str) -> ModuleType:
     sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
+    except SystemExit as e:
+        del sys.modules[name]
+        raise ConfigError(f"--model {spec!r}: {_exited(e, [path])}") from None
     except Exception as e:
         del sys.modules[name]
         raise ConfigError(f"--model {spec!r}: importing it failed {_where(e, [path])}") from None
@@ -169,8 +199,28 @@ def _import(spec: str) -> ModuleType:
         if e.name is not None and (spec == e.name or spec.startswith(e.name + ".")):
             raise ConfigError(f"unknown model {spec!r}; choose {_choices()}") from None
         raise ConfigError(f"--model {spec!r}: importing it failed {_where(e, _package_dirs(spec))}") from None
+    except SystemExit as e:
+        raise ConfigError(f"--model {spec!r}: {_exited(e, _package_dirs(spec))}") from None
     except Exception as e:
         raise ConfigError(f"--model {spec!r}: importing it failed {_where(e, _package_dirs(spec))}") from None
+
+
+def _exited(error: SystemExit, mine: list[Path]) -> str:
+    """What to say of a model module that called ``sys.exit`` while being imported (nothing was trained)."""
+    where = location(error, mine)
+    at = f" at {where}" if where else ""
+    return (
+        f"importing it called sys.exit({error.code!r}){at}; a model module defines Config and Model and runs nothing "
+        "when imported (put a script's code under `if __name__ == \"__main__\":`)"
+    )
+
+
+def _mine(module: ModuleType, spec: str) -> list[Path]:
+    """The files or folders of the user's code behind ``module``: the file for a Python file, the
+    top-level package's folder for an importable module."""
+    if module.__name__.startswith(_PREFIX):
+        return [Path(module.__file__).resolve()]
+    return _package_dirs(spec) or ([Path(module.__file__).resolve()] if getattr(module, "__file__", None) else [])
 
 
 def _package_dirs(spec: str) -> list[Path]:
@@ -190,18 +240,8 @@ def _where(error: BaseException, mine: list[Path]) -> str:
     if isinstance(error, SyntaxError):
         code = (error.text or "").strip()
         return f"at {error.filename}:{error.lineno}" + (f" (`{code}`)" if code else "") + f": SyntaxError: {error.msg}"
-    frames = traceback.extract_tb(error.__traceback__)
-
-    def is_mine(frame: traceback.FrameSummary) -> bool:
-        path = Path(frame.filename).resolve()
-        return any(path == m or m in path.parents for m in mine)
-
-    ours = [f for f in frames if is_mine(f)] or [f for f in frames if not f.filename.startswith("<frozen")] or frames
-    where = ""
-    if ours:
-        frame = ours[-1]
-        where = f"at {frame.filename}:{frame.lineno}" + (f" (`{frame.line.strip()}`)" if frame.line else "") + ": "
-    return f"{where}{type(error).__name__}: {error}"
+    where = location(error, mine, anywhere=True)
+    return (f"at {where}: " if where else "") + error_text(error)
 
 
 def _check_form(module: ModuleType, spec: str) -> None:

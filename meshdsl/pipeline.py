@@ -48,10 +48,12 @@ STAGE_LAYERS = "stage_layers"
 
 def check_model(model: Any) -> None:
     """ConfigError unless ``model`` exposes the pipeline parts (``pre``, ``layer``, ``post``, ``with_batch``)."""
+    from meshdsl.model_loader import describe_model  # it imports the shipped models, which import meshdsl
+
     parts = ("pre", "layer", "post", "with_batch", "layers", "batch_dim")
     if not getattr(model, "pipelined", False) or not all(hasattr(model, p) for p in parts):
         raise ConfigError(
-            f"model {type(model).__module__}.{type(model).__name__} cannot be pipelined: it needs pre, layer, post, "
+            f"model {describe_model(model)} cannot be pipelined: it needs pre, layer, post, "
             f"with_batch (and its loss must be post(layers(pre)))"
         )
 

@@ -17,6 +17,7 @@ import numpy as np
 from jax import lax
 from jax.extend.random import threefry2x32_p
 
+from meshdsl.arguments import number
 from meshdsl.dims import ShapeLike, as_shape
 from meshdsl.errors import ConfigError, ShapeError
 from meshdsl.lowering.context import current, op
@@ -56,6 +57,19 @@ def bits(key: Any, shape: ShapeLike) -> Tensor:
     return lowering.finish(lowering.vary_like(b1 ^ b2, position), shape, axes)
 
 
+def _float_dtype(dtype: Any, name: str) -> np.dtype:
+    """``dtype`` if it is a float dtype; ShapeError otherwise (an int dtype truncates the draws to a few values)."""
+    dtype = dtype_of(dtype, f"md.random.{name}")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ShapeError(f"md.random.{name}: dtype {dtype.name} is not a floating dtype (float32, bfloat16, ...)")
+    return dtype
+
+
+def check_rate(rate: Any) -> float:
+    """``rate`` if it is a dropout rate, a number in [0, 1); ConfigError otherwise (NaN included)."""
+    return number(rate, "dropout rate", at_least=0.0, below=1.0)
+
+
 def _unit_floats(raw: jax.Array, dtype: Any) -> jax.Array:
     """Floats in [0, 1) from 32 random bits: the top 23 bits as the mantissa of a float in [1, 2), minus 1."""
     floats = lax.bitcast_convert_type((raw >> np.uint32(9)) | np.uint32(0x3F800000), jnp.float32) - 1.0
@@ -64,8 +78,11 @@ def _unit_floats(raw: jax.Array, dtype: Any) -> jax.Array:
 
 @op("random_uniform")
 def uniform(key: Any, shape: ShapeLike, dtype: Any = jnp.float32, minval: float = 0.0, maxval: float = 1.0) -> Tensor:
-    """Uniform values in ``[minval, maxval)``."""
-    dtype = dtype_of(dtype, "random_uniform")
+    """Uniform values in ``[minval, maxval)`` (``minval`` itself when they are equal); a float ``dtype``."""
+    dtype = _float_dtype(dtype, "uniform")
+    minval, maxval = number(minval, "md.random.uniform: minval"), number(maxval, "md.random.uniform: maxval")
+    if minval > maxval:
+        raise ConfigError(f"md.random.uniform: minval {minval} is above maxval {maxval}")
     raw = bits(key, shape)
     lowering = current()
     unit = _unit_floats(raw._data, jnp.float32)
@@ -75,8 +92,8 @@ def uniform(key: Any, shape: ShapeLike, dtype: Any = jnp.float32, minval: float 
 
 @op("random_normal")
 def normal(key: Any, shape: ShapeLike, dtype: Any = jnp.float32) -> Tensor:
-    """Standard normal values."""
-    dtype = dtype_of(dtype, "random_normal")
+    """Standard normal values of a float ``dtype``."""
+    dtype = _float_dtype(dtype, "normal")
     low = np.nextafter(np.float32(-1.0), np.float32(0.0))
     u = uniform(key, shape, jnp.float32, float(low), 1.0)
     lowering = current()
@@ -89,8 +106,7 @@ def dropout(key: Any, x: Tensor, rate: float, noise_shape: ShapeLike | None = No
 
     ``noise_shape`` (a subset of ``x``'s dims) shares one draw across the dims it leaves out.
     """
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
-        raise ConfigError(f"dropout: rate must be a number in [0, 1), got {rate!r}")
+    check_rate(rate)
     noise = x.shape if noise_shape is None else as_shape(noise_shape)
     for d in noise:
         x.shape.index(d)  # a ShapeError unless every dim of noise_shape is one of x's

@@ -121,6 +121,11 @@ for _dunder, _op in [
     setattr(Tensor, f"__{_dunder}__", _binary(_op))
 
 
+def is_tensor(x: Any) -> bool:
+    """Whether ``x`` is an md tensor: the ``is_leaf`` that keeps md tensors whole in ``jax.tree_util`` walks."""
+    return isinstance(x, Tensor)
+
+
 def describe(x: Any) -> str:
     """``x`` for an error message: an md tensor's shape, an array's dtype and sizes, else its type
     and value (never a JAX tracer's internals)."""
@@ -147,10 +152,7 @@ def tensor(array: Any, dims: ShapeLike | str | Sequence[str]) -> Tensor:
     a list of names, or a space-separated string of names (sizes taken from the array).
     """
     if not isinstance(array, jax.Array):
-        try:
-            array = jnp.asarray(array)
-        except TypeError:
-            raise ShapeError(f"md.tensor: {describe(array)} is not an array of numbers") from None
+        array = _as_array(array)
     if isinstance(dims, str):
         dims = dims.split()
     if not isinstance(dims, (Dim, Shape, list, tuple)):
@@ -168,3 +170,29 @@ def tensor(array: Any, dims: ShapeLike | str | Sequence[str]) -> Tensor:
             raise ShapeError(f"dim {d} does not match the array, whose axis {len(resolved)} has size {n} (array shape {tuple(array.shape)})")
         resolved.append(d)
     return Tensor(array, as_shape(resolved))
+
+
+def _as_array(data: Any) -> jax.Array:
+    """``data`` (numbers, nested lists, a numpy array) as a JAX array; ShapeError for what is not numbers,
+    and for integers that JAX's integer type would wrap (int64 values beyond int32 without
+    ``jax_enable_x64``: an id 2**40 would silently become 0)."""
+    try:
+        host = np.asarray(data)
+    except (TypeError, ValueError, OverflowError):
+        host = None
+    if host is None:
+        raise ShapeError(f"md.tensor: {describe(data)} is not an array of numbers")
+    target = jax.dtypes.canonicalize_dtype(host.dtype) if host.dtype.kind in "iu" else host.dtype
+    if host.size and np.dtype(target).itemsize < host.dtype.itemsize:
+        info = np.iinfo(target)
+        lo, hi = host.min(), host.max()
+        if lo < info.min or hi > info.max:
+            bad = hi if hi > info.max else lo
+            raise ShapeError(
+                f"md.tensor: value {bad} does not fit {np.dtype(target).name}, the integer type JAX uses here (range "
+                f"{info.min}..{info.max}; jax_enable_x64 is off), so it would wrap; keep ids and counts in that range"
+            )
+    try:
+        return jnp.asarray(host)
+    except TypeError:
+        raise ShapeError(f"md.tensor: {describe(data)} is not an array of numbers") from None

@@ -166,7 +166,11 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_is_a_one_line_md_error(case):
-    error, call, needles = CASES[case]
+    assert_one_line_md_error(case, *CASES[case])
+
+
+def assert_one_line_md_error(case, error, call, needles):
+    """``call()`` raises exactly ``error``, in one line holding every needle and no JAX internals."""
     with pytest.raises(md.MeshDslError) as info:
         call()
     message = str(info.value)
@@ -183,3 +187,120 @@ def test_rearrange_takes_dims_named_x_and_pattern():
     out = md.rearrange(t, "(n: x pattern) -> pattern x", x=3)
     assert out.names == ("pattern", "x")
     np.testing.assert_array_equal(out.numpy(), np.arange(6).reshape(3, 2).T)
+
+
+# ---- round two: every argument of the public API checked where it enters (issue 21) ----------------------------------
+
+NAN = float("nan")
+XI = md.tensor(np.ones((4, 8), np.int32), [D("a", 4), D("b", 8)])
+SEQ = md.tensor(np.ones((2, 4, 8), np.float32), "batch length d")
+Q = md.tensor(np.ones((2, 4, 3), np.float32), "heads length d_kv")
+KV = md.tensor(np.ones((2, 4, 3), np.float32), "heads memory d_kv")
+ATTENTION = md.nn.MultiHeadAttention(D("d", 8), D("heads", 2), D("d_kv", 4))
+EMBEDDING = md.nn.Embedding(D("vocab", 16), D("d", 4))
+
+
+def apply(layer, x, key=KEY):
+    """``layer(layer.init(key), x)``: a layer applied to ``x`` eagerly."""
+    return layer(layer.init(key), x)
+
+
+CASES_ROUND_TWO = {
+    # ---- tensors and dims ----
+    "tensor of None": (md.ShapeError, lambda: md.tensor(None, "a"), ["md.tensor", "None"]),
+    "tensor of ids beyond int32": (md.ShapeError, lambda: md.tensor(np.array([3, 2**40]), "a"), ["md.tensor", "1099511627776", "int32"]),
+    "tensor of uint64 beyond uint32": (md.ShapeError, lambda: md.tensor(np.array([2**33], np.uint64), "a"), ["md.tensor", "8589934592", "uint32"]),
+    "dim of 2**63": (md.ShapeError, lambda: D("a", 2**63), ["'a'", "9223372036854775808", "2**63"]),
+    "range beyond int8": (md.ShapeError, lambda: md.range(D("a", 300), jnp.int8), ["range", "a=300", "int8", "127"]),
+    "einsum of nothing": (md.ShapeError, lambda: md.einsum(), ["einsum", "at least one"]),
+    # ---- meshes, compile, explain ----
+    "mesh of one device twice": (md.LayoutError, lambda: md.Mesh({"x": 2}, devices=[jax.devices()[0]] * 2), ["devices", "twice", str(jax.devices()[0])]),
+    "mesh of a device string": (md.LayoutError, lambda: md.Mesh({"x": 2}, devices="cpu"), ["devices", "'cpu'", "jax.devices()"]),
+    "mesh larger than the simulated devices": (md.LayoutError, lambda: md.Mesh({"data": 16}),
+                                               ["16 devices", "8", "XLA_FLAGS=--xla_force_host_platform_device_count=16", "before JAX starts"]),
+    "compiled on an abstract mesh": (md.ConfigError, lambda: md.compile(reduce_a, md.Mesh.abstract({"x": 2}), "a:x")(X),
+                                     ["reduce_a", "abstract", "x=2", "md.explain"]),
+    "compiled given a keyword": (md.ShapeError, lambda: compiled(reduce_a)(t=X), ["reduce_a", "keyword", "'t'", "positional"]),
+    "explain with no arguments": (md.ConfigError, lambda: md.explain(), ["md.explain", "fn", "mesh"]),
+    # ---- random ----
+    "uniform minval nan": (md.ConfigError, lambda: md.random.uniform(KEY, [D("a", 2)], minval=NAN), ["uniform", "minval", "nan"]),
+    "uniform minval above maxval": (md.ConfigError, lambda: md.random.uniform(KEY, [D("a", 2)], minval=2.0, maxval=1.0),
+                                    ["uniform", "minval 2.0", "maxval 1.0"]),
+    "normal of int32": (md.ShapeError, lambda: md.random.normal(KEY, [D("a", 2)], dtype=jnp.int32), ["normal", "int32", "floating"]),
+    "uniform of int32": (md.ShapeError, lambda: md.random.uniform(KEY, [D("a", 2)], dtype="int32"), ["uniform", "int32", "floating"]),
+    "md.dropout rate nan": (md.ConfigError, lambda: md.dropout(KEY, X, NAN), ["dropout", "rate", "nan"]),
+    "nn.dropout rate nan": (md.ConfigError, lambda: md.nn.dropout(KEY, X, NAN), ["dropout", "rate", "nan"]),
+    "nn.dropout rate nan, deterministic": (md.ConfigError, lambda: md.nn.dropout(KEY, X, NAN, deterministic=True), ["dropout", "rate", "nan"]),
+    "nn.dropout rate a string": (md.ConfigError, lambda: md.nn.dropout(KEY, X, "0.1"), ["dropout", "rate", "'0.1'"]),
+    # ---- layers: options ----
+    "attention with a size-0 dim": (md.ShapeError, lambda: md.nn.MultiHeadAttention(D("d", 8), D("heads", 0), D("d_kv", 4)),
+                                    ["MultiHeadAttention", "heads=0", "at least 1"]),
+    "conv kernel of size 0": (md.ShapeError, lambda: md.nn.Conv2d(D("c", 3), D("o", 4), kernel=(0, 3)), ["Conv2d", "kernel", "(0, 3)"]),
+    "conv stride 0": (md.ShapeError, lambda: md.nn.Conv2d(D("c", 3), D("o", 4), stride=(1, 0)), ["Conv2d", "stride", "(1, 0)"]),
+    "linear with a size-0 dim": (md.ShapeError, lambda: md.nn.Linear(D("a", 0), D("f", 4)), ["Linear", "a=0", "at least 1"]),
+    "embedding of a size-0 vocab": (md.ShapeError, lambda: md.nn.Embedding(D("vocab", 0), D("d", 4)), ["Embedding", "vocab=0"]),
+    "MLP activation a string": (md.ConfigError, lambda: md.nn.MLP(D("a", 4), D("f", 8), activation="relu"),
+                                ["MLP", "activation", "'relu'", "md.relu"]),
+    "MoE activation a string": (md.ConfigError, lambda: md.nn.MoE(D("d", 8), D("f", 16), D("experts", 4), activation="gelu"),
+                                ["MoE", "activation", "'gelu'"]),
+    "MoE capacity_factor nan": (md.ConfigError, lambda: md.nn.MoE(D("d", 8), D("f", 16), D("experts", 4), capacity_factor=NAN),
+                                ["MoE", "capacity_factor", "nan"]),
+    "LayerNorm eps nan": (md.ConfigError, lambda: md.nn.LayerNorm(D("d", 8), eps=NAN), ["LayerNorm", "eps", "nan"]),
+    "RMSNorm eps -1": (md.ConfigError, lambda: md.nn.RMSNorm(D("d", 8), eps=-1), ["RMSNorm", "eps", "-1"]),
+    "Linear init_scale nan": (md.ConfigError, lambda: md.nn.Linear(D("a", 8), D("f", 4), init_scale=NAN), ["Linear", "init_scale", "nan"]),
+    "Embedding init_scale inf": (md.ConfigError, lambda: md.nn.Embedding(D("vocab", 8), D("f", 4), init_scale=float("inf")),
+                                 ["Embedding", "init_scale", "inf"]),
+    "attention scale nan": (md.ConfigError, lambda: md.nn.dot_product_attention(Q, KV, KV, scale=NAN), ["dot_product_attention", "scale", "nan"]),
+    # ---- layers: inputs ----
+    "Linear on int input": (md.ShapeError, lambda: apply(md.nn.Linear(D("b", 8), D("f", 4)), XI), ["Linear", "int32", "md.cast"]),
+    "MLP on int input": (md.ShapeError, lambda: apply(md.nn.MLP(D("b", 8), D("f", 4)), XI), ["MLP", "int32"]),
+    "LayerNorm on int input": (md.ShapeError, lambda: apply(md.nn.LayerNorm(D("b", 8)), XI), ["LayerNorm", "int32"]),
+    "dot_product_attention of int queries": (md.ShapeError, lambda: md.nn.dot_product_attention(md.cast(Q, "int32"), KV, KV),
+                                             ["dot_product_attention queries", "int32"]),
+    "attention on int input": (md.ShapeError, lambda: apply(ATTENTION, md.cast(SEQ, "int32")), ["MultiHeadAttention", "int32"]),
+    "Embedding of an id beyond vocab": (md.ShapeError, lambda: EMBEDDING(EMBEDDING.init(KEY), md.tensor(np.array([3, 70]), "t")),
+                                        ["Embedding", "70", "vocab=16"]),
+    "Embedding of a negative id": (md.ShapeError, lambda: EMBEDDING(EMBEDDING.init(KEY), md.tensor(np.array([-1, 2]), "t")),
+                                   ["Embedding", "-1", "vocab=16"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES_ROUND_TWO))
+def test_every_public_argument_is_checked_where_it_enters(case):
+    assert_one_line_md_error(case, *CASES_ROUND_TWO[case])
+
+
+def test_the_checks_leave_good_arguments_alone():
+    """Arguments at the edges of what the checks allow still compute the reference values."""
+    np.testing.assert_array_equal(md.tensor(np.array([0, 2**31 - 1]), "a").numpy(), [0, 2**31 - 1])
+    np.testing.assert_array_equal(md.range(D("a", 128), jnp.int8).numpy(), np.arange(128))
+    u = md.random.uniform(KEY, [D("a", 64)], minval=-2.0, maxval=-2.0).numpy()
+    np.testing.assert_array_equal(u, np.full(64, -2.0, np.float32))
+    table = EMBEDDING.init(KEY)
+    ids = np.array([0, 15, 7])
+    np.testing.assert_array_equal(EMBEDDING(table, md.tensor(ids, "t")).numpy(), table.numpy()[ids])
+    np.testing.assert_array_equal(md.nn.dropout(None, X, 0.0).numpy(), X.numpy())
+    zero = md.nn.Linear(D("b", 8), D("f", 4), init_scale=0.0)
+    np.testing.assert_array_equal(apply(zero, X).numpy(), np.zeros((4, 4), np.float32))
+
+
+def test_embedding_ids_traced_out_of_range_give_zeros():
+    """Inside a traced function ids cannot be read, so ids outside the vocab give zero rows (as md.gather)."""
+    table = EMBEDDING.init(KEY)
+    out = jax.jit(lambda t, i: EMBEDDING(t, i).array)(table, md.tensor(np.array([3, 70, -1]), "t"))
+    np.testing.assert_array_equal(np.asarray(out), np.stack([table.numpy()[3], np.zeros(4), np.zeros(4)]))
+
+
+def test_the_readme_mesh_on_one_cpu_device_names_the_flag():
+    """The README's first program run without XLA_FLAGS (one CPU device): the error says how to get 8."""
+    import subprocess
+    import sys
+
+    import harness
+
+    program = "import meshdsl as md\nmd.Mesh({'data': 4, 'model': 2})\n"
+    done = subprocess.run([sys.executable, "-c", program], env=harness.subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("meshdsl.errors.LayoutError: mesh data=4 model=2 needs 8 devices, but only 1 are available"), last
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts" in last, last

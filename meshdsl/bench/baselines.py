@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 import meshdsl as md
+from meshdsl.tensor import is_tensor
 from meshdsl import relayout
 from meshdsl.bench.timing import CompiledStep, losses_from
 from meshdsl.model_loader import shipped_name
@@ -39,10 +40,6 @@ RTOL = 1e-5
 
 Constrain = Callable[[jax.Array, str], jax.Array]
 """``constrain(x, "batch length d_model")``: ``x`` with the sharding the layout gives those dims."""
-
-
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, md.Tensor)
 
 
 def _sharding(mesh: md.Mesh, layout: md.Layout, names: str) -> NamedSharding:
@@ -186,14 +183,14 @@ def _loss_and_grads(kind: str, config: Any, mesh: md.Mesh, layout: md.Layout, gr
 def _whole(tree: Any) -> Any:
     """``tree`` with every md tensor rebuilt as a global one (no layout, no pending sums): one pytree
     structure for the state in and out of the step, whatever the optimizer's ops record."""
-    return jax.tree_util.tree_map(lambda t: md.Tensor(t.array, t.shape) if _is_tensor(t) else t, tree, is_leaf=_is_tensor)
+    return jax.tree_util.tree_map(lambda t: md.Tensor(t.array, t.shape) if is_tensor(t) else t, tree, is_leaf=is_tensor)
 
 
 def _state_shardings(tree: Any, mesh: md.Mesh, stored: md.Layout) -> Any:
     """Shardings of the parameters and optimizer state: each md tensor split by its dims under the
     stored rules, as meshdsl stores it (a prefix of the pytree); the rest (step counts) replicated."""
     scalar = NamedSharding(mesh.jax_mesh, PartitionSpec())
-    return jax.tree_util.tree_map(lambda t: _sharding(mesh, stored, " ".join(t.names)) if _is_tensor(t) else scalar, tree, is_leaf=_is_tensor)
+    return jax.tree_util.tree_map(lambda t: _sharding(mesh, stored, " ".join(t.names)) if is_tensor(t) else scalar, tree, is_leaf=is_tensor)
 
 
 @dataclasses.dataclass
@@ -232,9 +229,9 @@ def make_step(model: Any, layout: md.Layout, mesh: md.Mesh, state: dict, data: j
     def step(s: tuple) -> tuple[tuple, jax.Array]:
         params, opt, count = s
         batch = make_batch(jax.random.fold_in(jax.random.wrap_key_data(data), count), config)
-        arrays = jax.tree_util.tree_map(lambda t: t.array, params, is_leaf=_is_tensor)
+        arrays = jax.tree_util.tree_map(lambda t: t.array, params, is_leaf=is_tensor)
         loss, grads = loss_and_grads(arrays, batch)
-        grads = jax.tree_util.tree_map(lambda t, g: md.Tensor(g, t.shape), params, grads, is_leaf=_is_tensor)
+        grads = jax.tree_util.tree_map(lambda t, g: md.Tensor(g, t.shape), params, grads, is_leaf=is_tensor)
         params, opt = optimizer.update(grads, opt, params, count)
         return (_whole(params), _whole(opt), count + 1), loss
 

@@ -12,7 +12,7 @@ from meshdsl.dims import Dim
 from meshdsl.errors import ShapeError
 from meshdsl.nn.attention_core import dot_product_attention
 from meshdsl.nn.linear import Linear
-from meshdsl.nn.params import Stack, cast_like, check_has
+from meshdsl.nn.params import Stack, cast_like, check_float, check_has, check_sizes
 from meshdsl.nn.rotary import Rotary
 from meshdsl.ops.concat import unstack
 from meshdsl.ops.einsum import einsum
@@ -65,12 +65,15 @@ class MultiHeadAttention:
     rotary: Rotary | None = None
 
     def __post_init__(self) -> None:
+        check_sizes("MultiHeadAttention", [self.model, self.heads, self.d_kv])
         names = [self.model.name, self.heads.name, self.d_kv.name, self.length, self.memory]
         names += [self.fused] if self.kv_heads is None else [self.fused_kv, self.kv_heads.name]
         if len(set(names)) != len(names):
             raise ShapeError(f"MultiHeadAttention: dim names {names} must be distinct")
         if self.kv_heads is not None and not isinstance(self.kv_heads, Dim):
             raise ShapeError(f"MultiHeadAttention: kv_heads must be an md.Dim, got {self.kv_heads!r}")
+        if self.kv_heads is not None:
+            check_sizes("MultiHeadAttention", [self.kv_heads])
         if self.rotary is not None and (self.rotary.depth != self.d_kv or self.rotary.length != self.length):
             raise ShapeError(f"MultiHeadAttention: rotary over {self.rotary.depth} and {self.rotary.length!r} "
                              f"must be over this layer's d_kv {self.d_kv} and length {self.length!r}")
@@ -115,6 +118,7 @@ class MultiHeadAttention:
         return y + cast_like(params["bias"], x) if self.bias else y
 
     def __call__(self, params: dict[str, Any], x: Tensor, *, mask: Tensor | None = None) -> Tensor:
+        check_float("MultiHeadAttention", x)
         check_has("MultiHeadAttention", x, [self.model], "model")
         if self.length not in x.shape:
             raise ShapeError(f"MultiHeadAttention: input {x.shape} has no length dim {self.length!r}")

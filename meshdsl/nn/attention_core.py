@@ -44,9 +44,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshdsl.arguments import number
 from meshdsl.dims import DimLike, Shape
 from meshdsl.errors import ShapeError
 from meshdsl.lowering.context import current, op
+from meshdsl.nn.params import check_float
 from meshdsl.ops import elementwise
 from meshdsl.ops.einsum import einsum
 from meshdsl.ops.indexing import range as md_range
@@ -106,6 +108,10 @@ def dot_product_attention(
     ``scale`` multiplies the logits (default ``1 / sqrt(d_kv)``); ``implementation`` is passed to
     ``jax.nn.dot_product_attention`` (None, "xla" or "cudnn").
     """
+    for role, x in (("queries", q), ("keys", k), ("values", v)):
+        check_float(f"dot_product_attention {role}", x)
+    if scale is not None:
+        number(scale, "dot_product_attention: scale", above=0.0)
     h, t, s, d = map(_name, (heads, length, memory, depth))
     batch, groups = _check(q, k, v, h, t, s, d, mask)
     scale = q.shape[d].size ** -0.5 if scale is None else scale

@@ -6,10 +6,11 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 
 from meshdsl.dims import Dim
 from meshdsl.errors import ShapeError
-from meshdsl.nn.params import Stack, cast_like, scaled_normal
+from meshdsl.nn.params import Stack, cast_like, check_float, check_scale, check_sizes, scaled_normal
 from meshdsl.ops.conv import conv2d
 from meshdsl.ops.creation import zeros
 from meshdsl.tensor import Tensor
@@ -43,6 +44,12 @@ class Conv2d:
     init_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        check_sizes("Conv2d channels", [self.in_channels, self.out_channels])
+        for what, pair in (("kernel", self.kernel), ("stride", self.stride)):
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(_positive_int(n) for n in pair)):
+                raise ShapeError(f"Conv2d: {what} must be a pair of positive ints (height, width), got {pair!r}")
+            object.__setattr__(self, what, tuple(int(n) for n in pair))
+        check_scale("Conv2d", self.init_scale)
         names = [self.in_channels.name, self.out_channels.name, self.height, self.width, self.kernel_height, self.kernel_width]
         if len(set(names)) != len(names):
             raise ShapeError(f"Conv2d: dim names {names} must be distinct")
@@ -57,9 +64,14 @@ class Conv2d:
         return {"kernel": kernel, "bias": zeros([*stack, self.out_channels])} if self.bias else kernel
 
     def __call__(self, params: Any, x: Tensor) -> Tensor:
+        check_float("Conv2d", x)
         kernel = params["kernel"] if self.bias else params
         y = conv2d(
             x, cast_like(kernel, x), self.height, self.width, self.in_channels, self.out_channels,
             self.kernel_height, self.kernel_width, padding=self.padding, stride=self.stride,
         )
         return y + cast_like(params["bias"], x) if self.bias else y
+
+
+def _positive_int(n: Any) -> bool:
+    return isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshdsl.dims import ShapeLike
-from meshdsl.random import dropout as _dropout
+from meshdsl.random import check_rate, dropout as _dropout
 from meshdsl.tensor import Tensor
 
 
@@ -16,6 +16,5 @@ def dropout(key: Any, x: Tensor, rate: float, *, deterministic: bool = False, no
     The mask is ``md.random``'s: the same under every layout, each device drawing only its block.
     ``noise_shape`` (a subset of ``x``'s dims) shares one draw across the dims it leaves out.
     """
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
-    return x if deterministic or rate == 0.0 else _dropout(key, x, rate, noise_shape)
+    check_rate(rate)
+    return x if deterministic else _dropout(key, x, rate, noise_shape)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from meshdsl import random
 from meshdsl.dims import Dim
 from meshdsl.errors import ShapeError
-from meshdsl.nn.params import Dims, Stack, as_dims, cast_like, check_has
+from meshdsl.nn.params import Dims, Stack, as_dims, cast_like, check_float, check_has, check_scale, check_sizes
 from meshdsl.ops.einsum import einsum
 from meshdsl.ops.indexing import gather
 from meshdsl.tensor import Tensor
@@ -33,6 +35,8 @@ class Embedding:
     init_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        check_sizes("Embedding vocab", [self.vocab])
+        check_scale("Embedding", self.init_scale)
         object.__setattr__(self, "features", as_dims(self.features, "Embedding features"))
         if self.vocab.name in {d.name for d in self.features}:
             raise ShapeError(f"Embedding: vocab {self.vocab} is also a feature dim")
@@ -42,12 +46,29 @@ class Embedding:
         return random.normal(key, [*stack, self.vocab, *self.features]) * self.init_scale
 
     def __call__(self, table: Tensor, ids: Tensor) -> Tensor:
-        """The rows of ``table`` at integer ``ids``: ``ids.shape + features``."""
+        """The rows of ``table`` at integer ``ids``: ``ids.shape + features``. Concrete ids (outside a traced
+        function) outside ``[0, vocab)`` are a ShapeError; traced ones cannot be read and give zero rows."""
+        _check_ids(ids, self.vocab)
         return gather(table, ids, self.vocab.name)
 
     def unembed(self, table: Tensor, x: Tensor) -> Tensor:
         """Tied output logits ``x . table`` over the features: ``x``'s other dims, then ``vocab``
         (no collective when ``vocab`` is split: each device makes its block of logits)."""
+        check_float("Embedding.unembed", x)
         check_has("Embedding.unembed", x, self.features, "feature")
         names = {d.name for d in self.features}
         return einsum(x, cast_like(table, x), out=[d for d in x.shape if d.name not in names] + [self.vocab])
+
+
+def _check_ids(ids: Tensor, vocab: Dim) -> None:
+    """ShapeError for concrete ``ids`` outside ``[0, vocab)`` (a traced id cannot be read: it gives a zero row)."""
+    if not isinstance(ids, Tensor) or not jnp.issubdtype(ids.dtype, jnp.integer):
+        return  # md.gather names a wrong kind of ids
+    if isinstance(ids.array, jax.core.Tracer):
+        return
+    values = np.asarray(ids.array)
+    bad = values[(values < 0) | (values >= vocab.size)]
+    if bad.size:
+        raise ShapeError(
+            f"Embedding: id {bad.flat[0]} of ids {ids.shape} is outside the vocab {vocab} (ids are 0..{vocab.size - 1})"
+        )

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 
 from meshdsl.errors import ShapeError
-from meshdsl.nn.params import Dims, Stack, as_dims, cast_like, check_has, scaled_normal, size
+from meshdsl.nn.params import Dims, Stack, as_dims, cast_like, check_float, check_has, check_scale, scaled_normal, size
 from meshdsl.ops.creation import zeros
 from meshdsl.ops.einsum import einsum
 from meshdsl.tensor import Tensor
@@ -36,6 +36,7 @@ class Linear:
 
     def __post_init__(self) -> None:
         ins, outs = as_dims(self.inputs, "Linear inputs"), as_dims(self.outputs, "Linear outputs")
+        check_scale("Linear", self.init_scale)
         names = [d.name for d in (*ins, *outs)]
         if len(set(names)) != len(names):
             raise ShapeError(f"Linear: inputs {list(map(str, ins))} and outputs {list(map(str, outs))} must have distinct names")
@@ -48,6 +49,7 @@ class Linear:
         return {"kernel": w, "bias": zeros([*stack, *self.outputs])} if self.bias else w
 
     def __call__(self, params: Any, x: Tensor) -> Tensor:
+        check_float("Linear", x)
         w = params["kernel"] if self.bias else params
         check_has("Linear", x, self.inputs, "input")
         extra = [n for n in w.names if n not in x.shape and n not in {d.name for d in self.outputs}]

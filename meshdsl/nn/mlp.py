@@ -7,8 +7,9 @@ from typing import Any, Callable
 
 import jax
 
+from meshdsl.errors import ConfigError
 from meshdsl.nn.linear import Linear
-from meshdsl.nn.params import Dims, Stack, as_dims
+from meshdsl.nn.params import Dims, Stack, as_dims, check_float
 from meshdsl.ops.elementwise import gelu
 from meshdsl.tensor import Tensor
 
@@ -31,6 +32,10 @@ class MLP:
     bias: bool = False
 
     def __post_init__(self) -> None:
+        if not callable(self.activation):
+            raise ConfigError(
+                f"MLP: activation must be a function of an md tensor (e.g. md.relu, md.gelu), got {self.activation!r}"
+            )
         object.__setattr__(self, "inputs", as_dims(self.inputs, "MLP inputs"))
         object.__setattr__(self, "hidden", as_dims(self.hidden, "MLP hidden"))
         object.__setattr__(self, "outputs", self.inputs if self.outputs is None else as_dims(self.outputs, "MLP outputs"))
@@ -48,5 +53,6 @@ class MLP:
         return {"w_in": self.input_projection.init(k_in, stack), "w_out": self.output_projection.init(k_out, stack)}
 
     def __call__(self, params: dict[str, Any], x: Tensor) -> Tensor:
+        check_float("MLP", x)
         hidden = self.activation(self.input_projection(params["w_in"], x))
         return self.output_projection(params["w_out"], hidden)

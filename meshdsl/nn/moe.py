@@ -9,10 +9,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from meshdsl.arguments import number
 from meshdsl.dims import Dim
-from meshdsl.errors import ShapeError
+from meshdsl.errors import ConfigError, ShapeError
 from meshdsl.nn.linear import Linear
-from meshdsl.nn.params import Stack
+from meshdsl.nn.params import Stack, check_float, check_sizes
 from meshdsl.ops.einsum import einsum
 from meshdsl.ops.elementwise import cast, equal, gelu
 from meshdsl.ops.indexing import cumsum, one_hot, range as md_range, top_k
@@ -70,10 +71,14 @@ class MoE:
     choices: str = "top"
 
     def __post_init__(self) -> None:
-        if not 1 <= self.top <= self.experts.size:
-            raise ShapeError(f"MoE: top {self.top} must be between 1 and {self.experts}")
-        if self.capacity_factor <= 0:
-            raise ShapeError(f"MoE: capacity_factor must be positive, got {self.capacity_factor}")
+        check_sizes("MoE", [self.model, self.hidden, self.experts])
+        if isinstance(self.top, bool) or not isinstance(self.top, int) or not 1 <= self.top <= self.experts.size:
+            raise ShapeError(f"MoE: top {self.top!r} must be an int between 1 and {self.experts}")
+        number(self.capacity_factor, "MoE: capacity_factor", above=0.0)
+        if not callable(self.activation):
+            raise ConfigError(
+                f"MoE: activation must be a function of an md tensor (e.g. md.gelu), got {self.activation!r}"
+            )
         names = [self.model.name, self.hidden.name, self.experts.name, self.group, self.tokens, self.experts_unsplit, self.groups, self.capacity, self.choices]
         if len(set(names)) != len(names):
             raise ShapeError(f"MoE: dim names {names} must be distinct")
@@ -129,6 +134,7 @@ class MoE:
         return dispatch, combine, aux
 
     def __call__(self, params: dict[str, Any], x: Tensor) -> tuple[Tensor, Tensor]:
+        check_float("MoE", x)
         if sorted(x.names) != sorted([self.group, self.tokens, self.model.name]) or x.shape[self.model.name] != self.model:
             raise ShapeError(f"MoE: input {x.shape} must have exactly the dims {self.group}, {self.tokens} and {self.model}")
         b, dm, E = x.shape[self.group], self.model, self.experts

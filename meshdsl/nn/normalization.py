@@ -7,7 +7,8 @@ from typing import Any
 
 import jax
 
-from meshdsl.nn.params import Dims, Stack, as_dims, cast_like, check_has
+from meshdsl.arguments import number
+from meshdsl.nn.params import Dims, Stack, as_dims, cast_like, check_float, check_has
 from meshdsl.ops.creation import ones, zeros
 from meshdsl.ops.elementwise import rsqrt, square
 from meshdsl.ops.reduction import reduce_mean
@@ -28,12 +29,14 @@ class RMSNorm:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dims", as_dims(self.dims, "RMSNorm dims"))
+        number(self.eps, "RMSNorm: eps", at_least=0.0)
 
     def init(self, key: jax.Array | None = None, stack: Stack = ()) -> Tensor:
         """Ones ``[*stack, *dims]`` (``key`` is not used: the init is constant)."""
         return ones([*stack, *self.dims])
 
     def __call__(self, scale: Tensor, x: Tensor) -> Tensor:
+        check_float("RMSNorm", x)
         check_has("RMSNorm", x, self.dims, "normalized")
         return x * rsqrt(reduce_mean(square(x), list(self.dims)) + self.eps) * cast_like(scale, x)
 
@@ -52,6 +55,7 @@ class LayerNorm:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dims", as_dims(self.dims, "LayerNorm dims"))
+        number(self.eps, "LayerNorm: eps", at_least=0.0)
 
     def init(self, key: jax.Array | None = None, stack: Stack = ()) -> Any:
         """Ones ``[*stack, *dims]`` (and zeros for the bias); ``key`` is not used."""
@@ -59,6 +63,7 @@ class LayerNorm:
         return {"scale": scale, "bias": zeros([*stack, *self.dims])} if self.bias else scale
 
     def __call__(self, params: Any, x: Tensor) -> Tensor:
+        check_float("LayerNorm", x)
         check_has("LayerNorm", x, self.dims, "normalized")
         scale = params["scale"] if self.bias else params
         dims = list(self.dims)

@@ -6,12 +6,14 @@ import math
 from typing import Sequence, Union
 
 import jax
+import jax.numpy as jnp
 
 from meshdsl import random
+from meshdsl.arguments import number
 from meshdsl.dims import Dim
 from meshdsl.errors import ShapeError
 from meshdsl.ops.elementwise import cast
-from meshdsl.tensor import Tensor
+from meshdsl.tensor import Tensor, describe
 
 Dims = Union[Dim, Sequence[Dim]]
 Stack = Sequence[Dim]
@@ -25,7 +27,35 @@ def as_dims(dims: Dims, what: str) -> tuple[Dim, ...]:
     out = (dims,) if isinstance(dims, Dim) else tuple(dims) if isinstance(dims, (list, tuple)) else ()
     if not out or not all(isinstance(d, Dim) for d in out):
         raise ShapeError(f"{what}: expected an md.Dim or a non-empty sequence of md.Dims (sizes are needed), got {dims!r}")
+    check_sizes(what, out)
     return out
+
+
+def check_sizes(what: str, dims: Sequence[Dim]) -> None:
+    """ShapeError naming ``what`` unless every dim of ``dims`` is an md.Dim of size at least 1 (a size-0
+    dim makes an empty weight: its init divides by a fan-in of 0, its output is silently all zeros)."""
+    for d in dims:
+        if not isinstance(d, Dim):
+            raise ShapeError(f"{what}: expected an md.Dim (sizes are needed), got {d!r}")
+        if d.size < 1:
+            raise ShapeError(f"{what}: dim {d} has size {d.size}; a layer's dims need a size of at least 1")
+
+
+def check_float(layer: str, x: Tensor) -> None:
+    """ShapeError unless the input ``x`` is floating: layers compute in their input's dtype, so integer
+    inputs would cast the weights to integers (mostly zeros) and return zeros."""
+    if not isinstance(x, Tensor):
+        raise ShapeError(f"{layer}: input must be an md tensor, got {describe(x)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ShapeError(
+            f"{layer}: input {x.shape} is {x.dtype}, but a layer computes in its input's float dtype; "
+            "cast it first (md.cast(x, 'float32')), or look integer ids up with md.nn.Embedding"
+        )
+
+
+def check_scale(layer: str, init_scale: float) -> None:
+    """ConfigError unless ``init_scale`` is a finite number of at least 0 (0: zero weights)."""
+    number(init_scale, f"{layer}: init_scale", at_least=0.0)
 
 
 def scaled_normal(key: jax.Array, dims: Sequence[Dim], fan_in: int, scale: float) -> Tensor:

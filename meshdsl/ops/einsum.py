@@ -61,6 +61,8 @@ def einsum(*tensors: Tensor, out: Sequence[DimLike] | Shape | str | None = None)
     """
     if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
         tensors = tuple(tensors[0])
+    if not tensors:
+        raise ShapeError("einsum: needs at least one md tensor, got none")
     for i, t in enumerate(tensors):
         if not isinstance(t, Tensor):
             raise ShapeError(f"einsum: input {i} must be an md tensor, got {describe(t)}")

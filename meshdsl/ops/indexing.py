@@ -222,6 +222,14 @@ def range(dim: Dim, dtype: Any = jnp.int32) -> Tensor:  # noqa: A001  (md.range,
     if not isinstance(dim, Dim):
         raise ShapeError(f"range: dim must be an md.Dim (name and size), got {describe(dim)}")
     dtype = dtype_of(dtype, "range")
+    if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
+        raise ShapeError(f"range: dtype {dtype.name} is neither an integer nor a float dtype")
+    exact = jnp.iinfo(dtype).max if jnp.issubdtype(dtype, jnp.integer) else 2 ** (jnp.finfo(dtype).nmant + 1)
+    if dim.size - 1 > exact:
+        raise ShapeError(
+            f"range: {dim} counts to {dim.size - 1}, but {dtype.name} holds integers exactly only up to {exact}; "
+            "use a wider dtype"
+        )
     with jax.named_scope("md.range"):
         lowering = current()
         shape = Shape([dim])

@@ -25,11 +25,7 @@ import numpy as np
 from meshdsl.dims import DimLike, Shape
 from meshdsl.errors import ShapeError
 from meshdsl.lowering.context import current
-from meshdsl.tensor import Tensor, describe
-
-
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, Tensor)
+from meshdsl.tensor import Tensor, describe, is_tensor
 
 
 _DATA_MOVEMENT = frozenset(
@@ -64,7 +60,7 @@ def _refetch_gathered(primitive: Any, *args: Any, **params: Any) -> bool:
 
 def _arrays(tree: Any) -> list[Any]:
     """The arrays of a pytree of md tensors and arrays (a tensor's local array)."""
-    leaves = jax.tree_util.tree_leaves(tree, is_leaf=_is_tensor)
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=is_tensor)
     return [t._data if isinstance(t, Tensor) else t for t in leaves if isinstance(t, (Tensor, jax.Array))]
 
 
@@ -76,7 +72,7 @@ def _vary_like(vary: Callable[..., Any], tree: Any, like: Any) -> Any:
             return Tensor(vary(t._data, other._data), t.shape, t.pending, t.layout)
         return vary(t, other) if isinstance(t, jax.Array) else t
 
-    return jax.tree_util.tree_map(one, tree, like, is_leaf=_is_tensor)
+    return jax.tree_util.tree_map(one, tree, like, is_leaf=is_tensor)
 
 
 def _leaf_type(t: Any) -> str:
@@ -88,8 +84,8 @@ def _leaf_type(t: Any) -> str:
 
 def _check_carry(init: Any, out: Any) -> None:
     """A ShapeError unless the step's carry ``out`` has ``init``'s structure, dims and dtypes."""
-    ins = jax.tree_util.tree_flatten_with_path(init, is_leaf=_is_tensor)
-    outs = jax.tree_util.tree_flatten_with_path(out, is_leaf=_is_tensor)
+    ins = jax.tree_util.tree_flatten_with_path(init, is_leaf=is_tensor)
+    outs = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_tensor)
     if ins[1] != outs[1]:
         raise ShapeError(f"md.scan: fn returns a carry shaped {outs[1]} for one shaped {ins[1]}: the carry keeps its structure")
     for (path, t), (_, u) in zip(ins[0], outs[0]):
@@ -106,7 +102,7 @@ def scan(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: Dim
     """
     with jax.named_scope("md.scan"):
         lowering = current()
-        leaves, treedef = jax.tree_util.tree_flatten(xs, is_leaf=_is_tensor)
+        leaves, treedef = jax.tree_util.tree_flatten(xs, is_leaf=is_tensor)
         tensors = [x for x in leaves if isinstance(x, Tensor)]
         if not tensors:
             raise ShapeError("md.scan: xs holds no md tensor to scan over")
@@ -119,7 +115,7 @@ def scan(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: Dim
         def settle(carry: Any) -> Any:
             """The carry in its own layout with no pending sums, so every step's carry has one type."""
             return jax.tree_util.tree_map(
-                lambda t: lowering.finish(lowering.prepare(t), t.shape) if isinstance(t, Tensor) else t, carry, is_leaf=_is_tensor
+                lambda t: lowering.finish(lowering.prepare(t), t.shape) if isinstance(t, Tensor) else t, carry, is_leaf=is_tensor
             )
 
         init = settle(init)
@@ -187,4 +183,4 @@ def scan(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: Dim
             layout = None if t.layout is None else ((),) + t.layout
             return lowering.finish(t._data, shape, layout)
 
-        return carry, jax.tree_util.tree_map(stack, ys, is_leaf=_is_tensor)
+        return carry, jax.tree_util.tree_map(stack, ys, is_leaf=is_tensor)

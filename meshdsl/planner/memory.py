@@ -31,6 +31,7 @@ from typing import AbstractSet as Set, Any, Mapping
 import jax
 
 import meshdsl as md
+from meshdsl.tensor import is_tensor
 from meshdsl.planner.program import Block, Step, nbytes
 
 FUSIBLE = frozenset(
@@ -69,15 +70,11 @@ class MemoryBreakdown:
         return self.state + self.peak_temporaries
 
 
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, md.Tensor)
-
-
 def local_bytes(tree: Any, layout: md.Layout, mesh: md.Mesh) -> int:
     """Bytes one device holds of ``tree`` (md tensors split as ``layout`` says; other leaves whole)."""
     total = 0
-    for leaf in jax.tree_util.tree_leaves(tree, is_leaf=_is_tensor):
-        if _is_tensor(leaf):
+    for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_tensor):
+        if is_tensor(leaf):
             split = 1
             for axes in layout.axes(leaf.shape, mesh):
                 for a in axes:

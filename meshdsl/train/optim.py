@@ -20,18 +20,15 @@ import jax.numpy as jnp
 import optax
 
 import meshdsl as md
+from meshdsl.tensor import is_tensor
 from meshdsl.errors import ConfigError
 from meshdsl.dims import Dim
 
 Params = Any
 
 
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, md.Tensor)
-
-
 def _tensors(tree: Any) -> list[md.Tensor]:
-    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_tensor) if isinstance(x, md.Tensor)]
+    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_tensor) if isinstance(x, md.Tensor)]
 
 
 def global_norm(tree: Any) -> md.Tensor:
@@ -53,7 +50,7 @@ def global_norm(tree: Any) -> md.Tensor:
 def clip_by_global_norm(tree: Any, max_norm: float) -> Any:
     """``tree`` scaled so its global norm is at most ``max_norm``."""
     scale = md.minimum(1.0, max_norm / md.maximum(global_norm(tree), 1e-12))
-    return jax.tree_util.tree_map(lambda t: md.cast(t * scale, t.dtype) if _is_tensor(t) else t, tree, is_leaf=_is_tensor)
+    return jax.tree_util.tree_map(lambda t: md.cast(t * scale, t.dtype) if is_tensor(t) else t, tree, is_leaf=is_tensor)
 
 
 class Optimizer(Protocol):
@@ -123,7 +120,7 @@ class Adafactor:
 
     def init(self, params: Params) -> Any:
         def moments(p: Any) -> Any:
-            if not _is_tensor(p):
+            if not is_tensor(p):
                 return p
             dims = self.factored_dims(p.shape)
             if dims is None:
@@ -131,7 +128,7 @@ class Adafactor:
             d0, d1 = dims
             return {"vr": md.zeros(p.shape.without([d0])), "vc": md.zeros(p.shape.without([d1]))}
 
-        return jax.tree_util.tree_map(moments, params, is_leaf=_is_tensor)
+        return jax.tree_util.tree_map(moments, params, is_leaf=is_tensor)
 
     def update(self, grads: Params, state: Any, params: Params, step: jax.Array) -> tuple[Params, Any]:
         t = jnp.asarray(step, jnp.float32) + 1.0
@@ -156,10 +153,10 @@ class Adafactor:
             scale = md.maximum(_rms(p), self.epsilon2) * lr if self.multiply_by_parameter_scale else lr
             return md.cast(p - x * scale, p.dtype), new
 
-        flat_p, treedef = jax.tree_util.tree_flatten(params, is_leaf=_is_tensor)
+        flat_p, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_tensor)
         flat_g = treedef.flatten_up_to(grads)
         flat_s = treedef.flatten_up_to(state)
-        out = [one(p, g, s) if _is_tensor(p) else (p, s) for p, g, s in zip(flat_p, flat_g, flat_s)]
+        out = [one(p, g, s) if is_tensor(p) else (p, s) for p, g, s in zip(flat_p, flat_g, flat_s)]
         return treedef.unflatten([o[0] for o in out]), treedef.unflatten([o[1] for o in out])
 
 
