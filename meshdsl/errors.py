@@ -26,3 +26,8 @@ class ConfigError(MeshDslError):
 
 class DataError(MeshDslError):
     """A token file that is missing, malformed, too short, or holds ids outside the vocabulary."""
+
+
+class WriteError(MeshDslError):
+    """An output that could not be written once the work had started (disk full, a read-only disk,
+    a file size limit): the message names the file, the cause and what is intact."""

@@ -230,12 +230,26 @@ def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None,
     ``run.save_every`` steps and after the last; with ``run.resume`` it continues from the latest
     checkpoint there, so the losses returned are those of steps ``run.steps - len(losses) + 1``
     to ``run.steps``. Mistakes in ``run`` raise before anything is compiled (:func:`check`);
-    rules of the layout that name no dim of the model are warned about on ``err``.
+    rules of the layout that name no dim of the model are warned about on ``err``. The checkpoint
+    dir is locked for the run (a second run on it is a ConfigError before anything is built).
     """
     check(run)
+    manager = None if run.checkpoint_dir is None else md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
+    if manager is None:
+        return _train(run, out, mesh, err, None)
+    note = manager.acquire()
+    if note is not None:
+        err.write(f"meshdsl train: note: {note}\n")
+    try:
+        return _train(run, out, mesh, err, manager)
+    finally:
+        manager.release()
+
+
+def _train(run: RunConfig, out: TextIO, mesh: md.Mesh | None, err: TextIO, manager: md.checkpoint.CheckpointManager | None) -> list[float]:
+    """:func:`train` after its checks, with the checkpoint dir (if any) locked."""
     if not distributed.is_primary():
         out = err = io.StringIO()
-    manager = None if run.checkpoint_dir is None else md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
     trainer = build_trainer(run, mesh)
     model, mesh, layout = trainer.model, trainer.mesh, trainer.layout
     for warning in rule_warnings(run.layout, layout, run.model, model):

@@ -1,0 +1,233 @@
+"""Faults from outside: checkpoints damaged or shared, disks that fill, outputs that are inputs, bad flags.
+
+Each command case asserts its exit status, a single line ``meshdsl <command>: error: ...`` naming
+the problem, no traceback, and that the files around it are exactly as before. The multi-process
+faults (a frozen process) are in ``tests/test_multiprocess.py``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import meshdsl as md
+from meshdsl import cli
+from meshdsl.train.loop import RunConfig, train
+
+ROOT = Path(__file__).resolve().parents[1]
+MLP = ["--model", "mlp", "--preset", "tiny"]
+HANG_GUARD_S = 600  # only stops a hung run from stalling CI; never a performance bound
+
+
+def _snapshot(root: Path) -> dict[str, Any]:
+    """Every file's bytes and every directory under ``root``, by relative path."""
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def _one_line(err: str, *expected: str) -> str:
+    """The single error line of ``err``, holding each of ``expected``; no traceback."""
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert re.match(r"meshdsl (train|bench|explain|calibrate|search|launch): error: \S", lines[0]), err
+    for text in expected:
+        assert text in lines[0], (text, lines[0])
+    return lines[0]
+
+
+def _state(mesh: md.Mesh, layout: md.Layout) -> dict:
+    """Two tensors of one shape (so a swapped pointer would load silently), an array, a None."""
+    rng = np.random.default_rng(0)
+    shape = md.Shape([md.Dim("d_model", 16), md.Dim("d_ff", 8)])
+
+    def tensor() -> md.Tensor:
+        return md.Tensor(jax.device_put(rng.standard_normal(shape.sizes).astype(np.float32), layout.sharding(mesh, shape)), shape)
+
+    return {"mu": {"norm1": tensor(), "norm2": tensor()}, "count": jnp.int32(3), "empty": None}
+
+
+def _cli_env() -> dict[str, str]:
+    return {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_llvm_disable_expensive_passes=true"}
+
+
+def _meshdsl(*argv: str, cwd: Path, env: dict[str, str] | None = None, **kwargs: Any) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshdsl.cli", *argv], cwd=cwd, env=env or _cli_env(), capture_output=True,
+                          text=True, timeout=HANG_GUARD_S, check=False, **kwargs)
+
+
+# ---- checkpoints: the manifest's checksum ---------------------------------------------------------------------------
+
+
+def test_a_changed_array_pointer_in_the_manifest_is_detected(tmp_path: Path) -> None:
+    """The issue's case: one digit of a leaf's ``arrays/N`` changed so it names another array of the
+    same shape. Before the checksum, mu['norm1'] silently loaded mu['norm2']."""
+    mesh, layout = md.Mesh({"data": 8}), md.Layout("d_model:data")
+    md.checkpoint.save(tmp_path / "good", _state(mesh, layout))
+    manifest = json.loads((tmp_path / "good" / "manifest.json").read_text())
+    first, second = (r for r in manifest["leaves"] if r["path"].startswith("['mu']"))
+    first["array"] = second["array"]
+    (tmp_path / "good" / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    with pytest.raises(md.DataError, match=r"good' is corrupt: manifest.json does not match its checksum"):
+        md.checkpoint.restore(tmp_path / "good", mesh, layout)
+    manifest["metadata"]["lr"] = 1.0  # any other edit too
+    (tmp_path / "good" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(md.DataError, match="does not match its checksum"):
+        md.checkpoint.read_manifest(tmp_path / "good")
+
+
+def test_none_leaves_survive_a_restore_without_like(tmp_path: Path) -> None:
+    mesh, layout = md.Mesh({"data": 8}), md.Layout("d_model:data")
+    state = _state(mesh, layout)
+    md.checkpoint.save(tmp_path / "c", state)
+    got, _ = md.checkpoint.restore(tmp_path / "c", mesh, layout)
+    assert got["empty"] is None and set(got) == {"mu", "count", "empty"}
+    np.testing.assert_array_equal(np.asarray(got["mu"]["norm2"].array), np.asarray(state["mu"]["norm2"].array))
+    liked, _ = md.checkpoint.restore(tmp_path / "c", mesh, layout, like=state)
+    assert liked["empty"] is None and int(liked["count"]) == 3
+
+
+def test_fsdp_parameters_restored_with_the_compute_layout_keep_their_split(tmp_path: Path) -> None:
+    """FSDP: parameters are stored split by the ``params`` rules. Restoring with the compute layout
+    (whose rules do not split d_model) once replicated them: each device held the whole tensor."""
+    mesh = md.Mesh({"data": 8})
+    fsdp = md.Layout("batch:data", params="d_model:data")
+    state = _state(mesh, fsdp.param_layout)
+    md.checkpoint.save(tmp_path / "c", state)
+    got, _ = md.checkpoint.restore(tmp_path / "c", mesh, fsdp)
+    array = got["mu"]["norm1"].array
+    assert array.sharding.shard_shape(array.shape) == (2, 8)
+    np.testing.assert_array_equal(np.asarray(array), np.asarray(state["mu"]["norm1"].array))
+
+
+def test_swapped_or_wrong_arguments_are_md_errors(tmp_path: Path) -> None:
+    mesh = md.Mesh({"data": 8})
+    state = {"x": jnp.ones(3)}
+    with pytest.raises(md.ConfigError, match=r"checkpoint.save\(path, state\): path is a dict, not a path .*swapped"):
+        md.checkpoint.save(state, tmp_path / "c")
+    md.checkpoint.save(tmp_path / "c", state)
+    with pytest.raises(md.ConfigError, match=r"path is a Mesh, not a path"):
+        md.checkpoint.restore(mesh, tmp_path / "c")
+    with pytest.raises(md.ConfigError, match=r"mesh is a str, not an md.Mesh; the path comes first, then the mesh"):
+        md.checkpoint.restore(tmp_path / "c", "data=8")
+    with pytest.raises(md.ConfigError, match=r"save_every is '5' \(a str\); it must be an integer"):
+        md.checkpoint.CheckpointManager(tmp_path / "m", save_every="5")
+    manager = md.checkpoint.CheckpointManager(tmp_path / "m")
+    with pytest.raises(md.ConfigError, match="step is -1"):
+        manager.save(-1, state)
+    with pytest.raises(md.ConfigError, match=r"step is 5.0 \(a float\)"):
+        manager.save(5.0, state)
+    assert not (tmp_path / "m").exists()
+
+
+# ---- checkpoints: one run per directory -----------------------------------------------------------------------------
+
+
+def test_a_locked_directory_refuses_a_second_manager_and_a_dead_runs_lock_is_taken_over(tmp_path: Path) -> None:
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from meshdsl.dirlock import DirLock; DirLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)"
+    ), str(tmp_path / "ck")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        manager = md.checkpoint.CheckpointManager(tmp_path / "ck")
+        with pytest.raises(md.ConfigError, match=rf"checkpoint dir '.*ck' is in use by another run \(process {holder.pid} on host "):
+            manager.save(1, {"x": jnp.ones(3)})
+        assert manager.steps() == []
+    finally:
+        holder.kill()
+        holder.wait()
+    # the dead holder's lock file is left behind; the kernel dropped its flock
+    assert str(holder.pid) in (tmp_path / "ck" / ".meshdsl-lock").read_text()
+    assert manager.acquire() == f"took over the lock of '{tmp_path / 'ck'}' left by process {holder.pid}, which no longer runs"
+    manager.save(1, {"x": jnp.ones(3)})
+    manager.release()
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_1"]
+
+
+TRAINER = ["train", *MLP, "--steps", "40", "--checkpoint-dir", "ck", "--save-every", "1", "--keep", "50"]
+
+
+def test_two_trainers_on_one_directory_never_crash_or_overwrite(tmp_path: Path) -> None:
+    """The second trainer on a directory in use is refused at its start, in one line; the first
+    runs on undisturbed and commits every step's checkpoint, each of its own run."""
+    first = subprocess.Popen([sys.executable, "-m", "meshdsl.cli", *TRAINER], cwd=tmp_path, env=_cli_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in first.stdout:
+            if line.startswith("saved checkpoint"):
+                break
+        second = _meshdsl(*TRAINER[:-4], "--resume", "--checkpoint-dir", "ck", cwd=tmp_path)
+        out, err = first.communicate(timeout=HANG_GUARD_S)
+    finally:
+        first.kill()
+    assert second.returncode == 2, second.stderr
+    _one_line(second.stderr, "checkpoint dir 'ck' is in use by another run", f"process {first.pid}")
+    assert first.returncode == 0 and "Traceback" not in err, err
+    assert md.checkpoint.steps(tmp_path / "ck") == list(range(1, 41))
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == sorted(f"step_{s}" for s in range(1, 41))
+
+
+# ---- checkpoints: a save that cannot be written ---------------------------------------------------------------------
+
+
+LIMITED = (
+    "import os, resource, signal, sys; limit = int(sys.argv[1]); signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)); os.execv(sys.executable, [sys.executable, *sys.argv[2:]])"
+)
+"""Runs a command whose files cannot grow past ``argv[1]`` bytes (``ulimit -f``); writing past it is
+an error (EFBIG), not the SIGXFSZ that would kill the process."""
+
+
+def test_a_save_past_the_file_size_limit_says_which_step_why_and_what_is_intact(tmp_path: Path) -> None:
+    """``ulimit -f``: the resumed run cannot write step_2. One line names the step, the cause and
+    the intact step_1; step_1 still restores; nothing half-written is left."""
+    assert _meshdsl("train", *MLP, "--steps", "1", "--checkpoint-dir", "ck", cwd=tmp_path).returncode == 0
+    before = _snapshot(tmp_path)
+    limited = [sys.executable, "-c", LIMITED, "200", "-m", "meshdsl.cli", "train", *MLP, "--steps", "2", "--checkpoint-dir", "ck", "--resume"]
+    done = subprocess.run(limited, cwd=tmp_path, env=_cli_env(), capture_output=True, text=True, timeout=HANG_GUARD_S, check=False)
+    assert done.returncode == 2, done.stderr
+    _one_line(done.stderr, "checkpoint of step 2 not saved", "File too large", "the newest intact checkpoint is 'ck/step_1'")
+    assert "step 2/2" in done.stdout  # the step ran; only its save failed
+    assert _snapshot(tmp_path) == before
+    state, metadata = md.checkpoint.restore(tmp_path / "ck" / "step_1", md.Mesh({"data": 8}))
+    assert metadata["step"] == 1
+
+
+# ---- checkpoints: the directory given ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """step_1 and step_2 of the tiny MLP."""
+    where = tmp_path_factory.mktemp("trained")
+    train(RunConfig(model="mlp", preset="tiny", steps=2, checkpoint_dir=str(where / "ckpt"), save_every=1), io.StringIO())
+    np.save(where / "tokens.npy", (np.arange(5000) % 64).astype(np.int32))
+    return where
+
+
+def _cli(argv: list[str], where: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> tuple[int, str, str]:
+    monkeypatch.chdir(where)
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_checkpoint_given_as_the_checkpoint_dir_is_refused(trained: Path, capsys, monkeypatch) -> None:
+    before = _snapshot(trained)
+    code, out, err = _cli(["train", *MLP, "--steps", "4", "--checkpoint-dir", "ckpt/step_2", "--resume"], trained, capsys, monkeypatch)
+    assert code == 2 and out == ""
+    _one_line(err, "checkpoint dir 'ckpt/step_2' is itself a checkpoint", "give the directory that holds it, 'ckpt'")
+    assert _snapshot(trained) == before
