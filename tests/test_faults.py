@@ -231,3 +231,60 @@ def test_a_checkpoint_given_as_the_checkpoint_dir_is_refused(trained: Path, caps
     assert code == 2 and out == ""
     _one_line(err, "checkpoint dir 'ckpt/step_2' is itself a checkpoint", "give the directory that holds it, 'ckpt'")
     assert _snapshot(trained) == before
+
+
+# ---- outputs: checked before the work, never an input, failures in one line -----------------------------------------
+
+LM = ["--model", "transformer", "--preset", "tiny", "--steps", "2"]
+SEARCH = ["search", "--model", "mlp", "--preset", "tiny", "--profile", "cpu-sim"]
+OUTPUT_CASES = {
+    "log-json is the token file": (["train", *LM, "--data", "t.npy", "--log-json", "t.npy"],
+                                   ["--log-json 't.npy' is also the --data input", "would destroy it"]),
+    "log-json is the token file by another name": (["train", *LM, "--data", "t.npy", "--log-json", "./sub/../t.npy"],
+                                                   ["is also the --data input"]),
+    "log-json is the layout file": (["train", *MLP, "--layout", "l.toml", "--log-json", "l.toml"], ["is also the --layout input"]),
+    "log-json is /dev/full": (["train", *MLP, "--log-json", "/dev/full"], ["--log-json '/dev/full' cannot be written: No space left on device"]),
+    "log-json under /proc": (["train", *MLP, "--log-json", "/proc/nonexistent/x"], ["--log-json '/proc/nonexistent/x'", "directory '/proc'"]),
+    "checkpoint dir under /proc": (["train", *MLP, "--checkpoint-dir", "/proc/nonexistent/ck"],
+                                   ["--checkpoint-dir '/proc/nonexistent/ck': no file can be created in directory '/proc'"]),
+    "bench out under /proc": (["bench", *MLP, "--rounds", "1", "--out", "/proc/nonexistent/x"], ["--out '/proc/nonexistent/x'", "'/proc'"]),
+    "search out under /proc": ([*SEARCH, "--out", "/proc/nonexistent/x.toml"], ["--out '/proc/nonexistent/x.toml'", "'/proc'"]),
+    "search out is its profile": ([*SEARCH[:-1], "p.json", "--out", "p.json"], ["--out 'p.json' is also the --profile input"]),
+    "calibrate out is /dev/full": (["calibrate", "--out", "/dev/full"], ["--out '/dev/full' cannot be written: No space left on device"]),
+}
+
+
+@pytest.fixture
+def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A token file, a layout file, a device profile and a folder, made the working directory."""
+    from meshdsl.planner.profile import load_profile
+
+    np.save(tmp_path / "t.npy", (np.arange(5000) % 64).astype(np.int32))
+    (tmp_path / "l.toml").write_text('[mesh]\ndata = -1\n[rules]\nbatch = "data"\n')
+    load_profile("cpu-sim").save(tmp_path / "p.json")
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv, expected", list(OUTPUT_CASES.values()), ids=list(OUTPUT_CASES))
+def test_an_output_that_cannot_be_written_or_is_an_input_is_refused_before_the_work(argv, expected, workspace, capsys) -> None:
+    before = _snapshot(workspace)
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, err
+    _one_line(err, *expected)
+    assert out == ""  # refused before any device was used: nothing calibrated, trained or measured
+    assert _snapshot(workspace) == before
+
+
+def test_a_log_that_stops_growing_mid_run_is_one_line_naming_the_step(tmp_path: Path) -> None:
+    """The log file reaches the file size limit after a few steps: one line names the file, the step
+    and the cause; the steps before it are in the log, whole."""
+    limited = [sys.executable, "-c", LIMITED, "300", "-m", "meshdsl.cli", "train", *MLP, "--steps", "30", "--log-json", "log.jsonl"]
+    done = subprocess.run(limited, cwd=tmp_path, env=_cli_env(), capture_output=True, text=True, timeout=HANG_GUARD_S, check=False)
+    assert done.returncode == 2, done.stderr
+    line = _one_line(done.stderr, "--log-json 'log.jsonl' at step", "could not be written: File too large", "steps before it")
+    failed = int(re.search(r"at step (\d+)", line).group(1))
+    logged = (tmp_path / "log.jsonl").read_text().splitlines()
+    assert [json.loads(text)["step"] for text in logged[: failed - 1]] == list(range(1, failed))

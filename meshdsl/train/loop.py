@@ -124,6 +124,10 @@ def check(run: RunConfig) -> None:
         outputs.check_dir(run.checkpoint_dir, "--checkpoint-dir")
     if run.log_json is not None:
         outputs.check_file(run.log_json, "--log-json")
+    model_file = run.model if run.model.endswith(".py") else None
+    inputs = {"--data": run.data, "--layout": layout_path(run.layout), "--model": model_file}
+    outputs.check_not_input(run.log_json, "--log-json", inputs)
+    outputs.check_not_input(run.checkpoint_dir, "--checkpoint-dir", inputs)
 
 
 def rule_warnings(spec: str, layout: md.Layout, name: str, model: Any) -> list[str]:
@@ -141,6 +145,7 @@ class Progress:
     def __init__(self, total: int, unit: str, out: TextIO, log_json: str | None = None):
         self.total, self.unit, self.out = total, unit, out
         self.live = out.isatty()
+        self.path = log_json
         try:
             self.log = open(outputs.parent(log_json), "w") if log_json is not None else None
         except OSError as e:
@@ -161,8 +166,9 @@ class Progress:
             self.out.write(line + "\n")
         self.out.flush()
         if self.log:
-            self.log.write(json.dumps({"step": step, "loss": loss, "seconds": seconds}) + "\n")
-            self.log.flush()
+            with outputs.writing(f"--log-json {self.path!r} at step {step}", "the lines of the steps before it are in it"):
+                self.log.write(json.dumps({"step": step, "loss": loss, "seconds": seconds}) + "\n")
+                self.log.flush()
 
     def close(self) -> None:
         if self.log:
