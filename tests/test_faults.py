@@ -288,3 +288,83 @@ def test_a_log_that_stops_growing_mid_run_is_one_line_naming_the_step(tmp_path: 
     failed = int(re.search(r"at step (\d+)", line).group(1))
     logged = (tmp_path / "log.jsonl").read_text().splitlines()
     assert [json.loads(text)["step"] for text in logged[: failed - 1]] == list(range(1, failed))
+
+
+# ---- processes: refused before any starts ------------------------------------------------------------------------------
+
+LAUNCH_CASES = {
+    "3 processes for a 2-way tensor parallel layout": (["launch", "--local", "3", "--", "train", *MLP, "--layout", "dp_tp"],
+                                                       ["--local 3 x 2 devices per process = 6 devices do not fit", "not divisible by 3"]),
+    "9 processes for the mlp": (["launch", "--local", "9", "--", "train", *MLP],
+                                ["--local 9 x 1 devices per process = 9 devices do not fit", "dim batch (size 16)", "mesh axis data (size 9)"]),
+    "a fixed mesh of 8 on 4 devices": (["launch", "--local", "2", "--devices-per-process", "2", "--", "train", *MLP, "--layout", "fixed.toml"],
+                                       ["= 4 devices do not fit", "needs 8 devices, but only 4"]),
+    "coordinator given to launch": (["--coordinator", "127.0.0.1:1234", "launch", "--local", "2", "--", "train", *MLP],
+                                    ["--coordinator: meshdsl launch starts its own processes and coordinator"]),
+}
+
+
+@pytest.mark.parametrize("argv, expected", list(LAUNCH_CASES.values()), ids=list(LAUNCH_CASES))
+def test_a_launch_that_cannot_work_starts_no_process(argv, expected, tmp_path, monkeypatch, capsys) -> None:
+    (tmp_path / "fixed.toml").write_text('[mesh]\ndata = 8\n[rules]\nbatch = "data"\n')
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, err
+    _one_line(err, *expected)
+    assert out == "" and "pid" not in err  # the launcher's first line, listing the processes, never came
+
+
+# ---- flags and environment: one line, not a traceback nor silence ------------------------------------------------------
+
+FLAG_CASES = {
+    "seed beyond 64 bits": (["train", *MLP, "--seed", str(10**23)], ["--seed 100000000000000000000000: a seed is a 64-bit integer"]),
+    "compute dtype fp32": (["train", "--model", "transformer", "--preset", "tiny", "--set", "compute_dtype=fp32"],
+                           ["--set compute_dtype=fp32: the compute dtype is one of float32, bfloat16"]),
+    "schedule without a pipeline": (["train", *MLP, "--schedule", "gpipe"], ["--schedule gpipe: layout 'data_parallel' has no pipeline"]),
+    "grad reduce dtype under gspmd": (["train", *MLP, "--backend", "gspmd", "--grad-reduce-dtype", "bfloat16"],
+                                      ["--grad-reduce-dtype bfloat16 is for --backend spmd", "under gspmd XLA chooses"]),
+    "launch a schedule without a pipeline": (["launch", "--local", "2", "--", "train", *MLP, "--schedule", "1f1b"],
+                                             ["meshdsl train: error: --schedule 1f1b: layout 'data_parallel' has no pipeline"]),
+}
+
+
+@pytest.mark.parametrize("argv, expected", list(FLAG_CASES.values()), ids=list(FLAG_CASES))
+def test_a_flag_that_would_overflow_or_be_ignored_is_refused(argv, expected, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, err
+    _one_line(err, *expected)
+    assert out == "" and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [["train", *MLP], ["launch", "--local", "2", "--", "train", *MLP]])
+def test_a_device_count_in_xla_flags_that_is_no_number_is_one_line(command, tmp_path, monkeypatch, capsys) -> None:
+    """XLA would print its 94-line flag help and abort."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=abc")
+    code = cli.main(command)
+    _, err = capsys.readouterr()
+    assert code == 2
+    _one_line(err, "XLA_FLAGS has --xla_force_host_platform_device_count=abc", "positive integer")
+
+
+def test_a_platform_that_cannot_start_is_one_line(tmp_path: Path) -> None:
+    """JAX_PLATFORMS=cuda on a machine without a GPU plugin: JAX raises a bare AssertionError."""
+    try:
+        jax.devices("cuda")
+    except RuntimeError:
+        pass
+    else:
+        pytest.skip("this machine has a cuda device")
+    done = _meshdsl("train", *MLP, "--steps", "1", cwd=tmp_path, env={**_cli_env(), "JAX_PLATFORMS": "cuda"})
+    assert done.returncode == 2, done.stderr
+    _one_line(done.stderr, "JAX_PLATFORMS='cuda': JAX could not start its devices", "set it to cpu")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_explain_refuses_an_unknown_platform() -> None:
+    mesh = md.Mesh({"data": 8})
+    x = md.tensor(np.ones((8, 4), np.float32), "batch d")
+    with pytest.raises(md.ConfigError, match=r"platform 'tpu9' is not one of cpu, gpu, cuda, rocm, tpu"):
+        md.explain(lambda t: md.reduce_sum(t, "batch"), mesh, "batch:data", x, platform="tpu9")
