@@ -16,7 +16,7 @@ import os
 import re
 import sys
 import traceback
-from typing import Sequence
+from typing import Mapping, Sequence
 
 DEVICE_FLAG = "--xla_force_host_platform_device_count"
 MAX_SIMULATED_DEVICES = 2048
@@ -46,11 +46,12 @@ def simulate_devices(count: int | None) -> None:
     jax.config.update("jax_num_cpu_devices", count or 8)
 
 
-def check_environment(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> None:
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
     """ConfigError for environment variables JAX would choke on before any message of ours: a device
     count in ``XLA_FLAGS`` that is not a positive integer (XLA prints its whole flag help and aborts)."""
     from meshdsl.errors import ConfigError
 
+    environ = os.environ if environ is None else environ
     for value in re.findall(rf"{DEVICE_FLAG}=(\S*)", environ.get("XLA_FLAGS", "")):
         if not value.isdigit() or int(value) < 1:
             raise ConfigError(f"XLA_FLAGS has {DEVICE_FLAG}={value}; the simulated device count must be a positive integer")
@@ -243,9 +244,7 @@ def _launch(args: argparse.Namespace) -> int:
     """``meshdsl launch``: the processes' command is parsed and checked here first, so a mistake in it
     (or a device split its layout cannot use) is one line and exit status 2 before any process starts."""
     from meshdsl.errors import ConfigError, MeshDslError
-    from meshdsl.launch import child_command, launch
-
-    from meshdsl.launch import check_fits, split_devices
+    from meshdsl.launch import check_fits, child_command, launch, split_devices
 
     given = [flag for flag, value in (("--coordinator", args.coordinator), ("--num-processes", args.num_processes),
                                       ("--process-id", args.process_id)) if value is not None]

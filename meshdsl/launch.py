@@ -56,10 +56,11 @@ def _exit_code(code: int) -> int:
 
 _NATIVE_FRAME = re.compile(r"^\*\*\* Check failure stack trace: \*\*\*$|^\s+@\s+0x[0-9a-f]+\s")
 """A line of the C++ stack trace JAX's runtime prints when it aborts a process (after another died)."""
-_NATIVE_LOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] |\[Gloo\] Rank |^\d+ is connected to \d+ peer ranks")
-"""A log line of JAX's C++ runtime (absl's ``E1126 06:40:00.123456  1234 file.cc:12] ...``) or Gloo's
-connection message (whole, or two of them interleaved): shown only with ``--verbose``; the launcher
-names the process at fault itself."""
+_NATIVE_LOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] ")
+"""A log line of JAX's C++ runtime (absl's ``E1126 06:40:00.123456  1234 file.cc:12] ...``): shown only
+with ``--verbose``; the launcher names the process at fault itself."""
+_GLOO = re.compile(r"\[Gloo\] Rank |^\d+ is connected to \d+ peer ranks")
+"""Gloo's connection message (whole, or two of them interleaved): shown only with ``--verbose``."""
 _OWN = re.compile(r"^(meshdsl|Traceback|\S*Warning: )")
 """The start of a line of the process's own (Python) output: it ends a runtime log message's continuation
 lines (JAX's messages run over several: the unhealthy tasks, one per line; the RPC that failed)."""
@@ -82,10 +83,11 @@ class _Forwarder:
         self.omitted: dict[int, int] = {}
 
     def _hidden(self, line: str, after_log: bool) -> bool:
-        """Whether ``line`` is left out (and counted): a stack frame, or unless verbose a runtime log line."""
+        """Whether ``line`` is left out (and counted): a stack frame, or unless verbose a runtime log
+        line (or a line continuing one: ``after_log``) or a Gloo message."""
         if _NATIVE_FRAME.match(line):
             return True
-        return not self.verbose and bool(_NATIVE_LOG.search(line) or (after_log and not _OWN.match(line)))
+        return not self.verbose and bool(_NATIVE_LOG.match(line) or _GLOO.search(line) or (after_log and not _OWN.match(line)))
 
     def follow(self, rank: int, stream: IO[bytes], sink: TextIO) -> None:
         def copy() -> None:
@@ -94,7 +96,7 @@ class _Forwarder:
                 line = raw.decode(errors="replace").rstrip("\r\n")
                 with self.lock:
                     hidden = self._hidden(line, after_log)
-                    after_log = hidden and not _NATIVE_FRAME.match(line)
+                    after_log = hidden and not self.verbose and (after_log or bool(_NATIVE_LOG.match(line))) and not _GLOO.search(line)
                     if hidden:
                         self.omitted[rank] = self.omitted.get(rank, 0) + 1
                         continue
@@ -122,8 +124,14 @@ def child_command(command: Sequence[str]) -> list[str]:
 
 def split_devices(processes: int, given: int | None = None) -> int:
     """Simulated CPU devices in each of ``processes`` processes: ``given``, else ``8 // processes``
-    (at least 1), so N processes together have the 8 devices of a one-process run."""
-    return max(1, 8 // processes) if given is None else given
+    (at least 1), so N processes together have the 8 devices of a one-process run. ConfigError
+    for a ``given`` outside 1..``cli.MAX_SIMULATED_DEVICES``."""
+    from meshdsl.cli import MAX_SIMULATED_DEVICES
+
+    devices = max(1, 8 // processes) if given is None else given
+    if not 1 <= devices <= MAX_SIMULATED_DEVICES:
+        raise ConfigError(f"--devices-per-process {devices}: each process simulates 1 to {MAX_SIMULATED_DEVICES} devices")
+    return devices
 
 
 def check_fits(run: Any, processes: int, devices: int) -> None:
@@ -159,14 +167,10 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
     use (None: ``MESHDSL_HEARTBEAT_TIMEOUT``, else ``distributed.HEARTBEAT_TIMEOUT_S``). ``verbose``:
     also forward JAX's C++ log lines and Gloo's connection messages (else only counted).
     """
-    from meshdsl.cli import MAX_SIMULATED_DEVICES
-
     command = child_command(command)
     if processes < 1:
         raise ConfigError(f"--local {processes}: launch at least 1 process")
     devices = split_devices(processes, devices_per_process)
-    if not 1 <= devices <= MAX_SIMULATED_DEVICES:
-        raise ConfigError(f"--devices-per-process {devices}: each process simulates 1 to {MAX_SIMULATED_DEVICES} devices")
     timeout = distributed.heartbeat_timeout(heartbeat)
     grace = timeout + MARGIN_S
     coordinator = f"127.0.0.1:{free_port()}"

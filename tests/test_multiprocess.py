@@ -281,3 +281,27 @@ def test_a_frozen_process_is_named_by_the_launcher() -> None:
     assert code == 128 + signal.SIGKILL, output
     assert "[Gloo]" not in output and not re.search(r"\] [IWEF]\d{4} ", output), output
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_runtime_chatter_is_counted_unless_verbose() -> None:
+    """Gloo's connection lines and JAX's absl log lines (with the lines continuing them) are counted,
+    not forwarded; the process's own lines around them are forwarded, and --verbose forwards all."""
+    stdout = [b"[Gloo] Rank 0 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n",
+              b"[Gloo] Rank [Gloo] Rank 1 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n",
+              b"2 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n",
+              b"step 1/9 [##..] loss 1.0\n"]
+    stderr = [b"E1126 06:40:00.123456   1234 coordination_service.cc:12] tasks are unhealthy (stopped sending heartbeats):\n",
+              b"1\n", b"RPC: /xla.coordination.CoordinationService/PollForError\n", b"\n",
+              b"meshdsl train: error: something of ours\n"]
+    for verbose, shown in ((False, ["[p0] step 1/9 [##..] loss 1.0", "[p0] meshdsl train: error: something of ours"]),
+                           (True, None)):
+        out, err = io.StringIO(), io.StringIO()
+        forward = launch_module._Forwarder(out, err, verbose)
+        forward.follow(0, io.BytesIO(b"".join(stdout)), out)
+        forward.follow(0, io.BytesIO(b"".join(stderr)), err)
+        forward.join()
+        got = out.getvalue().splitlines() + err.getvalue().splitlines()
+        if verbose:
+            assert len(got) == len(stdout) + len(stderr) and forward.omitted == {}
+        else:
+            assert got == shown and forward.omitted == {0: 7}
