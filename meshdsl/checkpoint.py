@@ -70,7 +70,9 @@ def _checksum(manifest: dict[str, Any]) -> str:
 def _check_path(where: str, name: str, value: Any) -> Path:
     """``value`` as a Path; ConfigError naming the argument when it is not a path (arguments swapped)."""
     if not isinstance(value, (str, os.PathLike)):
-        raise ConfigError(f"{where}: {name} is a {type(value).__name__}, not a path (str or os.PathLike); were the arguments swapped?")
+        raise ConfigError(
+            f"{where}: {name} is a {type(value).__name__}, not a path (str or os.PathLike); were the arguments swapped?"
+        )
     return Path(value)
 
 
@@ -246,7 +248,8 @@ def save(path: str | Path, state: Any, *, metadata: dict[str, Any] | None = None
         _write(tmp, arrays)
         _barrier(f"meshdsl.checkpoint.written:{tmp.name}")
         if _process_zero():
-            manifest = {"format": FORMAT, "version": VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            manifest = {"format": FORMAT, "version": VERSION, "created": created,
                         "processes": jax.process_count(), "leaves": records, "metadata": metadata}
             manifest["checksum"] = _checksum(manifest)
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -276,7 +279,9 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise DataError(f"{str(path)!r} is not a meshdsl checkpoint (foreign directory: {MANIFEST} has no format {FORMAT!r})")
     if manifest.get("version") not in (1, VERSION):
-        raise DataError(f"checkpoint {str(path)!r} has format version {manifest.get('version')!r}; this meshdsl reads versions 1 to {VERSION}")
+        raise DataError(
+            f"checkpoint {str(path)!r} has format version {manifest.get('version')!r}; this meshdsl reads versions 1 to {VERSION}"
+        )
     if not isinstance(manifest.get("leaves"), list) or not isinstance(manifest.get("metadata"), dict):
         raise DataError(f"checkpoint {str(path)!r} is corrupt: {MANIFEST} lacks its leaves or metadata")
     for record in manifest["leaves"]:
@@ -412,7 +417,8 @@ def restore(path: str | Path, mesh: Mesh, layout: Layout | str | None = None, *,
     """``(state, metadata)`` from the checkpoint at ``path``, laid out on ``mesh`` under ``layout``.
 
     Every md Tensor is split as ``layout.param_layout`` says for its named dims (a checkpoint holds
-    parameters and optimizer state: with FSDP's ``params`` rules they are split as stored); other jax arrays come back replicated over ``mesh``,
+    parameters and optimizer state: with FSDP's ``params`` rules they are split as stored); other
+    jax arrays come back replicated over ``mesh``,
     numpy arrays as numpy arrays, plain scalars as they were. With ``like`` (a pytree of the
     expected leaves: arrays, md Tensors, ``jax.ShapeDtypeStruct``, e.g. from ``jax.eval_shape``)
     the state has ``like``'s tree structure and every leaf's shape and dtype are checked;
@@ -425,7 +431,9 @@ def restore(path: str | Path, mesh: Mesh, layout: Layout | str | None = None, *,
             "the path comes first, then the mesh, then the layout"
         )
     if layout is not None and not isinstance(layout, (Layout, str)):
-        raise ConfigError(f"checkpoint.restore(path, mesh, layout): layout is a {type(layout).__name__}; give an md.Layout, rules or None")
+        raise ConfigError(
+            f"checkpoint.restore(path, mesh, layout): layout is a {type(layout).__name__}; give an md.Layout, rules or None"
+        )
     manifest = read_manifest(path)
     layout = (layout if isinstance(layout, Layout) else Layout(layout)).param_layout
     records = manifest["leaves"]
@@ -504,7 +512,8 @@ class CheckpointManager:
 
             held = int(np.asarray(multihost_utils.broadcast_one_to_all(np.int32(refused is None))))
             if not held and refused is None:
-                refused = ConfigError(f"checkpoint dir {str(self.directory)!r} is in use by another run (process 0 could not lock it)")
+                where = str(self.directory)
+                refused = ConfigError(f"checkpoint dir {where!r} is in use by another run (process 0 could not lock it)")
         if refused is not None:
             raise refused
         return note

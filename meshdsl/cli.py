@@ -54,7 +54,9 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
     environ = os.environ if environ is None else environ
     for value in re.findall(rf"{DEVICE_FLAG}=(\S*)", environ.get("XLA_FLAGS", "")):
         if not value.isdigit() or int(value) < 1:
-            raise ConfigError(f"XLA_FLAGS has {DEVICE_FLAG}={value}; the simulated device count must be a positive integer")
+            raise ConfigError(
+                f"XLA_FLAGS has {DEVICE_FLAG}={value}; the simulated device count must be a positive integer"
+            )
 
 
 def start_backend() -> None:
@@ -70,7 +72,9 @@ def start_backend() -> None:
         platforms = os.environ.get("JAX_PLATFORMS")
         why = str(e).splitlines()[0] if str(e).strip() else "it has no plugin or no device here"
         named = f"JAX_PLATFORMS={platforms!r}: " if platforms else ""
-        raise ConfigError(f"{named}JAX could not start its devices ({why}); unset JAX_PLATFORMS or set it to cpu") from None
+        raise ConfigError(
+            f"{named}JAX could not start its devices ({why}); unset JAX_PLATFORMS or set it to cpu"
+        ) from None
 
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -96,7 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "-v", "--verbose", action="store_true",
-        help="launch: also show the processes' JAX runtime log lines and Gloo's connection messages (else only counted)",
+        help="launch: also show the processes' JAX runtime log lines and Gloo's connection messages "
+        "(else only counted)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 

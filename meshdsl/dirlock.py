@@ -57,7 +57,8 @@ class DirLock:
             return self._acquire()
         except OSError as e:
             self._undo_dir()
-            raise ConfigError(f"{self.flag} {str(self.directory)!r}: cannot write its lock file {LOCK}: {e.strerror}") from None
+            where = str(self.directory)
+            raise ConfigError(f"{self.flag} {where!r}: cannot write its lock file {LOCK}: {e.strerror}") from None
 
     def _acquire(self) -> str | None:
         if not self.directory.is_dir():
@@ -94,12 +95,14 @@ class DirLock:
                 f"{self.flag} {str(self.directory)!r} is locked by {_who(previous)}, which this host cannot check; "
                 f"if that run has ended, delete {str(self.path)!r}"
             )
-        me = json.dumps({"host": host, "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        me = json.dumps({"host": host, "pid": os.getpid(), "started": started})
         os.ftruncate(fd, 0)
         os.pwrite(fd, me.encode(), 0)
         self.fd = fd
         if previous and previous.get("pid") != os.getpid():
-            return f"took over the lock of {str(self.directory)!r} left by process {previous.get('pid')}, which no longer runs"
+            where = str(self.directory)
+            return f"took over the lock of {where!r} left by process {previous.get('pid')}, which no longer runs"
         return None
 
     def release(self) -> None:

@@ -222,7 +222,9 @@ def explain(
     the devices' own (or None).
     """
     if platform is not None and platform not in PLATFORMS:
-        raise ConfigError(f"md.explain: platform {platform!r} is not one of {', '.join(PLATFORMS)} (None: the mesh's devices')")
+        raise ConfigError(
+            f"md.explain: platform {platform!r} is not one of {', '.join(PLATFORMS)} (None: the mesh's devices')"
+        )
     compiled = Compiled(fn, mesh, layout, backend, in_layouts=in_layouts, out_layouts=out_layouts, grad_reduce_dtype=grad_reduce_dtype)
     if compiled.backend is Backend.GSPMD:
         if isinstance(mesh.jax_mesh, jax.sharding.AbstractMesh):

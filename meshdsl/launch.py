@@ -65,7 +65,8 @@ _OWN = re.compile(r"^(meshdsl|Traceback|\S*Warning: )")
 """The start of a line of the process's own (Python) output: it ends a runtime log message's continuation
 lines (JAX's messages run over several: the unhealthy tasks, one per line; the RPC that failed)."""
 STOPPED_S = 1.0
-"""Seconds a process must stay stopped (state ``T``: SIGSTOP, a frozen process) before the launcher counts it as failed."""
+"""Seconds a process must stay stopped (state ``T``: SIGSTOP, a frozen process) before the launcher
+counts it as failed."""
 
 
 class _Forwarder:
@@ -87,7 +88,9 @@ class _Forwarder:
         line (or a line continuing one: ``after_log``) or a Gloo message."""
         if _NATIVE_FRAME.match(line):
             return True
-        return not self.verbose and bool(_NATIVE_LOG.match(line) or _GLOO.search(line) or (after_log and not _OWN.match(line)))
+        if self.verbose:
+            return False
+        return bool(_NATIVE_LOG.match(line) or _GLOO.search(line) or (after_log and not _OWN.match(line)))
 
     def follow(self, rank: int, stream: IO[bytes], sink: TextIO) -> None:
         def copy() -> None:
@@ -96,7 +99,8 @@ class _Forwarder:
                 line = raw.decode(errors="replace").rstrip("\r\n")
                 with self.lock:
                     hidden = self._hidden(line, after_log)
-                    after_log = hidden and not self.verbose and (after_log or bool(_NATIVE_LOG.match(line))) and not _GLOO.search(line)
+                    runtime = after_log or bool(_NATIVE_LOG.match(line))
+                    after_log = hidden and not self.verbose and runtime and not _GLOO.search(line)
                     if hidden:
                         self.omitted[rank] = self.omitted.get(rank, 0) + 1
                         continue
@@ -130,7 +134,9 @@ def split_devices(processes: int, given: int | None = None) -> int:
 
     devices = max(1, 8 // processes) if given is None else given
     if not 1 <= devices <= MAX_SIMULATED_DEVICES:
-        raise ConfigError(f"--devices-per-process {devices}: each process simulates 1 to {MAX_SIMULATED_DEVICES} devices")
+        raise ConfigError(
+            f"--devices-per-process {devices}: each process simulates 1 to {MAX_SIMULATED_DEVICES} devices"
+        )
     return devices
 
 
@@ -153,11 +159,13 @@ def check_fits(run: Any, processes: int, devices: int) -> None:
         if not layout.axes_of("layers"):
             trace_step(_model(run), _optimizer(run), sizes, layout, run.grad_reduce_dtype)
     except MeshDslError as e:
-        raise ConfigError(f"--local {processes} x {devices} devices per process = {total} devices do not fit: {e}") from None
+        split = f"--local {processes} x {devices} devices per process = {total} devices"
+        raise ConfigError(f"{split} do not fit: {e}") from None
 
 
 def launch(command: Sequence[str], processes: int, devices_per_process: int | None = None,
-           out: TextIO = sys.stdout, err: TextIO = sys.stderr, heartbeat: int | None = None, verbose: bool = False) -> int:
+           out: TextIO = sys.stdout, err: TextIO = sys.stderr, heartbeat: int | None = None,
+           verbose: bool = False) -> int:
     """Run ``meshdsl <command>`` as ``processes`` processes on this host; the exit status of the
     process that failed first (0 when none failed).
 
@@ -254,7 +262,8 @@ def _supervise(children: list[subprocess.Popen], grace: float, err: TextIO, forw
                 if frozen:
                     first = min(frozen)
                     stop_at = time.monotonic()  # a frozen process answers nothing: stop every process now
-                    _say(err, forward, f"process {first} is stopped (frozen: SIGSTOP or a debugger) and no longer answers; stopping every process")
+                    frozen_line = f"process {first} is stopped (frozen: SIGSTOP or a debugger) and no longer answers"
+                    _say(err, forward, f"{frozen_line}; stopping every process")
             if failed and stop_at is None:
                 stop_at = time.monotonic() + grace
                 rank, code = failed[0]

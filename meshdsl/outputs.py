@@ -44,7 +44,8 @@ def _writable_dir(path: Path, flag: str, shown: Path) -> None:
     try:
         fd, probe = tempfile.mkstemp(dir=path, prefix=".meshdsl-probe-")
     except OSError as e:
-        raise ConfigError(f"{flag} {str(shown)!r}: no file can be created in directory {str(path)!r} ({e.strerror})") from None
+        where = f"{flag} {str(shown)!r}"
+        raise ConfigError(f"{where}: no file can be created in directory {str(path)!r} ({e.strerror})") from None
     os.close(fd)
     os.unlink(probe)
 
@@ -96,9 +97,14 @@ def check_not_input(path: str | Path | None, flag: str, inputs: Mapping[str, str
     for name, source in inputs.items():
         if source is None or not os.path.exists(source):
             continue
-        same = os.path.samefile(path, source) if os.path.exists(path) else Path(path).resolve() == Path(source).resolve()
+        if os.path.exists(path):
+            same = os.path.samefile(path, source)
+        else:
+            same = Path(path).resolve() == Path(source).resolve()
         if same:
-            raise ConfigError(f"{flag} {str(path)!r} is also the {name} input; writing it would destroy it, so choose another path")
+            raise ConfigError(
+                f"{flag} {str(path)!r} is also the {name} input; writing it would destroy it, so choose another path"
+            )
 
 
 @contextlib.contextmanager

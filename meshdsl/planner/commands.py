@@ -143,7 +143,8 @@ def _calibrate(args: argparse.Namespace, overrides: dict[str, object], out: Call
     outputs.check_file(path, "--out")
     out(f"meshdsl calibrate: {len(jax.devices())} x {device.device_kind} ({device.platform})")
     profile, raw = calibrate(name, out)
-    with outputs.writing(f"--out {str(path)!r}", "the measurements above were not saved; calibrate again with another --out"):
+    lost = "the measurements above were not saved; calibrate again with another --out"
+    with outputs.writing(f"--out {str(path)!r}", lost):
         profile.save(path, measurements=raw)
     out(f"wrote {path}")
 

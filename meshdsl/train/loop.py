@@ -166,7 +166,8 @@ class Progress:
             self.out.write(line + "\n")
         self.out.flush()
         if self.log:
-            with outputs.writing(f"--log-json {self.path!r} at step {step}", "the lines of the steps before it are in it"):
+            intact = "the lines of the steps before it are in it"
+            with outputs.writing(f"--log-json {self.path!r} at step {step}", intact):
                 self.log.write(json.dumps({"step": step, "loss": loss, "seconds": seconds}) + "\n")
                 self.log.flush()
 
@@ -240,9 +241,9 @@ def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None,
     dir is locked for the run (a second run on it is a ConfigError before anything is built).
     """
     check(run)
-    manager = None if run.checkpoint_dir is None else md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
-    if manager is None:
+    if run.checkpoint_dir is None:
         return _train(run, out, mesh, err, None)
+    manager = md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
     note = manager.acquire()
     if note is not None:
         err.write(f"meshdsl train: note: {note}\n")
@@ -252,7 +253,9 @@ def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None,
         manager.release()
 
 
-def _train(run: RunConfig, out: TextIO, mesh: md.Mesh | None, err: TextIO, manager: md.checkpoint.CheckpointManager | None) -> list[float]:
+def _train(
+    run: RunConfig, out: TextIO, mesh: md.Mesh | None, err: TextIO, manager: md.checkpoint.CheckpointManager | None
+) -> list[float]:
     """:func:`train` after its checks, with the checkpoint dir (if any) locked."""
     if not distributed.is_primary():
         out = err = io.StringIO()
