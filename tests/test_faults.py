@@ -55,7 +55,8 @@ def _state(mesh: md.Mesh, layout: md.Layout) -> dict:
     shape = md.Shape([md.Dim("d_model", 16), md.Dim("d_ff", 8)])
 
     def tensor() -> md.Tensor:
-        return md.Tensor(jax.device_put(rng.standard_normal(shape.sizes).astype(np.float32), layout.sharding(mesh, shape)), shape)
+        value = rng.standard_normal(shape.sizes).astype(np.float32)
+        return md.Tensor(jax.device_put(value, layout.sharding(mesh, shape)), shape)
 
     return {"mu": {"norm1": tensor(), "norm2": tensor()}, "count": jnp.int32(3), "empty": None}
 
@@ -65,11 +66,11 @@ def _cli_env() -> dict[str, str]:
 
 
 def _meshdsl(*argv: str, cwd: Path, env: dict[str, str] | None = None, **kwargs: Any) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshdsl.cli", *argv], cwd=cwd, env=env or _cli_env(), capture_output=True,
-                          text=True, timeout=HANG_GUARD_S, check=False, **kwargs)
+    return subprocess.run([sys.executable, "-m", "meshdsl.cli", *argv], cwd=cwd, env=env or _cli_env(),
+                          capture_output=True, text=True, timeout=HANG_GUARD_S, check=False, **kwargs)
 
 
-# ---- checkpoints: the manifest's checksum ---------------------------------------------------------------------------
+# ---- checkpoints: the manifest's checksum --------------------------------------------------------------------------
 
 
 def test_a_changed_array_pointer_in_the_manifest_is_detected(tmp_path: Path) -> None:
@@ -133,17 +134,19 @@ def test_swapped_or_wrong_arguments_are_md_errors(tmp_path: Path) -> None:
     assert not (tmp_path / "m").exists()
 
 
-# ---- checkpoints: one run per directory -----------------------------------------------------------------------------
+# ---- checkpoints: one run per directory ----------------------------------------------------------------------------
 
 
 def test_a_locked_directory_refuses_a_second_manager_and_a_dead_runs_lock_is_taken_over(tmp_path: Path) -> None:
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from meshdsl.dirlock import DirLock; DirLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)"
+        "import sys, time; from meshdsl.dirlock import DirLock; DirLock(sys.argv[1]).acquire(); "
+        "print('held', flush=True); time.sleep(600)"
     ), str(tmp_path / "ck")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
         manager = md.checkpoint.CheckpointManager(tmp_path / "ck")
-        with pytest.raises(md.ConfigError, match=rf"checkpoint dir '.*ck' is in use by another run \(process {holder.pid} on host "):
+        refused = rf"checkpoint dir '.*ck' is in use by another run \(process {holder.pid} on host "
+        with pytest.raises(md.ConfigError, match=refused):
             manager.save(1, {"x": jnp.ones(3)})
         assert manager.steps() == []
     finally:
@@ -151,7 +154,8 @@ def test_a_locked_directory_refuses_a_second_manager_and_a_dead_runs_lock_is_tak
         holder.wait()
     # the dead holder's lock file is left behind; the kernel dropped its flock
     assert str(holder.pid) in (tmp_path / "ck" / ".meshdsl-lock").read_text()
-    assert manager.acquire() == f"took over the lock of '{tmp_path / 'ck'}' left by process {holder.pid}, which no longer runs"
+    took = f"took over the lock of '{tmp_path / 'ck'}' left by process {holder.pid}, which no longer runs"
+    assert manager.acquire() == took
     manager.save(1, {"x": jnp.ones(3)})
     manager.release()
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step_1"]
@@ -180,7 +184,7 @@ def test_two_trainers_on_one_directory_never_crash_or_overwrite(tmp_path: Path) 
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == sorted(f"step_{s}" for s in range(1, 41))
 
 
-# ---- checkpoints: a save that cannot be written ---------------------------------------------------------------------
+# ---- checkpoints: a save that cannot be written --------------------------------------------------------------------
 
 
 LIMITED = (
@@ -196,29 +200,35 @@ def test_a_save_past_the_file_size_limit_says_which_step_why_and_what_is_intact(
     the intact step_1; step_1 still restores; nothing half-written is left."""
     assert _meshdsl("train", *MLP, "--steps", "1", "--checkpoint-dir", "ck", cwd=tmp_path).returncode == 0
     before = _snapshot(tmp_path)
-    limited = [sys.executable, "-c", LIMITED, "200", "-m", "meshdsl.cli", "train", *MLP, "--steps", "2", "--checkpoint-dir", "ck", "--resume"]
-    done = subprocess.run(limited, cwd=tmp_path, env=_cli_env(), capture_output=True, text=True, timeout=HANG_GUARD_S, check=False)
+    limited = [sys.executable, "-c", LIMITED, "200", "-m", "meshdsl.cli", "train", *MLP, "--steps", "2",
+               "--checkpoint-dir", "ck", "--resume"]
+    done = subprocess.run(limited, cwd=tmp_path, env=_cli_env(), capture_output=True, text=True,
+                          timeout=HANG_GUARD_S, check=False)
     assert done.returncode == 2, done.stderr
-    _one_line(done.stderr, "checkpoint of step 2 not saved", "File too large", "the newest intact checkpoint is 'ck/step_1'")
+    intact = "the newest intact checkpoint is 'ck/step_1'"
+    _one_line(done.stderr, "checkpoint of step 2 not saved", "File too large", intact)
     assert "step 2/2" in done.stdout  # the step ran; only its save failed
     assert _snapshot(tmp_path) == before
     state, metadata = md.checkpoint.restore(tmp_path / "ck" / "step_1", md.Mesh({"data": 8}))
     assert metadata["step"] == 1
 
 
-# ---- checkpoints: the directory given ---------------------------------------------------------------------------------
+# ---- checkpoints: the directory given ------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """step_1 and step_2 of the tiny MLP."""
     where = tmp_path_factory.mktemp("trained")
-    train(RunConfig(model="mlp", preset="tiny", steps=2, checkpoint_dir=str(where / "ckpt"), save_every=1), io.StringIO())
+    run = RunConfig(model="mlp", preset="tiny", steps=2, checkpoint_dir=str(where / "ckpt"), save_every=1)
+    train(run, io.StringIO())
     np.save(where / "tokens.npy", (np.arange(5000) % 64).astype(np.int32))
     return where
 
 
-def _cli(argv: list[str], where: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> tuple[int, str, str]:
+def _cli(
+    argv: list[str], where: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> tuple[int, str, str]:
     monkeypatch.chdir(where)
     code = cli.main(argv)
     out, err = capsys.readouterr()
@@ -227,13 +237,14 @@ def _cli(argv: list[str], where: Path, capsys: pytest.CaptureFixture, monkeypatc
 
 def test_a_checkpoint_given_as_the_checkpoint_dir_is_refused(trained: Path, capsys, monkeypatch) -> None:
     before = _snapshot(trained)
-    code, out, err = _cli(["train", *MLP, "--steps", "4", "--checkpoint-dir", "ckpt/step_2", "--resume"], trained, capsys, monkeypatch)
+    argv = ["train", *MLP, "--steps", "4", "--checkpoint-dir", "ckpt/step_2", "--resume"]
+    code, out, err = _cli(argv, trained, capsys, monkeypatch)
     assert code == 2 and out == ""
     _one_line(err, "checkpoint dir 'ckpt/step_2' is itself a checkpoint", "give the directory that holds it, 'ckpt'")
     assert _snapshot(trained) == before
 
 
-# ---- outputs: checked before the work, never an input, failures in one line -----------------------------------------
+# ---- outputs: checked before the work, never an input, failures in one line ----------------------------------------
 
 LM = ["--model", "transformer", "--preset", "tiny", "--steps", "2"]
 SEARCH = ["search", "--model", "mlp", "--preset", "tiny", "--profile", "cpu-sim"]
@@ -290,7 +301,7 @@ def test_a_log_that_stops_growing_mid_run_is_one_line_naming_the_step(tmp_path: 
     assert [json.loads(text)["step"] for text in logged[: failed - 1]] == list(range(1, failed))
 
 
-# ---- processes: refused before any starts ------------------------------------------------------------------------------
+# ---- processes: refused before any starts --------------------------------------------------------------------------
 
 LAUNCH_CASES = {
     "3 processes for a 2-way tensor parallel layout": (["launch", "--local", "3", "--", "train", *MLP, "--layout", "dp_tp"],
@@ -315,7 +326,7 @@ def test_a_launch_that_cannot_work_starts_no_process(argv, expected, tmp_path, m
     assert out == "" and "pid" not in err  # the launcher's first line, listing the processes, never came
 
 
-# ---- flags and environment: one line, not a traceback nor silence ------------------------------------------------------
+# ---- flags and environment: one line, not a traceback nor silence --------------------------------------------------
 
 FLAG_CASES = {
     "seed beyond 64 bits": (["train", *MLP, "--seed", str(10**23)], ["--seed 100000000000000000000000: a seed is a 64-bit integer"]),
