@@ -18,6 +18,7 @@ the slices its own devices hold (``jax.make_array_from_callback``), whatever the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -34,19 +35,41 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshdsl import outputs
 from meshdsl.dims import Dim, Shape
-from meshdsl.errors import ConfigError, DataError, LayoutError
+from meshdsl.dirlock import DirLock
+from meshdsl.errors import ConfigError, DataError, LayoutError, MeshDslError, WriteError
 from meshdsl.layout import Layout
 from meshdsl.mesh import Mesh
 from meshdsl.tensor import Tensor, is_tensor
 
 FORMAT = "meshdsl-checkpoint"
-VERSION = 1
+VERSION = 2
+"""Version 2 adds the manifest's ``checksum``; version 1 checkpoints (without one) are still read."""
 MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step_(\d+)$")
 _LEFTOVER = re.compile(r"^step_\d+\.(partial|old|deleted)-")
 """What crashed saves and prunes leave: unfinished, swapped-out and un-committed checkpoints."""
 _CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
-_PLAIN = (bool, int, float, str)
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _is_leaf(x: Any) -> bool:
+    """A checkpoint's leaves: md Tensors whole, and ``None`` (which JAX's pytrees would drop)."""
+    return x is None or isinstance(x, Tensor)
+
+
+def _checksum(manifest: dict[str, Any]) -> str:
+    """SHA-256 of the manifest without its ``checksum``, in one canonical JSON form."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _check_path(where: str, name: str, value: Any) -> Path:
+    """``value`` as a Path; ConfigError naming the argument when it is not a path (arguments swapped)."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(
+            f"{where}: {name} is a {type(value).__name__}, not a path (str or os.PathLike); were the arguments swapped?"
+        )
+    return Path(value)
 
 
 def _key(entry: Any) -> dict[str, Any]:
@@ -66,7 +89,7 @@ def _key(entry: Any) -> dict[str, Any]:
 
 def _leaves(tree: Any) -> list[tuple[str, list[dict[str, Any]], Any]]:
     """(path string, path as JSON, leaf) for every leaf; an ``md.Tensor`` is one leaf."""
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_tensor)[0]
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)[0]
     return [(jax.tree_util.keystr(path), [_key(e) for e in path], leaf) for path, leaf in flat]
 
 
@@ -201,8 +224,10 @@ def save(path: str | Path, state: Any, *, metadata: dict[str, Any] | None = None
     checkpoint (or empty directory) at ``path`` is replaced only after the new one is complete;
     anything else there (a file, a directory of other files) is a ConfigError before anything is written.
     """
-    path = Path(path)
+    path = _check_path("checkpoint.save(path, state)", "path", path)
     _check_target(path)
+    if metadata is not None and not isinstance(metadata, dict):
+        raise DataError(f"checkpoint {str(path)!r}: metadata is a {type(metadata).__name__}; give a dict of plain JSON")
     metadata = dict(metadata or {})
     try:
         json.dumps(metadata, allow_nan=False)
@@ -212,23 +237,32 @@ def save(path: str | Path, state: Any, *, metadata: dict[str, Any] | None = None
     records = [{"path": where, "keys": keys, **_describe(where, leaf, i)} for i, (where, keys, leaf) in enumerate(leaves)]
     arrays = [(r, leaf.array if is_tensor(leaf) else leaf) for r, (_, _, leaf) in zip(records, leaves) if r["kind"] != "value"]
     tmp = path.with_name(f"{path.name}.partial-{_token()}")
-    if _process_zero():
-        _create(tmp, arrays)
-    _barrier(f"meshdsl.checkpoint.created:{tmp.name}")
-    _write(tmp, arrays)
-    _barrier(f"meshdsl.checkpoint.written:{tmp.name}")
-    if _process_zero():
-        manifest = {"format": FORMAT, "version": VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "processes": jax.process_count(), "leaves": records, "metadata": metadata}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        _commit(tmp, path)
+    try:
+        if _process_zero():
+            _create(tmp, arrays)
+        _barrier(f"meshdsl.checkpoint.created:{tmp.name}")
+        _write(tmp, arrays)
+        _barrier(f"meshdsl.checkpoint.written:{tmp.name}")
+        if _process_zero():
+            created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            manifest = {"format": FORMAT, "version": VERSION, "created": created,
+                        "processes": jax.process_count(), "leaves": records, "metadata": metadata}
+            manifest["checksum"] = _checksum(manifest)
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            _commit(tmp, path)
+    except MeshDslError:
+        raise
+    except (OSError, ValueError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = f"{e.strerror} ({e.filename})" if isinstance(e, OSError) and e.strerror else _reason(e)
+        raise WriteError(f"checkpoint {str(path)!r} could not be written: {cause}") from None
     _barrier(f"meshdsl.checkpoint.committed:{tmp.name}")
     return path
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:
     """The manifest of the checkpoint at ``path``; DataError if missing, foreign or malformed."""
-    path = Path(path)
+    path = _check_path("checkpoint.read_manifest(path)", "path", path)
     if not path.is_dir():
         raise DataError(f"checkpoint {str(path)!r} not found")
     file = path / MANIFEST
@@ -240,13 +274,20 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         raise DataError(f"{str(path)!r} is not a meshdsl checkpoint (foreign directory: {MANIFEST} is not JSON: {e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise DataError(f"{str(path)!r} is not a meshdsl checkpoint (foreign directory: {MANIFEST} has no format {FORMAT!r})")
-    if manifest.get("version") != VERSION:
-        raise DataError(f"checkpoint {str(path)!r} has format version {manifest.get('version')!r}; this meshdsl reads version {VERSION}")
+    if manifest.get("version") not in (1, VERSION):
+        raise DataError(
+            f"checkpoint {str(path)!r} has format version {manifest.get('version')!r}; this meshdsl reads versions 1 to {VERSION}"
+        )
     if not isinstance(manifest.get("leaves"), list) or not isinstance(manifest.get("metadata"), dict):
         raise DataError(f"checkpoint {str(path)!r} is corrupt: {MANIFEST} lacks its leaves or metadata")
     for record in manifest["leaves"]:
         if not _well_formed(record):
             raise DataError(f"checkpoint {str(path)!r} is corrupt: malformed leaf record in {MANIFEST}: {json.dumps(record)[:200]}")
+    if manifest["version"] > 1 and manifest.get("checksum") != _checksum(manifest):
+        raise DataError(
+            f"checkpoint {str(path)!r} is corrupt: {MANIFEST} does not match its checksum "
+            "(it was edited or damaged after the save: a leaf could load another array)"
+        )
     return manifest
 
 
@@ -293,7 +334,7 @@ def _check_like(path: Path, records: list[dict[str, Any]], like: Any) -> tuple[A
         dtype = getattr(leaf, "dtype", None)
         if dtype is not None and np.dtype(dtype).name != record["dtype"]:
             raise DataError(f"checkpoint {str(path)!r}: leaf {where} has dtype {record['dtype']}, but the expected state has {np.dtype(dtype).name}")
-    return jax.tree_util.tree_structure(like, is_leaf=is_tensor), [saved[w] for w, _, _ in expected]
+    return jax.tree_util.tree_structure(like, is_leaf=_is_leaf), [saved[w] for w, _, _ in expected]
 
 
 def _open(path: Path, record: dict[str, Any]) -> ts.TensorStore:
@@ -371,16 +412,26 @@ def _rebuild(records: list[dict[str, Any]], leaves: list[Any]) -> Any:
 def restore(path: str | Path, mesh: Mesh, layout: Layout | str | None = None, *, like: Any = None) -> tuple[Any, dict[str, Any]]:
     """``(state, metadata)`` from the checkpoint at ``path``, laid out on ``mesh`` under ``layout``.
 
-    Every md Tensor is split as ``layout`` says for its named dims (pass ``layout.param_layout``
-    for parameters and optimizer state); other jax arrays come back replicated over ``mesh``,
+    Every md Tensor is split as ``layout.param_layout`` says for its named dims (a checkpoint holds
+    parameters and optimizer state: with FSDP's ``params`` rules they are split as stored); other
+    jax arrays come back replicated over ``mesh``,
     numpy arrays as numpy arrays, plain scalars as they were. With ``like`` (a pytree of the
     expected leaves: arrays, md Tensors, ``jax.ShapeDtypeStruct``, e.g. from ``jax.eval_shape``)
     the state has ``like``'s tree structure and every leaf's shape and dtype are checked;
     without it, the structure is rebuilt from the saved paths as nested dicts and lists.
     """
-    path = Path(path)
+    path = _check_path("checkpoint.restore(path, mesh, layout)", "path", path)
+    if not isinstance(mesh, Mesh):
+        raise ConfigError(
+            f"checkpoint.restore(path, mesh, layout): mesh is a {type(mesh).__name__}, not an md.Mesh; "
+            "the path comes first, then the mesh, then the layout"
+        )
+    if layout is not None and not isinstance(layout, (Layout, str)):
+        raise ConfigError(
+            f"checkpoint.restore(path, mesh, layout): layout is a {type(layout).__name__}; give an md.Layout, rules or None"
+        )
     manifest = read_manifest(path)
-    layout = layout if isinstance(layout, Layout) else Layout(layout)
+    layout = (layout if isinstance(layout, Layout) else Layout(layout)).param_layout
     records = manifest["leaves"]
     if like is not None:
         treedef, records = _check_like(path, records, like)
@@ -410,19 +461,62 @@ def latest(directory: str | Path) -> Path | None:
     return Path(directory) / f"step_{found[-1]}" if found else None
 
 
+def _count(name: str, value: Any) -> int:
+    """``value`` if it is an int (not a bool); ConfigError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ConfigError(f"{name} is {value!r} (a {type(value).__name__}); it must be an integer")
+    return int(value)
+
+
 class CheckpointManager:
     """Checkpoints ``step_<N>`` of one training run in ``directory``.
 
     ``save_every``: save when the step is a multiple of it (0: only when asked). ``keep``: after
-    each commit, delete all but the newest ``keep`` checkpoints (None: keep all).
+    each commit, delete all but the newest ``keep`` checkpoints (None: keep all). The first save
+    (or :meth:`acquire`) locks the directory for this run (:mod:`meshdsl.dirlock`) until
+    :meth:`release` or the process ends: a second run on it is refused.
     """
 
     def __init__(self, directory: str | Path, save_every: int = 0, keep: int | None = 3):
+        directory = _check_path("CheckpointManager(directory)", "directory", directory)
+        save_every = _count("save_every", save_every)
         if save_every < 0:
             raise ConfigError(f"save_every is {save_every}; it must be 0 (only at the end) or a positive step count")
-        if keep is not None and keep < 1:
+        if keep is not None and _count("keep", keep) < 1:
             raise ConfigError(f"keep is {keep}; a run keeps at least 1 checkpoint")
-        self.directory, self.save_every, self.keep = Path(directory), save_every, keep
+        if (directory / MANIFEST).is_file():
+            raise ConfigError(
+                f"checkpoint dir {str(directory)!r} is itself a checkpoint (it holds {MANIFEST}); "
+                f"give the directory that holds it, {str(directory.parent)!r}"
+            )
+        self.directory, self.save_every, self.keep = directory, save_every, keep
+        self._lock = DirLock(directory)
+
+    def acquire(self) -> str | None:
+        """Lock the directory for this run (process 0 takes the lock; every process learns the
+        outcome). Returns a note when a dead run's lock was taken over; ConfigError when another
+        run holds it."""
+        refused = None
+        note = None
+        if _process_zero():
+            try:
+                note = self._lock.acquire()
+            except ConfigError as e:
+                refused = e
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            held = int(np.asarray(multihost_utils.broadcast_one_to_all(np.int32(refused is None))))
+            if not held and refused is None:
+                where = str(self.directory)
+                refused = ConfigError(f"checkpoint dir {where!r} is in use by another run (process 0 could not lock it)")
+        if refused is not None:
+            raise refused
+        return note
+
+    def release(self) -> None:
+        """Unlock the directory (a no-op when this manager holds no lock)."""
+        self._lock.release()
 
     def path(self, step: int) -> Path:
         return self.directory / f"step_{step}"
@@ -438,10 +532,22 @@ class CheckpointManager:
         return self.save_every > 0 and step % self.save_every == 0
 
     def save(self, step: int, state: Any, metadata: dict[str, Any] | None = None) -> Path:
-        """Save ``state`` as ``step_<step>`` (``metadata["step"] = step``), then drop stale and old checkpoints."""
+        """Save ``state`` as ``step_<step>`` (``metadata["step"] = step``), then drop stale and old checkpoints.
+
+        A save that cannot be written (disk full, read-only, a file size limit) is a WriteError
+        naming the step, the cause and the newest intact checkpoint; nothing of it is left behind.
+        """
+        if _count("step", step) < 0:
+            raise ConfigError(f"step is {step}; checkpoints are numbered by steps of 0 or more")
+        self.acquire()
         if _process_zero():
             self._remove_leftovers()
-        path = save(self.path(step), state, metadata={**(metadata or {}), "step": step})
+        try:
+            path = save(self.path(step), state, metadata={**(metadata or {}), "step": step})
+        except WriteError as e:
+            intact = self.latest()
+            kept = f"the newest intact checkpoint is {str(intact)!r}" if intact else "no earlier checkpoint exists here"
+            raise WriteError(f"checkpoint of step {step} not saved: {e}; {kept}") from None
         if _process_zero() and self.keep is not None:
             for old in self.steps()[: -self.keep]:
                 _prune(self.path(old))

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import traceback
-from typing import Sequence
+from typing import Mapping, Sequence
 
 DEVICE_FLAG = "--xla_force_host_platform_device_count"
 MAX_SIMULATED_DEVICES = 2048
@@ -45,6 +46,42 @@ def simulate_devices(count: int | None) -> None:
     jax.config.update("jax_num_cpu_devices", count or 8)
 
 
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """ConfigError for environment variables JAX would choke on before any message of ours: a device
+    count in ``XLA_FLAGS`` that is not a positive integer (XLA prints its whole flag help and aborts)."""
+    from meshdsl.errors import ConfigError
+
+    environ = os.environ if environ is None else environ
+    for value in re.findall(rf"{DEVICE_FLAG}=(\S*)", environ.get("XLA_FLAGS", "")):
+        if not value.isdigit() or int(value) < 1:
+            raise ConfigError(
+                f"XLA_FLAGS has {DEVICE_FLAG}={value}; the simulated device count must be a positive integer"
+            )
+
+
+def start_backend() -> None:
+    """Start JAX's devices; ConfigError naming ``JAX_PLATFORMS`` when that platform cannot start
+    (``JAX_PLATFORMS=cuda`` without a GPU is a bare AssertionError inside JAX)."""
+    import jax
+
+    from meshdsl.errors import ConfigError
+
+    try:
+        jax.devices()
+    except (RuntimeError, AssertionError) as e:
+        platforms = os.environ.get("JAX_PLATFORMS")
+        why = str(e).splitlines()[0] if str(e).strip() else "it has no plugin or no device here"
+        named = f"JAX_PLATFORMS={platforms!r}: " if platforms else ""
+        raise ConfigError(
+            f"{named}JAX could not start its devices ({why}); unset JAX_PLATFORMS or set it to cpu"
+        ) from None
+
+
+COMPUTE_DTYPES = ("float32", "bfloat16")
+SEED_RANGE = (-(2**63), 2**63 - 1)
+"""The seeds ``jax.random.key`` takes (a 64-bit integer)."""
+
+
 MODEL_HELP = "a shipped model (mlp, transformer, moe, convnet, llama), a Python file (path/to/my_model.py) or an importable module (mypkg.my_model)"
 PRESET_HELP = "a preset of the model's Config.PRESETS (the shipped models: tiny, small, 1b; llama also 8b)"
 SET_HELP = "override a field of the model's Config, e.g. --set layers=32 (repeatable)"
@@ -60,6 +97,11 @@ def _parser() -> argparse.ArgumentParser:
         "--heartbeat-timeout", type=int, default=None, metavar="S",
         help="multi-process run: seconds of silence after which a process counts as dead and the others stop "
         "(or MESHDSL_HEARTBEAT_TIMEOUT; default 5)",
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true",
+        help="launch: also show the processes' JAX runtime log lines and Gloo's connection messages "
+        "(else only counted)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -136,7 +178,33 @@ def _overrides(items: Sequence[str]) -> dict[str, object]:
                 break
             except ValueError:
                 pass
+        if field == "compute_dtype" and out[field] not in COMPUTE_DTYPES:
+            raise ConfigError(f"--set compute_dtype={value}: the compute dtype is one of {', '.join(COMPUTE_DTYPES)}")
     return out
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """ConfigError for flags that would be ignored or overflow: ``--seed`` beyond 64 bits, ``--schedule``
+    for a layout without a pipeline, ``--grad-reduce-dtype`` under ``--backend gspmd``."""
+    from meshdsl.errors import ConfigError
+
+    if args.command != "train":
+        return
+    if not SEED_RANGE[0] <= args.seed <= SEED_RANGE[1]:
+        raise ConfigError(f"--seed {args.seed}: a seed is a 64-bit integer, from -2**63 to 2**63 - 1")
+    if args.backend == "gspmd" and args.grad_reduce_dtype is not None:
+        raise ConfigError(
+            f"--grad-reduce-dtype {args.grad_reduce_dtype} is for --backend spmd: under gspmd XLA chooses the "
+            "collectives and sums gradients in their own dtype"
+        )
+    if args.schedule is not None:
+        from meshdsl.train.loop import load_layout
+
+        if not load_layout(args.layout).axes_of("layers"):
+            raise ConfigError(
+                f"--schedule {args.schedule}: layout {args.layout!r} has no pipeline (no rule splits layers over a "
+                "stage axis), so there is no schedule to choose"
+            )
 
 
 def _config(args: argparse.Namespace) -> object:
@@ -168,6 +236,7 @@ def _config(args: argparse.Namespace) -> object:
 def check(args: argparse.Namespace) -> None:
     """Raise the md error for each mistake in the command ``args`` that shows before any device is
     used (see ``train.loop.check``, ``bench.run.check``, ``planner.commands.check``)."""
+    _check_flags(args)
     config = _config(args)
     if args.command == "train":
         from meshdsl.train.loop import check as check_train
@@ -185,10 +254,15 @@ def check(args: argparse.Namespace) -> None:
 
 def _launch(args: argparse.Namespace) -> int:
     """``meshdsl launch``: the processes' command is parsed and checked here first, so a mistake in it
-    is one line and exit status 2 before any process starts."""
-    from meshdsl.errors import MeshDslError
-    from meshdsl.launch import child_command, launch
+    (or a device split its layout cannot use) is one line and exit status 2 before any process starts."""
+    from meshdsl.errors import ConfigError, MeshDslError
+    from meshdsl.launch import check_fits, child_command, launch, split_devices
 
+    given = [flag for flag, value in (("--coordinator", args.coordinator), ("--num-processes", args.num_processes),
+                                      ("--process-id", args.process_id)) if value is not None]
+    if given:
+        raise ConfigError(f"{', '.join(given)}: meshdsl launch starts its own processes and coordinator; "
+                          "these flags are for one process of a run started by hand")
     command = child_command(args.run)
     child = _parser().parse_args(command)
     try:
@@ -196,7 +270,9 @@ def _launch(args: argparse.Namespace) -> int:
     except MeshDslError as e:
         print(f"meshdsl {child.command}: error: {e}", file=sys.stderr)
         return 2
-    return launch(command, args.local, args.devices_per_process, heartbeat=args.heartbeat_timeout)
+    if args.local >= 1 and child.command == "train":
+        check_fits(_config(child), args.local, split_devices(args.local, args.devices_per_process))
+    return launch(command, args.local, args.devices_per_process, heartbeat=args.heartbeat_timeout, verbose=args.verbose)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -205,6 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.command == "launch":
         try:
+            check_environment()
             return _launch(args)
         except MeshDslError as e:
             print(f"meshdsl launch: error: {e}", file=sys.stderr)
@@ -212,10 +289,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from meshdsl import distributed
 
     try:
+        check_environment()
         check(args)
         planned = getattr(args, "plan_devices", None) if getattr(args, "measure", 0) else None
         simulate_devices(planned if args.devices is None else args.devices)
         distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout)
+        start_backend()
         config = _config(args)
         if args.command == "train":
             from meshdsl.train.loop import train

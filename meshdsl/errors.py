@@ -33,3 +33,8 @@ class ModelError(ConfigError):
     ``batch`` or ``loss``, or a result meshdsl cannot use (a loss that is no scalar float md tensor). The
     message names the user's file and line. Unlike a layout that does not fit, it is the same under
     every layout, so ``bench`` and ``search`` stop at it instead of skipping the layout."""
+
+
+class WriteError(MeshDslError):
+    """An output that could not be written once the work had started (disk full, a read-only disk,
+    a file size limit): the message names the file, the cause and what is intact."""

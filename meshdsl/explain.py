@@ -194,6 +194,10 @@ def report_of_hlo(hlo_text: str, mesh: Mesh) -> Report:
     return Report(_merge(rows), Source.COMPILED)
 
 
+PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
+"""The platforms ``explain`` prices for (JAX's names for its devices' platforms)."""
+
+
 def explain(
     fn: Any = None,
     mesh: Mesh | None = None,
@@ -220,6 +224,10 @@ def explain(
     missing = [name for name, value in (("fn", fn), ("mesh", mesh)) if value is None]
     if missing:
         raise ConfigError(f"md.explain: no {' and no '.join(missing)} given; call md.explain(fn, mesh, layout, *args)")
+    if platform is not None and platform not in PLATFORMS:
+        raise ConfigError(
+            f"md.explain: platform {platform!r} is not one of {', '.join(PLATFORMS)} (None: the mesh's devices')"
+        )
     compiled = Compiled(fn, mesh, layout, backend, in_layouts=in_layouts, out_layouts=out_layouts, grad_reduce_dtype=grad_reduce_dtype)
     if compiled.backend is Backend.GSPMD:
         if isinstance(mesh.jax_mesh, jax.sharding.AbstractMesh):

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Sequence, TextIO
+from typing import IO, Any, Sequence, TextIO
 
 from meshdsl import distributed
 from meshdsl.errors import ConfigError
@@ -56,27 +56,52 @@ def _exit_code(code: int) -> int:
 
 _NATIVE_FRAME = re.compile(r"^\*\*\* Check failure stack trace: \*\*\*$|^\s+@\s+0x[0-9a-f]+\s")
 """A line of the C++ stack trace JAX's runtime prints when it aborts a process (after another died)."""
+_NATIVE_LOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] ")
+"""A log line of JAX's C++ runtime (absl's ``E1126 06:40:00.123456  1234 file.cc:12] ...``): shown only
+with ``--verbose``; the launcher names the process at fault itself."""
+_GLOO = re.compile(r"\[Gloo\] Rank |^\d+ is connected to \d+ peer ranks")
+"""Gloo's connection message (whole, or two of them interleaved): shown only with ``--verbose``."""
+_OWN = re.compile(r"^(meshdsl|Traceback|\S*Warning: )")
+"""The start of a line of the process's own (Python) output: it ends a runtime log message's continuation
+lines (JAX's messages run over several: the unhealthy tasks, one per line; the RPC that failed)."""
+STOPPED_S = 1.0
+"""Seconds a process must stay stopped (state ``T``: SIGSTOP, a frozen process) before the launcher
+counts it as failed."""
 
 
 class _Forwarder:
     """Copies each child's lines to our stdout / stderr with a ``[pI] `` prefix, whole lines at a time.
 
     C++ stack-trace lines are counted, not copied: JAX's runtime prints one when it stops a process
-    whose peer died, and its frames say nothing about the user's run. ``omitted`` counts them per process.
+    whose peer died, and its frames say nothing about the user's run. Without ``verbose``, the
+    runtime's log lines and Gloo's connection messages are counted too. ``omitted`` counts them per process.
     """
 
-    def __init__(self, out: TextIO, err: TextIO):
-        self.out, self.err = out, err
+    def __init__(self, out: TextIO, err: TextIO, verbose: bool = True):
+        self.out, self.err, self.verbose = out, err, verbose
         self.lock = threading.Lock()
         self.threads: list[threading.Thread] = []
         self.omitted: dict[int, int] = {}
 
+    def _hidden(self, line: str, after_log: bool) -> bool:
+        """Whether ``line`` is left out (and counted): a stack frame, or unless verbose a runtime log
+        line (or a line continuing one: ``after_log``) or a Gloo message."""
+        if _NATIVE_FRAME.match(line):
+            return True
+        if self.verbose:
+            return False
+        return bool(_NATIVE_LOG.match(line) or _GLOO.search(line) or (after_log and not _OWN.match(line)))
+
     def follow(self, rank: int, stream: IO[bytes], sink: TextIO) -> None:
         def copy() -> None:
+            after_log = False
             for raw in iter(stream.readline, b""):
                 line = raw.decode(errors="replace").rstrip("\r\n")
                 with self.lock:
-                    if _NATIVE_FRAME.match(line):
+                    hidden = self._hidden(line, after_log)
+                    runtime = after_log or bool(_NATIVE_LOG.match(line))
+                    after_log = hidden and not self.verbose and runtime and not _GLOO.search(line)
+                    if hidden:
                         self.omitted[rank] = self.omitted.get(rank, 0) + 1
                         continue
                     sink.write(f"[p{rank}] {line}\n")
@@ -101,28 +126,63 @@ def child_command(command: Sequence[str]) -> list[str]:
     return command
 
 
+def split_devices(processes: int, given: int | None = None) -> int:
+    """Simulated CPU devices in each of ``processes`` processes: ``given``, else ``8 // processes``
+    (at least 1), so N processes together have the 8 devices of a one-process run. ConfigError
+    for a ``given`` outside 1..``cli.MAX_SIMULATED_DEVICES``."""
+    from meshdsl.cli import MAX_SIMULATED_DEVICES
+
+    devices = max(1, 8 // processes) if given is None else given
+    if not 1 <= devices <= MAX_SIMULATED_DEVICES:
+        raise ConfigError(
+            f"--devices-per-process {devices}: each process simulates 1 to {MAX_SIMULATED_DEVICES} devices"
+        )
+    return devices
+
+
+def check_fits(run: Any, processes: int, devices: int) -> None:
+    """ConfigError, before any process starts, when the ``train`` run ``run`` (a ``RunConfig``)
+    cannot run on ``processes`` x ``devices`` devices: its layout's mesh does not fit that many,
+    or a dim does not divide over it. The step is traced on an abstract mesh of that size (nothing
+    compiled, no devices needed); a pipelined layout's mesh is checked, its stages are not traced."""
+    import jax
+
+    import meshdsl as md
+    from meshdsl.errors import MeshDslError
+    from meshdsl.planner.trace import trace_step
+    from meshdsl.train.loop import _model, _optimizer, load_layout
+
+    total = processes * devices
+    layout = load_layout(run.layout)
+    try:
+        sizes = md.Mesh(layout.mesh_axes, jax.devices("cpu")[:1] * total).axis_sizes
+        if not layout.axes_of("layers"):
+            trace_step(_model(run), _optimizer(run), sizes, layout, run.grad_reduce_dtype)
+    except MeshDslError as e:
+        split = f"--local {processes} x {devices} devices per process = {total} devices"
+        raise ConfigError(f"{split} do not fit: {e}") from None
+
+
 def launch(command: Sequence[str], processes: int, devices_per_process: int | None = None,
-           out: TextIO = sys.stdout, err: TextIO = sys.stderr, heartbeat: int | None = None) -> int:
+           out: TextIO = sys.stdout, err: TextIO = sys.stderr, heartbeat: int | None = None,
+           verbose: bool = False) -> int:
     """Run ``meshdsl <command>`` as ``processes`` processes on this host; the exit status of the
     process that failed first (0 when none failed).
 
     ``devices_per_process``: simulated CPU devices in each (default ``8 // processes``, at least 1,
     so that N processes together have the 8 devices of a one-process run; at most
     ``cli.MAX_SIMULATED_DEVICES``). ``heartbeat``: the heartbeat timeout in seconds the processes
-    use (None: ``MESHDSL_HEARTBEAT_TIMEOUT``, else ``distributed.HEARTBEAT_TIMEOUT_S``).
+    use (None: ``MESHDSL_HEARTBEAT_TIMEOUT``, else ``distributed.HEARTBEAT_TIMEOUT_S``). ``verbose``:
+    also forward JAX's C++ log lines and Gloo's connection messages (else only counted).
     """
-    from meshdsl.cli import MAX_SIMULATED_DEVICES
-
     command = child_command(command)
     if processes < 1:
         raise ConfigError(f"--local {processes}: launch at least 1 process")
-    devices = max(1, 8 // processes) if devices_per_process is None else devices_per_process
-    if not 1 <= devices <= MAX_SIMULATED_DEVICES:
-        raise ConfigError(f"--devices-per-process {devices}: each process simulates 1 to {MAX_SIMULATED_DEVICES} devices")
+    devices = split_devices(processes, devices_per_process)
     timeout = distributed.heartbeat_timeout(heartbeat)
     grace = timeout + MARGIN_S
     coordinator = f"127.0.0.1:{free_port()}"
-    forward = _Forwarder(out, err)
+    forward = _Forwarder(out, err, verbose)
     children: list[subprocess.Popen] = []
     try:
         for rank in range(processes):
@@ -181,6 +241,8 @@ def _supervise(children: list[subprocess.Popen], grace: float, err: TextIO, forw
         first: int | None = None
         terminated = False
         forwarded = 0
+        stopped_since: dict[int, float] = {}
+        frozen: set[int] = set()
         while None in (now := [c.poll() for c in children]):
             if len(interrupts) > forwarded:
                 sig = signal.SIGKILL if forwarded else interrupts[forwarded]
@@ -190,6 +252,18 @@ def _supervise(children: list[subprocess.Popen], grace: float, err: TextIO, forw
                     _signal(child, sig)
                 stop_at = stop_at or time.monotonic() + grace
             failed = [(rank, code) for rank, code in enumerate(now) if code not in (None, 0)]
+            if stop_at is None:
+                for rank, child in enumerate(children):
+                    if _stopped(child):
+                        stopped_since.setdefault(rank, time.monotonic())
+                    else:
+                        stopped_since.pop(rank, None)
+                frozen = {r for r, t in stopped_since.items() if time.monotonic() - t >= STOPPED_S}
+                if frozen:
+                    first = min(frozen)
+                    stop_at = time.monotonic()  # a frozen process answers nothing: stop every process now
+                    frozen_line = f"process {first} is stopped (frozen: SIGSTOP or a debugger) and no longer answers"
+                    _say(err, forward, f"{frozen_line}; stopping every process")
             if failed and stop_at is None:
                 stop_at = time.monotonic() + grace
                 rank, code = failed[0]
@@ -211,17 +285,27 @@ def _supervise(children: list[subprocess.Popen], grace: float, err: TextIO, forw
     forward.join()
     if any(codes):
         omitted = ", ".join(f"{n} from process {r}" for r, n in sorted(forward.omitted.items()))
-        note = f" (C++ stack-trace lines omitted: {omitted})" if omitted else ""
-        _say(err, forward, _summary(codes, None if interrupts else first) + note)
+        note = f" (JAX runtime lines omitted: {omitted}; --verbose shows them)" if omitted else ""
+        _say(err, forward, _summary(codes, None if interrupts else first, frozen) + note)
     return codes, None if interrupts else first
 
 
-def _summary(codes: list[int], first: int | None) -> str:
+def _stopped(child: subprocess.Popen) -> bool:
+    """Whether the child is stopped (state ``T`` in ``/proc``: SIGSTOP); False where there is no ``/proc``."""
+    try:
+        with open(f"/proc/{child.pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
+def _summary(codes: list[int], first: int | None, frozen: set[int] | frozenset = frozenset()) -> str:
     """How the processes ended; with ``first`` (the rank that failed first, unprompted), it leads
     and the others are said to have stopped because of it: a survivor's own last words (JAX's
     heartbeat abort, or gloo's transport error when a collective was in flight) may not name it."""
     if first is None:
         return "; ".join(f"process {r} {describe(c)}" for r, c in enumerate(codes) if c != 0)
     after = [f"process {r} {describe(c)}" for r, c in enumerate(codes) if c != 0 and r != first]
-    cause = f"process {first} {describe(codes[first])} first"
+    how = f"froze (stopped) and {describe(codes[first])}" if first in frozen else describe(codes[first])
+    cause = f"process {first} {how} first"
     return cause + (f"; then, because of it: {', '.join(after)}" if after else "")

@@ -4,16 +4,26 @@ A run that trains for an hour and then cannot write its checkpoint or report has
 So every command checks the paths it will write (``--checkpoint-dir``, ``--out``,
 ``--log-json``) first: a directory must be a directory (or be creatable: its nearest existing
 ancestor is a writable directory), a file must not be a directory and its directory must be
-writable. The checks create and change nothing, so a run stopped by a later mistake leaves the
-disk as it was; the writers create missing parent directories when they first write.
+writable. The checks change nothing, so a run stopped by a later mistake leaves the disk as it
+was; the writers create missing parent directories when they first write. Writability is tried,
+not guessed from permissions: a directory gets a probe file, created and deleted at once (root
+passes every permission check, yet cannot create files in ``/proc`` or on a read-only mount); an
+existing file or device gets a write of zero bytes (``/dev/full`` refuses even that).
+
+An output that is also an input (``--data t.npy --log-json t.npy``) is refused: writing it would
+destroy the input. A write that fails once the work has started is a ``WriteError`` saying what
+failed and what is intact (:func:`writing`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from pathlib import Path
+from typing import Iterator, Mapping
 
-from meshdsl.errors import ConfigError
+from meshdsl.errors import ConfigError, WriteError
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -31,6 +41,13 @@ def _writable_dir(path: Path, flag: str, shown: Path) -> None:
         raise ConfigError(f"{flag} {str(shown)!r}: {str(path)!r} is {what}, so the directory cannot be created")
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag} {str(shown)!r}: directory {str(path)!r} is not writable")
+    try:
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".meshdsl-probe-")
+    except OSError as e:
+        where = f"{flag} {str(shown)!r}"
+        raise ConfigError(f"{where}: no file can be created in directory {str(path)!r} ({e.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def check_dir(path: str | Path, flag: str) -> None:
@@ -55,8 +72,50 @@ def check_file(path: str | Path, flag: str) -> None:
     if os.path.lexists(path):
         if not os.access(path, os.W_OK):
             raise ConfigError(f"{flag} {str(path)!r} is not writable")
+        _try_write(path, flag)
         return
     _writable_dir(_nearest_existing(path.parent), flag, path)
+
+
+def _try_write(path: Path, flag: str) -> None:
+    """ConfigError unless the existing ``path`` takes a write of zero bytes (which changes nothing)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
+        try:
+            os.write(fd, b"")
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise ConfigError(f"{flag} {str(path)!r} cannot be written: {e.strerror}") from None
+
+
+def check_not_input(path: str | Path | None, flag: str, inputs: Mapping[str, str | Path | None]) -> None:
+    """ConfigError when the output ``path`` is one of ``inputs`` (``{flag: path}``; None: not given):
+    writing it would destroy the input."""
+    if path is None or not str(path).strip():
+        return
+    for name, source in inputs.items():
+        if source is None or not os.path.exists(source):
+            continue
+        if os.path.exists(path):
+            same = os.path.samefile(path, source)
+        else:
+            same = Path(path).resolve() == Path(source).resolve()
+        if same:
+            raise ConfigError(
+                f"{flag} {str(path)!r} is also the {name} input; writing it would destroy it, so choose another path"
+            )
+
+
+@contextlib.contextmanager
+def writing(what: str, intact: str) -> Iterator[None]:
+    """Turn an ``OSError`` in the block (disk full, read-only, a size limit) into a one-line
+    WriteError: ``<what> could not be written: <cause>; <intact>``."""
+    try:
+        yield
+    except OSError as e:
+        cause = e.strerror or str(e)
+        raise WriteError(f"{what} could not be written: {cause}; {intact}") from None
 
 
 def parent(path: str | Path) -> Path:

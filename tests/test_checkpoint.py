@@ -107,6 +107,7 @@ def test_manager_keeps_the_newest_and_clears_crashed_saves(tmp_path):
     for step in (2, 4, 6):
         manager.save(step, {"x": jnp.full((3,), step, jnp.float32)})
     assert manager.steps() == [4, 6] and md.checkpoint.latest(tmp_path) == tmp_path / "step_6"
+    manager.release()  # the first save locked the directory for this manager
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "step_4", "step_6"]
     state, metadata = md.checkpoint.restore(manager.latest(), mesh)
     assert metadata == {"step": 6} and np.array_equal(state["x"], np.full(3, 6.0))
@@ -204,7 +205,8 @@ def test_a_kill_while_pruning_leaves_only_restorable_checkpoints(tmp_path):
     assert killed.returncode == -9, killed.stderr
     assert f"saved checkpoint {ckpt / 'step_3'}" in killed.stdout and "step 4/4" in killed.stdout  # killed in step 4's save
     assert md.checkpoint.steps(ckpt) == [2, 3, 4]
-    assert [p.name.split("-")[0] for p in ckpt.iterdir() if not md.checkpoint._STEP.match(p.name)] == ["step_1.deleted"]
+    leftovers = sorted(p.name.split("-")[0] for p in ckpt.iterdir() if not md.checkpoint._STEP.match(p.name))
+    assert leftovers == [".meshdsl", "step_1.deleted"]  # the killed run's lock file (its flock died with it) and its half prune
     mesh = md.Mesh({"data": 8})
     for step in md.checkpoint.steps(ckpt):
         _, metadata = md.checkpoint.restore(ckpt / f"step_{step}", mesh)
@@ -271,10 +273,12 @@ def test_corrupt_and_foreign_checkpoints_raise_data_errors(checkpoint):
     manifest = json.loads((altered / "manifest.json").read_text())
     record = next(r for r in manifest["leaves"] if r["path"] == "['params']['w']")
     record["shape"], record["dims"] = [16, 4], [["d_model", 16], ["d_ff", 4]]
+    manifest["checksum"] = md.checkpoint._checksum(manifest)  # a consistent manifest whose arrays differ
     (altered / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(md.DataError, match=r"holds float32\[16, 8\], but the manifest says float32\[16, 4\]"):
         restore(altered)
     del record["dtype"]
+    manifest["checksum"] = md.checkpoint._checksum(manifest)
     (altered / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(md.DataError, match=r"is corrupt: malformed leaf record in manifest.json: .*\['params'\]\['w'\]"):
         restore(altered)

@@ -128,7 +128,7 @@ def test_killed_process_stops_the_run() -> None:
     the hang guard only keeps a broken run from hanging the suite."""
     timeout = distributed.HEARTBEAT_TIMEOUT_S
     cmd = _launch_cmd("train", "--model", "mlp", "--preset", "tiny", "--layout", "data_parallel", "--steps", "100000",
-                      top=("--heartbeat-timeout", str(timeout)))
+                      top=("--heartbeat-timeout", str(timeout), "--verbose"))  # --verbose: JAX's own words about process 1
     env = {k: v for k, v in _env().items() if k != distributed.HEARTBEAT_ENV}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     guard = threading.Timer(HANG_GUARD_S, proc.kill)
@@ -249,3 +249,59 @@ def test_launcher_stops_processes_that_outlive_a_failure(monkeypatch: pytest.Mon
 def test_describe_exit() -> None:
     assert describe(2) == "exited with code 2"
     assert describe(-signal.SIGKILL) == "was killed by SIGKILL"
+
+
+def test_a_frozen_process_is_named_by_the_launcher() -> None:
+    """SIGSTOP process 1 mid-run: the launcher names process 1 as frozen (before process 0, whose
+    heartbeat check aborts it, could be blamed), stops every process, and ends with process 1 as
+    the cause. Without --verbose, no JAX runtime log line or Gloo message reaches the terminal."""
+    cmd = _launch_cmd("train", "--model", "mlp", "--preset", "tiny", "--layout", "data_parallel", "--steps", "100000")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    guard = threading.Timer(HANG_GUARD_S, proc.kill)
+    guard.start()
+    lines: list[str] = []
+    pids: list[int] = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            pids = pids or _pids(line)
+            if len(pids) == 2 and re.match(r"\[p0\] step +1/", line):
+                os.kill(pids[1], signal.SIGSTOP)
+        code = proc.wait()
+    finally:
+        guard.cancel()
+        if proc.poll() is None:
+            proc.kill()
+        _kill_leftovers(pids)
+    output = "".join(lines)
+    named = output.find("meshdsl launch: process 1 is stopped (frozen: SIGSTOP or a debugger) and no longer answers")
+    assert named >= 0, output
+    assert "process 0 was killed" not in output[:named] and "stopping the others" not in output, output
+    assert re.search(r"meshdsl launch: process 1 froze \(stopped\) and was killed by SIGKILL first", output), output
+    assert code == 128 + signal.SIGKILL, output
+    assert "[Gloo]" not in output and not re.search(r"\] [IWEF]\d{4} ", output), output
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_runtime_chatter_is_counted_unless_verbose() -> None:
+    """Gloo's connection lines and JAX's absl log lines (with the lines continuing them) are counted,
+    not forwarded; the process's own lines around them are forwarded, and --verbose forwards all."""
+    stdout = [b"[Gloo] Rank 0 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n",
+              b"[Gloo] Rank [Gloo] Rank 1 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n",
+              b"2 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n",
+              b"step 1/9 [##..] loss 1.0\n"]
+    stderr = [b"E1126 06:40:00.123456   1234 coordination_service.cc:12] tasks are unhealthy (stopped sending heartbeats):\n",
+              b"1\n", b"RPC: /xla.coordination.CoordinationService/PollForError\n", b"\n",
+              b"meshdsl train: error: something of ours\n"]
+    for verbose, shown in ((False, ["[p0] step 1/9 [##..] loss 1.0", "[p0] meshdsl train: error: something of ours"]),
+                           (True, None)):
+        out, err = io.StringIO(), io.StringIO()
+        forward = launch_module._Forwarder(out, err, verbose)
+        forward.follow(0, io.BytesIO(b"".join(stdout)), out)
+        forward.follow(0, io.BytesIO(b"".join(stderr)), err)
+        forward.join()
+        got = out.getvalue().splitlines() + err.getvalue().splitlines()
+        if verbose:
+            assert len(got) == len(stdout) + len(stderr) and forward.omitted == {}
+        else:
+            assert got == shown and forward.omitted == {0: 7}

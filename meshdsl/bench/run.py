@@ -373,5 +373,6 @@ def run(cfg: BenchConfig, out: Callable[[str], None] = print, warn: Callable[[st
     peak = device_peak_bytes()
     summaries = [{**entry.summary(), "device_peak_bytes_in_use": peak} for entry, _, _ in prepared]
     if jax.process_index() == 0:  # a multi-process run: process 0 writes the reports
-        out(write_reports(summaries, Path(cfg.out)))
+        with outputs.writing(f"the reports in --out {cfg.out!r}", "the table above holds the results"):
+            out(write_reports(summaries, Path(cfg.out)))
     return summaries

@@ -81,6 +81,7 @@ def check(args: argparse.Namespace, overrides: dict[str, object]) -> None:
             raise ConfigError(f"--memory-gb {gb}: the memory per device must be a positive number of GB")
         if args.out is not None:
             outputs.check_file(args.out, "--out")
+            outputs.check_not_input(args.out, "--out", {"--profile": args.profile})
     build_model(args.model, args.preset, **overrides)
     optim.make(args.optimizer)
     if args.command == "explain":
@@ -142,7 +143,9 @@ def _calibrate(args: argparse.Namespace, overrides: dict[str, object], out: Call
     outputs.check_file(path, "--out")
     out(f"meshdsl calibrate: {len(jax.devices())} x {device.device_kind} ({device.platform})")
     profile, raw = calibrate(name, out)
-    profile.save(path, measurements=raw)
+    lost = "the measurements above were not saved; calibrate again with another --out"
+    with outputs.writing(f"--out {str(path)!r}", lost):
+        profile.save(path, measurements=raw)
     out(f"wrote {path}")
 
 
@@ -194,5 +197,6 @@ def _search(args: argparse.Namespace, overrides: dict[str, object], out: Callabl
     if args.measure and len(times) > 1:
         out(verdict([p.step_s for _, p in result.ranked[:k]], times))
     if args.out:
-        write_layout(*result.best, outputs.parent(args.out), profile)
+        with outputs.writing(f"--out {args.out!r}", "the ranking above is the search's result"):
+            write_layout(*result.best, outputs.parent(args.out), profile)
         out(f"wrote the best layout to {args.out}")

@@ -141,6 +141,10 @@ def check(run: RunConfig) -> None:
         outputs.check_dir(run.checkpoint_dir, "--checkpoint-dir")
     if run.log_json is not None:
         outputs.check_file(run.log_json, "--log-json")
+    model_file = run.model if run.model.endswith(".py") else None
+    inputs = {"--data": run.data, "--layout": layout_path(run.layout), "--model": model_file}
+    outputs.check_not_input(run.log_json, "--log-json", inputs)
+    outputs.check_not_input(run.checkpoint_dir, "--checkpoint-dir", inputs)
 
 
 def rule_warnings(spec: str, layout: md.Layout, name: str, model: Any) -> list[str]:
@@ -158,6 +162,7 @@ class Progress:
     def __init__(self, total: int, unit: str, out: TextIO, log_json: str | None = None):
         self.total, self.unit, self.out = total, unit, out
         self.live = out.isatty()
+        self.path = log_json
         try:
             self.log = open(outputs.parent(log_json), "w") if log_json is not None else None
         except OSError as e:
@@ -178,8 +183,10 @@ class Progress:
             self.out.write(line + "\n")
         self.out.flush()
         if self.log:
-            self.log.write(json.dumps({"step": step, "loss": loss, "seconds": seconds}) + "\n")
-            self.log.flush()
+            intact = "the lines of the steps before it are in it"
+            with outputs.writing(f"--log-json {self.path!r} at step {step}", intact):
+                self.log.write(json.dumps({"step": step, "loss": loss, "seconds": seconds}) + "\n")
+                self.log.flush()
 
     def close(self) -> None:
         if self.log:
@@ -260,12 +267,28 @@ def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None,
     ``run.save_every`` steps and after the last; with ``run.resume`` it continues from the latest
     checkpoint there, so the losses returned are those of steps ``run.steps - len(losses) + 1``
     to ``run.steps``. Mistakes in ``run`` raise before anything is compiled (:func:`check`);
-    rules of the layout that name no dim of the model are warned about on ``err``.
+    rules of the layout that name no dim of the model are warned about on ``err``. The checkpoint
+    dir is locked for the run (a second run on it is a ConfigError before anything is built).
     """
     check(run)
+    if run.checkpoint_dir is None:
+        return _train(run, out, mesh, err, None)
+    manager = md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
+    note = manager.acquire()
+    if note is not None:
+        err.write(f"meshdsl train: note: {note}\n")
+    try:
+        return _train(run, out, mesh, err, manager)
+    finally:
+        manager.release()
+
+
+def _train(
+    run: RunConfig, out: TextIO, mesh: md.Mesh | None, err: TextIO, manager: md.checkpoint.CheckpointManager | None
+) -> list[float]:
+    """:func:`train` after its checks, with the checkpoint dir (if any) locked."""
     if not distributed.is_primary():
         out = err = io.StringIO()
-    manager = None if run.checkpoint_dir is None else md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
     trainer = build_trainer(run, mesh)
     model, mesh, layout = trainer.model, trainer.mesh, trainer.layout
     warnings = rule_warnings(run.layout, layout, run.model, model)
