@@ -26,7 +26,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import meshdsl as md
 from meshdsl import relayout
-from meshdsl.bench.timing import CompiledStep, losses_from
+from meshdsl.bench import fits
+from meshdsl.bench.timing import CompiledStep, losses_from, memory_bytes
 from meshdsl.model_loader import shipped_name
 from meshdsl.train.optim import Optimizer
 from meshdsl.train.rules import model_dims
@@ -240,6 +241,7 @@ def make_step(model: Any, layout: md.Layout, mesh: md.Mesh, state: dict, data: j
 
     scalar = NamedSharding(mesh.jax_mesh, PartitionSpec())
     compiled = jax.jit(step, in_shardings=(shardings,), out_shardings=(shardings, scalar), donate_argnums=0).lower(start).compile()
+    fits.check("the plain-JAX step", memory_bytes(compiled))
     return PlainStep(compiled, start)
 
 
@@ -268,8 +270,15 @@ def baseline(step: CompiledStep) -> Baseline:
     why = unfaithful(t)
     if why is not None:
         return Baseline(None, None, why)
-    plain = make_step(t.model, t.layout, t.mesh, step.state, step.data, t.optimizer, t.grad_reduce_dtype)
-    ours, theirs = step.losses(CHECKED_STEPS), plain.losses(CHECKED_STEPS)
+    try:
+        plain = make_step(t.model, t.layout, t.mesh, step.state, step.data, t.optimizer, t.grad_reduce_dtype)
+        ours, theirs = step.losses(CHECKED_STEPS), plain.losses(CHECKED_STEPS)
+    except fits.DoesNotFit as e:
+        return Baseline(None, None, f"not timed: {e}")
+    except Exception as e:  # XLA's runtime error class; only running out of memory is a note
+        if not fits.is_out_of_memory(e):
+            raise
+        return Baseline(None, None, f"not timed: {fits.run_time_message('checking the plain-JAX step', e)}")
     if not _agree(ours, theirs):
         return Baseline(None, False, f"losses differ, not timed: meshdsl {_listed(ours)}, plain JAX {_listed(theirs)}")
     return Baseline(plain, True, None)

@@ -22,7 +22,7 @@ import numpy as np
 
 import meshdsl as md
 from meshdsl import hlo, outputs
-from meshdsl.bench import analytic, baselines
+from meshdsl.bench import analytic, baselines, fits
 from meshdsl.bench.peaks import peak_flops
 from meshdsl.bench.report import write_reports
 from meshdsl.bench.timing import CompiledStep, compile_step, interleaved_rounds, memory_bytes, round_orders
@@ -239,7 +239,11 @@ def _prepare(
     try:
         mesh = layout.mesh()
         pipe = None if variant is None else variant[0]
-        step = compile_step(Trainer(model, optimizer, mesh, layout, grad_reduce_dtype=cfg.grad_reduce_dtype, pipeline=pipe), cfg.seed)
+        trainer = Trainer(model, optimizer, mesh, layout, grad_reduce_dtype=cfg.grad_reduce_dtype, pipeline=pipe)
+        step = compile_step(trainer, cfg.seed, what=f"{model_name} x {label}")
+    except fits.DoesNotFit as e:
+        out(f"  {model_name} x {label}: skipped, {e}")
+        return None
     except (md.LayoutError, md.ConfigError) as e:  # ConfigError: a pipeline the model or batch cannot take
         out(f"  {model_name} x {label}: skipped, the layout does not fit: {e}")
         return None
@@ -313,17 +317,28 @@ def _measure_bubbles(entries: list[Entry]) -> None:
             e.pipeline["bubble_measured"] = 1 - slope * m / e.step_s
 
 
-def _time(prepared: list[tuple[Entry, Callable, Callable | None]], cfg: BenchConfig) -> None:
-    """Time every entry's step and baseline in interleaved rounds; record each round's order on every entry."""
+def _time(prepared: list[tuple[Entry, Callable, Callable | None]], cfg: BenchConfig, out: Callable[[str], None] = print) -> list[str]:
+    """Time every entry's step and baseline in interleaved rounds; record each round's order on every entry.
+
+    A step that runs out of device memory at run time is reported (``out``) and left out of the
+    later rounds; the labels of the entries that lost their own step that way are returned (their
+    baselines lose only the baseline's timing, with a note)."""
     timed = [(entry.step_times, step, _name(entry)) for entry, step, _ in prepared]
     timed += [(entry.baseline_step_times, plain, f"{_name(entry)} (plain JAX)") for entry, _, plain in prepared if plain is not None]
     orders = round_orders(len(timed), cfg.rounds, cfg.seed)
-    samples = interleaved_rounds([step for _, step, _ in timed], orders, cfg.steps_per_round)
+    failed: dict[int, BaseException] = {}
+    samples = interleaved_rounds([step for _, step, _ in timed], orders, cfg.steps_per_round, failed)
+    for i, error in failed.items():
+        out(f"  dropped: {fits.run_time_message(timed[i][2], error)}")
+        samples[i].clear()
     for (times, _, _), seconds in zip(timed, samples):
         times.extend(seconds)
     labelled = [[timed[i][2] for i in order] for order in orders]
     for entry, _, _ in prepared:
         entry.timing_seed, entry.round_orders = cfg.seed, labelled
+        if entry.baseline_note is None and entry.baseline_losses_match and not entry.baseline_step_times:
+            entry.baseline_note = "the plain-JAX step ran out of device memory at run time"
+    return [timed[i][2] for i in failed if i < len(prepared)]
 
 
 def device_peak_bytes() -> int | None:
@@ -367,8 +382,11 @@ def run(cfg: BenchConfig, out: Callable[[str], None] = print, warn: Callable[[st
                     prepared.append(item)
                     out(f"  compiled {model_name} x {item[0].layout} in {item[0].compile_s:.1f} s")
     if not prepared:
-        raise ConfigError(f"nothing to measure: every layout was skipped as not fitting ({', '.join(dict.fromkeys(skipped))}; see why above)")
-    _time(prepared, cfg)
+        raise ConfigError(f"nothing to measure: every layout was skipped as not fitting the model or the device's memory ({', '.join(dict.fromkeys(skipped))}; see why above)")
+    lost = _time(prepared, cfg, out)
+    prepared = [item for item in prepared if _name(item[0]) not in lost]
+    if not prepared:
+        raise ConfigError(f"nothing measured: every entry ran out of device memory at run time ({', '.join(lost)}; see above)")
     _measure_bubbles([entry for entry, _, _ in prepared])
     peak = device_peak_bytes()
     summaries = [{**entry.summary(), "device_peak_bytes_in_use": peak} for entry, _, _ in prepared]

@@ -99,7 +99,10 @@ def _profile(spec: str | None) -> Any:
 
 def _explain(args: argparse.Namespace, overrides: dict[str, object], out: Callable[[str], None]) -> None:
     from meshdsl.planner.cost import predict
-    from meshdsl.bench.timing import compile_step, memory_bytes
+    import jax
+
+    from meshdsl.bench import fits
+    from meshdsl.bench.timing import compile_abstract, memory_bytes
     from meshdsl.explain import report_of_hlo
     from meshdsl.train import optim
     from meshdsl.train.step import Trainer
@@ -117,8 +120,12 @@ def _explain(args: argparse.Namespace, overrides: dict[str, object], out: Callab
     compiled = None
     report = prediction.report
     if not args.no_compile:
-        step = compile_step(Trainer(model, optimizer, mesh, layout, backend=args.backend), 0).compiled
+        step = compile_abstract(Trainer(model, optimizer, mesh, layout, backend=args.backend), jax.random.key_data(jax.random.key(0)))
         compiled = memory_bytes(step)["total"]
+        try:
+            fits.check("the compiled step", memory_bytes(step))
+        except fits.DoesNotFit as e:
+            print(f"meshdsl explain: warning: {e}", file=sys.stderr)
         if args.backend == "gspmd":
             report = report_of_hlo(step.as_text(), mesh)
     out(f"meshdsl explain: {args.model} {args.preset} on mesh {mesh} under {layout}" + (f" | params {layout.params}" if layout.params else ""))
@@ -127,6 +134,12 @@ def _explain(args: argparse.Namespace, overrides: dict[str, object], out: Callab
     if args.backend == "gspmd":
         out(f"meshdsl's spmd plan moves {prediction.total_bytes:,.0f} bytes per device; below, the planner's predictions for it beside the gspmd step's compiled memory")
     out(prediction.table(compiled))
+    if prediction.memory.total > profile.memory_bytes:
+        print(
+            f"meshdsl explain: warning: the predicted memory, {fits.readable(prediction.memory.total)} per device, exceeds "
+            f"profile {profile.name}'s {fits.readable(profile.memory_bytes)}; "
+            f"{fits.remedies(fits.Capacity(int(profile.memory_bytes), profile.name))}", file=sys.stderr,
+        )
 
 
 def _calibrate(args: argparse.Namespace, overrides: dict[str, object], out: Callable[[str], None]) -> None:

@@ -14,6 +14,7 @@ from typing import Any, TextIO
 import jax
 
 import meshdsl as md
+from meshdsl.bench.timing import compile_checked
 from meshdsl import distributed, models, outputs
 from meshdsl.errors import ConfigError
 from meshdsl.model_loader import build_model, load_module
@@ -242,6 +243,8 @@ def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None,
         err.write(f"meshdsl train: warning: {warning}\n")
     tokens = None if run.data is None else token_file(run.data, model, run.model)
     out.write(f"meshdsl train: {run.model} {run.preset} on mesh {mesh} ({jax.devices()[0].platform}) under {layout}\n")
+    like = jax.random.key_data(jax.random.key(run.seed)) if tokens is None else tokens.batch_at(0, mesh, layout)
+    step_fn = compile_checked(trainer, like, f"a training step of {run.model} {run.preset} under {run.layout}")
     state, data_key, first = _start(run, trainer, manager, out)
     if first == run.steps:
         out.write(f"nothing to train: the checkpoint is at step {first}, which is --steps\n")
@@ -256,7 +259,7 @@ def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None,
     for step in range(first, run.steps):
         batch = data_key if tokens is None else tokens.batch_at(step, mesh, layout)
         start = time.perf_counter()
-        state, loss = trainer.step(state, batch)
+        state, loss = step_fn(state, batch)
         losses.append(float(distributed.local_value(loss)))
         progress.update(step + 1, losses[-1], time.perf_counter() - start, examples)
         if manager is not None and (manager.due(step + 1) or step + 1 == run.steps):
