@@ -1,7 +1,8 @@
 """Hand-written plain-JAX versions of the MLP and the Transformer: the ``--baseline jax`` of the benchmark.
 
 The same program as the meshdsl step, written as an expert would without meshdsl: global arrays,
-``jnp.einsum``, ``jax.nn.dot_product_attention``, ``jax.jit`` with ``NamedSharding`` for every
+``jnp.einsum``, ``jax.nn.dot_product_attention`` (with the kernel meshdsl's attention chooses),
+``jax.jit`` with ``NamedSharding`` for every
 parameter, optimizer state and batch array (from the same layout), and a sharding constraint on
 the residual stream; XLA's partitioner chooses the collectives. The same program means the same
 data and initial state, the model's ``compute_dtype`` casts (f32 master weights cast where they
@@ -29,6 +30,7 @@ from meshdsl import relayout
 from meshdsl.bench import fits
 from meshdsl.bench.timing import CompiledStep, losses_from, memory_bytes
 from meshdsl.model_loader import shipped_name
+from meshdsl.nn.attention_impl import implementation_here
 from meshdsl.train.optim import Optimizer
 from meshdsl.train.rules import model_dims
 from meshdsl.train.step import Trainer
@@ -97,7 +99,8 @@ def _transformer_loss(p: dict, batch: dict[str, jax.Array], c: Any, constrain: C
     def layer(x: jax.Array, w: dict) -> tuple[jax.Array, None]:
         w = {k: v.astype(dtype) for k, v in w.items()}
         q, k, v = jnp.einsum("bld,dshk->sblhk", _norm(c.norm, x, w["norm1"]), w["wqkv"])
-        attended = jax.nn.dot_product_attention(q, k, v, scale=c.d_kv**-0.5, is_causal=True)
+        kernel = implementation_here(dtype, c.d_kv, "causal")  # the kernel meshdsl's attention chooses
+        attended = jax.nn.dot_product_attention(q, k, v, scale=c.d_kv**-0.5, is_causal=True, implementation=kernel)
         x = x + jnp.einsum("blhk,hkd->bld", attended, w["wo"])
         hidden = jax.nn.gelu(jnp.einsum("bld,df->blf", _norm(c.norm, x, w["norm2"]), w["w_in"]))
         return constrain(x + jnp.einsum("blf,fd->bld", hidden, w["w_out"]), "batch length d_model"), None
