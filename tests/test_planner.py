@@ -367,3 +367,61 @@ def test_spearman_is_the_correlation_of_ranks() -> None:
     # ranks (1, 2.5, 2.5, 4) against (1, 2, 3, 4): covariance 4.5, spreads 4.5 and 5
     assert spearman([1.0, 2.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0]) == pytest.approx(4.5 / np.sqrt(4.5 * 5))
     assert spearman([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]) == 0.0
+
+
+# ---- attention FLOPs: causal counts half (MaxText's convention), in one place ----------------------
+
+
+def test_attention_flops_are_the_matmuls_flops_and_causal_counts_half():
+    """Full attention's forward FLOPs equal XLA's count of its two matmuls; causal is half; a step is 3 passes."""
+    from meshdsl.planner.flops import attention_flops
+
+    b, n, t, s, h = 2, 3, 16, 24, 8
+    q, k = jax.ShapeDtypeStruct((b, n, t, h), np.float32), jax.ShapeDtypeStruct((b, n, s, h), np.float32)
+    p = jax.ShapeDtypeStruct((b, n, t, s), np.float32)
+
+    def flops(eq: str, x: jax.ShapeDtypeStruct, y: jax.ShapeDtypeStruct) -> float:
+        cost = jax.jit(lambda x, y: jax.numpy.einsum(eq, x, y)).lower(x, y).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    xla = flops("bnth,bnsh->bnts", q, k) + flops("bnts,bnsh->bnth", p, k)
+    assert attention_flops(b, n, t, s, h, causal=False, passes=1) == xla
+    assert attention_flops(b, n, t, s, h, causal=True, passes=1) == xla / 2
+    assert attention_flops(b, n, t, s, h, causal=True) == 3 * xla / 2
+
+
+def test_the_transformers_model_flops_count_causal_attention_as_half():
+    """6 x (matmul parameters, from the state) x tokens, plus 3 passes of half of full attention's matmuls."""
+    model = build_model("transformer", "small")
+    c = model.config
+    params = abstract_state(model, optim.make("sgd"))["params"]
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, md.Tensor))[0]
+    matmul = sum(x.array.size for path, x in leaves if any(w in jax.tree_util.keystr(path) for w in ("wqkv", "wo", "w_in", "w_out", "unembed")))
+    full = 3 * 2 * 2 * c.batch * c.heads * c.length**2 * c.d_kv * c.layers
+    assert model.flops_per_step() == 6 * matmul * c.batch * c.length + full / 2
+
+
+def test_fused_attention_primitives_count_the_matmuls_cudnn_runs():
+    """cuDNN's forward (2 matmuls) and backward (5) primitives, BTNH or BNTH, halved when causal."""
+    import enum
+
+    from meshdsl.planner.flops import work
+    from meshdsl.planner.program import Block, Step
+
+    class MaskType(enum.Enum):  # as jax._src.cudnn.fused_attention_stablehlo names them
+        NO_MASK = 0
+        CAUSAL = 2
+
+    b, t, n, h, s = 2, 32, 4, 16, 32
+    one = 2 * b * n * t * s * h  # one T x S matmul of every head
+
+    def step(name: str, layout: int, mask: MaskType) -> Step:
+        shape = (b, t, n, h) if layout == 0 else (b, n, t, h)
+        aval = jax.ShapeDtypeStruct(shape, np.float16)
+        return Step(name, {"layout": layout, "mask_type": mask}, [], [], [aval], [aval, aval, aval], [])
+
+    cases = [("dot_product_attention_fwd_wrapper", 0, MaskType.NO_MASK, 2 * one),
+             ("dot_product_attention_fwd_wrapper", 1, MaskType.CAUSAL, one),
+             ("dot_product_attention_bwd_wrapper", 0, MaskType.CAUSAL, 5 * one / 2)]
+    for name, layout, mask, want in cases:
+        assert work(Block([step(name, layout, mask)], [], [])).matmul_flops == want, (name, layout, mask)
