@@ -333,11 +333,13 @@ def test_calibrate_cli_writes_a_loadable_profile(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(calibrate, "SIZES", (2**12, 2**14))
     monkeypatch.setattr(calibrate.collective_times, "__defaults__", ((2**12, 2**14),))
+    monkeypatch.setattr(calibrate.matmul_rate, "__defaults__", ((64, 128),))
+    monkeypatch.setattr(calibrate.memory_bandwidth, "__defaults__", ((2**16, 2**18),))
     out = tmp_path / "here.json"
     assert main(["calibrate", "--out", str(out)]) == 0
     profile = load_profile(out)
     assert isinstance(profile, DeviceProfile) and profile.platform == "cpu" and profile.node_size == 8
-    assert json.loads(out.read_text())["measurements"]
+    assert json.loads(out.read_text())["measurements"] and json.loads(out.read_text())["name"] == "cpu-sim"
     assert set(commands.COMMANDS) == {"explain", "calibrate", "search"}
 
 
@@ -425,3 +427,63 @@ def test_fused_attention_primitives_count_the_matmuls_cudnn_runs():
              ("dot_product_attention_bwd_wrapper", 0, MaskType.CAUSAL, 5 * one / 2)]
     for name, layout, mask, want in cases:
         assert work(Block([step(name, layout, mask)], [], [])).matmul_flops == want, (name, layout, mask)
+
+
+def test_calibrate_grows_sizes_until_the_rate_stops_rising() -> None:
+    from meshdsl.planner.calibrate import saturated
+
+    tried: list[int] = []
+
+    def curve(n: int) -> tuple[float, float]:  # rises to 40 at n = 4, then flat
+        tried.append(n)
+        return 10.0 * min(n, 4), 1e-3
+
+    assert saturated(curve, [1, 2, 4, 8, 16, 32]) == (4, 40.0) and tried == [1, 2, 4, 8]
+    tried.clear()
+    assert saturated(lambda n: (tried.append(n), (float(n), 1.0))[1], [1, 2, 4], max_call_s=0.5) == (1, 1.0) and tried == [1]
+
+    def too_big(n: int) -> tuple[float, float]:
+        if n > 2:
+            raise MemoryError(n)
+        return float(n), 1e-3
+
+    assert saturated(too_big, [1, 2, 4, 8]) == (2, 2.0)
+
+
+def test_calibrate_on_one_device_fits_what_it_can_and_keeps_its_name(tmp_path, monkeypatch, capsys) -> None:
+    """One device: no links to fit (a line says so, the links come from the shipped cpu-sim), no
+    LinAlgError; ``--name`` is the profile's name (a loop variable once overwrote it)."""
+    from meshdsl.planner import calibrate
+
+    devices = jax.devices
+    monkeypatch.setattr(jax, "devices", lambda *a: devices(*a)[:1])
+    monkeypatch.setattr(calibrate.matmul_rate, "__defaults__", ((64, 128),))
+    monkeypatch.setattr(calibrate.memory_bandwidth, "__defaults__", ((2**16, 2**18),))
+    out = tmp_path / "my.json"
+    assert main(["calibrate", "--name", "mine", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "collectives: not measured, one device has no links; taken from the shipped profile cpu-sim" in printed
+    data = json.loads(out.read_text())
+    assert data["name"] == "mine" and data["node_size"] == 1 and set(data["matmul_flops"]) == {"float32", "bfloat16"}
+    assert data["intra"] == load_profile("cpu-sim").to_json()["intra"] and "not measured" in data["source"]
+    with pytest.raises(md.ConfigError, match="two or more byte counts"):
+        calibrate.fit([(0.0, 1e-5), (0.0, 2e-5)])
+
+
+def test_search_says_why_candidates_were_dropped_and_reads_small_memory(capsys) -> None:
+    """``N dropped (k over memory, ...)``: the count over memory is that of the candidates whose
+    predicted peak exceeds the limit; the memory column shows small sizes in a unit that reads."""
+    from meshdsl.bench.fits import readable
+
+    model, profile = build_model("mlp", "tiny"), load_profile("h100")
+    everything = search(model, optim.make("adamw"), 8, profile, pipeline=False)
+    totals = sorted(p.memory.total for _, p in everything.ranked)
+    limit = (totals[len(totals) // 2] + totals[len(totals) // 2 - 1]) / 2
+    over = sum(t > limit for t in totals)
+    assert 0 < over < len(totals)
+    assert main(["search", "--model", "mlp", "--preset", "tiny", "--profile", "h100", "--no-pipeline", "--memory-gb", str(limit / 1e9)]) == 0
+    printed = capsys.readouterr().out
+    assert f"{len(totals) - over} fit, {over + len(everything.dropped)} dropped ({over} over memory" in printed
+    best = min(everything.ranked, key=lambda item: item[1].step_s if item[1].memory.total <= limit else float("inf"))
+    row = next(line for line in printed.splitlines() if line.strip().startswith("1 "))
+    assert readable(best[1].memory.total) in row and " 0.000 " not in row
