@@ -332,9 +332,8 @@ def test_calibrate_cli_writes_a_loadable_profile(tmp_path, monkeypatch) -> None:
     from meshdsl.planner import calibrate
 
     monkeypatch.setattr(calibrate, "SIZES", (2**12, 2**14))
-    monkeypatch.setattr(calibrate.collective_times, "__defaults__", ((2**12, 2**14),))
-    monkeypatch.setattr(calibrate.matmul_rate, "__defaults__", ((64, 128),))
-    monkeypatch.setattr(calibrate.memory_bandwidth, "__defaults__", ((2**16, 2**18),))
+    monkeypatch.setattr(calibrate, "MATMUL_SIZES", (64, 128))
+    monkeypatch.setattr(calibrate, "BANDWIDTH_SIZES", (2**16, 2**18))
     out = tmp_path / "here.json"
     assert main(["calibrate", "--out", str(out)]) == 0
     profile = load_profile(out)
@@ -457,8 +456,8 @@ def test_calibrate_on_one_device_fits_what_it_can_and_keeps_its_name(tmp_path, m
 
     devices = jax.devices
     monkeypatch.setattr(jax, "devices", lambda *a: devices(*a)[:1])
-    monkeypatch.setattr(calibrate.matmul_rate, "__defaults__", ((64, 128),))
-    monkeypatch.setattr(calibrate.memory_bandwidth, "__defaults__", ((2**16, 2**18),))
+    monkeypatch.setattr(calibrate, "MATMUL_SIZES", (64, 128))
+    monkeypatch.setattr(calibrate, "BANDWIDTH_SIZES", (2**16, 2**18))
     out = tmp_path / "my.json"
     assert main(["calibrate", "--name", "mine", "--out", str(out)]) == 0
     printed = capsys.readouterr().out

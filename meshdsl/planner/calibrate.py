@@ -178,15 +178,21 @@ def _meshes(count: int) -> list[jax.sharding.Mesh]:
     return meshes
 
 
-def calibrate(name: str, out: Callable[[str], None] = print) -> tuple[DeviceProfile, list[dict[str, Any]]]:
-    """Measure the devices at hand; the profile and every raw measurement."""
+def calibrate(name: str, out: Callable[[str], None] = print, matmul_sizes: Sequence[int] | None = None,
+              bandwidth_sizes: Sequence[int] | None = None, collective_sizes: Sequence[int] | None = None,
+              ) -> tuple[DeviceProfile, list[dict[str, Any]]]:
+    """Measure the devices at hand; the profile and every raw measurement. The sizes tried (None:
+    :data:`MATMUL_SIZES`, :data:`BANDWIDTH_SIZES`, :data:`SIZES`; smaller ones make a quick,
+    unsaturated run, as ``meshdsl gpu-check --dry`` does)."""
+    matmul_sizes, bandwidth_sizes = matmul_sizes or MATMUL_SIZES, bandwidth_sizes or BANDWIDTH_SIZES
+    collective_sizes = collective_sizes or SIZES
     devices = jax.devices()
     count = len(devices)
     meshes = _meshes(count)
-    rates = {dtype: matmul_rate(meshes[0], jnp.dtype(dtype)) for dtype in ("float32", "bfloat16")}
+    rates = {dtype: matmul_rate(meshes[0], jnp.dtype(dtype), matmul_sizes) for dtype in ("float32", "bfloat16")}
     for dtype, rate in rates.items():
         out(f"  matmul {dtype}: {rate / 1e9:.2f} GFLOP/s per device")
-    bandwidth = memory_bandwidth(meshes[0])
+    bandwidth = memory_bandwidth(meshes[0], bandwidth_sizes)
     out(f"  element-wise: {bandwidth / 1e9:.2f} GB/s per device")
     device = devices[0]
     source = f"measured by meshdsl calibrate on {count} x {device.device_kind} ({device.platform})"
@@ -196,7 +202,7 @@ def calibrate(name: str, out: Callable[[str], None] = print) -> tuple[DeviceProf
         out(f"  collectives: not measured, one device has no links; taken from the shipped profile {origin}")
         source += f"; collectives not measured (one device), from the shipped profile {origin}"
     else:
-        links = _measure_links(meshes, raw, out)
+        links = _measure_links(meshes, raw, out, collective_sizes)
     profile = DeviceProfile(
         name=name, source=source, platform=device.platform, device_kind=device.device_kind, memory_bytes=_memory_bytes(device),
         memory_bandwidth=bandwidth, node_size=count, intra=links, inter=links, matmul_flops=rates,
@@ -204,14 +210,15 @@ def calibrate(name: str, out: Callable[[str], None] = print) -> tuple[DeviceProf
     return profile, raw
 
 
-def _measure_links(meshes: list[jax.sharding.Mesh], raw: list[dict[str, Any]], out: Callable[[str], None]) -> dict[str, Link]:
+def _measure_links(meshes: list[jax.sharding.Mesh], raw: list[dict[str, Any]], out: Callable[[str], None],
+                   sizes: Sequence[int]) -> dict[str, Link]:
     """Each collective kind's fitted link over every axis of ``meshes``; appends the raw points to ``raw``."""
     links = {}
     for kind in KINDS:
         points = []
         for mesh in meshes:
             for axis in mesh.axis_names:
-                for moved, seconds in collective_times(mesh, axis, kind):
+                for moved, seconds in collective_times(mesh, axis, kind, tuple(sizes)):
                     points.append((moved, seconds))
                     raw.append({"collective": kind, "mesh": dict(mesh.shape), "axis": axis, "bytes_moved": moved, "seconds": seconds})
         links[kind] = fit(points)
