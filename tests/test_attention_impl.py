@@ -1,4 +1,4 @@
-"""Which attention kernel runs: the choice table, its use by md.nn and the plain-JAX baseline, and the XLA path's numbers.
+"""Which attention kernel runs: the choice table, its use by md.nn and the plain-JAX baseline, the XLA path's numbers.
 
 On a CPU only XLA's formula runs, so the GPU branch is checked by what is asked of
 ``jax.nn.dot_product_attention`` with the backend reported as a GPU (the call itself then runs
@@ -6,6 +6,8 @@ XLA's formula); on a GPU, :func:`test_cudnn_matches_xla_on_a_gpu` compares the t
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -100,18 +102,23 @@ def test_md_attention_asks_for_cudnn_on_a_gpu_only_where_it_fits(monkeypatch):
     pad = md.tensor(np.arange(16)[None, :] < np.array([16, 9])[:, None], "batch memory")
     mesh = md.Mesh({"data": 2, "model": 2})
     attend = md.nn.dot_product_attention
+
+    def causal(q: md.Tensor, k: md.Tensor, v: md.Tensor) -> md.Tensor:
+        return attend(q, k, v, causal=True)
+
     cases = [
         (lambda: jax.eval_shape(lambda: attend(q, k, v, causal=True)), "cudnn"),
         (lambda: jax.eval_shape(lambda: attend(q32, k32, v32, causal=True)), "xla"),
         (lambda: jax.eval_shape(lambda: attend(q, k, v, causal=True, mask=pad)), "xla"),
         (lambda: jax.eval_shape(lambda: attend(q, k, v, causal=True, implementation="xla")), "xla"),
-        (lambda: md.explain(lambda q, k, v: attend(q, k, v, causal=True), mesh, "batch:data; heads:model", q, k, v), "cudnn"),
-        (lambda: md.explain(lambda q, k, v: attend(q, k, v, causal=True), mesh, "batch:data; length:model", q, k, v), "xla"),
+        (lambda: md.explain(causal, mesh, "batch:data; heads:model", q, k, v), "cudnn"),
+        (lambda: md.explain(causal, mesh, "batch:data; length:model", q, k, v), "xla"),
     ]
     for i, (run, want) in enumerate(cases):
         asked.clear()
         run()
-        assert asked and asked[-1] == want, f"case {i}: asked {asked}, want {want}"  # md.explain: shapes, then the shards
+        # md.explain traces the shapes on global arrays first, then the shards: the last call is the shard's
+        assert asked and asked[-1] == want, f"case {i}: asked {asked}, want {want}"
 
 
 def test_transformer_and_its_plain_jax_baseline_ask_for_the_same_kernel(monkeypatch):
@@ -150,5 +157,7 @@ def test_cudnn_matches_xla_on_a_gpu():
     """On a GPU, bf16: cuDNN's fused attention (the default) equals XLA's formula within bf16 tolerance."""
     _, (q, k, v) = _qkv(BF16, b=2, n=4, t=256, h=128, seed=4)
     fused = jax.jit(lambda q, k, v: md.nn.dot_product_attention(q, k, v, causal=True))(q, k, v)
-    formula = jax.jit(lambda q, k, v: md.nn.dot_product_attention(q, k, v, causal=True, implementation="xla"))(q, k, v)
-    np.testing.assert_allclose(np.asarray(fused.array, np.float32), np.asarray(formula.array, np.float32), atol=2e-2, rtol=2e-2)
+    xla = functools.partial(md.nn.dot_product_attention, causal=True, implementation="xla")
+    formula = jax.jit(xla)(q, k, v)
+    got, want = (np.asarray(x.array, np.float32) for x in (fused, formula))
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)

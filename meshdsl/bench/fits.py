@@ -99,7 +99,7 @@ def remedies(cap: Capacity) -> str:
 
 def message(what: str, needed: Mapping[str, int], cap: Capacity) -> str:
     """One line: ``what`` needs this much per device (and of what), a device has that much, remedies."""
-    parts = f"arguments {readable(needed['arguments'])} + outputs {readable(needed['outputs'])} + temporaries {readable(needed['temporaries'])}"
+    parts = " + ".join(f"{k} {readable(needed[k])}" for k in ("arguments", "outputs", "temporaries"))
     if needed.get("aliased"):
         parts += f" - donated {readable(needed['aliased'])}"
     return (
@@ -126,4 +126,5 @@ def run_time_message(what: str, error: BaseException, cap: Capacity | None = Non
     cap = cap or capacity()
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     has = "" if cap is None else f" (a device has {readable(cap.bytes)}, {cap.source})"
-    return f"{what} ran out of memory at run time{has}: {first[:200]}; {remedies(cap) if cap else 'try a smaller batch'}"
+    fix = remedies(cap) if cap else "try a smaller batch"
+    return f"{what} ran out of memory at run time{has}: {first[:200]}; {fix}"

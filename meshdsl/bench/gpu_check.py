@@ -50,7 +50,8 @@ DRY = Sizes("mlp", "tiny", ["data_parallel"], "tiny", (8,), 1, 1, (2, 2, 16, 8),
 
 def add_parser(sub: Any) -> None:
     """Add ``gpu-check`` to the ``meshdsl`` parser's subparsers."""
-    parser = sub.add_parser("gpu-check", help="the prepared GPU check: bench, 1b vs plain JAX, calibrate, explain vs measured")
+    what = "the prepared GPU check: bench, 1b vs plain JAX, calibrate, explain vs measured"
+    parser = sub.add_parser("gpu-check", help=what)
     parser.add_argument("--dry", action="store_true", help="the same steps at tiny sizes (runs on a CPU)")
     parser.add_argument("--out", default="gpu-check.md", metavar="FILE", help="the markdown report (a .json beside it)")
 
@@ -89,7 +90,8 @@ class Report:
         return result
 
     def write(self) -> None:
-        _json_path(self.path).write_text(json.dumps({"dry": self.dry, "steps": self.steps}, indent=2, default=str) + "\n")
+        data = {"dry": self.dry, "steps": self.steps}
+        _json_path(self.path).write_text(json.dumps(data, indent=2, default=str) + "\n")
         self.path.write_text(markdown(self.steps, self.dry))
 
 
@@ -132,9 +134,10 @@ def _bench(cfg: Any) -> list[dict[str, Any]]:
 
     lines: list[str] = []
     summaries = run(cfg, out=lines.append, warn=lines.append)
-    keep = ("layout", "mesh", "step_s_median", "mfu", "memory_bytes_per_device", "baseline_jax_step_s", "overhead_vs_jax",
-            "baseline_note", "compile_s", "flops_per_step")
-    return [{"lines": [line for line in lines if "skipped" in line or "dropped" in line]}] + [{k: s.get(k) for k in keep} for s in summaries]
+    keep = ("layout", "mesh", "step_s_median", "mfu", "memory_bytes_per_device", "baseline_jax_step_s",
+            "overhead_vs_jax", "baseline_note", "compile_s", "flops_per_step")
+    notes = [line for line in lines if "skipped" in line or "dropped" in line]
+    return [{"lines": notes}] + [{k: s.get(k) for k in keep} for s in summaries]
 
 
 def _prediction(preset: str, batch: int, profile: Any) -> dict[str, Any]:
@@ -160,22 +163,26 @@ def gpu_check(out_path: str | Path, dry: bool, out: Callable[[str], None] = prin
     folder = report.path.with_suffix("")
     report.step("environment", _environment, out)
     report.step("fused attention vs XLA", lambda: {"attention": _attention(sizes)}, out)
-    main = BenchConfig(models=[sizes.main_model], preset=sizes.main_preset, layouts=sizes.main_layouts, rounds=sizes.rounds,
-                       steps_per_round=sizes.steps_per_round, out=str(folder / "main"), gspmd=not dry)
-    report.step(f"main job: meshdsl bench --model {sizes.main_model} --preset {sizes.main_preset}", lambda: {"entries": _bench(main)}, out)
+    main = BenchConfig(models=[sizes.main_model], preset=sizes.main_preset, layouts=sizes.main_layouts,
+                       rounds=sizes.rounds, steps_per_round=sizes.steps_per_round, out=str(folder / "main"),
+                       gspmd=not dry)
+    title = f"main job: meshdsl bench --model {sizes.main_model} --preset {sizes.main_preset}"
+    report.step(title, lambda: {"entries": _bench(main)}, out)
     calibrated = report.step("calibrate", lambda: {"profile": _calibrate(sizes, folder / "calibrated.json", out)}, out)
     profiles = [lambda: load_profile(folder / "calibrated.json")] if calibrated is not None else []
     profiles.append(default_profile)
     for batch in sizes.batches:
-        big = BenchConfig(preset=sizes.big_preset, layouts=["data_parallel"], rounds=sizes.rounds, steps_per_round=sizes.steps_per_round,
-                          baseline="jax", out=str(folder / f"batch{batch}"), gspmd=False,
+        big = BenchConfig(preset=sizes.big_preset, layouts=["data_parallel"], rounds=sizes.rounds,
+                          steps_per_round=sizes.steps_per_round, baseline="jax", out=str(folder / f"batch{batch}"),
+                          gspmd=False,
                           overrides={"batch": batch, "compute_dtype": "bfloat16"})
 
         def measured_and_predicted(big: Any = big, batch: int = batch) -> dict[str, Any]:
             entries = _bench(big)
             return {"entries": entries, "predictions": [_prediction(sizes.big_preset, batch, p()) for p in profiles]}
 
-        report.step(f"transformer {sizes.big_preset} batch {batch}, bf16, AdamW, vs plain JAX", measured_and_predicted, out)
+        title = f"transformer {sizes.big_preset} batch {batch}, bf16, AdamW, vs plain JAX"
+        report.step(title, measured_and_predicted, out)
     out(f"meshdsl gpu-check: wrote {report.path} and {_json_path(report.path)}")
     return report
 
@@ -214,7 +221,8 @@ def markdown(steps: list[dict[str, Any]], dry: bool) -> str:
             predictions = result.get("predictions", [])
             names = [f"predicted ms ({p['profile']}) | predicted memory ({p['profile']})" for p in predictions]
             head = ["layout", "step ms", "MFU", "memory", "plain JAX ms", "÷ jax", *names, "note"]
-            lines += ["", f"## {s['step']}", "", "| " + " | ".join(head) + " |", "|" + "---|" * sum(len(h.split(" | ")) for h in head)]
+            columns = sum(len(h.split(" | ")) for h in head)
+            lines += ["", f"## {s['step']}", "", "| " + " | ".join(head) + " |", "|" + "---|" * columns]
             for e in result["entries"][1:]:
                 memory = (e.get("memory_bytes_per_device") or {}).get("total")
                 cells = [e["layout"], _cell(e["step_s_median"], 1e3), _cell(e["mfu"], 100, ".1f", "%"),

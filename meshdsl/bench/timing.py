@@ -60,7 +60,8 @@ def abstract_state(trainer: Trainer) -> Any:
 
     def shaped(x: Any) -> Any:
         if isinstance(x, md.Tensor):
-            return md.Tensor(jax.ShapeDtypeStruct(x.array.shape, x.array.dtype, sharding=NamedSharding(mesh, stored.spec(x.shape))), x.shape)
+            sharding = NamedSharding(mesh, stored.spec(x.shape))
+            return md.Tensor(jax.ShapeDtypeStruct(x.array.shape, x.array.dtype, sharding=sharding), x.shape)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
 
     return jax.tree_util.tree_map(shaped, trainer.abstract_state(), is_leaf=lambda x: isinstance(x, md.Tensor))
@@ -91,7 +92,8 @@ def compile_abstract(trainer: Trainer, data: Any) -> Any:
     return trainer.step.lower(abstract_state(trainer), abstract_like(data)).compile()
 
 
-def compile_step(trainer: Trainer, seed: int, what: str = "the step", capacity: fits.Capacity | None = None) -> CompiledStep:
+def compile_step(trainer: Trainer, seed: int, what: str = "the step",
+                 capacity: fits.Capacity | None = None) -> CompiledStep:
     """Compile one step of ``trainer``, check that it fits the device (:mod:`meshdsl.bench.fits`),
     then init its state from ``seed`` (data key: ``fold_in(seed, 1)``).
 

@@ -46,7 +46,8 @@ def choose_implementation(platform: str, dtype: Any, head_dim: int, mask_kind: s
     None) is returned as given. ``head_dim_limit``: :func:`max_head_dim` of the device."""
     if explicit is not None:
         if explicit not in IMPLEMENTATIONS:
-            raise ConfigError(f"attention implementation {explicit!r} is not one of {', '.join(IMPLEMENTATIONS)} (or None: chosen)")
+            known = ", ".join(IMPLEMENTATIONS)
+            raise ConfigError(f"attention implementation {explicit!r} is not one of {known} (or None: chosen)")
         return explicit
     if mask_kind not in MASKS:
         raise ConfigError(f"attention mask kind {mask_kind!r} is not one of {', '.join(MASKS)}")

@@ -113,7 +113,8 @@ def matmul_rate(mesh: jax.sharding.Mesh, dtype: Any, sizes: Sequence[int] = MATM
 
 
 def memory_bandwidth(mesh: jax.sharding.Mesh, sizes: Sequence[int] = BANDWIDTH_SIZES) -> float:
-    """Bytes/s of element-wise work per device (written and read once, as the cost model counts), the buffer grown until it saturates."""
+    """Bytes/s of element-wise work per device (written and read once, as the cost model counts),
+    the buffer grown until the rate saturates."""
 
     def measure(nbytes: int) -> tuple[float, float]:
         _fits(2 * nbytes)
@@ -165,7 +166,8 @@ def fit(points: list[tuple[float, float]]) -> Link:
     x = np.array([b for b, _ in points])
     y = np.array([s for _, s in points])
     if len(set(x.tolist())) < 2:
-        raise ConfigError(f"calibrate: a latency and a bandwidth need points at two or more byte counts, got {sorted(set(x.tolist()))}")
+        got = sorted(set(x.tolist()))
+        raise ConfigError(f"calibrate: a latency and a bandwidth need points at two or more byte counts, got {got}")
     slope, intercept = np.polyfit(x, y, 1)
     slope = max(slope, 1e-15)
     return Link(latency_s=float(max(intercept, 0.0)), bandwidth=float(1.0 / slope))
@@ -204,8 +206,9 @@ def calibrate(name: str, out: Callable[[str], None] = print, matmul_sizes: Seque
     else:
         links = _measure_links(meshes, raw, out, collective_sizes)
     profile = DeviceProfile(
-        name=name, source=source, platform=device.platform, device_kind=device.device_kind, memory_bytes=_memory_bytes(device),
-        memory_bandwidth=bandwidth, node_size=count, intra=links, inter=links, matmul_flops=rates,
+        name=name, source=source, platform=device.platform, device_kind=device.device_kind,
+        memory_bytes=_memory_bytes(device), memory_bandwidth=bandwidth, node_size=count, intra=links, inter=links,
+        matmul_flops=rates,
     )
     return profile, raw
 
