@@ -118,7 +118,8 @@ def test_bench_marks_the_entry_that_does_not_fit_and_measures_the_others(monkeyp
                       out=str(tmp_path / "out"), gspmd=False)
     summaries = run(cfg, out=lines.append, warn=lines.append)
     assert [s["layout"] for s in summaries] == [small[1]]
-    assert any(f"mlp x {large[1]}: skipped, mlp x {large[1]} does not fit" in line for line in lines), lines
+    assert any(f"mlp x {large[1]}: skipped, the step does not fit" in line for line in lines), lines
+    assert f"- mlp x {large[1]}: skipped, the step does not fit: it needs" in (tmp_path / "out" / "results.md").read_text()
 
 
 def test_an_out_of_memory_error_at_run_time_loses_only_that_entry():

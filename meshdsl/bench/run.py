@@ -240,7 +240,7 @@ def _prepare(
         mesh = layout.mesh()
         pipe = None if variant is None else variant[0]
         trainer = Trainer(model, optimizer, mesh, layout, grad_reduce_dtype=cfg.grad_reduce_dtype, pipeline=pipe)
-        step = compile_step(trainer, cfg.seed, what=f"{model_name} x {label}")
+        step = compile_step(trainer, cfg.seed, what="the step")
     except fits.DoesNotFit as e:
         out(f"  {model_name} x {label}: skipped, {e}")
         return None
@@ -364,6 +364,13 @@ def run(cfg: BenchConfig, out: Callable[[str], None] = print, warn: Callable[[st
     that name no dim of a model are warned about (``warn``); ConfigError when every layout is skipped.
     """
     check(cfg)
+    lines: list[str] = []
+
+    def out_and_keep(line: str) -> None:  # what was skipped or dropped also goes under the reports' tables
+        if ": skipped, " in line or line.startswith("  dropped: "):
+            lines.append(line.strip())
+        out(line)
+
     devices = jax.devices()
     out(f"meshdsl bench: {len(devices)} x {devices[0].device_kind} ({devices[0].platform})")
     prepared, skipped = [], []
@@ -375,15 +382,16 @@ def run(cfg: BenchConfig, out: Callable[[str], None] = print, warn: Callable[[st
             for warning in [] if is_shipped(layout_path(spec)) else unused_rules(load_layout(spec), model, model_name):
                 warn(f"meshdsl bench: warning: {warning}")
             for variant in _pipeline_variants(cfg, spec, model_name):
-                item = _prepare(model_name, cfg, spec, out, variant)
+                item = _prepare(model_name, cfg, spec, out_and_keep, variant)
                 if item is None:
                     skipped.append(f"{model_name} x {_label(spec)}")
                 else:
                     prepared.append(item)
                     out(f"  compiled {model_name} x {item[0].layout} in {item[0].compile_s:.1f} s")
     if not prepared:
-        raise ConfigError(f"nothing to measure: every layout was skipped as not fitting the model or the device's memory ({', '.join(dict.fromkeys(skipped))}; see why above)")
-    lost = _time(prepared, cfg, out)
+        names = ", ".join(dict.fromkeys(skipped))
+        raise ConfigError(f"nothing to measure: every layout was skipped as not fitting the model or the device's memory ({names}; see why above)")
+    lost = _time(prepared, cfg, out_and_keep)
     prepared = [item for item in prepared if _name(item[0]) not in lost]
     if not prepared:
         raise ConfigError(f"nothing measured: every entry ran out of device memory at run time ({', '.join(lost)}; see above)")
@@ -391,5 +399,5 @@ def run(cfg: BenchConfig, out: Callable[[str], None] = print, warn: Callable[[st
     peak = device_peak_bytes()
     summaries = [{**entry.summary(), "device_peak_bytes_in_use": peak} for entry, _, _ in prepared]
     if jax.process_index() == 0:  # a multi-process run: process 0 writes the reports
-        out(write_reports(summaries, Path(cfg.out)))
+        out(write_reports(summaries, Path(cfg.out), lines))
     return summaries
