@@ -179,6 +179,9 @@ def test_gpu_check_dry_runs_every_step_and_writes_one_report(tmp_path: Path) -> 
     from meshdsl.cli import main
 
     assert main(["gpu-check", "--dry", "--out", str(tmp_path)]) == 2  # a folder: one line, nothing run
+    (tmp_path / "taken").write_text("a file where the report's folder goes")
+    assert main(["gpu-check", "--dry", "--out", str(tmp_path / "taken.md")]) == 2
+    assert not (tmp_path / "taken.md").exists()
     lines: list[str] = []
     gpu_check(tmp_path / "check.md", dry=True, out=lines.append)
     data = json.loads((tmp_path / "check.json").read_text())

@@ -54,7 +54,7 @@ def _mib(text: str) -> float:
 def test_capacity_comes_from_the_variable_the_device_or_the_hosts_available_memory(monkeypatch):
     monkeypatch.setenv(fits.ENV, "3e9")
     assert fits.capacity() == fits.Capacity(3_000_000_000, fits.ENV)
-    for bad in ("lots", "-5"):
+    for bad in ("lots", "-5", "nan", "inf", "0"):
         monkeypatch.setenv(fits.ENV, bad)
         with pytest.raises(ConfigError, match=fits.ENV):
             fits.capacity()

@@ -63,7 +63,7 @@ def capacity(device: Any = None) -> Capacity | None:
     if override is not None:
         try:
             value = int(float(override))
-        except ValueError:
+        except (ValueError, OverflowError):  # not a number, NaN, infinity
             raise ConfigError(f"{ENV}={override!r}: it must be a number of bytes, e.g. 24e9") from None
         if value <= 0:
             raise ConfigError(f"{ENV}={override!r}: the memory per device must be a positive number of bytes")
