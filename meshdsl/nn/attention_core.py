@@ -15,8 +15,9 @@ the batch dims flattened, then query length, heads, depth), with no communicatio
 
 Inside the spmd lowering these blocks are the device's own arrays, so ``implementation="cudnn"``
 gives each GPU cuDNN's fused attention. JAX's own default, None, is XLA's formula on every
-backend (0.10 to 0.12); meshdsl's None chooses per shard (:mod:`meshdsl.nn.attention_impl`). On the gspmd backend and eagerly the same call runs on the global arrays (XLA partitions
-it by the sharding constraints).
+backend (0.10 to 0.12); meshdsl's None chooses per shard (:mod:`meshdsl.nn.attention_impl`). On
+the gspmd backend and eagerly the same call runs on the global arrays (XLA partitions it by the
+sharding constraints).
 
 When ``memory`` is split, a device holds only some keys of each query: it computes the einsum
 formulation with md ops instead (``einsum``, a masked ``softmax`` over the split dim, which costs
@@ -129,7 +130,9 @@ def dot_product_attention(
         allowed = positions if allowed is None else jnp.logical_and(allowed, positions)
     kind = "tensor" if allowed is not None else "causal" if whole_causal else "none"
     chosen = implementation_here(qa.dtype, qa.shape[-1], kind, implementation)
-    out = jax.nn.dot_product_attention(qa, ka, va, mask=allowed, scale=scale, is_causal=whole_causal, implementation=chosen)
+    out = jax.nn.dot_product_attention(
+        qa, ka, va, mask=allowed, scale=scale, is_causal=whole_causal, implementation=chosen,
+    )
     out = jnp.reshape(out, (*local_batch, *out.shape[1:]))
     order = [*batch, t, h, d]
     out = jnp.transpose(out, [order.index(n) for n in q.names])

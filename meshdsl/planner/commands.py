@@ -120,10 +120,12 @@ def _explain(args: argparse.Namespace, overrides: dict[str, object], out: Callab
     compiled = None
     report = prediction.report
     if not args.no_compile:
-        step = compile_abstract(Trainer(model, optimizer, mesh, layout, backend=args.backend), jax.random.key_data(jax.random.key(0)))
-        compiled = memory_bytes(step)["total"]
+        trainer = Trainer(model, optimizer, mesh, layout, backend=args.backend)
+        step = compile_abstract(trainer, jax.random.key_data(jax.random.key(0)))
+        needed = memory_bytes(step)
+        compiled = needed["total"]
         try:
-            fits.check("the compiled step", memory_bytes(step))
+            fits.check("the compiled step", needed)
         except fits.DoesNotFit as e:
             print(f"meshdsl explain: warning: {e}", file=sys.stderr)
         if args.backend == "gspmd":
