@@ -154,6 +154,9 @@ def _parser() -> argparse.ArgumentParser:
     from meshdsl.planner.commands import add_parsers
 
     add_parsers(sub)
+    from meshdsl.bench.gpu_check import add_parser as add_gpu_check
+
+    add_gpu_check(sub)
 
     launch = sub.add_parser("launch", help="run 'train' or 'bench' as several processes on this host")
     launch.add_argument("--local", type=int, required=True, metavar="N", help="number of processes")
@@ -246,6 +249,10 @@ def check(args: argparse.Namespace) -> None:
         from meshdsl.bench.run import check as check_bench
 
         check_bench(config)
+    elif args.command == "gpu-check":
+        from meshdsl.bench.gpu_check import check as check_gpu
+
+        check_gpu(args)
     else:
         from meshdsl.planner import commands
 
@@ -300,6 +307,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from meshdsl.train.loop import train
 
             train(config, sys.stdout, err=sys.stderr)
+        elif args.command == "gpu-check":
+            from meshdsl.bench.gpu_check import gpu_check
+
+            gpu_check(args.out, args.dry)
         elif args.command in ("explain", "calibrate", "search"):
             from meshdsl.planner import commands
 

@@ -54,8 +54,8 @@ def _as_layout(layout: LayoutLike | None, default: Layout, what: str = "layout")
 
 
 def _check_argument(name: str, leaf: Any) -> None:
-    """A compiled function takes md tensors, arrays and numbers."""
-    if isinstance(leaf, (Tensor, jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+    """A compiled function takes md tensors, arrays and numbers (``lower`` also their shapes: ``jax.ShapeDtypeStruct``)."""
+    if isinstance(leaf, (Tensor, jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, bool, int, float, complex)):
         return
     raise ShapeError(f"{name} is {describe(leaf)}; a compiled function takes md tensors, arrays and numbers")
 

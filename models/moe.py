@@ -61,6 +61,7 @@ from typing import Any
 import jax
 
 import meshdsl as md
+from meshdsl.planner.flops import attention_flops
 from meshdsl.errors import ConfigError
 from meshdsl.models import transformer
 
@@ -202,7 +203,8 @@ class Model(transformer.Model):
         6 x tokens x (attention, router, dense feed-forward and embedding parameters), plus the
         experts' 6 x 2 d_model d_ff for every slot they compute (``experts x batch x
         expert_capacity`` per MoE layer, used or not, not the tokens routed), plus attention
-        scores (12 x L x B x T^2 x H x d_kv). The dispatch and combine einsums are not counted.
+        causal attention (6 x L x B x T^2 x H x d_kv, half of full attention's:
+        :func:`meshdsl.planner.flops.attention_flops`). The dispatch and combine einsums are not counted.
         """
         c = self.config
         moe_layers = c.layers // c.moe_every
@@ -214,4 +216,4 @@ class Model(transformer.Model):
         )
         slots = moe_layers * c.experts * c.batch * c.expert_capacity
         tokens = c.batch * c.length
-        return 6 * per_token * tokens + 6 * 2 * c.d_model * c.d_ff * slots + 12 * c.layers * c.batch * c.length**2 * c.heads * c.d_kv
+        return 6 * per_token * tokens + 6 * 2 * c.d_model * c.d_ff * slots + c.layers * attention_flops(c.batch, c.heads, c.length, c.length, c.d_kv, causal=True)

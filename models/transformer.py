@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 import meshdsl as md
+from meshdsl.planner.flops import attention_flops
 from meshdsl.models.presets import Presets
 from meshdsl.errors import ConfigError
 
@@ -170,12 +171,13 @@ class Model:
         return {"inputs": window(0), "targets": window(1)}
 
     def flops_per_step(self) -> float:
-        """Model FLOPs of a training step: 6 x parameters x tokens, plus attention (12 x L x B x T^2 x H x d_kv)."""
+        """Model FLOPs of a training step: 6 x parameters x tokens, plus causal attention (6 x L x B x T^2 x H x d_kv:
+        half of full attention's, :func:`meshdsl.planner.flops.attention_flops`)."""
         c = self.config
         per_layer = 4 * c.d_model * c.heads * c.d_kv + 2 * c.d_model * c.d_ff
         params = c.layers * per_layer + c.d_model * c.vocab
         tokens = c.batch * c.length
-        return 6 * params * tokens + 12 * c.layers * c.batch * c.length**2 * c.heads * c.d_kv
+        return 6 * params * tokens + c.layers * attention_flops(c.batch, c.heads, c.length, c.length, c.d_kv, causal=True)
 
     def examples_per_step(self) -> int:
         """Tokens per step."""

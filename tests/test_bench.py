@@ -168,3 +168,31 @@ def test_device_memory_is_the_devices_own_count_where_it_keeps_one(monkeypatch: 
 
     row = {"baseline_note": None, "round_orders": [[]], "timing_seed": 0, "device_peak_bytes_in_use": 12_345}
     assert "device memory: 12.1 KiB at most in use on the first device over the whole run" in notes([row])
+
+
+def test_gpu_check_dry_runs_every_step_and_writes_one_report(tmp_path: Path) -> None:
+    """``meshdsl gpu-check --dry``: every step at tiny sizes on the CPU, each recorded, the transformer
+    step timed beside its plain-JAX baseline and the planner's predictions, in markdown and JSON."""
+    import json
+
+    from meshdsl.bench.gpu_check import gpu_check
+    from meshdsl.cli import main
+
+    assert main(["gpu-check", "--dry", "--out", str(tmp_path)]) == 2  # a folder: one line, nothing run
+    (tmp_path / "taken").write_text("a file where the report's folder goes")
+    assert main(["gpu-check", "--dry", "--out", str(tmp_path / "taken.md")]) == 2
+    assert not (tmp_path / "taken.md").exists()
+    lines: list[str] = []
+    gpu_check(tmp_path / "check.md", dry=True, out=lines.append)
+    data = json.loads((tmp_path / "check.json").read_text())
+    steps = {s["step"]: s for s in data["steps"]}
+    assert data["dry"] and [s["error"] for s in data["steps"]] == [None] * 5, data["steps"]
+    assert steps["fused attention vs XLA"]["result"]["attention"] == {"skipped": "no GPU: only XLA's formula runs here"}
+    big = steps["transformer tiny batch 8, bf16, AdamW, vs plain JAX"]["result"]
+    entry = big["entries"][1]
+    assert entry["baseline_note"] is None and entry["baseline_jax_step_s"] > 0 and entry["step_s_median"] > 0
+    assert [p["profile"] for p in big["predictions"]] == ["gpu-check-cpu", "cpu-sim"]
+    assert json.loads((tmp_path / "check" / "calibrated.json").read_text())["name"] == "gpu-check-cpu"
+    text = (tmp_path / "check.md").read_text()
+    row = f"| data_parallel | {entry['step_s_median'] * 1e3:.1f} | - |"
+    assert row in text and f"{big['predictions'][1]['step_s'] * 1e3:.1f}" in text

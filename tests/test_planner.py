@@ -332,12 +332,13 @@ def test_calibrate_cli_writes_a_loadable_profile(tmp_path, monkeypatch) -> None:
     from meshdsl.planner import calibrate
 
     monkeypatch.setattr(calibrate, "SIZES", (2**12, 2**14))
-    monkeypatch.setattr(calibrate.collective_times, "__defaults__", ((2**12, 2**14),))
+    monkeypatch.setattr(calibrate, "MATMUL_SIZES", (64, 128))
+    monkeypatch.setattr(calibrate, "BANDWIDTH_SIZES", (2**16, 2**18))
     out = tmp_path / "here.json"
     assert main(["calibrate", "--out", str(out)]) == 0
     profile = load_profile(out)
     assert isinstance(profile, DeviceProfile) and profile.platform == "cpu" and profile.node_size == 8
-    assert json.loads(out.read_text())["measurements"]
+    assert json.loads(out.read_text())["measurements"] and json.loads(out.read_text())["name"] == "cpu-sim"
     assert set(commands.COMMANDS) == {"explain", "calibrate", "search"}
 
 
@@ -367,3 +368,121 @@ def test_spearman_is_the_correlation_of_ranks() -> None:
     # ranks (1, 2.5, 2.5, 4) against (1, 2, 3, 4): covariance 4.5, spreads 4.5 and 5
     assert spearman([1.0, 2.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0]) == pytest.approx(4.5 / np.sqrt(4.5 * 5))
     assert spearman([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]) == 0.0
+
+
+# ---- attention FLOPs: causal counts half (MaxText's convention), in one place ----------------------
+
+
+def test_attention_flops_are_the_matmuls_flops_and_causal_counts_half():
+    """Full attention's forward FLOPs equal XLA's count of its two matmuls; causal is half; a step is 3 passes."""
+    from meshdsl.planner.flops import attention_flops
+
+    b, n, t, s, h = 2, 3, 16, 24, 8
+    q, k = jax.ShapeDtypeStruct((b, n, t, h), np.float32), jax.ShapeDtypeStruct((b, n, s, h), np.float32)
+    p = jax.ShapeDtypeStruct((b, n, t, s), np.float32)
+
+    def flops(eq: str, x: jax.ShapeDtypeStruct, y: jax.ShapeDtypeStruct) -> float:
+        cost = jax.jit(lambda x, y: jax.numpy.einsum(eq, x, y)).lower(x, y).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    xla = flops("bnth,bnsh->bnts", q, k) + flops("bnts,bnsh->bnth", p, k)
+    assert attention_flops(b, n, t, s, h, causal=False, passes=1) == xla
+    assert attention_flops(b, n, t, s, h, causal=True, passes=1) == xla / 2
+    assert attention_flops(b, n, t, s, h, causal=True) == 3 * xla / 2
+
+
+def test_the_transformers_model_flops_count_causal_attention_as_half():
+    """6 x (matmul parameters, from the state) x tokens, plus 3 passes of half of full attention's matmuls."""
+    model = build_model("transformer", "small")
+    c = model.config
+    params = abstract_state(model, optim.make("sgd"))["params"]
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, md.Tensor))[0]
+    matmul = sum(x.array.size for path, x in leaves if any(w in jax.tree_util.keystr(path) for w in ("wqkv", "wo", "w_in", "w_out", "unembed")))
+    full = 3 * 2 * 2 * c.batch * c.heads * c.length**2 * c.d_kv * c.layers
+    assert model.flops_per_step() == 6 * matmul * c.batch * c.length + full / 2
+
+
+def test_fused_attention_primitives_count_the_matmuls_cudnn_runs():
+    """cuDNN's forward (2 matmuls) and backward (5) primitives, BTNH or BNTH, halved when causal."""
+    import enum
+
+    from meshdsl.planner.flops import work
+    from meshdsl.planner.program import Block, Step
+
+    class MaskType(enum.Enum):  # as jax._src.cudnn.fused_attention_stablehlo names them
+        NO_MASK = 0
+        CAUSAL = 2
+
+    b, t, n, h, s = 2, 32, 4, 16, 32
+    one = 2 * b * n * t * s * h  # one T x S matmul of every head
+
+    def step(name: str, layout: int, mask: MaskType) -> Step:
+        shape = (b, t, n, h) if layout == 0 else (b, n, t, h)
+        aval = jax.ShapeDtypeStruct(shape, np.float16)
+        return Step(name, {"layout": layout, "mask_type": mask}, [], [], [aval], [aval, aval, aval], [])
+
+    cases = [("dot_product_attention_fwd_wrapper", 0, MaskType.NO_MASK, 2 * one),
+             ("dot_product_attention_fwd_wrapper", 1, MaskType.CAUSAL, one),
+             ("dot_product_attention_bwd_wrapper", 0, MaskType.CAUSAL, 5 * one / 2)]
+    for name, layout, mask, want in cases:
+        assert work(Block([step(name, layout, mask)], [], [])).matmul_flops == want, (name, layout, mask)
+
+
+def test_calibrate_grows_sizes_until_the_rate_stops_rising() -> None:
+    from meshdsl.planner.calibrate import saturated
+
+    tried: list[int] = []
+
+    def curve(n: int) -> tuple[float, float]:  # rises to 40 at n = 4, then flat
+        tried.append(n)
+        return 10.0 * min(n, 4), 1e-3
+
+    assert saturated(curve, [1, 2, 4, 8, 16, 32]) == (4, 40.0) and tried == [1, 2, 4, 8]
+    tried.clear()
+    assert saturated(lambda n: (tried.append(n), (float(n), 1.0))[1], [1, 2, 4], max_call_s=0.5) == (1, 1.0) and tried == [1]
+
+    def too_big(n: int) -> tuple[float, float]:
+        if n > 2:
+            raise MemoryError(n)
+        return float(n), 1e-3
+
+    assert saturated(too_big, [1, 2, 4, 8]) == (2, 2.0)
+
+
+def test_calibrate_on_one_device_fits_what_it_can_and_keeps_its_name(tmp_path, monkeypatch, capsys) -> None:
+    """One device: no links to fit (a line says so, the links come from the shipped cpu-sim), no
+    LinAlgError; ``--name`` is the profile's name (a loop variable once overwrote it)."""
+    from meshdsl.planner import calibrate
+
+    devices = jax.devices
+    monkeypatch.setattr(jax, "devices", lambda *a: devices(*a)[:1])
+    monkeypatch.setattr(calibrate, "MATMUL_SIZES", (64, 128))
+    monkeypatch.setattr(calibrate, "BANDWIDTH_SIZES", (2**16, 2**18))
+    out = tmp_path / "my.json"
+    assert main(["calibrate", "--name", "mine", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "collectives: not measured, one device has no links; taken from the shipped profile cpu-sim" in printed
+    data = json.loads(out.read_text())
+    assert data["name"] == "mine" and data["node_size"] == 1 and set(data["matmul_flops"]) == {"float32", "bfloat16"}
+    assert data["intra"] == load_profile("cpu-sim").to_json()["intra"] and "not measured" in data["source"]
+    with pytest.raises(md.ConfigError, match="two or more byte counts"):
+        calibrate.fit([(0.0, 1e-5), (0.0, 2e-5)])
+
+
+def test_search_says_why_candidates_were_dropped_and_reads_small_memory(capsys) -> None:
+    """``N dropped (k over memory, ...)``: the count over memory is that of the candidates whose
+    predicted peak exceeds the limit; the memory column shows small sizes in a unit that reads."""
+    from meshdsl.bench.fits import readable
+
+    model, profile = build_model("mlp", "tiny"), load_profile("h100")
+    everything = search(model, optim.make("adamw"), 8, profile, pipeline=False)
+    totals = sorted(p.memory.total for _, p in everything.ranked)
+    limit = (totals[len(totals) // 2] + totals[len(totals) // 2 - 1]) / 2
+    over = sum(t > limit for t in totals)
+    assert 0 < over < len(totals)
+    assert main(["search", "--model", "mlp", "--preset", "tiny", "--profile", "h100", "--no-pipeline", "--memory-gb", str(limit / 1e9)]) == 0
+    printed = capsys.readouterr().out
+    assert f"{len(totals) - over} fit, {over + len(everything.dropped)} dropped ({over} over memory" in printed
+    best = min(everything.ranked, key=lambda item: item[1].step_s if item[1].memory.total <= limit else float("inf"))
+    row = next(line for line in printed.splitlines() if line.strip().startswith("1 "))
+    assert readable(best[1].memory.total) in row and " 0.000 " not in row

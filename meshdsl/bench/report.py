@@ -185,11 +185,16 @@ def notes(summaries: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_reports(summaries: list[dict[str, Any]], out: Path) -> str:
-    """Write results.json, results.md and the charts into ``out``; return the terminal table and its notes."""
+def write_reports(summaries: list[dict[str, Any]], out: Path, unmeasured: list[str] | None = None) -> str:
+    """Write results.json, results.md and the charts into ``out``; return the terminal table and its notes.
+
+    ``unmeasured``: one line per entry skipped or dropped (e.g. ``mlp x dp: skipped, the step does
+    not fit: ...``), listed in results.md under "Not measured"."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(summaries, indent=2))
-    (out / "results.md").write_text(table(summaries, markdown=True) + "\n\n" + notes(summaries) + "\n")
+    missing = "".join(f"\n- {line}" for line in unmeasured or [])
+    missing = f"\n\nNot measured:{missing}" if missing else ""
+    (out / "results.md").write_text(table(summaries, markdown=True) + "\n\n" + notes(summaries) + missing + "\n")
     charts = _charts(summaries, out) if summaries else []
     written = ", ".join(str(p) for p in [out / "results.json", out / "results.md", *charts])
     return table(summaries) + "\n\n" + notes(summaries) + f"\n\nwrote {written}"

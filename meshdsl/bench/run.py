@@ -22,7 +22,7 @@ import numpy as np
 
 import meshdsl as md
 from meshdsl import hlo, outputs
-from meshdsl.bench import analytic, baselines
+from meshdsl.bench import analytic, baselines, fits
 from meshdsl.bench.peaks import peak_flops
 from meshdsl.bench.report import write_reports
 from meshdsl.bench.timing import CompiledStep, compile_step, interleaved_rounds, memory_bytes, round_orders
@@ -239,7 +239,11 @@ def _prepare(
     try:
         mesh = layout.mesh()
         pipe = None if variant is None else variant[0]
-        step = compile_step(Trainer(model, optimizer, mesh, layout, grad_reduce_dtype=cfg.grad_reduce_dtype, pipeline=pipe), cfg.seed)
+        trainer = Trainer(model, optimizer, mesh, layout, grad_reduce_dtype=cfg.grad_reduce_dtype, pipeline=pipe)
+        step = compile_step(trainer, cfg.seed, what="the step")
+    except fits.DoesNotFit as e:
+        out(f"  {model_name} x {label}: skipped, {e}")
+        return None
     except (md.LayoutError, md.ConfigError) as e:  # ConfigError: a pipeline the model or batch cannot take
         out(f"  {model_name} x {label}: skipped, the layout does not fit: {e}")
         return None
@@ -313,17 +317,28 @@ def _measure_bubbles(entries: list[Entry]) -> None:
             e.pipeline["bubble_measured"] = 1 - slope * m / e.step_s
 
 
-def _time(prepared: list[tuple[Entry, Callable, Callable | None]], cfg: BenchConfig) -> None:
-    """Time every entry's step and baseline in interleaved rounds; record each round's order on every entry."""
+def _time(prepared: list[tuple[Entry, Callable, Callable | None]], cfg: BenchConfig, out: Callable[[str], None] = print) -> list[str]:
+    """Time every entry's step and baseline in interleaved rounds; record each round's order on every entry.
+
+    A step that runs out of device memory at run time is reported (``out``) and left out of the
+    later rounds; the labels of the entries that lost their own step that way are returned (their
+    baselines lose only the baseline's timing, with a note)."""
     timed = [(entry.step_times, step, _name(entry)) for entry, step, _ in prepared]
     timed += [(entry.baseline_step_times, plain, f"{_name(entry)} (plain JAX)") for entry, _, plain in prepared if plain is not None]
     orders = round_orders(len(timed), cfg.rounds, cfg.seed)
-    samples = interleaved_rounds([step for _, step, _ in timed], orders, cfg.steps_per_round)
+    failed: dict[int, BaseException] = {}
+    samples = interleaved_rounds([step for _, step, _ in timed], orders, cfg.steps_per_round, failed)
+    for i, error in failed.items():
+        out(f"  dropped: {fits.run_time_message(timed[i][2], error)}")
+        samples[i].clear()
     for (times, _, _), seconds in zip(timed, samples):
         times.extend(seconds)
     labelled = [[timed[i][2] for i in order] for order in orders]
     for entry, _, _ in prepared:
         entry.timing_seed, entry.round_orders = cfg.seed, labelled
+        if entry.baseline_note is None and entry.baseline_losses_match and not entry.baseline_step_times:
+            entry.baseline_note = "the plain-JAX step ran out of device memory at run time"
+    return [timed[i][2] for i in failed if i < len(prepared)]
 
 
 def device_peak_bytes() -> int | None:
@@ -349,6 +364,13 @@ def run(cfg: BenchConfig, out: Callable[[str], None] = print, warn: Callable[[st
     that name no dim of a model are warned about (``warn``); ConfigError when every layout is skipped.
     """
     check(cfg)
+    lines: list[str] = []
+
+    def out_and_keep(line: str) -> None:  # what was skipped or dropped also goes under the reports' tables
+        if ": skipped, " in line or line.startswith("  dropped: "):
+            lines.append(line.strip())
+        out(line)
+
     devices = jax.devices()
     out(f"meshdsl bench: {len(devices)} x {devices[0].device_kind} ({devices[0].platform})")
     prepared, skipped = [], []
@@ -360,19 +382,23 @@ def run(cfg: BenchConfig, out: Callable[[str], None] = print, warn: Callable[[st
             for warning in [] if is_shipped(layout_path(spec)) else unused_rules(load_layout(spec), model, model_name):
                 warn(f"meshdsl bench: warning: {warning}")
             for variant in _pipeline_variants(cfg, spec, model_name):
-                item = _prepare(model_name, cfg, spec, out, variant)
+                item = _prepare(model_name, cfg, spec, out_and_keep, variant)
                 if item is None:
                     skipped.append(f"{model_name} x {_label(spec)}")
                 else:
                     prepared.append(item)
                     out(f"  compiled {model_name} x {item[0].layout} in {item[0].compile_s:.1f} s")
     if not prepared:
-        raise ConfigError(f"nothing to measure: every layout was skipped as not fitting ({', '.join(dict.fromkeys(skipped))}; see why above)")
-    _time(prepared, cfg)
+        names = ", ".join(dict.fromkeys(skipped))
+        raise ConfigError(f"nothing to measure: every layout was skipped as not fitting the model or the device's memory ({names}; see why above)")
+    lost = _time(prepared, cfg, out_and_keep)
+    prepared = [item for item in prepared if _name(item[0]) not in lost]
+    if not prepared:
+        raise ConfigError(f"nothing measured: every entry ran out of device memory at run time ({', '.join(lost)}; see above)")
     _measure_bubbles([entry for entry, _, _ in prepared])
     peak = device_peak_bytes()
     summaries = [{**entry.summary(), "device_peak_bytes_in_use": peak} for entry, _, _ in prepared]
     if jax.process_index() == 0:  # a multi-process run: process 0 writes the reports
         with outputs.writing(f"the reports in --out {cfg.out!r}", "the table above holds the results"):
-            out(write_reports(summaries, Path(cfg.out)))
+            out(write_reports(summaries, Path(cfg.out), lines))
     return summaries

@@ -16,7 +16,10 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
+import meshdsl as md
+from meshdsl.bench import fits
 from meshdsl.train.step import Trainer
 
 
@@ -50,17 +53,60 @@ def losses_from(state: Any, advance: Callable[[Any], tuple[Any, Any]], steps: in
     return out
 
 
-def compile_step(trainer: Trainer, seed: int) -> CompiledStep:
-    """Init ``trainer``'s state from ``seed`` (data key: ``fold_in(seed, 1)``) and compile one step.
+def abstract_state(trainer: Trainer) -> Any:
+    """The state's shapes, dtypes and shardings as ``trainer.init`` makes it (md tensors split by
+    the stored rules, the rest replicated): a step compiles for it without allocating anything."""
+    mesh, stored = trainer.mesh.jax_mesh, trainer.layout.param_layout
 
-    Layout and config mistakes raise as the trainer raises them, before anything is timed.
+    def shaped(x: Any) -> Any:
+        if isinstance(x, md.Tensor):
+            sharding = NamedSharding(mesh, stored.spec(x.shape))
+            return md.Tensor(jax.ShapeDtypeStruct(x.array.shape, x.array.dtype, sharding=sharding), x.shape)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+
+    return jax.tree_util.tree_map(shaped, trainer.abstract_state(), is_leaf=lambda x: isinstance(x, md.Tensor))
+
+
+def abstract_like(tree: Any) -> Any:
+    """``tree``'s arrays (in md tensors too) as ``jax.ShapeDtypeStruct``, with their shardings where
+    committed to devices (an uncommitted array, like a fresh data key, goes where the step puts it)."""
+
+    def shaped(a: Any) -> Any:
+        sharding = a.sharding if getattr(a, "committed", False) else None
+        return a if isinstance(a, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map(shaped, tree)
+
+
+def compile_checked(trainer: Trainer, data: Any, what: str, capacity: fits.Capacity | None = None) -> Any:
+    """``trainer``'s step compiled for its state's shapes (nothing allocated) and ``data`` (a data
+    key or a batch; concrete or abstract), checked against the device's memory first:
+    :class:`meshdsl.bench.fits.DoesNotFit` (naming ``what``) when it needs more than a device has."""
+    compiled = compile_abstract(trainer, data)
+    fits.check(what, memory_bytes(compiled), capacity)
+    return compiled
+
+
+def compile_abstract(trainer: Trainer, data: Any) -> Any:
+    """``trainer``'s step compiled for its state's shapes and ``data``'s, nothing allocated (not checked)."""
+    return trainer.step.lower(abstract_state(trainer), abstract_like(data)).compile()
+
+
+def compile_step(trainer: Trainer, seed: int, what: str = "the step",
+                 capacity: fits.Capacity | None = None) -> CompiledStep:
+    """Compile one step of ``trainer``, check that it fits the device (:mod:`meshdsl.bench.fits`),
+    then init its state from ``seed`` (data key: ``fold_in(seed, 1)``).
+
+    Layout and config mistakes raise as the trainer raises them, and a step that does not fit
+    raises :class:`~meshdsl.bench.fits.DoesNotFit`, before any state is allocated or anything timed.
     """
     key = jax.random.key(seed)
-    state = trainer.init(jax.random.key_data(key))
     data = jax.random.key_data(jax.random.fold_in(key, 1))
     start = time.perf_counter()
-    compiled = trainer.step.lower(state, data).compile()
-    return CompiledStep(trainer, state, data, compiled, time.perf_counter() - start)
+    compiled = compile_checked(trainer, data, what, capacity)
+    compile_s = time.perf_counter() - start
+    state = trainer.init(jax.random.key_data(key))
+    return CompiledStep(trainer, state, data, compiled, compile_s)
 
 
 def memory_bytes(compiled: Any) -> dict[str, int]:
@@ -88,16 +134,33 @@ def round_orders(count: int, rounds: int, seed: int) -> list[list[int]]:
     return orders
 
 
-def interleaved_rounds(steps: Sequence[Callable[[], None]], orders: Sequence[Sequence[int]], steps_per_round: int) -> list[list[float]]:
+def interleaved_rounds(steps: Sequence[Callable[[], None]], orders: Sequence[Sequence[int]], steps_per_round: int,
+                       failed: dict[int, BaseException] | None = None) -> list[list[float]]:
     """Seconds per step of each of ``steps``, one sample per round: after one warm-up call each,
-    every round runs each step ``steps_per_round`` times, in that round's order (:func:`round_orders`)."""
-    for step in steps:
-        step()
+    every round runs each step ``steps_per_round`` times, in that round's order (:func:`round_orders`).
+
+    With ``failed`` (a dict to fill), a step that runs out of device memory at run time
+    (:func:`meshdsl.bench.fits.is_out_of_memory`) is recorded there by index and left out of the
+    later rounds, so the other steps' samples are kept; without it, the error propagates."""
+
+    def run(i: int) -> bool:
+        try:
+            steps[i]()
+            return True
+        except Exception as e:  # XLA raises its runtime errors as one class; keep only out-of-memory
+            if failed is None or not fits.is_out_of_memory(e):
+                raise
+            failed[i] = e
+            return False
+
+    for i in range(len(steps)):
+        run(i)
     samples: list[list[float]] = [[] for _ in steps]
     for order in orders:
         for i in order:
+            if failed and i in failed:
+                continue
             start = time.perf_counter()
-            for _ in range(steps_per_round):
-                steps[i]()
-            samples[i].append((time.perf_counter() - start) / steps_per_round)
+            if all(run(i) for _ in range(steps_per_round)):
+                samples[i].append((time.perf_counter() - start) / steps_per_round)
     return samples

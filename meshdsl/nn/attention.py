@@ -44,7 +44,9 @@ class MultiHeadAttention:
 
     ``causal``: position ``i`` attends to positions ``<= i``. ``__call__``'s ``mask``: a boolean
     tensor over some of ``batch``, ``heads``, ``length``, ``memory`` (True: attend), e.g. a padding
-    mask ``[batch, memory]``. ``implementation``: see ``jax.nn.dot_product_attention``.
+    mask ``[batch, memory]``. ``implementation``: "xla" or "cudnn" (see ``jax.nn.dot_product_attention``);
+    None (the default) chooses cuDNN's fused attention where the shard's dtype, head size and mask
+    allow it on a GPU, XLA's formula otherwise (:mod:`meshdsl.nn.attention_impl`).
 
     Params: ``{"wqkv": qkv_projection's, "wo": output_projection's}``, or with ``kv_heads``
     ``{"wq", "wkv", "wo"}`` (``Linear`` weights, LeCun normal; with ``bias``, ``{"kernel", "bias"}``).

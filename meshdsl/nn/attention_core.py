@@ -21,9 +21,10 @@ the batch dims flattened, then query length, heads, depth), with no communicatio
 * ``d_kv`` split: gathered first (the sum over it belongs to one device).
 
 Inside the spmd lowering these blocks are the device's own arrays, so ``implementation="cudnn"``
-gives each GPU cuDNN's fused attention (JAX's default, None, is still the XLA formula as of JAX
-0.10). On the gspmd backend and eagerly the same call runs on the global arrays (XLA partitions
-it by the sharding constraints).
+gives each GPU cuDNN's fused attention. JAX's own default, None, is XLA's formula on every
+backend (0.10 to 0.12); meshdsl's None chooses per shard (:mod:`meshdsl.nn.attention_impl`). On
+the gspmd backend and eagerly the same call runs on the global arrays (XLA partitions it by the
+sharding constraints).
 
 When ``memory`` is split, a device holds only some keys of each query: it computes the einsum
 formulation with md ops instead (``einsum``, a masked ``softmax`` over the split dim, which costs
@@ -48,6 +49,7 @@ from meshdsl.arguments import number
 from meshdsl.dims import DimLike, Shape
 from meshdsl.errors import ShapeError
 from meshdsl.lowering.context import current, op
+from meshdsl.nn.attention_impl import implementation_here
 from meshdsl.nn.params import check_float
 from meshdsl.ops import elementwise
 from meshdsl.ops.einsum import einsum
@@ -106,7 +108,9 @@ def dot_product_attention(
     """Attention of queries ``q`` to keys ``k`` and values ``v`` (see the module docstring).
 
     ``scale`` multiplies the logits (default ``1 / sqrt(d_kv)``); ``implementation`` is passed to
-    ``jax.nn.dot_product_attention`` (None, "xla" or "cudnn").
+    ``jax.nn.dot_product_attention`` ("xla" or "cudnn"); None chooses per shard
+    (:func:`meshdsl.nn.attention_impl.choose_implementation`: cuDNN's fused kernel on a GPU for
+    16-bit inputs, a head size it takes and no mask tensor; XLA's formula otherwise).
     """
     for role, x in (("queries", q), ("keys", k), ("values", v)):
         check_float(f"dot_product_attention {role}", x)
@@ -148,7 +152,11 @@ def dot_product_attention(
         positions = (jnp.arange(rows) + offset)[:, None] >= jnp.arange(k.shape[s].size)[None, :]
         positions = lowering.vary_like(positions[None, None], qa)
         allowed = positions if allowed is None else jnp.logical_and(allowed, positions)
-    out = jax.nn.dot_product_attention(qa, ka, va, mask=allowed, scale=scale, is_causal=whole_causal, implementation=implementation)
+    kind = "tensor" if allowed is not None else "causal" if whole_causal else "none"
+    chosen = implementation_here(qa.dtype, qa.shape[-1], kind, implementation)
+    out = jax.nn.dot_product_attention(
+        qa, ka, va, mask=allowed, scale=scale, is_causal=whole_causal, implementation=chosen,
+    )
     out = jnp.reshape(out, (*local_batch, out.shape[1], *(local_of[n] for n in (h, *groups)), out.shape[-1]))
     order = [*batch, t, h, *groups, d]
     out = jnp.transpose(out, [order.index(n) for n in q.names])

@@ -7,6 +7,11 @@ bandwidth of element-wise work, and for each collective kind, each mesh axis of 
 mesh and several buffer sizes, the time of one call. Latency and bandwidth per kind are the
 least-squares line ``time = latency + bytes / bandwidth`` through those points, with bytes from
 :func:`meshdsl.collectives.bytes_moved` (the cost model's own rule).
+
+Rates are measured at growing problem sizes until they stop rising (:func:`saturated`): a GPU's
+bf16 matmul needs thousands of rows to reach its rate, a CPU's a few hundred. One device has no
+links: its profile takes them from the shipped profile of its device kind (``cpu-sim`` on a
+CPU), and says so in its ``source``.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,11 +27,21 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from meshdsl.bench import fits
 from meshdsl.collectives import Collective, bytes_moved
-from meshdsl.planner.profile import KINDS, DeviceProfile, Link
+from meshdsl.errors import ConfigError
+from meshdsl.planner.profile import KINDS, DeviceProfile, Link, default_profile
 
 SIZES = (2**14, 2**17, 2**20)
 """Buffer bytes per device the collectives are measured at."""
+RISE = 0.1
+"""A size's rate must beat the last one's by this fraction for the sizes to keep growing."""
+MAX_CALL_S = 0.25
+"""The sizes stop growing once one call takes longer than this (seconds)."""
+MATMUL_SIZES = tuple(2**k for k in range(8, 15))
+"""Matmul sides tried, smallest first (256 to 16384)."""
+BANDWIDTH_SIZES = tuple(2**k for k in range(22, 31, 2))
+"""Element-wise buffer bytes tried, smallest first (4 MiB to 1 GiB)."""
 
 
 def _time(fn: Callable[[], Any], repeats: int = 5, inner: int = 3) -> float:
@@ -56,16 +71,57 @@ def _per_device(mesh: jax.sharding.Mesh, body: Callable, local_shape: tuple[int,
     return functools.partial(fn, x)
 
 
-def matmul_rate(mesh: jax.sharding.Mesh, dtype: Any, n: int = 512) -> float:
-    """FLOP/s of one device doing ``n x n`` matmuls while every device does."""
-    seconds = _time(_per_device(mesh, lambda x: x @ x, (n, n), dtype))
-    return 2.0 * n**3 / seconds
+def saturated(measure: Callable[[int], tuple[float, float]], sizes: Sequence[int], rise: float = RISE,
+              max_call_s: float = MAX_CALL_S) -> tuple[int, float]:
+    """The best (size, rate) of ``measure(size) -> (rate, seconds per call)`` over ``sizes``, tried
+    smallest first until the rate rises by less than ``rise`` over the previous size, or a call
+    takes over ``max_call_s``, or a size would not fit the device (:func:`meshdsl.bench.fits`
+    is checked by the caller's ``measure`` raising ``MemoryError``)."""
+    best: tuple[int, float] | None = None
+    previous = 0.0
+    for size in sizes:
+        try:
+            rate, seconds = measure(size)
+        except MemoryError:
+            break
+        if best is None or rate > best[1]:
+            best = (size, rate)
+        if rate < previous * (1 + rise) or seconds > max_call_s:
+            break
+        previous = rate
+    if best is None:
+        raise ConfigError(f"calibrate: even the smallest size ({sizes[0]}) does not fit the device's memory")
+    return best
 
 
-def memory_bandwidth(mesh: jax.sharding.Mesh, nbytes: int = 2**24) -> float:
-    """Bytes/s of element-wise work per device (written and read once, as the cost model counts)."""
-    seconds = _time(_per_device(mesh, lambda x: x * 1.5 + 1.0, (nbytes // 4,), jnp.float32))
-    return 2.0 * nbytes / seconds
+def _fits(nbytes: int) -> None:
+    """MemoryError when buffers of ``nbytes`` per device would take over a quarter of a device."""
+    cap = fits.capacity()
+    if cap is not None and 4 * nbytes > cap.bytes:
+        raise MemoryError(nbytes)
+
+
+def matmul_rate(mesh: jax.sharding.Mesh, dtype: Any, sizes: Sequence[int] = MATMUL_SIZES) -> float:
+    """FLOP/s of one device doing ``n x n`` matmuls while every device does, ``n`` grown until the rate saturates."""
+
+    def measure(n: int) -> tuple[float, float]:
+        _fits(3 * n * n * jnp.dtype(dtype).itemsize)
+        seconds = _time(_per_device(mesh, lambda x: x @ x, (n, n), dtype))
+        return 2.0 * n**3 / seconds, seconds
+
+    return saturated(measure, sizes)[1]
+
+
+def memory_bandwidth(mesh: jax.sharding.Mesh, sizes: Sequence[int] = BANDWIDTH_SIZES) -> float:
+    """Bytes/s of element-wise work per device (written and read once, as the cost model counts),
+    the buffer grown until the rate saturates."""
+
+    def measure(nbytes: int) -> tuple[float, float]:
+        _fits(2 * nbytes)
+        seconds = _time(_per_device(mesh, lambda x: x * 1.5 + 1.0, (nbytes // 4,), jnp.float32))
+        return 2.0 * nbytes / seconds, seconds
+
+    return saturated(measure, sizes)[1]
 
 
 def _collective(kind: str, axis: str) -> Callable[[jax.Array], jax.Array]:
@@ -109,6 +165,9 @@ def fit(points: list[tuple[float, float]]) -> Link:
     """Least-squares ``seconds = latency + bytes / bandwidth`` (latency and 1/bandwidth kept positive)."""
     x = np.array([b for b, _ in points])
     y = np.array([s for _, s in points])
+    if len(set(x.tolist())) < 2:
+        got = sorted(set(x.tolist()))
+        raise ConfigError(f"calibrate: a latency and a bandwidth need points at two or more byte counts, got {got}")
     slope, intercept = np.polyfit(x, y, 1)
     slope = max(slope, 1e-15)
     return Link(latency_s=float(max(intercept, 0.0)), bandwidth=float(1.0 / slope))
@@ -121,34 +180,65 @@ def _meshes(count: int) -> list[jax.sharding.Mesh]:
     return meshes
 
 
-def calibrate(name: str, out: Callable[[str], None] = print) -> tuple[DeviceProfile, list[dict[str, Any]]]:
-    """Measure the devices at hand; the profile and every raw measurement."""
+def calibrate(name: str, out: Callable[[str], None] = print, matmul_sizes: Sequence[int] | None = None,
+              bandwidth_sizes: Sequence[int] | None = None, collective_sizes: Sequence[int] | None = None,
+              ) -> tuple[DeviceProfile, list[dict[str, Any]]]:
+    """Measure the devices at hand; the profile and every raw measurement. The sizes tried (None:
+    :data:`MATMUL_SIZES`, :data:`BANDWIDTH_SIZES`, :data:`SIZES`; smaller ones make a quick,
+    unsaturated run, as ``meshdsl gpu-check --dry`` does)."""
+    matmul_sizes, bandwidth_sizes = matmul_sizes or MATMUL_SIZES, bandwidth_sizes or BANDWIDTH_SIZES
+    collective_sizes = collective_sizes or SIZES
     devices = jax.devices()
     count = len(devices)
     meshes = _meshes(count)
-    rates = {name: matmul_rate(meshes[0], jnp.dtype(name)) for name in ("float32", "bfloat16")}
-    for name, rate in rates.items():
-        out(f"  matmul {name}: {rate / 1e9:.2f} GFLOP/s per device")
-    bandwidth = memory_bandwidth(meshes[0])
+    rates = {dtype: matmul_rate(meshes[0], jnp.dtype(dtype), matmul_sizes) for dtype in ("float32", "bfloat16")}
+    for dtype, rate in rates.items():
+        out(f"  matmul {dtype}: {rate / 1e9:.2f} GFLOP/s per device")
+    bandwidth = memory_bandwidth(meshes[0], bandwidth_sizes)
     out(f"  element-wise: {bandwidth / 1e9:.2f} GB/s per device")
+    device = devices[0]
+    source = f"measured by meshdsl calibrate on {count} x {device.device_kind} ({device.platform})"
     raw: list[dict[str, Any]] = []
+    if count == 1:
+        links, origin = _unmeasured_links(device)
+        out(f"  collectives: not measured, one device has no links; taken from the shipped profile {origin}")
+        source += f"; collectives not measured (one device), from the shipped profile {origin}"
+    else:
+        links = _measure_links(meshes, raw, out, collective_sizes)
+    profile = DeviceProfile(
+        name=name, source=source, platform=device.platform, device_kind=device.device_kind,
+        memory_bytes=_memory_bytes(device), memory_bandwidth=bandwidth, node_size=count, intra=links, inter=links,
+        matmul_flops=rates,
+    )
+    return profile, raw
+
+
+def _measure_links(meshes: list[jax.sharding.Mesh], raw: list[dict[str, Any]], out: Callable[[str], None],
+                   sizes: Sequence[int]) -> dict[str, Link]:
+    """Each collective kind's fitted link over every axis of ``meshes``; appends the raw points to ``raw``."""
     links = {}
     for kind in KINDS:
         points = []
         for mesh in meshes:
             for axis in mesh.axis_names:
-                for moved, seconds in collective_times(mesh, axis, kind):
+                for moved, seconds in collective_times(mesh, axis, kind, tuple(sizes)):
                     points.append((moved, seconds))
                     raw.append({"collective": kind, "mesh": dict(mesh.shape), "axis": axis, "bytes_moved": moved, "seconds": seconds})
         links[kind] = fit(points)
         out(f"  {kind}: latency {links[kind].latency_s * 1e6:.1f} us, {links[kind].bandwidth / 1e9:.2f} GB/s per device")
-    device = devices[0]
-    profile = DeviceProfile(
-        name=name, source=f"measured by meshdsl calibrate on {count} x {device.device_kind} ({device.platform})",
-        platform=device.platform, device_kind=device.device_kind, memory_bytes=_memory_bytes(device),
-        memory_bandwidth=bandwidth, node_size=count, intra=links, inter=links, matmul_flops=rates,
-    )
-    return profile, raw
+    return links
+
+
+def _unmeasured_links(device: Any) -> tuple[dict[str, Link], str]:
+    """The links of the shipped profile of ``device``'s kind (``cpu-sim`` on a CPU), and its name."""
+    try:
+        shipped = default_profile()
+    except ConfigError:
+        raise ConfigError(
+            f"calibrate: one {device.device_kind} has no links to measure and no shipped profile matches it; "
+            "run calibrate on two or more devices"
+        ) from None
+    return dict(shipped.intra), shipped.name
 
 
 def _memory_bytes(device: Any) -> float:

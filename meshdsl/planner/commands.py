@@ -100,7 +100,10 @@ def _profile(spec: str | None) -> Any:
 
 def _explain(args: argparse.Namespace, overrides: dict[str, object], out: Callable[[str], None]) -> None:
     from meshdsl.planner.cost import predict
-    from meshdsl.bench.timing import compile_step, memory_bytes
+    import jax
+
+    from meshdsl.bench import fits
+    from meshdsl.bench.timing import compile_abstract, memory_bytes
     from meshdsl.explain import report_of_hlo
     from meshdsl.train import optim
     from meshdsl.train.step import Trainer
@@ -118,8 +121,14 @@ def _explain(args: argparse.Namespace, overrides: dict[str, object], out: Callab
     compiled = None
     report = prediction.report
     if not args.no_compile:
-        step = compile_step(Trainer(model, optimizer, mesh, layout, backend=args.backend), 0).compiled
-        compiled = memory_bytes(step)["total"]
+        trainer = Trainer(model, optimizer, mesh, layout, backend=args.backend)
+        step = compile_abstract(trainer, jax.random.key_data(jax.random.key(0)))
+        needed = memory_bytes(step)
+        compiled = needed["total"]
+        try:
+            fits.check("the compiled step", needed)
+        except fits.DoesNotFit as e:
+            print(f"meshdsl explain: warning: {e}", file=sys.stderr)
         if args.backend == "gspmd":
             report = report_of_hlo(step.as_text(), mesh)
     out(f"meshdsl explain: {args.model} {args.preset} on mesh {mesh} under {layout}" + (f" | params {layout.params}" if layout.params else ""))
@@ -128,6 +137,12 @@ def _explain(args: argparse.Namespace, overrides: dict[str, object], out: Callab
     if args.backend == "gspmd":
         out(f"meshdsl's spmd plan moves {prediction.total_bytes:,.0f} bytes per device; below, the planner's predictions for it beside the gspmd step's compiled memory")
     out(prediction.table(compiled))
+    if prediction.memory.total > profile.memory_bytes:
+        print(
+            f"meshdsl explain: warning: the predicted memory, {fits.readable(prediction.memory.total)} per device, exceeds "
+            f"profile {profile.name}'s {fits.readable(profile.memory_bytes)}; "
+            f"{fits.remedies(fits.Capacity(int(profile.memory_bytes), profile.name))}", file=sys.stderr,
+        )
 
 
 def _calibrate(args: argparse.Namespace, overrides: dict[str, object], out: Callable[[str], None]) -> None:
@@ -155,9 +170,10 @@ def _search(args: argparse.Namespace, overrides: dict[str, object], out: Callabl
     import jax
 
     from meshdsl import outputs
+    from meshdsl.bench.fits import readable
     from meshdsl.errors import ConfigError
     from meshdsl.planner.measure import measure, verdict
-    from meshdsl.planner.search import GiB, search, write_layout
+    from meshdsl.planner.search import search, write_layout
     from meshdsl.train import optim
     from meshdsl.model_loader import build_model
 
@@ -169,9 +185,11 @@ def _search(args: argparse.Namespace, overrides: dict[str, object], out: Callabl
     start = time.perf_counter()
     result = search(model, optimizer, devices, profile, limit, pipeline=not args.no_pipeline, name=args.model)
     seconds = time.perf_counter() - start
+    counts = result.dropped_by_reason()
+    reasons = f" ({', '.join(f'{n} {why}' for why, n in counts.items())})" if counts else ""
     out(
         f"meshdsl search: {args.model} {args.preset} on {devices} devices, profile {profile.name}, "
-        f"{(limit or profile.memory_bytes) / GiB:.2f} GiB per device: {len(result.ranked)} fit, {len(result.dropped)} dropped, "
+        f"{readable(limit or profile.memory_bytes)} per device: {len(result.ranked)} fit, {len(result.dropped)} dropped{reasons}, "
         f"{result.traced} traced, nothing compiled, {seconds:.1f} s"
     )
     if result.failures:
@@ -189,11 +207,12 @@ def _search(args: argparse.Namespace, overrides: dict[str, object], out: Callabl
         times = measure(model, optimizer, [c for c, _ in result.ranked[:k]], rounds=args.rounds)
         top = result.ranked[: max(k, len(top))]
         measured = times + [None] * (len(top) - k)
-    header = f"{'#':>3}  {'predicted ms':>12}  {'measured ms':>11}  {'memory GiB':>10}  {'moved GiB':>9}  layout"
+    header = f"{'#':>3}  {'predicted ms':>12}  {'measured ms':>11}  {'memory':>10}  {'moved':>10}  layout"
     out(header)
     for i, ((cand, pred), meas) in enumerate(zip(top, measured), 1):
         m = "" if meas is None else f"{meas * 1e3:.2f}"
-        out(f"{i:>3}  {pred.step_s * 1e3:12.2f}  {m:>11}  {pred.memory.total / GiB:10.3f}  {pred.total_bytes / GiB:9.3f}  {cand.name}")
+        memory, moved = readable(pred.memory.total), readable(pred.total_bytes)
+        out(f"{i:>3}  {pred.step_s * 1e3:12.2f}  {m:>11}  {memory:>10}  {moved:>10}  {cand.name}")
     if args.measure and len(times) > 1:
         out(verdict([p.step_s for _, p in result.ranked[:k]], times))
     if args.out:

@@ -103,6 +103,15 @@ class SearchResult:
         """The candidates meshdsl failed to trace (a bug to report, not an illegal layout)."""
         return [d for d in self.dropped if d.failed]
 
+    def dropped_by_reason(self) -> dict[str, int]:
+        """How many candidates were dropped for each kind of reason: ``over memory`` (stored state or
+        predicted peak over the limit), ``illegal`` (the model cannot take the layout: indivisible
+        dims, a pipeline without parts, ...), ``failed to trace`` (a bug); kinds with none left out."""
+        counts = {"over memory": 0, "illegal": 0, "failed to trace": 0}
+        for d in self.dropped:
+            counts["failed to trace" if d.failed else "over memory" if d.memory_bytes is not None else "illegal"] += 1
+        return {k: n for k, n in counts.items() if n}
+
 
 def model_roles(model: Any, state: Any, batch: Any) -> DimRoles:
     """The roles of ``model``'s dims (:func:`meshdsl.planner.roles.roles`) from its abstract state and batch."""

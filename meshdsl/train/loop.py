@@ -14,6 +14,7 @@ from typing import Any, TextIO
 import jax
 
 import meshdsl as md
+from meshdsl.bench.timing import compile_checked
 from meshdsl import distributed, models, outputs
 from meshdsl.errors import ConfigError
 from meshdsl.model_loader import build_model, load_module
@@ -296,6 +297,8 @@ def _train(
         err.write(f"meshdsl train: warning: {warning}\n")
     tokens = None if run.data is None else token_file(run, model)
     out.write(f"meshdsl train: {run.model} {run.preset} on mesh {mesh} ({jax.devices()[0].platform}) under {layout}\n")
+    like = jax.random.key_data(jax.random.key(run.seed)) if tokens is None else tokens.batch_at(0, mesh, layout)
+    step_fn = compile_checked(trainer, like, f"a training step of {run.model} {run.preset} under {run.layout}")
     state, data_key, first = _start(run, trainer, manager, out)
     if first:
         _check_data(manager.latest(), tokens, first)
@@ -312,7 +315,7 @@ def _train(
     for step in range(first, run.steps):
         batch = data_key if tokens is None else tokens.batch_at(step, mesh, layout)
         start = time.perf_counter()
-        state, loss = trainer.step(state, batch)
+        state, loss = step_fn(state, batch)
         losses.append(float(distributed.local_value(loss)))
         progress.update(step + 1, losses[-1], time.perf_counter() - start, examples)
         if manager is not None and (manager.due(step + 1) or step + 1 == run.steps):

@@ -1,0 +1,67 @@
+"""Which kernel runs attention: cuDNN's fused attention where it can, XLA's formula otherwise.
+
+``jax.nn.dot_product_attention(implementation=None)`` runs XLA's formula on every backend (JAX
+0.10 to 0.12: "defaults to `None`, which currently falls back to `xla`"), which keeps the
+``[batch, heads, length, memory]`` logits and probabilities: at length 2048 that is out of
+memory for a 1b model on one GPU. cuDNN's fused (flash) attention keeps no such buffer. It takes
+what JAX's ``check_is_flash_attention`` accepts for 16-bit inputs: bfloat16 or float16 queries,
+keys and values, a head size that is a multiple of 8 and at most 128 (256 from compute
+capability 9.0, Hopper, on); and here only the masks it runs without a mask tensor (none, or
+causal from position 0). Anything else (a CPU or TPU, float32, a mask tensor: a padding mask, or
+causal rows of a split query length) goes to XLA. An explicit ``implementation=`` always wins.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from meshdsl.errors import ConfigError
+
+IMPLEMENTATIONS = ("xla", "cudnn")
+MASKS = ("none", "causal", "tensor")
+"""``mask_kind``: no mask, causal from position 0 (``is_causal``), or a boolean mask tensor."""
+FUSED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+GPU_PLATFORMS = ("gpu", "cuda")
+
+
+def max_head_dim(device: Any = None) -> int:
+    """The largest head size cuDNN's fused attention takes on ``device`` (default: the first):
+    256 from compute capability 9.0 on, else 128 (JAX's ``check_is_flash_attention``)."""
+    device = device or jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    try:
+        major = int(str(capability).split(".")[0])
+    except ValueError:
+        return 128
+    return 256 if major >= 9 else 128
+
+
+def choose_implementation(platform: str, dtype: Any, head_dim: int, mask_kind: str, explicit: str | None = None,
+                          head_dim_limit: int = 128) -> str:
+    """``"cudnn"`` or ``"xla"`` for attention on ``platform`` ("cpu", "gpu", "tpu") of ``dtype``
+    inputs with heads of ``head_dim`` and mask ``mask_kind`` (:data:`MASKS`); ``explicit`` (not
+    None) is returned as given. ``head_dim_limit``: :func:`max_head_dim` of the device."""
+    if explicit is not None:
+        if explicit not in IMPLEMENTATIONS:
+            known = ", ".join(IMPLEMENTATIONS)
+            raise ConfigError(f"attention implementation {explicit!r} is not one of {known} (or None: chosen)")
+        return explicit
+    if mask_kind not in MASKS:
+        raise ConfigError(f"attention mask kind {mask_kind!r} is not one of {', '.join(MASKS)}")
+    fused = (
+        platform in GPU_PLATFORMS and jnp.dtype(dtype) in FUSED_DTYPES
+        and head_dim % 8 == 0 and head_dim <= head_dim_limit and mask_kind != "tensor"
+    )
+    return "cudnn" if fused else "xla"
+
+
+def implementation_here(dtype: Any, head_dim: int, mask_kind: str, explicit: str | None = None) -> str:
+    """:func:`choose_implementation` for the backend being compiled for (``jax.default_backend()``)."""
+    if explicit is not None:
+        return choose_implementation("", dtype, head_dim, mask_kind, explicit)
+    platform = jax.default_backend()
+    limit = max_head_dim() if platform in GPU_PLATFORMS else 128
+    return choose_implementation(platform, dtype, head_dim, mask_kind, head_dim_limit=limit)
