@@ -26,3 +26,7 @@ class ConfigError(MeshDslError):
 
 class DataError(MeshDslError):
     """A token file that is missing, malformed, too short, or holds ids outside the vocabulary."""
+
+
+class TrainingError(MeshDslError):
+    """A training run that cannot go on: a loss that is NaN or infinite (``--allow-nan`` trains on)."""

@@ -50,7 +50,8 @@ def split(batch: Any, n: int) -> tuple[list[jax.Array], Callable[[list[jax.Array
         i = t.shape.index(BATCH)
         size, local = t.shape[BATCH].size, a.shape[i]
         if size % n or local % n:
-            where = f" ({local} rows on each device: it is split over {', '.join(axes[i])})" if axes[i] else ""
+            rows = f"{local} row{'s' if local != 1 else ''}"
+            where = f" ({rows} on each device: it is split over {', '.join(axes[i])})" if axes[i] else ""
             raise ConfigError(
                 f"--accumulate {n} does not divide the batch of {size}{where}; equal microbatches are what make "
                 f"the mean of their mean losses the whole batch's mean loss"
