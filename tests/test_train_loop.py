@@ -171,3 +171,163 @@ def test_accumulation_memory_is_flat_in_the_microbatches():
         temp[n] = trainer.step.lower(state, key).compile().memory_analysis().temp_size_in_bytes
     assert temp[16] <= temp[4] <= temp[1], temp
     assert temp[16] < temp[1] / 4, temp
+
+
+# ---- the loop: evaluation, progress, logs, traces ------------------------------------------------
+
+from meshdsl.cli import main  # noqa: E402
+from meshdsl.train.loop import RunConfig, load_layout, train  # noqa: E402
+from meshdsl.train.progress import Progress, Step  # noqa: E402
+
+MLP = dict(model="mlp", preset="tiny", layout="batch:data", optimizer="sgd", learning_rate=0.05)
+
+
+def _json(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _plain_mlp_loss(params: dict, batch: dict) -> float:
+    """The MLP's mean squared error on a batch, in numpy from global arrays."""
+    h = np.maximum(batch["x"] @ params["w1"], 0)
+    return float(np.mean(np.square(h @ params["w2"] - batch["y"])))
+
+
+def test_a_watched_run_evaluates_logs_and_traces(tmp_path):
+    """A cosine schedule with warmup and 2 microbatches, evaluated every 3 steps: the printed lines,
+    JSON log, TensorBoard events (read back by tensorboard's own reader), PNG, trace and summary agree,
+    the learning rates follow the schedule's formula and the eval loss is the mean loss of the eval
+    key stream's batches at the saved parameters (numpy)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = io.StringIO()
+    run = RunConfig(**MLP, steps=6, lr_schedule="cosine", warmup_steps=2, min_lr_ratio=0.1, accumulate=2, eval_every=3,
+                    eval_steps=2, log_every=2, log_json=str(tmp_path / "log.jsonl"), tensorboard=str(tmp_path / "tb"),
+                    profile_steps="2:3", checkpoint_dir=str(tmp_path / "ck"))
+    losses = train(run, out)
+    printed = out.getvalue()
+    assert "compiling the train step and the eval step ...\ncompiled in " in printed
+    lines = [line for line in printed.splitlines() if line.startswith("step ")]
+    assert [line.split("/")[0] for line in lines] == ["step 1", "step 2", "step 3", "step 4", "step 6"], printed
+    assert "eval loss" in lines[2] and "eval loss" in lines[4] and "ETA" in lines[1]
+    records = _json(tmp_path / "log.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6] and [r["loss"] for r in records] == losses
+    np.testing.assert_allclose([r["learning_rate"] for r in records], [0.05 * _expected("cosine", s, 6, 2, 0.1) for s in range(6)], rtol=1e-6)
+    assert all(r["grad_norm"] > 0 for r in records) and all(r["examples_per_second"] > 0 for r in records)
+    assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
+    assert "eval_perplexity" not in records[2]  # the MLP has no vocabulary
+
+    state, _ = md.checkpoint.restore(tmp_path / "ck" / "step_6", md.Mesh({"x": 1}, jax.devices()[:1]), md.Layout())
+    params = {k: v.numpy() for k, v in state["params"].items()}
+    model = mlp.Model(mlp.Config.preset("tiny"))
+    eval_key = jax.random.fold_in(jax.random.key(0), 2)
+    batches = [{k: v.numpy() for k, v in model.batch(jax.random.fold_in(eval_key, i)).items()} for i in range(2)]
+    np.testing.assert_allclose(records[5]["eval_loss"], np.mean([_plain_mlp_loss(params, b) for b in batches]), rtol=1e-5)
+
+    board = EventAccumulator(str(tmp_path / "tb"))
+    board.Reload()
+    tags = set(board.Tags()["scalars"])
+    assert {"train/loss", "train/learning_rate", "train/grad_norm", "perf/step_seconds", "perf/examples_per_second", "eval/loss"} <= tags
+    assert [e.step for e in board.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([e.value for e in board.Scalars("train/loss")], losses, rtol=1e-6)
+    np.testing.assert_allclose([e.value for e in board.Scalars("eval/loss")], [r["eval_loss"] for r in records if "eval_loss" in r], rtol=1e-6)
+    assert (tmp_path / "log.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((tmp_path / "tb").glob("plugins/profile/*/*.xplane.pb")), "no profiler trace"
+    assert f"profiled steps 2-3 into {tmp_path / 'tb'}" in printed
+    summary = printed[printed.index("done: "):]
+    assert summary.startswith("done: 6 steps in ") and "compiling" in summary and "mean after the first" in summary
+    best = min((r["eval_loss"], r["step"]) for r in records if "eval_loss" in r)
+    assert f"final {records[5]['eval_loss']:.4f} at step 6, best {best[0]:.4f} at step {best[1]}" in summary
+    assert "peak memory: not kept by cpu devices" in summary and f"latest {tmp_path / 'ck' / 'step_6'}" in summary
+    assert f"loss curve {tmp_path / 'log.png'}" in summary
+
+
+def test_a_resumed_schedule_continues_exactly(tmp_path):
+    """Killed after step 3 (its later checkpoint removed) and resumed: the learning rates and losses of
+    steps 4-6 are bit-identical to the uninterrupted run's; resuming under another schedule is refused."""
+    common = dict(**MLP, steps=6, lr_schedule="wsd", warmup_steps=2, min_lr_ratio=0.2, accumulate=2, save_every=3)
+    train(RunConfig(**common, checkpoint_dir=str(tmp_path / "a"), log_json=str(tmp_path / "a.jsonl")), io.StringIO())
+    train(RunConfig(**common, checkpoint_dir=str(tmp_path / "b")), io.StringIO())
+    for part in (tmp_path / "b" / "step_6").iterdir():
+        part.unlink() if part.is_file() else __import__("shutil").rmtree(part)
+    (tmp_path / "b" / "step_6").rmdir()
+    with pytest.raises(md.ConfigError, match="learning-rate schedule kind wsd.*this run asks for kind cosine"):
+        train(RunConfig(**{**common, "lr_schedule": "cosine"}, checkpoint_dir=str(tmp_path / "b"), resume=True), io.StringIO())
+    train(RunConfig(**common, checkpoint_dir=str(tmp_path / "b"), resume=True, log_json=str(tmp_path / "b.jsonl")), io.StringIO())
+    whole, resumed = _json(tmp_path / "a.jsonl")[3:], _json(tmp_path / "b.jsonl")
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [(r["learning_rate"], r["loss"]) for r in resumed] == [(r["learning_rate"], r["loss"]) for r in whole]
+
+
+def test_the_train_table_of_a_layout_file_sets_the_schedule(tmp_path):
+    layout = tmp_path / "dp.toml"
+    layout.write_text('[mesh]\ndata = -1\n[rules]\nbatch = "data"\n[train]\nlr_schedule = "linear"\nwarmup_steps = 1\nlearning_rate = 0.1\n')
+    out = io.StringIO()
+    train(RunConfig(**{**MLP, "learning_rate": None, "layout": str(layout)}, steps=3, log_json=str(tmp_path / "t.jsonl")), out)
+    assert "(linear learning rate, 1 warmup steps)" in out.getvalue().splitlines()[0]
+    got = [r["learning_rate"] for r in _json(tmp_path / "t.jsonl")]
+    np.testing.assert_allclose(got, [0.1 * _expected("linear", s, 3, 1, 0.0) for s in range(3)], rtol=1e-6)
+    train(RunConfig(**{**MLP, "layout": str(layout)}, steps=3, lr_schedule="constant", warmup_steps=0, log_json=str(tmp_path / "f.jsonl")), io.StringIO())
+    assert [r["learning_rate"] for r in _json(tmp_path / "f.jsonl")] == pytest.approx([0.05] * 3)  # the flags win
+
+
+def test_the_header_names_the_parameter_rules():
+    out = io.StringIO()
+    train(RunConfig(model="mlp", preset="tiny", layout="fsdp", steps=1), out)
+    header = out.getvalue().splitlines()[0]
+    assert "under batch:data; groups:data; parameters stored under d_model:data; d_io:data" in header, header
+
+
+def test_a_nan_loss_stops_the_run_naming_the_step(tmp_path, capsys):
+    argv = ["train", "--model", "mlp", "--preset", "tiny", "--layout", "batch:data", "--optimizer", "sgd", "--learning-rate", "1e30",
+            "--steps", "6", "--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "1"]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    step = int(err.split("at step ")[1].split(":")[0])
+    assert err == (f"meshdsl train: error: loss is nan at step {step}: stopped (the last checkpoint, "
+                   f"{tmp_path / 'ck' / f'step_{step - 1}'}, is intact); pass --allow-nan to train on\n"), err
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir())[-1] == f"step_{step - 1}"
+    assert main([*argv[:-4], "--allow-nan"]) == 0
+    assert "done: 6 steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--eval-every", "-1"], "--eval-every -1"),
+        (["--eval-steps", "0"], "--eval-steps 0"),
+        (["--log-every", "0"], "--log-every 0"),
+        (["--accumulate", "0"], "--accumulate 0"),
+        (["--warmup-steps", "5"], "--warmup-steps 5: warm up over 0 to 4 steps"),
+        (["--min-lr-ratio", "nan", "--lr-schedule", "cosine"], "--min-lr-ratio nan"),
+        (["--profile-steps", "3:2"], "--profile-steps 3:2"),
+        (["--profile-steps", "1:9"], "--profile-steps 1:9"),
+        (["--profile-steps", "x"], "--profile-steps 'x'"),
+        (["--profile-dir", "p"], "--profile-dir needs --profile-steps"),
+        (["--tensorboard", "afile"], "--tensorboard 'afile'"),
+        (["--profile-steps", "1:2", "--profile-dir", "afile/x"], "--profile-dir 'afile/x'"),
+        (["--log-json", "adir/log.jsonl"], "--log-json's loss curve"),
+        (["--layout", "bad_train.toml"], "[train] has unknown key 'schedule'"),
+    ],
+)
+def test_bad_watch_flags_are_one_line(tmp_path, monkeypatch, capsys, flags, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "adir" / "log.png").mkdir()
+    (tmp_path / "bad_train.toml").write_text('[mesh]\ndata = -1\n[rules]\nbatch = "data"\n[train]\nschedule = "cosine"\n')
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    code = main(["train", "--model", "mlp", "--preset", "tiny", "--steps", "5", *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("meshdsl train: error: ") and err.count("\n") == 1 and message in err, err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_a_terminal_gets_a_bar_with_loss_throughput_and_eta():
+    out = io.StringIO()
+    progress = Progress(0, 4, "tokens", out, live=True)
+    for step in range(1, 5):
+        progress.update(Step(step, 2.0 / step, 0.01, 1e-3, 1000.0, 0.25, eval_loss=1.5 if step == 2 else None))
+    text = out.getvalue()
+    assert "4/4" in text and "loss 0.5000" in text and "1,000 tokens/s" in text and "MFU 25.0%" in text
+    assert "<" in text  # tqdm's elapsed<remaining
+    assert "step 2:  eval loss 1.5000" in text
