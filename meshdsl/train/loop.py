@@ -259,15 +259,16 @@ def _save(manager: md.checkpoint.CheckpointManager, step: int, state: Any, data_
 
 
 def _header(run: RunConfig, mesh: md.Mesh, layout: md.Layout) -> str:
-    """The first line: model, preset, mesh, platform, the layout's rules and (when it has them) its parameter rules."""
+    """The first line: model, preset, mesh, platform, the layout's rules and (when it has them) its
+    parameter rules, then a schedule or accumulation other than the default."""
     params = "" if layout.params is None else f"; parameters stored under {layout.params}"
-    extra = [f"{run.lr_schedule} learning rate" + (f", {run.warmup_steps} warmup steps" if run.warmup_steps else "")]
+    extra = []
+    if run.lr_schedule != "constant" or run.warmup_steps:
+        extra.append(f"{run.lr_schedule} learning rate" + (f", {run.warmup_steps} warmup steps" if run.warmup_steps else ""))
     if run.accumulate > 1:
         extra.append(f"{run.accumulate} microbatches a step")
-    return (
-        f"meshdsl train: {run.model} {run.preset} on mesh {mesh} ({jax.devices()[0].platform}) under {layout}{params}"
-        f" ({'; '.join(extra)})\n"
-    )
+    shown = f" ({'; '.join(extra)})" if extra else ""
+    return f"meshdsl train: {run.model} {run.preset} on mesh {mesh} ({jax.devices()[0].platform}) under {layout}{params}{shown}\n"
 
 
 def _eval_batches(run: RunConfig, trainer: Trainer, tokens: TokenFile | None) -> Callable[[int], tuple[Any, jax.Array]]:
