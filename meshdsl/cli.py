@@ -118,17 +118,24 @@ def _parser() -> argparse.ArgumentParser:
 def _add_watch_flags(train: argparse.ArgumentParser) -> None:
     """``train``'s flags for the learning-rate schedule, accumulation, evaluation, logs and traces."""
     table = " (default: the layout file's [train] table, else %s)"
-    train.add_argument("--lr-schedule", default=None, choices=["constant", "cosine", "linear", "wsd"], help="learning-rate schedule" + table % "constant")
-    train.add_argument("--warmup-steps", type=int, default=None, metavar="N", help="rise linearly from 0 to the learning rate over N steps" + table % "0")
-    train.add_argument("--min-lr-ratio", type=float, default=None, metavar="R", help="cosine/linear/wsd end at R x the learning rate" + table % "0")
-    train.add_argument("--accumulate", type=int, default=None, metavar="N", help="cut each step's batch into N microbatches (gradient accumulation)" + table % "1")
-    train.add_argument("--eval-every", type=int, default=0, metavar="N", help="evaluate on held-out batches every N steps and after the last (default 0: never)")
-    train.add_argument("--eval-steps", type=int, default=10, metavar="K", help="batches each evaluation averages over (default 10)")
-    train.add_argument("--log-every", type=int, default=10, metavar="N", help="off a terminal, print a line every N steps (default 10)")
-    train.add_argument("--tensorboard", default=None, metavar="DIR", help="write TensorBoard scalars (loss, eval loss, learning rate, ...) into DIR")
-    train.add_argument("--profile-steps", default=None, metavar="A:B", help="record a jax.profiler trace of steps A to B")
-    train.add_argument("--profile-dir", default=None, metavar="DIR", help="where the trace goes (default: --tensorboard DIR, else ./profile)")
-    train.add_argument("--allow-nan", action="store_true", help="train on past a NaN or infinite loss (default: stop, naming the step)")
+    add = train.add_argument
+    add("--lr-schedule", default=None, choices=["constant", "cosine", "linear", "wsd"],
+        help="learning-rate schedule" + table % "constant")
+    add("--warmup-steps", type=int, default=None, metavar="N",
+        help="rise linearly from 0 to the learning rate over N steps" + table % "0")
+    add("--min-lr-ratio", type=float, default=None, metavar="R",
+        help="cosine/linear/wsd end at R x the learning rate" + table % "0")
+    add("--accumulate", type=int, default=None, metavar="N",
+        help="cut each step's batch into N microbatches (gradient accumulation)" + table % "1")
+    add("--eval-every", type=int, default=0, metavar="N",
+        help="evaluate on held-out batches every N steps and after the last (default 0: never)")
+    add("--eval-steps", type=int, default=10, metavar="K", help="batches each evaluation averages over (default 10)")
+    add("--log-every", type=int, default=10, metavar="N", help="off a terminal, print a line every N steps (default 10)")
+    add("--tensorboard", default=None, metavar="DIR",
+        help="write TensorBoard scalars (loss, eval loss, learning rate, ...) into DIR")
+    add("--profile-steps", default=None, metavar="A:B", help="record a jax.profiler trace of steps A to B")
+    add("--profile-dir", default=None, metavar="DIR", help="where the trace goes (default: --tensorboard DIR, else ./profile)")
+    add("--allow-nan", action="store_true", help="train on past a NaN or infinite loss (default: stop, naming the step)")
 
 
 def _overrides(items: Sequence[str]) -> dict[str, object]:
@@ -163,8 +170,9 @@ def _config(args: argparse.Namespace) -> object:
             log_json=args.log_json, checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, keep=args.keep,
             resume=args.resume, microbatches=args.microbatches, schedule=args.schedule,
             lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
-            accumulate=args.accumulate, eval_every=args.eval_every, eval_steps=args.eval_steps, log_every=args.log_every,
-            tensorboard=args.tensorboard, profile_steps=args.profile_steps, profile_dir=args.profile_dir, allow_nan=args.allow_nan,
+            accumulate=args.accumulate, eval_every=args.eval_every, eval_steps=args.eval_steps,
+            log_every=args.log_every, tensorboard=args.tensorboard, profile_steps=args.profile_steps,
+            profile_dir=args.profile_dir, allow_nan=args.allow_nan,
         )
     if args.command == "bench":
         from meshdsl.bench.run import BenchConfig

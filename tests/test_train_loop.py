@@ -18,7 +18,10 @@ import pytest
 
 import meshdsl as md
 import meshdsl.models.mlp as mlp
+from meshdsl.cli import main
 from meshdsl.train import optim
+from meshdsl.train.loop import RunConfig, train
+from meshdsl.train.progress import Progress, Step
 from meshdsl.train.step import Trainer
 
 
@@ -79,7 +82,9 @@ def test_the_optimizer_steps_with_the_scheduled_rate(name):
     state = sgd.init(p)
     for step in range(4):
         new, state = sgd.update(g, state, p, jnp.asarray(step))
-        np.testing.assert_allclose(new["w"].numpy(), 1 - 0.5 * _expected("linear", step, 8, 2, 0.25) * np.array([1, 2, 3]), rtol=1e-6)
+        np.testing.assert_allclose(
+            new["w"].numpy(), 1 - 0.5 * _expected("linear", step, 8, 2, 0.25) * np.array([1, 2, 3]), rtol=1e-6
+        )
 
 
 # ---- gradient accumulation -----------------------------------------------------------------------
@@ -118,9 +123,27 @@ def _numpy(tree):
 
 
 CASES = {
-    "mlp, batch and d_ff split": (lambda: mlp.Model(mlp.Config.preset("tiny")), _mlp_loss, {"data": 4, "model": 2}, "batch:data; d_ff:model", "spmd"),
-    "mlp, gspmd": (lambda: mlp.Model(mlp.Config.preset("tiny")), _mlp_loss, {"data": 4, "model": 2}, "batch:data; d_ff:model", "gspmd"),
-    "user model, fsdp": (Regression, _regression_loss, {"data": 2}, md.Layout("batch:data", params="features:data"), "spmd"),
+    "mlp, batch and d_ff split": (
+        lambda: mlp.Model(mlp.Config.preset("tiny")),
+        _mlp_loss,
+        {"data": 4, "model": 2},
+        "batch:data; d_ff:model",
+        "spmd",
+    ),
+    "mlp, gspmd": (
+        lambda: mlp.Model(mlp.Config.preset("tiny")),
+        _mlp_loss,
+        {"data": 4, "model": 2},
+        "batch:data; d_ff:model",
+        "gspmd",
+    ),
+    "user model, fsdp": (
+        Regression,
+        _regression_loss,
+        {"data": 2},
+        md.Layout("batch:data", params="features:data"),
+        "spmd",
+    ),
 }
 
 
@@ -154,9 +177,13 @@ def test_accumulation_that_does_not_divide_the_rows_is_named():
         trainer.step(state, jax.random.key_data(jax.random.key(1)))
     with pytest.raises(md.ConfigError, match="--accumulate 0"):
         Trainer(model, optim.sgd(1.0), md.Mesh({"data": 8}), md.Layout("batch:data"), accumulate=0)
-    fixed = Trainer(Regression(loss_dims=True), optim.sgd(1.0), md.Mesh({"data": 2}), md.Layout("batch:data"), accumulate=2)
+    fixed = Trainer(
+        Regression(loss_dims=True), optim.sgd(1.0), md.Mesh({"data": 2}), md.Layout("batch:data"), accumulate=2
+    )
     state = fixed.init(jax.random.key_data(jax.random.key(0)))
-    with pytest.raises(md.ConfigError, match="--accumulate 2: the model's loss fails on a microbatch of 8 rows .*batch=16"):
+    with pytest.raises(
+        md.ConfigError, match="--accumulate 2: the model's loss fails on a microbatch of 8 rows .*batch=16"
+    ):
         fixed.step(state, jax.random.key_data(jax.random.key(1)))
 
 
@@ -175,9 +202,6 @@ def test_accumulation_memory_is_flat_in_the_microbatches():
 
 # ---- the loop: evaluation, progress, logs, traces ------------------------------------------------
 
-from meshdsl.cli import main  # noqa: E402
-from meshdsl.train.loop import RunConfig, load_layout, train  # noqa: E402
-from meshdsl.train.progress import Progress, Step  # noqa: E402
 
 MLP = dict(model="mlp", preset="tiny", layout="batch:data", optimizer="sgd", learning_rate=0.05)
 
@@ -200,9 +224,21 @@ def test_a_watched_run_evaluates_logs_and_traces(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = io.StringIO()
-    run = RunConfig(**MLP, steps=6, lr_schedule="cosine", warmup_steps=2, min_lr_ratio=0.1, accumulate=2, eval_every=3,
-                    eval_steps=2, log_every=2, log_json=str(tmp_path / "log.jsonl"), tensorboard=str(tmp_path / "tb"),
-                    profile_steps="2:3", checkpoint_dir=str(tmp_path / "ck"))
+    run = RunConfig(
+        **MLP,
+        steps=6,
+        lr_schedule="cosine",
+        warmup_steps=2,
+        min_lr_ratio=0.1,
+        accumulate=2,
+        eval_every=3,
+        eval_steps=2,
+        log_every=2,
+        log_json=str(tmp_path / "log.jsonl"),
+        tensorboard=str(tmp_path / "tb"),
+        profile_steps="2:3",
+        checkpoint_dir=str(tmp_path / "ck"),
+    )
     losses = train(run, out)
     printed = out.getvalue()
     assert "compiling the train step and the eval step ...\ncompiled in " in printed
@@ -211,7 +247,9 @@ def test_a_watched_run_evaluates_logs_and_traces(tmp_path):
     assert "eval loss" in lines[2] and "eval loss" in lines[4] and "ETA" in lines[1]
     records = _json(tmp_path / "log.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6] and [r["loss"] for r in records] == losses
-    np.testing.assert_allclose([r["learning_rate"] for r in records], [0.05 * _expected("cosine", s, 6, 2, 0.1) for s in range(6)], rtol=1e-6)
+    np.testing.assert_allclose(
+        [r["learning_rate"] for r in records], [0.05 * _expected("cosine", s, 6, 2, 0.1) for s in range(6)], rtol=1e-6
+    )
     assert all(r["grad_norm"] > 0 for r in records) and all(r["examples_per_second"] > 0 for r in records)
     assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
     assert "eval_perplexity" not in records[2]  # the MLP has no vocabulary
@@ -221,19 +259,30 @@ def test_a_watched_run_evaluates_logs_and_traces(tmp_path):
     model = mlp.Model(mlp.Config.preset("tiny"))
     eval_key = jax.random.fold_in(jax.random.key(0), 2)
     batches = [{k: v.numpy() for k, v in model.batch(jax.random.fold_in(eval_key, i)).items()} for i in range(2)]
-    np.testing.assert_allclose(records[5]["eval_loss"], np.mean([_plain_mlp_loss(params, b) for b in batches]), rtol=1e-5)
+    np.testing.assert_allclose(
+        records[5]["eval_loss"], np.mean([_plain_mlp_loss(params, b) for b in batches]), rtol=1e-5
+    )
 
     board = EventAccumulator(str(tmp_path / "tb"))
     board.Reload()
     tags = set(board.Tags()["scalars"])
-    assert {"train/loss", "train/learning_rate", "train/grad_norm", "perf/step_seconds", "perf/examples_per_second", "eval/loss"} <= tags
+    assert {
+        "train/loss",
+        "train/learning_rate",
+        "train/grad_norm",
+        "perf/step_seconds",
+        "perf/examples_per_second",
+        "eval/loss",
+    } <= tags
     assert [e.step for e in board.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose([e.value for e in board.Scalars("train/loss")], losses, rtol=1e-6)
-    np.testing.assert_allclose([e.value for e in board.Scalars("eval/loss")], [r["eval_loss"] for r in records if "eval_loss" in r], rtol=1e-6)
+    np.testing.assert_allclose(
+        [e.value for e in board.Scalars("eval/loss")], [r["eval_loss"] for r in records if "eval_loss" in r], rtol=1e-6
+    )
     assert (tmp_path / "log.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list((tmp_path / "tb").glob("plugins/profile/*/*.xplane.pb")), "no profiler trace"
     assert f"profiled steps 2-3 into {tmp_path / 'tb'}" in printed
-    summary = printed[printed.index("done: "):]
+    summary = printed[printed.index("done: ") :]
     assert summary.startswith("done: 6 steps in ") and "compiling" in summary and "mean after the first" in summary
     best = min((r["eval_loss"], r["step"]) for r in records if "eval_loss" in r)
     assert f"final {records[5]['eval_loss']:.4f} at step 6, best {best[0]:.4f} at step {best[1]}" in summary
@@ -251,8 +300,14 @@ def test_a_resumed_schedule_continues_exactly(tmp_path):
         part.unlink() if part.is_file() else __import__("shutil").rmtree(part)
     (tmp_path / "b" / "step_6").rmdir()
     with pytest.raises(md.ConfigError, match="learning-rate schedule kind wsd.*this run asks for kind cosine"):
-        train(RunConfig(**{**common, "lr_schedule": "cosine"}, checkpoint_dir=str(tmp_path / "b"), resume=True), io.StringIO())
-    train(RunConfig(**common, checkpoint_dir=str(tmp_path / "b"), resume=True, log_json=str(tmp_path / "b.jsonl")), io.StringIO())
+        train(
+            RunConfig(**{**common, "lr_schedule": "cosine"}, checkpoint_dir=str(tmp_path / "b"), resume=True),
+            io.StringIO(),
+        )
+    train(
+        RunConfig(**common, checkpoint_dir=str(tmp_path / "b"), resume=True, log_json=str(tmp_path / "b.jsonl")),
+        io.StringIO(),
+    )
     whole, resumed = _json(tmp_path / "a.jsonl")[3:], _json(tmp_path / "b.jsonl")
     assert [r["step"] for r in resumed] == [4, 5, 6]
     assert [(r["learning_rate"], r["loss"]) for r in resumed] == [(r["learning_rate"], r["loss"]) for r in whole]
@@ -260,13 +315,28 @@ def test_a_resumed_schedule_continues_exactly(tmp_path):
 
 def test_the_train_table_of_a_layout_file_sets_the_schedule(tmp_path):
     layout = tmp_path / "dp.toml"
-    layout.write_text('[mesh]\ndata = -1\n[rules]\nbatch = "data"\n[train]\nlr_schedule = "linear"\nwarmup_steps = 1\nlearning_rate = 0.1\n')
+    layout.write_text(
+        '[mesh]\ndata = -1\n[rules]\nbatch = "data"\n'
+        '[train]\nlr_schedule = "linear"\nwarmup_steps = 1\nlearning_rate = 0.1\n'
+    )
     out = io.StringIO()
-    train(RunConfig(**{**MLP, "learning_rate": None, "layout": str(layout)}, steps=3, log_json=str(tmp_path / "t.jsonl")), out)
+    train(
+        RunConfig(**{**MLP, "learning_rate": None, "layout": str(layout)}, steps=3, log_json=str(tmp_path / "t.jsonl")),
+        out,
+    )
     assert "(linear learning rate, 1 warmup steps)" in out.getvalue().splitlines()[0]
     got = [r["learning_rate"] for r in _json(tmp_path / "t.jsonl")]
     np.testing.assert_allclose(got, [0.1 * _expected("linear", s, 3, 1, 0.0) for s in range(3)], rtol=1e-6)
-    train(RunConfig(**{**MLP, "layout": str(layout)}, steps=3, lr_schedule="constant", warmup_steps=0, log_json=str(tmp_path / "f.jsonl")), io.StringIO())
+    train(
+        RunConfig(
+            **{**MLP, "layout": str(layout)},
+            steps=3,
+            lr_schedule="constant",
+            warmup_steps=0,
+            log_json=str(tmp_path / "f.jsonl"),
+        ),
+        io.StringIO(),
+    )
     assert [r["learning_rate"] for r in _json(tmp_path / "f.jsonl")] == pytest.approx([0.05] * 3)  # the flags win
 
 
@@ -278,13 +348,32 @@ def test_the_header_names_the_parameter_rules():
 
 
 def test_a_nan_loss_stops_the_run_naming_the_step(tmp_path, capsys):
-    argv = ["train", "--model", "mlp", "--preset", "tiny", "--layout", "batch:data", "--optimizer", "sgd", "--learning-rate", "1e30",
-            "--steps", "6", "--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "1"]
+    argv = [
+        "train",
+        "--model",
+        "mlp",
+        "--preset",
+        "tiny",
+        "--layout",
+        "batch:data",
+        "--optimizer",
+        "sgd",
+        "--learning-rate",
+        "1e30",
+        "--steps",
+        "6",
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        "--save-every",
+        "1",
+    ]
     assert main(argv) == 2
     out, err = capsys.readouterr()
     step = int(err.split("at step ")[1].split(":")[0])
-    assert err == (f"meshdsl train: error: loss is nan at step {step}: stopped (the last checkpoint, "
-                   f"{tmp_path / 'ck' / f'step_{step - 1}'}, is intact); pass --allow-nan to train on\n"), err
+    assert err == (
+        f"meshdsl train: error: loss is nan at step {step}: stopped (the last checkpoint, "
+        f"{tmp_path / 'ck' / f'step_{step - 1}'}, is intact); pass --allow-nan to train on\n"
+    ), err
     assert sorted(p.name for p in (tmp_path / "ck").iterdir())[-1] == f"step_{step - 1}"
     assert main([*argv[:-4], "--allow-nan"]) == 0
     assert "done: 6 steps" in capsys.readouterr().out
@@ -314,7 +403,9 @@ def test_bad_watch_flags_are_one_line(tmp_path, monkeypatch, capsys, flags, mess
     (tmp_path / "afile").write_text("x")
     (tmp_path / "adir").mkdir()
     (tmp_path / "adir" / "log.png").mkdir()
-    (tmp_path / "bad_train.toml").write_text('[mesh]\ndata = -1\n[rules]\nbatch = "data"\n[train]\nschedule = "cosine"\n')
+    (tmp_path / "bad_train.toml").write_text(
+        '[mesh]\ndata = -1\n[rules]\nbatch = "data"\n[train]\nschedule = "cosine"\n'
+    )
     before = sorted(p.name for p in tmp_path.rglob("*"))
     code = main(["train", "--model", "mlp", "--preset", "tiny", "--steps", "5", *flags])
     err = capsys.readouterr().err

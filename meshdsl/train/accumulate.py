@@ -44,7 +44,10 @@ def split(batch: Any, n: int) -> tuple[list[jax.Array], Callable[[list[jax.Array
     stacks, meta = [], []
     for t in leaves:
         if not _is_tensor(t) or BATCH not in t.shape:
-            raise ConfigError(f"--accumulate {n}: every tensor of the model's batch needs a dim {BATCH!r} to cut, got {getattr(t, 'shape', t)}")
+            raise ConfigError(
+                f"--accumulate {n}: every tensor of the model's batch needs a dim {BATCH!r} to cut, "
+                f"got {getattr(t, 'shape', t)}"
+            )
         axes = lowering.layout_of(t)
         a = lowering.prepare(t, axes)
         i = t.shape.index(BATCH)
@@ -114,5 +117,6 @@ def evaluate(model: Any, params: Any, batch: Any, n: int) -> jax.Array:
 
 
 def _zeros(fn: Callable[[list[jax.Array]], Any], stacks: list[jax.Array]) -> Any:
-    """Zeros shaped, typed and (under ``shard_map``) varying like ``fn``'s results on one microbatch: a scan's first carry."""
+    """Zeros shaped, typed and (under ``shard_map``) varying like ``fn``'s results on one microbatch:
+    a scan's first carry."""
     return jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(fn, [s[0] for s in stacks]))

@@ -124,8 +124,8 @@ def build_trainer(run: RunConfig, mesh: md.Mesh | None = None) -> Trainer:
     layout = load_layout(run.layout)
     pipeline = layout.pipeline.replace(run.microbatches, run.schedule)
     return Trainer(
-        _model(run), _optimizer(run), mesh or layout.mesh(), layout, run.backend, run.grad_reduce_dtype, pipeline=pipeline,
-        accumulate=run.accumulate, metrics=True,
+        _model(run), _optimizer(run), mesh or layout.mesh(), layout, run.backend, run.grad_reduce_dtype,
+        pipeline=pipeline, accumulate=run.accumulate, metrics=True,
     )
 
 
@@ -161,7 +161,8 @@ def check(run: RunConfig) -> None:
     settings.positive(run.log_every, "--log-every", "the steps between printed lines")
     model = _model(run)
     _optimizer(run)
-    check_accumulate(run.accumulate, pipelined(model, layout, layout.pipeline.replace(run.microbatches, run.schedule), run.backend))
+    pipeline = layout.pipeline.replace(run.microbatches, run.schedule)
+    check_accumulate(run.accumulate, pipelined(model, layout, pipeline, run.backend))
     if run.data is not None:
         token_file(run.data, model, run.model)
     if run.checkpoint_dir is not None:
@@ -197,10 +198,11 @@ def _run_metadata(run: RunConfig, model: Any) -> dict[str, Any]:
 
 
 def _schedule_of(run: RunConfig) -> dict[str, Any]:
-    """What fixes the learning rate of every step: the schedule, its warmup, final ratio and (for a decaying one) length."""
+    """What fixes the learning rate of every step: the schedule, its warmup, final ratio and (for a
+    decaying one) length."""
     decays = run.lr_schedule != "constant"
-    return {"kind": run.lr_schedule, "warmup_steps": run.warmup_steps, "min_lr_ratio": run.min_lr_ratio if decays else None,
-            "steps": run.steps if decays else None}
+    return {"kind": run.lr_schedule, "warmup_steps": run.warmup_steps,
+            "min_lr_ratio": run.min_lr_ratio if decays else None, "steps": run.steps if decays else None}
 
 
 def _check_resumable(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -> None:
@@ -223,7 +225,8 @@ def _check_resumable(path: Path, saved: dict[str, Any], mine: dict[str, Any]) ->
         said = lambda s: ", ".join(f"{k} {v}" for k, v in s.items() if v is not None)  # noqa: E731
         raise ConfigError(
             f"checkpoint {path} was trained under learning-rate schedule {said(theirs)}; this run asks for "
-            f"{said(mine['lr_schedule'])}, so the learning rate would not continue as it was: pass the same schedule flags"
+            f"{said(mine['lr_schedule'])}, so the learning rate would not continue as it was: "
+            f"pass the same schedule flags"
         )
 
 
@@ -248,7 +251,9 @@ def _start(run: RunConfig, trainer: Trainer, manager: md.checkpoint.CheckpointMa
     return state, state.pop("data_key"), int(saved["step"])
 
 
-def _save(manager: md.checkpoint.CheckpointManager, step: int, state: Any, data_key: jax.Array, metadata: dict[str, Any]) -> str:
+def _save(
+    manager: md.checkpoint.CheckpointManager, step: int, state: Any, data_key: jax.Array, metadata: dict[str, Any]
+) -> str:
     """Save the state and data key as ``step_<step>``; the line that says so."""
     start = time.perf_counter()
     path = manager.save(step, {**state, "data_key": data_key}, metadata)
@@ -264,11 +269,13 @@ def _header(run: RunConfig, mesh: md.Mesh, layout: md.Layout) -> str:
     params = "" if layout.params is None else f"; parameters stored under {layout.params}"
     extra = []
     if run.lr_schedule != "constant" or run.warmup_steps:
-        extra.append(f"{run.lr_schedule} learning rate" + (f", {run.warmup_steps} warmup steps" if run.warmup_steps else ""))
+        warmup = f", {run.warmup_steps} warmup steps" if run.warmup_steps else ""
+        extra.append(f"{run.lr_schedule} learning rate{warmup}")
     if run.accumulate > 1:
         extra.append(f"{run.accumulate} microbatches a step")
     shown = f" ({'; '.join(extra)})" if extra else ""
-    return f"meshdsl train: {run.model} {run.preset} on mesh {mesh} ({jax.devices()[0].platform}) under {layout}{params}{shown}\n"
+    where = f"on mesh {mesh} ({jax.devices()[0].platform})"
+    return f"meshdsl train: {run.model} {run.preset} {where} under {layout}{params}{shown}\n"
 
 
 def _eval_batches(run: RunConfig, trainer: Trainer, tokens: TokenFile | None) -> Callable[[int], tuple[Any, jax.Array]]:
@@ -283,7 +290,9 @@ def _eval_batches(run: RunConfig, trainer: Trainer, tokens: TokenFile | None) ->
     tail = TokenFile.__new__(TokenFile)
     tail.__dict__.update(tokens.__dict__, tokens=tokens.tokens[int(0.9 * len(tokens.tokens)):])
     if len(tail.tokens) < tokens.length + 2:
-        raise ConfigError(f"--eval-every: the last 10% of {run.data} ({len(tail.tokens)} tokens) holds no window of {tokens.length + 1}")
+        raise ConfigError(
+            f"--eval-every: the last 10% of {run.data} ({len(tail.tokens)} tokens) holds no window of {tokens.length + 1}"
+        )
     return lambda i: (tail.batch_at(i, trainer.mesh, trainer.layout), jnp.int32(0))
 
 
@@ -306,7 +315,8 @@ class _Profiler:
         jax.block_until_ready(result)
         jax.profiler.stop_trace()
         self.on = False
-        return f"profiled steps {self.span[0]}-{self.span[1]} into {self.folder} (open with TensorBoard's profile tab or Perfetto)"
+        steps = f"{self.span[0]}-{self.span[1]}"
+        return f"profiled steps {steps} into {self.folder} (open with TensorBoard's profile tab or Perfetto)"
 
     def stop(self) -> None:
         if self.on:
@@ -382,21 +392,25 @@ def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None,
             if not math.isfinite(loss) and not run.allow_nan:
                 kept = manager.latest() if manager is not None else None
                 where = f"the last checkpoint, {kept}, is intact" if kept is not None else "no checkpoint was saved"
-                raise TrainingError(f"loss is {loss} at step {step + 1}: stopped ({where}); pass --allow-nan to train on")
+                raise TrainingError(
+                    f"loss is {loss} at step {step + 1}: stopped ({where}); pass --allow-nan to train on"
+                )
             record = Step(step + 1, loss, seconds, trainer.optimizer.learning_rate_at(step))
             if examples is not None:
                 record.throughput = examples / seconds
             if flops is not None and peak is not None:
                 record.mfu = flops / seconds / (peak * mesh.size)
             if eval_fn is not None and ((step + 1) % run.eval_every == 0 or step + 1 == run.steps):
-                total = sum(float(distributed.local_value(eval_fn(state, *eval_batch(i)))) for i in range(run.eval_steps))
-                record.eval_loss = total / run.eval_steps
+                losses_of = (float(distributed.local_value(eval_fn(state, *eval_batch(i)))) for i in range(run.eval_steps))
+                record.eval_loss = sum(losses_of) / run.eval_steps
                 record.eval_perplexity = math.exp(min(record.eval_loss, 700.0)) if language else None
                 evals.append((step + 1, record.eval_loss))
             grad_norm = float(distributed.local_value(metrics["grad_norm"]))
             throughput = {f"{unit}_per_second": record.throughput}
-            sinks.write(step + 1, {"loss": loss, "seconds": seconds, "learning_rate": record.learning_rate, "grad_norm": grad_norm,
-                                   **throughput, "mfu": record.mfu, "eval_loss": record.eval_loss, "eval_perplexity": record.eval_perplexity})
+            sinks.write(step + 1, {
+                "loss": loss, "seconds": seconds, "learning_rate": record.learning_rate, "grad_norm": grad_norm,
+                **throughput, "mfu": record.mfu, "eval_loss": record.eval_loss, "eval_perplexity": record.eval_perplexity,
+            })
             progress.update(record)
             if traced:
                 progress.note(traced)
@@ -410,8 +424,9 @@ def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None,
     if run.tensorboard:
         written.append(f"TensorBoard: {run.tensorboard} (tensorboard --logdir {run.tensorboard})")
     summary = Summary(
-        steps=len(losses), seconds=time.perf_counter() - began, compile_seconds=compile_seconds, step_seconds=times, unit=unit,
-        per_step=examples, final_eval=evals[-1] if evals else None, best_eval=min(evals, key=lambda e: e[1]) if evals else None,
+        steps=len(losses), seconds=time.perf_counter() - began, compile_seconds=compile_seconds, step_seconds=times,
+        unit=unit, per_step=examples, final_eval=evals[-1] if evals else None,
+        best_eval=min(evals, key=lambda e: e[1]) if evals else None,
         perplexity=language, peak_bytes=peak_bytes(device), platform=device.platform,
         checkpoint=None if manager is None else f"{run.checkpoint_dir} (latest {manager.latest()})", logs=written,
     )

@@ -64,7 +64,8 @@ def clip_by_global_norm(tree: Any, max_norm: float) -> Any:
 
 
 def schedule(kind: str, steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.0) -> Callable[[Any], Any]:
-    """The learning-rate multiplier of step ``count`` (from 0): an optax schedule from 0 to 1 and back to ``min_lr_ratio``.
+    """The learning-rate multiplier of step ``count`` (from 0): an optax schedule from 0 to 1 and back
+    to ``min_lr_ratio``.
 
     Every kind first rises linearly from 0 to 1 over ``warmup_steps`` (step 0 has multiplier 0, as
     optax's warmup schedules), then: ``constant`` stays at 1; ``cosine`` follows a half cosine to
@@ -78,7 +79,9 @@ def schedule(kind: str, steps: int, warmup_steps: int = 0, min_lr_ratio: float =
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or not 0 <= warmup_steps < steps:
         raise ConfigError(f"--warmup-steps {warmup_steps}: warm up over 0 to {steps - 1} steps (the run has {steps})")
     if not (isinstance(min_lr_ratio, (int, float)) and math.isfinite(min_lr_ratio) and 0 <= min_lr_ratio <= 1):
-        raise ConfigError(f"--min-lr-ratio {min_lr_ratio}: the final learning rate is a fraction of the peak, from 0 to 1")
+        raise ConfigError(
+            f"--min-lr-ratio {min_lr_ratio}: the final learning rate is a fraction of the peak, from 0 to 1"
+        )
     w, end = warmup_steps, float(min_lr_ratio)
     if kind == "cosine":
         return optax.warmup_cosine_decay_schedule(0.0, 1.0, w, steps, end)
@@ -89,7 +92,8 @@ def schedule(kind: str, steps: int, warmup_steps: int = 0, min_lr_ratio: float =
         return optax.join_schedules([rise, optax.linear_schedule(1.0, end, steps - w)], [w])
     decay = max(1, round(WSD_DECAY_FRACTION * (steps - w)))
     stable = steps - decay
-    return optax.join_schedules([rise, optax.constant_schedule(1.0), optax.linear_schedule(1.0, end, decay)], [w, stable])
+    parts = [rise, optax.constant_schedule(1.0), optax.linear_schedule(1.0, end, decay)]
+    return optax.join_schedules(parts, [w, stable])
 
 
 def scaled(learning_rate: float, multiplier: Callable[[Any], Any] | None) -> LearningRate:
@@ -130,7 +134,9 @@ class OptaxOptimizer:
         return optax.apply_updates(params, updates), state
 
 
-def sgd(learning_rate: LearningRate = 0.1, momentum: float | None = None, clip_norm: float | None = None) -> OptaxOptimizer:
+def sgd(
+    learning_rate: LearningRate = 0.1, momentum: float | None = None, clip_norm: float | None = None
+) -> OptaxOptimizer:
     """Stochastic gradient descent (optax.sgd); ``learning_rate`` a number or a function of the step."""
     return OptaxOptimizer(optax.sgd(learning_rate, momentum), clip_norm, learning_rate)
 
@@ -139,7 +145,8 @@ def adamw(
     learning_rate: LearningRate = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     weight_decay: float = 1e-4, clip_norm: float | None = 1.0,
 ) -> OptaxOptimizer:
-    """AdamW (optax.adamw), with global-norm clipping by default; ``learning_rate`` a number or a function of the step."""
+    """AdamW (optax.adamw), with global-norm clipping by default; ``learning_rate`` a number or a
+    function of the step."""
     return OptaxOptimizer(optax.adamw(learning_rate, b1, b2, eps, weight_decay=weight_decay), clip_norm, learning_rate)
 
 

@@ -79,8 +79,11 @@ class Progress:
         throughput = "" if s.throughput is None else f"  {s.throughput:,.0f} {self.unit}/s"
         mfu = "" if s.mfu is None else f"  MFU {100 * s.mfu:.1f}%"
         lr = "" if s.learning_rate is None or math.isnan(s.learning_rate) else f"  lr {s.learning_rate:.2e}"
-        evaluated = "" if s.eval_loss is None else f"  eval loss {s.eval_loss:.4f}" + (
-            "" if s.eval_perplexity is None else f" (perplexity {s.eval_perplexity:,.2f})"
+        evaluated = (
+            ""
+            if s.eval_loss is None
+            else f"  eval loss {s.eval_loss:.4f}"
+            + ("" if s.eval_perplexity is None else f" (perplexity {s.eval_perplexity:,.2f})")
         )
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss {s.loss:.4f}{throughput}{mfu}", refresh=False)
@@ -138,7 +141,11 @@ class Summary:
             ppl = (lambda x: f" (perplexity {math.exp(x):,.2f})") if self.perplexity else (lambda x: "")
             (fs, fl), (bs, bl) = self.final_eval, self.best_eval
             out.append(f"eval loss: final {fl:.4f}{ppl(fl)} at step {fs}, best {bl:.4f}{ppl(bl)} at step {bs}")
-        out.append(f"peak memory: {memory(self.peak_bytes)} on device 0" if self.peak_bytes is not None else f"peak memory: not kept by {self.platform} devices")
+        out.append(
+            f"peak memory: {memory(self.peak_bytes)} on device 0"
+            if self.peak_bytes is not None
+            else f"peak memory: not kept by {self.platform} devices"
+        )
         if self.checkpoint is not None:
             out.append(f"checkpoints: {self.checkpoint}")
         out.extend(self.logs)
@@ -146,6 +153,7 @@ class Summary:
 
 
 def peak_bytes(device: Any) -> int | None:
-    """The most memory ``device`` has held (``memory_stats()['peak_bytes_in_use']``); None where it keeps no count (CPU)."""
+    """The most memory ``device`` has held (``memory_stats()['peak_bytes_in_use']``); None where it
+    keeps no count (CPU)."""
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     return None if not stats or "peak_bytes_in_use" not in stats else int(stats["peak_bytes_in_use"])

@@ -68,7 +68,9 @@ def profile_steps(spec: str, steps: int) -> tuple[int, int]:
     try:
         a, b = int(first), int(last if colon else first)
     except ValueError:
-        raise ConfigError(f"--profile-steps {spec!r}: expected A:B, the first and last step to trace (e.g. 5:7)") from None
+        raise ConfigError(
+            f"--profile-steps {spec!r}: expected A:B, the first and last step to trace (e.g. 5:7)"
+        ) from None
     if not 1 <= a <= b <= steps:
         raise ConfigError(f"--profile-steps {spec}: trace steps A to B with 1 <= A <= B <= --steps {steps}")
     return a, b

@@ -61,7 +61,9 @@ class Trainer:
             self._step, self.mesh, self.layout, self.backend, in_layouts=(stored, None), out_layouts=(stored, None),
             grad_reduce_dtype=self.grad_reduce_dtype, donate_argnums=(0,) if self.donate else (),
         )
-        self.evaluate = md.compile(self._evaluate, self.mesh, self.layout, self.backend, in_layouts=(stored, None, None))
+        self.evaluate = md.compile(
+            self._evaluate, self.mesh, self.layout, self.backend, in_layouts=(stored, None, None)
+        )
         """``evaluate(state, data, index)``: the mean loss of one batch, no update. ``data`` a key (the
         batch is ``model.batch(fold_in(data, index))``) or a batch (``index`` unused)."""
 
@@ -112,7 +114,9 @@ def check_accumulate(n: Any, is_pipelined: bool) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise md.ConfigError(f"--accumulate {n}: cut each step's batch into 1 or more microbatches (a whole number)")
     if n > 1 and is_pipelined:
-        raise md.ConfigError(f"--accumulate {n} with a pipelined layout: its microbatches already accumulate; pass --microbatches {n} instead")
+        raise md.ConfigError(
+            f"--accumulate {n} with a pipelined layout: its microbatches already accumulate; pass --microbatches {n} instead"
+        )
 
 
 def pipelined(model: Any, layout: md.Layout, config: PipelineConfig, backend: str = "spmd") -> bool:
