@@ -130,12 +130,15 @@ def _add_watch_flags(train: argparse.ArgumentParser) -> None:
     add("--eval-every", type=int, default=0, metavar="N",
         help="evaluate on held-out batches every N steps and after the last (default 0: never)")
     add("--eval-steps", type=int, default=10, metavar="K", help="batches each evaluation averages over (default 10)")
-    add("--log-every", type=int, default=10, metavar="N", help="off a terminal, print a line every N steps (default 10)")
+    add("--log-every", type=int, default=10, metavar="N",
+        help="off a terminal, print a line every N steps (default 10)")
     add("--tensorboard", default=None, metavar="DIR",
         help="write TensorBoard scalars (loss, eval loss, learning rate, ...) into DIR")
     add("--profile-steps", default=None, metavar="A:B", help="record a jax.profiler trace of steps A to B")
-    add("--profile-dir", default=None, metavar="DIR", help="where the trace goes (default: --tensorboard DIR, else ./profile)")
-    add("--allow-nan", action="store_true", help="train on past a NaN or infinite loss (default: stop, naming the step)")
+    add("--profile-dir", default=None, metavar="DIR",
+        help="where the trace goes (default: --tensorboard DIR, else ./profile)")
+    add("--allow-nan", action="store_true",
+        help="train on past a NaN or infinite loss (default: stop, naming the step)")
 
 
 def _overrides(items: Sequence[str]) -> dict[str, object]:

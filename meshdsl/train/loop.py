@@ -291,7 +291,8 @@ def _eval_batches(run: RunConfig, trainer: Trainer, tokens: TokenFile | None) ->
     tail.__dict__.update(tokens.__dict__, tokens=tokens.tokens[int(0.9 * len(tokens.tokens)):])
     if len(tail.tokens) < tokens.length + 2:
         raise ConfigError(
-            f"--eval-every: the last 10% of {run.data} ({len(tail.tokens)} tokens) holds no window of {tokens.length + 1}"
+            f"--eval-every: the last 10% of {run.data} ({len(tail.tokens)} tokens) "
+            f"holds no window of {tokens.length + 1}"
         )
     return lambda i: (tail.batch_at(i, trainer.mesh, trainer.layout), jnp.int32(0))
 
@@ -401,15 +402,16 @@ def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None,
             if flops is not None and peak is not None:
                 record.mfu = flops / seconds / (peak * mesh.size)
             if eval_fn is not None and ((step + 1) % run.eval_every == 0 or step + 1 == run.steps):
-                losses_of = (float(distributed.local_value(eval_fn(state, *eval_batch(i)))) for i in range(run.eval_steps))
-                record.eval_loss = sum(losses_of) / run.eval_steps
+                held_out = [eval_fn(state, *eval_batch(i)) for i in range(run.eval_steps)]
+                record.eval_loss = sum(float(distributed.local_value(x)) for x in held_out) / run.eval_steps
                 record.eval_perplexity = math.exp(min(record.eval_loss, 700.0)) if language else None
                 evals.append((step + 1, record.eval_loss))
             grad_norm = float(distributed.local_value(metrics["grad_norm"]))
             throughput = {f"{unit}_per_second": record.throughput}
             sinks.write(step + 1, {
                 "loss": loss, "seconds": seconds, "learning_rate": record.learning_rate, "grad_norm": grad_norm,
-                **throughput, "mfu": record.mfu, "eval_loss": record.eval_loss, "eval_perplexity": record.eval_perplexity,
+                **throughput, "mfu": record.mfu, "eval_loss": record.eval_loss,
+                "eval_perplexity": record.eval_perplexity,
             })
             progress.update(record)
             if traced:

@@ -115,7 +115,8 @@ def check_accumulate(n: Any, is_pipelined: bool) -> None:
         raise md.ConfigError(f"--accumulate {n}: cut each step's batch into 1 or more microbatches (a whole number)")
     if n > 1 and is_pipelined:
         raise md.ConfigError(
-            f"--accumulate {n} with a pipelined layout: its microbatches already accumulate; pass --microbatches {n} instead"
+            f"--accumulate {n} with a pipelined layout: its microbatches already accumulate; "
+            f"pass --microbatches {n} instead"
         )
 
 
