@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 import time
 from typing import Any, TextIO
 
@@ -54,7 +55,11 @@ class Progress:
         if self.live:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=first, file=out, unit="step", dynamic_ncols=True, leave=True)
+            # the terminal's size, 80 x 24 where it reports none (a pty of size 0 x 0, where tqdm draws nothing)
+            size = shutil.get_terminal_size()
+            self.bar = tqdm(
+                total=total, initial=first, file=out, unit="step", ncols=size.columns or 80, nrows=size.lines or 24, leave=True
+            )
 
     def note(self, line: str) -> None:
         """A message line (a saved checkpoint), printed above the bar on a terminal."""
