@@ -359,7 +359,7 @@ def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None,
     if examples is None:
         err.write(f"meshdsl train: note: model {run.model} has no examples_per_step(), so no throughput is shown\n")
     flops = model.flops_per_step() if hasattr(model, "flops_per_step") else None
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]  # memory_stats() answers only for this process's own devices
     peak = peak_flops(device.device_kind, getattr(model.config, "compute_dtype", None) or "float32")
     language = hasattr(model.config, "vocab")
     batch_of = (lambda step: data_key) if tokens is None else (lambda step: tokens.batch_at(step, mesh, layout))
@@ -368,8 +368,11 @@ def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None,
     out.write(f"compiling the train step{' and the eval step' if eval_batch else ''} ...\n")
     out.flush()
     began = time.perf_counter()
-    step_fn = trainer.step.lower(state, batch_of(first)).compile()
-    eval_fn = None if eval_batch is None else trainer.evaluate.lower(state, *eval_batch(0)).compile()
+    # Compiled ahead only to time it: the calls below find the executable in JAX's cache, and being
+    # jit calls they take host-local inputs (the data key) as every process's copy of one array.
+    trainer.step.lower(state, batch_of(first)).compile()
+    if eval_batch is not None:
+        trainer.evaluate.lower(state, *eval_batch(0)).compile()
     compile_seconds = time.perf_counter() - began
     out.write(f"compiled in {compile_seconds:.1f} s\n")
 
@@ -384,7 +387,7 @@ def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None,
             batch = batch_of(step)
             profiler.before(step + 1)
             start = time.perf_counter()
-            state, metrics = step_fn(state, batch)
+            state, metrics = trainer.step(state, batch)
             loss = float(distributed.local_value(metrics["loss"]))
             seconds = time.perf_counter() - start
             traced = profiler.after(step + 1, state)
@@ -401,8 +404,8 @@ def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None,
                 record.throughput = examples / seconds
             if flops is not None and peak is not None:
                 record.mfu = flops / seconds / (peak * mesh.size)
-            if eval_fn is not None and ((step + 1) % run.eval_every == 0 or step + 1 == run.steps):
-                held_out = [eval_fn(state, *eval_batch(i)) for i in range(run.eval_steps)]
+            if eval_batch is not None and ((step + 1) % run.eval_every == 0 or step + 1 == run.steps):
+                held_out = [trainer.evaluate(state, *eval_batch(i)) for i in range(run.eval_steps)]
                 record.eval_loss = sum(float(distributed.local_value(x)) for x in held_out) / run.eval_steps
                 record.eval_perplexity = math.exp(min(record.eval_loss, 700.0)) if language else None
                 evals.append((step + 1, record.eval_loss))

@@ -147,7 +147,7 @@ class Summary:
             (fs, fl), (bs, bl) = self.final_eval, self.best_eval
             out.append(f"eval loss: final {fl:.4f}{ppl(fl)} at step {fs}, best {bl:.4f}{ppl(bl)} at step {bs}")
         out.append(
-            f"peak memory: {memory(self.peak_bytes)} on device 0"
+            f"peak memory: {memory(self.peak_bytes)} on one device"
             if self.peak_bytes is not None
             else f"peak memory: not kept by {self.platform} devices"
         )
