@@ -297,6 +297,19 @@ def _eval_batches(run: RunConfig, trainer: Trainer, tokens: TokenFile | None) ->
     return lambda i: (tail.batch_at(i, trainer.mesh, trainer.layout), jnp.int32(0))
 
 
+def _evaluate(trainer: Trainer, state: Any, eval_batch: Callable[[int], tuple[Any, jax.Array]], count: int) -> float:
+    """The mean loss of held-out batches ``0 .. count - 1`` at ``state`` (all dispatched, then read)."""
+    held_out = [trainer.evaluate(state, *eval_batch(i)) for i in range(count)]
+    return sum(float(distributed.local_value(x)) for x in held_out) / count
+
+
+def _stop(loss: float, step: int, manager: md.checkpoint.CheckpointManager | None) -> None:
+    """TrainingError for a loss that is not finite at ``step``, naming the checkpoint left intact."""
+    kept = manager.latest() if manager is not None else None
+    where = f"the last checkpoint, {kept}, is intact" if kept is not None else "no checkpoint was saved"
+    raise TrainingError(f"loss is {loss} at step {step}: stopped ({where}); pass --allow-nan to train on")
+
+
 class _Profiler:
     """A ``jax.profiler`` trace of steps ``A..B`` (``--profile-steps A:B``) into a folder."""
 
@@ -394,19 +407,14 @@ def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None,
             losses.append(loss)
             times.append(seconds)
             if not math.isfinite(loss) and not run.allow_nan:
-                kept = manager.latest() if manager is not None else None
-                where = f"the last checkpoint, {kept}, is intact" if kept is not None else "no checkpoint was saved"
-                raise TrainingError(
-                    f"loss is {loss} at step {step + 1}: stopped ({where}); pass --allow-nan to train on"
-                )
+                _stop(loss, step + 1, manager)
             record = Step(step + 1, loss, seconds, trainer.optimizer.learning_rate_at(step))
             if examples is not None:
                 record.throughput = examples / seconds
             if flops is not None and peak is not None:
                 record.mfu = flops / seconds / (peak * mesh.size)
             if eval_batch is not None and ((step + 1) % run.eval_every == 0 or step + 1 == run.steps):
-                held_out = [trainer.evaluate(state, *eval_batch(i)) for i in range(run.eval_steps)]
-                record.eval_loss = sum(float(distributed.local_value(x)) for x in held_out) / run.eval_steps
+                record.eval_loss = _evaluate(trainer, state, eval_batch, run.eval_steps)
                 record.eval_perplexity = math.exp(min(record.eval_loss, 700.0)) if language else None
                 evals.append((step + 1, record.eval_loss))
             grad_norm = float(distributed.local_value(metrics["grad_norm"]))
