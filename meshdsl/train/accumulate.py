@@ -9,9 +9,9 @@ gradient taken there; a ``scan`` carries the running sums, so memory holds one
 microbatch's activations whatever ``n`` is.
 
 The result is the mean over microbatches of their losses and gradients. It equals the whole
-batch's loss and gradient when the loss is a mean over examples (every shipped model's loss but
-the MoE's load-balancing term) and the microbatches are the same size, which is why ``n`` must
-divide the rows every device holds.
+batch's loss and gradient when the loss is a mean over examples whose terms do not depend on the
+batch's other examples (a statistic over the whole batch would be taken per microbatch instead)
+and the microbatches are the same size, which is why ``n`` must divide the rows every device holds.
 """
 
 from __future__ import annotations
