@@ -15,7 +15,6 @@ A flag given on the command line wins over the table; what neither sets takes :d
 
 from __future__ import annotations
 
-import math
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -75,8 +74,3 @@ def profile_steps(spec: str, steps: int) -> tuple[int, int]:
         raise ConfigError(f"--profile-steps {spec}: trace steps A to B with 1 <= A <= B <= --steps {steps}")
     return a, b
 
-
-def finite(value: float | None, flag: str) -> None:
-    """ConfigError naming ``flag`` for a NaN or infinite number."""
-    if value is not None and not math.isfinite(value):
-        raise ConfigError(f"{flag} {value}: must be a finite number")
