@@ -73,4 +73,3 @@ def profile_steps(spec: str, steps: int) -> tuple[int, int]:
     if not 1 <= a <= b <= steps:
         raise ConfigError(f"--profile-steps {spec}: trace steps A to B with 1 <= A <= B <= --steps {steps}")
     return a, b
-
