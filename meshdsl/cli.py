@@ -132,6 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches per step (default: the layout's [pipeline], else 1)")
     train.add_argument("--schedule", default=None, choices=["gpipe", "1f1b"], help="pipeline schedule (default: the layout's [pipeline], else 1f1b)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir (any mesh, layout or device count)")
+    _add_watch_flags(train)
 
     bench = sub.add_parser("bench", help="compare layouts: step time, throughput, memory and communication")
     bench.add_argument("--model", nargs="+", default=["transformer"], help="models to benchmark, each " + MODEL_HELP)
@@ -163,6 +164,32 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--devices-per-process", type=int, default=None, metavar="D", help="simulated CPU devices in each (default 8 // N)")
     launch.add_argument("run", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- train --preset tiny")
     return parser
+
+
+def _add_watch_flags(train: argparse.ArgumentParser) -> None:
+    """``train``'s flags for the learning-rate schedule, accumulation, evaluation, logs and traces."""
+    table = " (default: the layout file's [train] table, else %s)"
+    add = train.add_argument
+    add("--lr-schedule", default=None, choices=["constant", "cosine", "linear", "wsd"],
+        help="learning-rate schedule" + table % "constant")
+    add("--warmup-steps", type=int, default=None, metavar="N",
+        help="rise linearly from 0 to the learning rate over N steps" + table % "0")
+    add("--min-lr-ratio", type=float, default=None, metavar="R",
+        help="cosine/linear/wsd end at R x the learning rate" + table % "0")
+    add("--accumulate", type=int, default=None, metavar="N",
+        help="cut each step's batch into N microbatches (gradient accumulation)" + table % "1")
+    add("--eval-every", type=int, default=0, metavar="N",
+        help="evaluate on held-out batches every N steps and after the last (default 0: never)")
+    add("--eval-steps", type=int, default=10, metavar="K", help="batches each evaluation averages over (default 10)")
+    add("--log-every", type=int, default=10, metavar="N",
+        help="off a terminal, print a line every N steps (default 10)")
+    add("--tensorboard", default=None, metavar="DIR",
+        help="write TensorBoard scalars (loss, eval loss, learning rate, ...) into DIR")
+    add("--profile-steps", default=None, metavar="A:B", help="record a jax.profiler trace of steps A to B")
+    add("--profile-dir", default=None, metavar="DIR",
+        help="where the trace goes (default: --tensorboard DIR, else ./profile)")
+    add("--allow-nan", action="store_true",
+        help="train on past a NaN or infinite loss (default: stop, naming the step)")
 
 
 def _overrides(items: Sequence[str]) -> dict[str, object]:
@@ -223,6 +250,10 @@ def _config(args: argparse.Namespace) -> object:
             compute_dtype=args.compute_dtype, remat=args.remat, grad_reduce_dtype=args.grad_reduce_dtype,
             log_json=args.log_json, checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, keep=args.keep,
             resume=args.resume, microbatches=args.microbatches, schedule=args.schedule,
+            lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
+            accumulate=args.accumulate, eval_every=args.eval_every, eval_steps=args.eval_steps,
+            log_every=args.log_every, tensorboard=args.tensorboard, profile_steps=args.profile_steps,
+            profile_dir=args.profile_dir, allow_nan=args.allow_nan,
         )
     if args.command == "bench":
         from meshdsl.bench.run import BenchConfig

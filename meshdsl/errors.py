@@ -38,3 +38,7 @@ class ModelError(ConfigError):
 class WriteError(MeshDslError):
     """An output that could not be written once the work had started (disk full, a read-only disk,
     a file size limit): the message names the file, the cause and what is intact."""
+
+
+class TrainingError(MeshDslError):
+    """A training run that cannot go on: a loss that is NaN or infinite (``--allow-nan`` trains on)."""

@@ -137,10 +137,11 @@ class Layout:
             data = tomllib.loads(path.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise LayoutError(f"layout file {str(path)!r} is not valid TOML: {e}") from None
-        unknown = set(data) - {"mesh", "rules", "params", "pipeline", "description"}
+        # [train]: settings for meshdsl train (meshdsl.train.settings reads it), not part of the layout
+        unknown = set(data) - {"mesh", "rules", "params", "pipeline", "train", "description"}
         if unknown:
-            raise LayoutError(f"layout file {str(path)!r}: unknown table(s) {sorted(unknown)}; expected [mesh], [rules], [params], [pipeline]")
-        for table in ("mesh", "rules", "params", "pipeline"):
+            raise LayoutError(f"layout file {str(path)!r}: unknown table(s) {sorted(unknown)}; expected [mesh], [rules], [params], [pipeline], [train]")
+        for table in ("mesh", "rules", "params", "pipeline", "train"):
             if not isinstance(data.get(table, {}), dict):
                 raise LayoutError(f"layout file {str(path)!r}: [{table}] must be a table")
         for axis, size in data.get("mesh", {}).items():

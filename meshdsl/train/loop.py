@@ -9,19 +9,22 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 import jax
+import jax.numpy as jnp
 
 import meshdsl as md
-from meshdsl.bench.timing import compile_checked
 from meshdsl import distributed, models, outputs
-from meshdsl.errors import ConfigError
+from meshdsl.bench.peaks import peak_flops
+from meshdsl.bench.timing import compile_checked
+from meshdsl.errors import ConfigError, TrainingError
 from meshdsl.model_loader import build_model, load_module
-from meshdsl.train import optim
+from meshdsl.train import logs, optim, settings
 from meshdsl.train.data import EVAL_FRACTION, TokenFile
+from meshdsl.train.progress import Progress, Step, Summary, peak_bytes
 from meshdsl.train.rules import LAYOUTS, is_shipped, split_warnings, unused_rules
-from meshdsl.train.step import Trainer, pipelined
+from meshdsl.train.step import Trainer, check_accumulate, pipelined
 from meshdsl.train.token_batch import token_batch_of
 
 
@@ -53,6 +56,27 @@ class RunConfig:
     resume: bool = False
     microbatches: int | None = None
     schedule: str | None = None
+    lr_schedule: str | None = None
+    """constant, cosine, linear or wsd (:func:`meshdsl.train.optim.schedule`); None: the layout's
+    ``[train]`` table, else constant. So for ``warmup_steps``, ``min_lr_ratio``, ``accumulate`` and
+    ``learning_rate`` (see :mod:`meshdsl.train.settings`)."""
+    warmup_steps: int | None = None
+    min_lr_ratio: float | None = None
+    accumulate: int | None = None
+    """Microbatches each step's batch is cut into (gradient accumulation)."""
+    eval_every: int = 0
+    """Evaluate every N steps and after the last (0: never)."""
+    eval_steps: int = 10
+    """Batches each evaluation averages the loss over."""
+    log_every: int = 10
+    """Off a terminal, print a line every N steps (and the first, the last and each evaluation)."""
+    tensorboard: str | None = None
+    profile_steps: str | None = None
+    """``"A:B"``: record a ``jax.profiler`` trace of steps A to B into ``profile_dir``."""
+    profile_dir: str | None = None
+    """Where the trace goes (None: ``tensorboard`` when given, else ``profile``)."""
+    allow_nan: bool = False
+    """Train on past a NaN or infinite loss instead of stopping."""
 
 
 def layout_path(spec: str) -> Path | None:
@@ -90,15 +114,30 @@ def _model(run: RunConfig) -> Any:
     return build_model(run.model, run.preset, **run.overrides, **{k: v for k, v in flags.items() if v is not None})
 
 
+def resolved(run: RunConfig) -> RunConfig:
+    """``run`` with the settings its flags leave None taken from its layout's ``[train]`` table, else the defaults."""
+    table = settings.train_table(layout_path(run.layout))
+    fields = {k: getattr(run, k) for k in settings.KEYS}
+    chosen = {k: v if v is not None else table.get(k, settings.DEFAULTS.get(k)) for k, v in fields.items()}
+    return dataclasses.replace(run, **chosen)
+
+
 def _optimizer(run: RunConfig) -> optim.Optimizer:
     kwargs = {} if run.learning_rate is None else {"learning_rate": run.learning_rate}
-    return optim.make(run.optimizer, **kwargs)
+    multiplier = optim.schedule(run.lr_schedule, run.steps, run.warmup_steps, run.min_lr_ratio)
+    # a constant rate without warmup stays a number: the very program (and losses) of a run without a schedule
+    steady = run.lr_schedule == "constant" and not run.warmup_steps
+    return optim.make(run.optimizer, None if steady else multiplier, **kwargs)
 
 
 def build_trainer(run: RunConfig, mesh: md.Mesh | None = None) -> Trainer:
+    """The trainer ``run`` asks for (``run`` as :func:`resolved` gives it)."""
     layout = load_layout(run.layout)
     pipeline = layout.pipeline.replace(run.microbatches, run.schedule)
-    return Trainer(_model(run), _optimizer(run), mesh or layout.mesh(), layout, run.backend, run.grad_reduce_dtype, pipeline=pipeline)
+    return Trainer(
+        _model(run), _optimizer(run), mesh or layout.mesh(), layout, run.backend, run.grad_reduce_dtype,
+        pipeline=pipeline, accumulate=run.accumulate, metrics=True,
+    )
 
 
 def token_file(run: RunConfig, model: Any) -> TokenFile:
@@ -120,32 +159,48 @@ def token_file(run: RunConfig, model: Any) -> TokenFile:
 def check(run: RunConfig) -> None:
     """Raise the md error for each mistake in ``run`` that shows before any device is used.
 
-    Checked: the step count and learning rate, model, preset, optimizer, layout (file and
-    pipeline), the token file, and that the checkpoint dir and ``log_json`` can be written.
-    Nothing is compiled, created or changed, so a mistake costs no work and loses no file.
+    Checked: the step count and learning rate, the schedule (also from the layout's ``[train]``),
+    accumulation, evaluation, logging and profiling flags, model, preset, optimizer, layout (file
+    and pipeline), the token file, and that the checkpoint dir, ``log_json`` (and its PNG),
+    ``tensorboard`` and the profile folder can be written. Nothing is compiled, created or
+    changed, so a mistake costs no work and loses no file.
     """
     if run.steps < 1:
         raise ConfigError(f"--steps {run.steps}: train at least 1 step")
+    layout = load_layout(run.layout)
+    run = resolved(run)
     lr = run.learning_rate
     if lr is not None and not (math.isfinite(lr) and lr > 0):
         raise ConfigError(f"--learning-rate {lr}: the learning rate must be a positive, finite number")
     if (run.resume or run.save_every) and run.checkpoint_dir is None:
         raise ConfigError("--resume and --save-every need --checkpoint-dir")
+    settings.positive(run.eval_every, "--eval-every", "the steps between evaluations (0: none)", zero=True)
+    settings.positive(run.eval_steps, "--eval-steps", "the batches an evaluation averages over")
+    settings.positive(run.log_every, "--log-every", "the steps between printed lines")
     model = _model(run)
     _optimizer(run)
-    layout = load_layout(run.layout)
-    pipelined(model, layout, layout.pipeline.replace(run.microbatches, run.schedule), run.backend)
+    pipeline = layout.pipeline.replace(run.microbatches, run.schedule)
+    check_accumulate(run.accumulate, pipelined(model, layout, pipeline, run.backend))
     if run.data is not None:
         token_file(run, model)
     if run.checkpoint_dir is not None:
         md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
         outputs.check_dir(run.checkpoint_dir, "--checkpoint-dir")
-    if run.log_json is not None:
-        outputs.check_file(run.log_json, "--log-json")
+    logs.check(run.log_json, run.tensorboard)
     model_file = run.model if run.model.endswith(".py") else None
     inputs = {"--data": run.data, "--layout": layout_path(run.layout), "--model": model_file}
-    outputs.check_not_input(run.log_json, "--log-json", inputs)
-    outputs.check_not_input(run.checkpoint_dir, "--checkpoint-dir", inputs)
+    for flag, path in (("--log-json", run.log_json), ("--tensorboard", run.tensorboard),
+                       ("--checkpoint-dir", run.checkpoint_dir)):
+        outputs.check_not_input(path, flag, inputs)
+    if run.profile_steps is not None:
+        settings.profile_steps(run.profile_steps, run.steps)
+        outputs.check_dir(_profile_dir(run), "--profile-dir")
+    elif run.profile_dir is not None:
+        raise ConfigError("--profile-dir needs --profile-steps A:B (the steps to trace)")
+
+
+def _profile_dir(run: RunConfig) -> str:
+    return run.profile_dir or run.tensorboard or "profile"
 
 
 def rule_warnings(spec: str, layout: md.Layout, name: str, model: Any) -> list[str]:
@@ -154,51 +209,20 @@ def rule_warnings(spec: str, layout: md.Layout, name: str, model: Any) -> list[s
     return [] if is_shipped(layout_path(spec)) else unused_rules(layout, model, name)
 
 
-class Progress:
-    """One status line: step, a bar, loss, step time and examples (tokens) per second.
-
-    With ``log_json``, also every step as a line ``{"step", "loss", "seconds"}`` in that file.
-    """
-
-    def __init__(self, total: int, unit: str, out: TextIO, log_json: str | None = None):
-        self.total, self.unit, self.out = total, unit, out
-        self.live = out.isatty()
-        self.path = log_json
-        try:
-            self.log = open(outputs.parent(log_json), "w") if log_json is not None else None
-        except OSError as e:
-            raise ConfigError(f"--log-json {log_json}: cannot write it: {e.strerror}") from None
-
-    def update(self, step: int, loss: float, seconds: float, examples: int | None) -> None:
-        """Show step ``step``; ``examples`` None (a model without ``examples_per_step``): no throughput."""
-        done = int(20 * step / self.total)
-        line = (
-            f"step {step:>{len(str(self.total))}}/{self.total} [{'#' * done}{'.' * (20 - done)}] "
-            f"loss {loss:.4f}  step {seconds * 1e3:7.1f} ms"
-        ) + ("" if examples is None else f"  {examples / seconds:,.0f} {self.unit}/s")
-        if self.live:
-            self.out.write("\r" + line)
-            if step == self.total:
-                self.out.write("\n")
-        elif step == 1 or step == self.total or step % max(1, self.total // 20) == 0:
-            self.out.write(line + "\n")
-        self.out.flush()
-        if self.log:
-            intact = "the lines of the steps before it are in it"
-            with outputs.writing(f"--log-json {self.path!r} at step {step}", intact):
-                self.log.write(json.dumps({"step": step, "loss": loss, "seconds": seconds}) + "\n")
-                self.log.flush()
-
-    def close(self) -> None:
-        if self.log:
-            self.log.close()
-
-
 def _run_metadata(run: RunConfig, model: Any) -> dict[str, Any]:
     """What a checkpoint records about the run beside its state: model, config, optimizer, seed, data."""
     config = json.loads(json.dumps(dataclasses.asdict(model.config)))
     return {"model": run.model, "preset": run.preset, "config": config, "optimizer": run.optimizer,
-            "learning_rate": run.learning_rate, "seed": run.seed, "data": run.data, "layout": run.layout}
+            "learning_rate": run.learning_rate, "seed": run.seed, "data": run.data, "layout": run.layout,
+            "lr_schedule": _schedule_of(run)}
+
+
+def _schedule_of(run: RunConfig) -> dict[str, Any]:
+    """What fixes the learning rate of every step: the schedule, its warmup, final ratio and (for a
+    decaying one) length."""
+    decays = run.lr_schedule != "constant"
+    return {"kind": run.lr_schedule, "warmup_steps": run.warmup_steps,
+            "min_lr_ratio": run.min_lr_ratio if decays else None, "steps": run.steps if decays else None}
 
 
 def _check_resumable(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -> None:
@@ -216,6 +240,14 @@ def _check_resumable(path: Path, saved: dict[str, Any], mine: dict[str, Any]) ->
     diffs = [f"{k}={config.get(k)!r} (this run: {v!r})" for k, v in mine["config"].items() if k != "remat" and config.get(k) != v]
     if diffs:
         raise ConfigError(f"checkpoint {path} was saved with a different {mine['model']} config: {', '.join(diffs)}")
+    theirs = saved.get("lr_schedule")
+    if theirs is not None and theirs != mine["lr_schedule"]:
+        said = lambda s: ", ".join(f"{k} {v}" for k, v in s.items() if v is not None)  # noqa: E731
+        raise ConfigError(
+            f"checkpoint {path} was trained under learning-rate schedule {said(theirs)}; this run asks for "
+            f"{said(mine['lr_schedule'])}, so the learning rate would not continue as it was: "
+            f"pass the same schedule flags"
+        )
 
 
 def _start(run: RunConfig, trainer: Trainer, manager: md.checkpoint.CheckpointManager | None, out: TextIO) -> tuple[Any, jax.Array, int]:
@@ -252,26 +284,98 @@ def _check_data(found: Path, tokens: TokenFile | None, step: int) -> None:
         tokens.check_state(saved, step, str(found))
 
 
-def _save(manager: md.checkpoint.CheckpointManager, step: int, state: Any, data_key: jax.Array, metadata: dict[str, Any], out: TextIO) -> None:
-    """Save the state and data key as ``step_<step>`` and print one line."""
+def _save(
+    manager: md.checkpoint.CheckpointManager, step: int, state: Any, data_key: jax.Array, metadata: dict[str, Any]
+) -> str:
+    """Save the state and data key as ``step_<step>``; the line that says so."""
     start = time.perf_counter()
     path = manager.save(step, {**state, "data_key": data_key}, metadata)
     size = sum(a.nbytes for a in jax.tree_util.tree_leaves(state)) / 2**20
-    out.write(f"saved checkpoint {path} ({size:.1f} MiB in {time.perf_counter() - start:.2f} s)\n")
+    return f"saved checkpoint {path} ({size:.1f} MiB in {time.perf_counter() - start:.2f} s)"
+
+
+def _header(run: RunConfig, mesh: md.Mesh, layout: md.Layout) -> str:
+    """The first line: model, preset, mesh, platform, the layout's rules and (when it has them) its
+    parameter rules, then a schedule or accumulation other than the default."""
+    params = "" if layout.params is None else f"; parameters stored under {layout.params}"
+    extra = []
+    if run.lr_schedule != "constant" or run.warmup_steps:
+        warmup = f", {run.warmup_steps} warmup steps" if run.warmup_steps else ""
+        extra.append(f"{run.lr_schedule} learning rate{warmup}")
+    if run.accumulate > 1:
+        extra.append(f"{run.accumulate} microbatches a step")
+    shown = f" ({'; '.join(extra)})" if extra else ""
+    where = f"on mesh {mesh} ({jax.devices()[0].platform})"
+    return f"meshdsl train: {run.model} {run.preset} {where} under {layout}{params}{shown}\n"
+
+
+def _eval_batches(run: RunConfig, trainer: Trainer, tokens: TokenFile | None) -> Callable[[int], tuple[Any, jax.Array]]:
+    """Eval batch ``i``'s ``(data, index)`` for ``trainer.evaluate``: the synthetic task's batch from a key
+    stream of its own (``fold_in(seed key, 2)``, never a training batch's), or the token file's held-out batch."""
+    if tokens is None:
+        key = jax.random.key_data(jax.random.fold_in(jax.random.key(run.seed), 2))
+        return lambda i: (key, jnp.int32(i))
+    return lambda i: (tokens.eval_batch_at(i, trainer.mesh, trainer.layout), jnp.int32(0))
+
+
+def _evaluate(trainer: Trainer, state: Any, eval_batch: Callable[[int], tuple[Any, jax.Array]], count: int) -> float:
+    """The mean loss of held-out batches ``0 .. count - 1`` at ``state`` (all dispatched, then read)."""
+    held_out = [trainer.evaluate(state, *eval_batch(i)) for i in range(count)]
+    return sum(float(distributed.local_value(x)) for x in held_out) / count
+
+
+def _stop(loss: float, step: int, manager: md.checkpoint.CheckpointManager | None) -> None:
+    """TrainingError for a loss that is not finite at ``step``, naming the checkpoint left intact."""
+    kept = manager.latest() if manager is not None else None
+    where = f"the last checkpoint, {kept}, is intact" if kept is not None else "no checkpoint was saved"
+    raise TrainingError(f"loss is {loss} at step {step}: stopped ({where}); pass --allow-nan to train on")
+
+
+class _Profiler:
+    """A ``jax.profiler`` trace of steps ``A..B`` (``--profile-steps A:B``) into a folder."""
+
+    def __init__(self, spec: str | None, steps: int, folder: str):
+        self.span = None if spec is None else settings.profile_steps(spec, steps)
+        self.folder, self.on = folder, False
+
+    def before(self, step: int) -> None:
+        if self.span is not None and step == self.span[0]:
+            jax.profiler.start_trace(self.folder)
+            self.on = True
+
+    def after(self, step: int, result: Any) -> str | None:
+        """Stop after the last traced step (once its result is ready); the line that says where the trace is."""
+        if not self.on or step != self.span[1]:
+            return None
+        jax.block_until_ready(result)
+        jax.profiler.stop_trace()
+        self.on = False
+        steps = f"{self.span[0]}-{self.span[1]}"
+        return f"profiled steps {steps} into {self.folder} (open with TensorBoard's profile tab or Perfetto)"
+
+    def stop(self) -> None:
+        if self.on:
+            jax.profiler.stop_trace()
+            self.on = False
 
 
 def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None, err: TextIO = sys.stderr) -> list[float]:
     """Train as ``run`` says and return the loss of every step it ran.
 
-    In a multi-process run only process 0 writes to ``out`` and ``run.log_json``. ``mesh``
-    overrides the layout file's mesh. With ``run.checkpoint_dir`` it saves ``step_<N>`` every
+    In a multi-process run only process 0 writes to ``out``, ``run.log_json`` and ``run.tensorboard``.
+    ``mesh`` overrides the layout file's mesh. The step (and the eval step) is compiled ahead and the
+    time reported apart from the step times. With ``run.checkpoint_dir`` it saves ``step_<N>`` every
     ``run.save_every`` steps and after the last; with ``run.resume`` it continues from the latest
-    checkpoint there, so the losses returned are those of steps ``run.steps - len(losses) + 1``
-    to ``run.steps``. Mistakes in ``run`` raise before anything is compiled (:func:`check`);
-    rules of the layout that name no dim of the model are warned about on ``err``. The checkpoint
-    dir is locked for the run (a second run on it is a ConfigError before anything is built).
+    checkpoint there, so the losses returned are those of steps ``run.steps - len(losses) + 1`` to
+    ``run.steps``. A NaN or infinite loss raises TrainingError naming the step (nothing of that step
+    is saved) unless ``run.allow_nan``. Mistakes in ``run`` raise before anything is compiled
+    (:func:`check`); rules of the layout that name no dim of the model are warned about on ``err``.
+    The checkpoint dir is locked for the run (a second run on it is a ConfigError before anything is
+    built). A step that needs more memory than a device has is a ConfigError before any state is made
+    (:mod:`meshdsl.bench.fits`).
     """
     check(run)
+    run = resolved(run)
     if run.checkpoint_dir is None:
         return _train(run, out, mesh, err, None)
     manager = md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
@@ -288,7 +392,8 @@ def _train(
     run: RunConfig, out: TextIO, mesh: md.Mesh | None, err: TextIO, manager: md.checkpoint.CheckpointManager | None
 ) -> list[float]:
     """:func:`train` after its checks, with the checkpoint dir (if any) locked."""
-    if not distributed.is_primary():
+    primary = distributed.is_primary()
+    if not primary:
         out = err = io.StringIO()
     trainer = build_trainer(run, mesh)
     model, mesh, layout = trainer.model, trainer.mesh, trainer.layout
@@ -296,9 +401,16 @@ def _train(
     for warning in [*warnings, *split_warnings(layout, mesh, model, run.model, warned=bool(warnings))]:
         err.write(f"meshdsl train: warning: {warning}\n")
     tokens = None if run.data is None else token_file(run, model)
-    out.write(f"meshdsl train: {run.model} {run.preset} on mesh {mesh} ({jax.devices()[0].platform}) under {layout}\n")
+    out.write(_header(run, mesh, layout))
+    eval_batch = _eval_batches(run, trainer, tokens) if run.eval_every else None
+    out.write(f"compiling the train step{' and the eval step' if eval_batch else ''} ...\n")
+    out.flush()
+    began = time.perf_counter()
+    # Compiled ahead to check its memory (before any state exists) and to time it; the jit calls below
+    # find the executable in JAX's cache and, being jit calls, take host-local inputs (the data key)
+    # as every process's copy of one array.
     like = jax.random.key_data(jax.random.key(run.seed)) if tokens is None else tokens.batch_at(0, mesh, layout)
-    step_fn = compile_checked(trainer, like, f"a training step of {run.model} {run.preset} under {run.layout}")
+    compile_checked(trainer, like, f"a training step of {run.model} {run.preset} under {run.layout}")
     state, data_key, first = _start(run, trainer, manager, out)
     if first:
         _check_data(manager.latest(), tokens, first)
@@ -310,16 +422,70 @@ def _train(
     examples = model.examples_per_step() if hasattr(model, "examples_per_step") else None
     if examples is None:
         err.write(f"meshdsl train: note: model {run.model} has no examples_per_step(), so no throughput is shown\n")
-    progress = Progress(run.steps, unit, out, run.log_json if distributed.is_primary() else None)
-    losses = []
-    for step in range(first, run.steps):
-        batch = data_key if tokens is None else tokens.batch_at(step, mesh, layout)
-        start = time.perf_counter()
-        state, loss = step_fn(state, batch)
-        losses.append(float(distributed.local_value(loss)))
-        progress.update(step + 1, losses[-1], time.perf_counter() - start, examples)
-        if manager is not None and (manager.due(step + 1) or step + 1 == run.steps):
-            data_state = {} if tokens is None else {"data_state": tokens.state(step + 1)}
-            _save(manager, step + 1, state, data_key, {**metadata, **data_state}, out)
-    progress.close()
+    flops = model.flops_per_step() if hasattr(model, "flops_per_step") else None
+    device = jax.local_devices()[0]  # memory_stats() answers only for this process's own devices
+    peak = peak_flops(device.device_kind, getattr(model.config, "compute_dtype", None) or "float32")
+    language = hasattr(model.config, "vocab")
+    batch_of = (lambda step: data_key) if tokens is None else (lambda step: tokens.batch_at(step, mesh, layout))
+    if eval_batch is not None:
+        trainer.evaluate.lower(state, *eval_batch(0)).compile()
+    compile_seconds = time.perf_counter() - began
+    out.write(f"compiled in {compile_seconds:.1f} s\n")
+
+    sinks = logs.Logs(run.log_json if primary else None, run.tensorboard if primary else None)
+    progress = Progress(first, run.steps, unit, out, run.log_every)
+    profiler = _Profiler(run.profile_steps, run.steps, _profile_dir(run))
+    losses: list[float] = []
+    times: list[float] = []
+    evals: list[tuple[int, float]] = []
+    try:
+        for step in range(first, run.steps):
+            batch = batch_of(step)
+            profiler.before(step + 1)
+            start = time.perf_counter()
+            state, metrics = trainer.step(state, batch)
+            loss = float(distributed.local_value(metrics["loss"]))
+            seconds = time.perf_counter() - start
+            traced = profiler.after(step + 1, state)
+            losses.append(loss)
+            times.append(seconds)
+            if not math.isfinite(loss) and not run.allow_nan:
+                _stop(loss, step + 1, manager)
+            record = Step(step + 1, loss, seconds, trainer.optimizer.learning_rate_at(step))
+            if examples is not None:
+                record.throughput = examples / seconds
+            if flops is not None and peak is not None:
+                record.mfu = flops / seconds / (peak * mesh.size)
+            if eval_batch is not None and ((step + 1) % run.eval_every == 0 or step + 1 == run.steps):
+                record.eval_loss = _evaluate(trainer, state, eval_batch, run.eval_steps)
+                record.eval_perplexity = math.exp(min(record.eval_loss, 700.0)) if language else None
+                evals.append((step + 1, record.eval_loss))
+            grad_norm = float(distributed.local_value(metrics["grad_norm"]))
+            throughput = {f"{unit}_per_second": record.throughput}
+            sinks.write(step + 1, {
+                "loss": loss, "seconds": seconds, "learning_rate": record.learning_rate, "grad_norm": grad_norm,
+                **throughput, "mfu": record.mfu, "eval_loss": record.eval_loss,
+                "eval_perplexity": record.eval_perplexity,
+            })
+            progress.update(record)
+            if traced:
+                progress.note(traced)
+            if manager is not None and (manager.due(step + 1) or step + 1 == run.steps):
+                data_state = {} if tokens is None else {"data_state": tokens.state(step + 1)}
+                progress.note(_save(manager, step + 1, state, data_key, {**metadata, **data_state}))
+    finally:
+        profiler.stop()
+        progress.close()
+        picture = sinks.close()
+    written = [f"log: {run.log_json}" + ("" if picture is None else f", loss curve {picture}")] if run.log_json else []
+    if run.tensorboard:
+        written.append(f"TensorBoard: {run.tensorboard} (tensorboard --logdir {run.tensorboard})")
+    summary = Summary(
+        steps=len(losses), seconds=time.perf_counter() - began, compile_seconds=compile_seconds, step_seconds=times,
+        unit=unit, per_step=examples, final_eval=evals[-1] if evals else None,
+        best_eval=min(evals, key=lambda e: e[1]) if evals else None,
+        perplexity=language, peak_bytes=peak_bytes(device), platform=device.platform,
+        checkpoint=None if manager is None else f"{run.checkpoint_dir} (latest {manager.latest()})", logs=written,
+    )
+    out.write("\n".join(summary.lines()) + "\n")
     return losses

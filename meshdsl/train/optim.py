@@ -13,7 +13,9 @@ An optimizer has ``init(params) -> state`` and ``update(grads, state, params, st
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+import inspect
+import math
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +27,11 @@ from meshdsl.errors import ConfigError
 from meshdsl.dims import Dim
 
 Params = Any
+LearningRate = float | Callable[[Any], Any]
+"""A learning rate: a number, or a function of the step (counted from 0), as optax takes it."""
+SCHEDULES = ("constant", "cosine", "linear", "wsd")
+WSD_DECAY_FRACTION = 0.2
+"""``wsd`` decays over this fraction of the steps after warmup (at least one step), at the end."""
 
 
 def _tensors(tree: Any) -> list[md.Tensor]:
@@ -53,10 +60,52 @@ def clip_by_global_norm(tree: Any, max_norm: float) -> Any:
     return jax.tree_util.tree_map(lambda t: md.cast(t * scale, t.dtype) if is_tensor(t) else t, tree, is_leaf=is_tensor)
 
 
+def schedule(kind: str, steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.0) -> Callable[[Any], Any]:
+    """The learning-rate multiplier of step ``count`` (from 0): an optax schedule from 0 to 1 and back
+    to ``min_lr_ratio``.
+
+    Every kind first rises linearly from 0 to 1 over ``warmup_steps`` (step 0 has multiplier 0, as
+    optax's warmup schedules), then: ``constant`` stays at 1; ``cosine`` follows a half cosine to
+    ``min_lr_ratio`` at ``steps``; ``linear`` falls linearly to it; ``wsd`` (warmup, stable, decay)
+    stays at 1 and falls linearly to it over the last :data:`WSD_DECAY_FRACTION` of the steps after
+    warmup. ConfigError (naming the flag) for an unknown kind, a warmup not in ``[0, steps)``, or a
+    ratio outside ``[0, 1]``.
+    """
+    if kind not in SCHEDULES:
+        raise ConfigError(f"--lr-schedule {kind!r}: choose one of {', '.join(SCHEDULES)}")
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or not 0 <= warmup_steps < steps:
+        raise ConfigError(f"--warmup-steps {warmup_steps}: warm up over 0 to {steps - 1} steps (the run has {steps})")
+    if not (isinstance(min_lr_ratio, (int, float)) and math.isfinite(min_lr_ratio) and 0 <= min_lr_ratio <= 1):
+        raise ConfigError(
+            f"--min-lr-ratio {min_lr_ratio}: the final learning rate is a fraction of the peak, from 0 to 1"
+        )
+    w, end = warmup_steps, float(min_lr_ratio)
+    if kind == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, 1.0, w, steps, end)
+    rise = optax.linear_schedule(0.0, 1.0, w)
+    if kind == "constant":
+        return optax.join_schedules([rise, optax.constant_schedule(1.0)], [w])
+    if kind == "linear":
+        return optax.join_schedules([rise, optax.linear_schedule(1.0, end, steps - w)], [w])
+    decay = max(1, round(WSD_DECAY_FRACTION * (steps - w)))
+    stable = steps - decay
+    parts = [rise, optax.constant_schedule(1.0), optax.linear_schedule(1.0, end, decay)]
+    return optax.join_schedules(parts, [w, stable])
+
+
+def scaled(learning_rate: float, multiplier: Callable[[Any], Any] | None) -> LearningRate:
+    """``learning_rate`` times ``multiplier(step)`` (a :func:`schedule`); ``learning_rate`` itself without one."""
+    return learning_rate if multiplier is None else (lambda count: learning_rate * multiplier(count))
+
+
 class Optimizer(Protocol):
     def init(self, params: Params) -> Any: ...
 
     def update(self, grads: Params, state: Any, params: Params, step: jax.Array) -> tuple[Params, Any]: ...
+
+    def learning_rate_at(self, step: int) -> float:
+        """The learning rate the update of step ``step`` (from 0) uses."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +114,12 @@ class OptaxOptimizer:
 
     transform: optax.GradientTransformation
     clip_norm: float | None = None
+    learning_rate: LearningRate | None = None
+    """What ``transform`` was built with (for :meth:`learning_rate_at`); optax counts its steps in its state."""
+
+    def learning_rate_at(self, step: int) -> float:
+        lr = self.learning_rate
+        return float(lr(step)) if callable(lr) else float("nan") if lr is None else float(lr)
 
     def init(self, params: Params) -> Any:
         return self.transform.init(params)
@@ -76,17 +131,20 @@ class OptaxOptimizer:
         return optax.apply_updates(params, updates), state
 
 
-def sgd(learning_rate: float = 0.1, momentum: float | None = None, clip_norm: float | None = None) -> OptaxOptimizer:
-    """Stochastic gradient descent (optax.sgd)."""
-    return OptaxOptimizer(optax.sgd(learning_rate, momentum), clip_norm)
+def sgd(
+    learning_rate: LearningRate = 0.1, momentum: float | None = None, clip_norm: float | None = None
+) -> OptaxOptimizer:
+    """Stochastic gradient descent (optax.sgd); ``learning_rate`` a number or a function of the step."""
+    return OptaxOptimizer(optax.sgd(learning_rate, momentum), clip_norm, learning_rate)
 
 
 def adamw(
-    learning_rate: float = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+    learning_rate: LearningRate = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     weight_decay: float = 1e-4, clip_norm: float | None = 1.0,
 ) -> OptaxOptimizer:
-    """AdamW (optax.adamw), with global-norm clipping by default."""
-    return OptaxOptimizer(optax.adamw(learning_rate, b1, b2, eps, weight_decay=weight_decay), clip_norm)
+    """AdamW (optax.adamw), with global-norm clipping by default; ``learning_rate`` a number or a
+    function of the step."""
+    return OptaxOptimizer(optax.adamw(learning_rate, b1, b2, eps, weight_decay=weight_decay), clip_norm, learning_rate)
 
 
 def _rms(t: md.Tensor) -> md.Tensor:
@@ -100,7 +158,8 @@ class Adafactor:
     Second moments of a tensor whose two largest dims have at least ``min_dim_size_to_factor``
     entries are factored into a row and a column statistic over those named dims; the step is
     ``min(1e-2, 1/sqrt(t))`` times the parameter's RMS (relative step size); updates are clipped
-    to RMS ``clipping_threshold``; decay ``1 - t^-0.8``; no momentum.
+    to RMS ``clipping_threshold``; decay ``1 - t^-0.8``; no momentum. ``lr_scale``: a multiplier of
+    the step (a :func:`schedule`) applied to either learning rate.
     """
 
     learning_rate: float | None = None
@@ -110,6 +169,15 @@ class Adafactor:
     clipping_threshold: float | None = 1.0
     multiply_by_parameter_scale: bool = True
     min_dim_size_to_factor: int = 128
+    lr_scale: Callable[[Any], Any] | None = None
+
+    def _learning_rate(self, step: Any) -> Any:
+        t = jnp.asarray(step, jnp.float32) + 1.0
+        lr = self.learning_rate if self.learning_rate is not None else jnp.minimum(1e-2, jax.lax.rsqrt(t))
+        return lr if self.lr_scale is None else lr * self.lr_scale(step)
+
+    def learning_rate_at(self, step: int) -> float:
+        return float(self._learning_rate(step))
 
     def factored_dims(self, shape: md.Shape) -> tuple[Dim, Dim] | None:
         """The two largest dims (Mesh-TF's rule), or None when the second is too small or rank < 2."""
@@ -133,7 +201,7 @@ class Adafactor:
     def update(self, grads: Params, state: Any, params: Params, step: jax.Array) -> tuple[Params, Any]:
         t = jnp.asarray(step, jnp.float32) + 1.0
         decay = 1.0 - t ** (-self.decay_rate_pow)
-        lr = self.learning_rate if self.learning_rate is not None else jnp.minimum(1e-2, jax.lax.rsqrt(t))
+        lr = self._learning_rate(step)
 
         def one(p: md.Tensor, g: md.Tensor, s: dict) -> tuple[md.Tensor, dict]:
             g = md.cast(g, jnp.float32)
@@ -160,9 +228,15 @@ class Adafactor:
         return treedef.unflatten([o[0] for o in out]), treedef.unflatten([o[1] for o in out])
 
 
-def make(name: str, **kwargs: Any) -> Optimizer:
-    """An optimizer by name: ``sgd``, ``adamw`` or ``adafactor``."""
+def make(name: str, multiplier: Callable[[Any], Any] | None = None, **kwargs: Any) -> Optimizer:
+    """An optimizer by name: ``sgd``, ``adamw`` or ``adafactor``; ``multiplier``: a :func:`schedule`
+    its learning rate (given in ``kwargs`` or the optimizer's default) is multiplied by."""
     makers = {"sgd": sgd, "adamw": adamw, "adafactor": Adafactor}
     if name not in makers:
         raise ConfigError(f"unknown optimizer {name!r}; choose one of {', '.join(makers)}")
-    return makers[name](**kwargs)
+    if multiplier is None:
+        return makers[name](**kwargs)
+    if name == "adafactor":
+        return Adafactor(**kwargs, lr_scale=multiplier)
+    default = inspect.signature(makers[name]).parameters["learning_rate"].default
+    return makers[name](**{**kwargs, "learning_rate": scaled(kwargs.get("learning_rate", default), multiplier)})

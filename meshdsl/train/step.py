@@ -7,6 +7,9 @@ The optimizer runs under the parameter rules (``md.use_layout``), so it updates 
 
 Synthetic batches are made inside the step from ``fold_in(data_key, step)``: each device builds
 only its rows, and a run resumed at step ``s`` sees the batches an uninterrupted run would.
+
+``accumulate`` > 1 cuts each step's batch into that many microbatches, run one after another
+(:mod:`meshdsl.train.accumulate`): the update is the whole batch's, the activations one microbatch's.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from meshdsl import pipeline
 from meshdsl.lowering.base import Lowering
 from meshdsl.lowering.context import use
 from meshdsl.pipeline_config import PipelineConfig
-from meshdsl.train.optim import Optimizer
+from meshdsl.train import accumulate as accumulation
+from meshdsl.train.optim import Optimizer, global_norm
 
 
 @dataclasses.dataclass
@@ -41,16 +45,27 @@ class Trainer:
     pipeline: PipelineConfig | None = None
     """Microbatches and schedule; None: the layout's ``[pipeline]``. The step is pipelined
     (:mod:`meshdsl.pipeline`) when the layout splits ``layers`` or microbatches exceed 1."""
+    accumulate: int = 1
+    """Microbatches each step's batch is cut into for gradient accumulation (1: the whole batch at once)."""
+    metrics: bool = False
+    """The step returns ``(state, {"loss", "grad_norm"})`` instead of ``(state, loss)``: the global norm
+    of the (accumulated, unclipped) gradient beside the loss."""
 
     def __post_init__(self) -> None:
         self.pipeline = self.pipeline or self.layout.pipeline
         self.pipelined = pipelined(self.model, self.layout, self.pipeline, self.backend)
+        check_accumulate(self.accumulate, self.pipelined)
         stored = self.layout.param_layout
         self.init = md.compile(self._init, self.mesh, self.layout, self.backend, out_layouts=stored)
         self.step = md.compile(
             self._step, self.mesh, self.layout, self.backend, in_layouts=(stored, None), out_layouts=(stored, None),
             grad_reduce_dtype=self.grad_reduce_dtype, donate_argnums=(0,) if self.donate else (),
         )
+        self.evaluate = md.compile(
+            self._evaluate, self.mesh, self.layout, self.backend, in_layouts=(stored, None, None)
+        )
+        """``evaluate(state, data, index)``: the mean loss of one batch, no update. ``data`` a key (the
+        batch is ``model.batch(fold_in(data, index))``) or a batch (``index`` unused)."""
 
     def explain(self, state: dict[str, Any], data: Any, platform: str | None = None) -> md.Report:
         """``md.explain`` of one step under the trainer's backend: every collective, forward, backward
@@ -75,14 +90,34 @@ class Trainer:
     def loss_and_grads(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
         if self.pipelined:
             return pipeline.value_and_grad(self.model, params, batch, self.pipeline)
+        if self.accumulate > 1:
+            return accumulation.value_and_grad(self.model, params, batch, self.accumulate)
         return jax.value_and_grad(lambda p: self.model.loss(p, batch).array)(params)
 
-    def _step(self, state: dict[str, Any], data: Any) -> tuple[dict[str, Any], jax.Array]:
+    def _step(self, state: dict[str, Any], data: Any) -> tuple[dict[str, Any], Any]:
         batch = self.model.batch(jax.random.fold_in(data, state["step"])) if _is_key(data) else data
         loss, grads = self.loss_and_grads(state["params"], batch)
         with md.use_layout(self.layout.param_layout):
             params, opt = self.optimizer.update(grads, state["opt"], state["params"], state["step"])
-        return {"params": params, "opt": opt, "step": state["step"] + 1}, loss
+            norm = global_norm(grads).array if self.metrics else None
+        new = {"params": params, "opt": opt, "step": state["step"] + 1}
+        return (new, {"loss": loss, "grad_norm": norm}) if self.metrics else (new, loss)
+
+    def _evaluate(self, state: dict[str, Any], data: Any, index: jax.Array) -> jax.Array:
+        batch = self.model.batch(jax.random.fold_in(data, index)) if _is_key(data) else data
+        return accumulation.evaluate(self.model, state["params"], batch, self.accumulate)
+
+
+def check_accumulate(n: Any, is_pipelined: bool) -> None:
+    """ConfigError unless ``n`` is a whole number of microbatches, at least 1, for a step that is not pipelined
+    (a pipelined step accumulates over its own microbatches: ``--microbatches``)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise md.ConfigError(f"--accumulate {n}: cut each step's batch into 1 or more microbatches (a whole number)")
+    if n > 1 and is_pipelined:
+        raise md.ConfigError(
+            f"--accumulate {n} with a pipelined layout: its microbatches already accumulate; "
+            f"pass --microbatches {n} instead"
+        )
 
 
 def pipelined(model: Any, layout: md.Layout, config: PipelineConfig, backend: str = "spmd") -> bool:

@@ -1,0 +1,117 @@
+"""Where a training run's numbers go beside the terminal: ``--log-json`` lines, TensorBoard event
+files (``--tensorboard``, written by tensorboardX: no TensorFlow needed) and a loss-curve PNG beside
+the JSON log.
+
+Each step is one record of scalars (``loss``, ``learning_rate``, ``grad_norm``, ``seconds``,
+``tokens_per_second`` or ``examples_per_second``, ``mfu``, and after an evaluation ``eval_loss`` and
+``eval_perplexity``); a scalar that is unknown (no peak FLOP/s for MFU on a CPU) is left out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from meshdsl import outputs
+from meshdsl.errors import ConfigError
+
+TAGS = {
+    "loss": "train/loss",
+    "learning_rate": "train/learning_rate",
+    "grad_norm": "train/grad_norm",
+    "seconds": "perf/step_seconds",
+    "tokens_per_second": "perf/tokens_per_second",
+    "examples_per_second": "perf/examples_per_second",
+    "mfu": "perf/mfu",
+    "eval_loss": "eval/loss",
+    "eval_perplexity": "eval/perplexity",
+}
+"""TensorBoard tag of each scalar."""
+
+
+def loss_curve_path(log_json: str | Path) -> Path | None:
+    """The PNG written beside ``log_json`` (``run.jsonl``: ``run.png``); None for a log that is not a
+    regular file's name (``/dev/null``)."""
+    path = Path(log_json)
+    if path.exists() and not path.is_file():
+        return None
+    return path.with_suffix(".png")
+
+
+def check(log_json: str | None, tensorboard: str | None) -> None:
+    """ConfigError (naming the flag) unless the JSON log, its PNG and the TensorBoard folder can be written."""
+    if log_json is not None:
+        outputs.check_file(log_json, "--log-json")
+        png = loss_curve_path(log_json)
+        if png is not None:
+            outputs.check_file(png, "--log-json's loss curve")
+    if tensorboard is not None:
+        outputs.check_dir(tensorboard, "--tensorboard")
+
+
+class Logs:
+    """The sinks a run writes: open them, :meth:`write` each step's record, :meth:`close` at the end."""
+
+    def __init__(self, log_json: str | None = None, tensorboard: str | None = None):
+        self.log_json, self.png = log_json, None if log_json is None else loss_curve_path(log_json)
+        try:
+            self.json = open(outputs.parent(log_json), "w") if log_json is not None else None
+        except OSError as e:
+            raise ConfigError(f"--log-json {log_json}: cannot write it: {e.strerror}") from None
+        self.board = None
+        if tensorboard is not None:
+            from tensorboardX import SummaryWriter
+
+            self.board = SummaryWriter(str(tensorboard))
+        self.curve: list[tuple[int, float]] = []
+        self.eval_curve: list[tuple[int, float]] = []
+
+    def write(self, step: int, record: dict[str, Any]) -> None:
+        """Step ``step``'s scalars (None values are left out) to every sink."""
+        record = {k: v for k, v in record.items() if v is not None}
+        self.curve.append((step, record["loss"]))
+        if "eval_loss" in record:
+            self.eval_curve.append((step, record["eval_loss"]))
+        intact = "the lines of the steps before it are in it"
+        if self.json is not None:
+            with outputs.writing(f"--log-json {self.log_json!r} at step {step}", intact):
+                self.json.write(json.dumps({"step": step, **record}) + "\n")
+                self.json.flush()
+        if self.board is not None:
+            with outputs.writing(f"--tensorboard event file at step {step}", "the steps before it are in it"):
+                for key, value in record.items():
+                    if key in TAGS and math.isfinite(value):
+                        self.board.add_scalar(TAGS[key], value, step)
+                self.board.flush()
+
+    def close(self) -> Path | None:
+        """Close the sinks and draw the loss curve (when there is a JSON log); the PNG's path, or None."""
+        if self.json is not None:
+            self.json.close()
+        if self.board is not None:
+            self.board.close()
+        if self.png is None or not self.curve:
+            return None
+        with outputs.writing(f"the loss curve {str(self.png)!r}", f"--log-json {self.log_json!r} holds every step"):
+            return loss_curve(self.curve, self.eval_curve, outputs.parent(self.png))
+
+
+def loss_curve(train: list[tuple[int, float]], evaluation: list[tuple[int, float]], path: Path) -> Path:
+    """A PNG of the training loss per step and the eval loss at each evaluation (matplotlib, no pyplot state)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    ax.plot(*zip(*train), label="train loss", linewidth=1)
+    if evaluation:
+        ax.plot(*zip(*evaluation), "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
