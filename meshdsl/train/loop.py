@@ -49,6 +49,7 @@ class RunConfig:
     resume: bool = False
     microbatches: int | None = None
     schedule: str | None = None
+    virtual_stages: int | None = None
 
 
 def layout_path(spec: str) -> Path | None:
@@ -86,7 +87,7 @@ def _optimizer(run: RunConfig) -> optim.Optimizer:
 
 def build_trainer(run: RunConfig, mesh: md.Mesh | None = None) -> Trainer:
     layout = load_layout(run.layout)
-    pipeline = layout.pipeline.replace(run.microbatches, run.schedule)
+    pipeline = layout.pipeline.replace(run.microbatches, run.schedule, run.virtual_stages)
     return Trainer(_model(run), _optimizer(run), mesh or layout.mesh(), layout, run.backend, run.grad_reduce_dtype, pipeline=pipeline)
 
 
@@ -116,7 +117,7 @@ def check(run: RunConfig) -> None:
     model = _model(run)
     _optimizer(run)
     layout = load_layout(run.layout)
-    pipelined(model, layout, layout.pipeline.replace(run.microbatches, run.schedule), run.backend)
+    pipelined(model, layout, layout.pipeline.replace(run.microbatches, run.schedule, run.virtual_stages), run.backend)
     if run.data is not None:
         token_file(run.data, model, run.model)
     if run.checkpoint_dir is not None:
