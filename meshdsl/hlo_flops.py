@@ -14,7 +14,9 @@ from __future__ import annotations
 import math
 import re
 
-from meshdsl.hlo import _ARRAY, _COMMENT, _COMPUTATION, _INSTRUCTION, _OPCODE, _TRIP_COUNT, _attribute, _balanced_end, _callees, _parse
+from meshdsl.hlo import (
+    _ARRAY, _COMMENT, _COMPUTATION, _INSTRUCTION, _OPCODE, _TRIP_COUNT, _attribute, _balanced_end, _callees, _parse,
+)
 
 
 def _dims(shape: str) -> list[int]:

@@ -178,16 +178,18 @@ class _Run:
         """Chunk ``j`` (of ``v``) of this stage's layers: all of them when ``v = 1``."""
         if self.v == 1:
             return w
-        return [lax.dynamic_slice_in_dim(a, j * (a.shape[i] // self.v), a.shape[i] // self.v, axis=i) for a, i in zip(w, self.layer_axis)]
+        sizes = [a.shape[i] // self.v for a, i in zip(w, self.layer_axis)]
+        return [lax.dynamic_slice_in_dim(a, j * n, n, axis=i) for a, n, i in zip(w, sizes, self.layer_axis)]
 
     def _add_chunk(self, g_w: list[jax.Array], g: list[jax.Array], j: Any) -> list[jax.Array]:
         """``g_w`` with the gradient ``g`` of chunk ``j`` added."""
         if self.v == 1:
             return [a + u for a, u in zip(g_w, g)]
-        return [
-            lax.dynamic_update_slice_in_dim(a, lax.dynamic_slice_in_dim(a, j * u.shape[i], u.shape[i], axis=i) + u, j * u.shape[i], axis=i)
-            for a, u, i in zip(g_w, g, self.layer_axis)
-        ]
+        out = []
+        for a, u, i in zip(g_w, g, self.layer_axis):
+            start = j * u.shape[i]
+            out.append(lax.dynamic_update_slice_in_dim(a, lax.dynamic_slice_in_dim(a, start, u.shape[i], axis=i) + u, start, axis=i))
+        return out
 
     # ---- the three parts on local arrays ---------------------------------------------------------
 
@@ -280,7 +282,8 @@ class _Run:
         return jax.value_and_grad(loss)(self.params)
 
     def one_f_one_b(self) -> tuple[jax.Array, Any]:
-        """1F1B and interleaved 1F1B: a forward and a backward per stage per tick, gradients by hand from stored residuals."""
+        """1F1B and interleaved 1F1B: a forward and a backward per stage per tick, gradients by hand from
+        stored residuals."""
         (rest, w), unprepare = jax.vjp(self._prepared, self.params)
         m, p, v = self.m, self.p, self.v
         slots = min(v * m, 2 * v * p - 1)
@@ -328,7 +331,9 @@ class _Run:
                 y, residuals, _ = forward(self._chunk(w, j), self._input(rest, segment, received, f, j))
                 slot = jnp.where(self._live(segment.forward), jnp.mod(seq, slots), slots)
                 stored = [a for a in residuals if not isinstance(a, int)]
-                ring = [lax.dynamic_update_index_in_dim(r, self.lowering.vary_like(a, r), slot, 0) for r, a in zip(ring, stored)]
+                ring = [
+                    lax.dynamic_update_index_in_dim(r, self.lowering.vary_like(a, r), slot, 0) for r, a in zip(ring, stored)
+                ]
                 if p - 1 in segment.forward:
                     last = self.last if v == 1 else self.last & (j == v - 1)
                     value, g_post, ct_y = self._when(last, lambda: post(y, f))
@@ -364,7 +369,10 @@ class _Run:
 def _check_interleaved(p: int, m: int, v: int, layers: Dim) -> None:
     """ConfigError unless ``p`` stages of ``v`` chunks can run ``m`` microbatches interleaved."""
     if m % p:
-        raise ConfigError(f"pipeline: the interleaved schedule runs microbatches in groups of the {p} stages: {m} microbatches is not a multiple of {p}")
+        raise ConfigError(
+            f"pipeline: the interleaved schedule runs microbatches in groups of the {p} stages: "
+            f"{m} microbatches is not a multiple of {p}"
+        )
     if layers.size % (p * v):
         raise ConfigError(
             f"pipeline: {p} stages x {v} virtual stages do not divide {layers.name} ({layers.size}) into equal chunks"
@@ -424,10 +432,13 @@ def timetable(schedule: str, stages: int, microbatches: int, virtual_stages: int
         b = {s: backward_item(t, s, p, v) for s in range(p)} if backward else {}
         b = {s: c for s, (mb, c, _) in b.items() if 0 <= mb < m}
         key = (
-            frozenset(f), frozenset(b),
-            frozenset(s for s, c in f.items() if (s, c) != (p - 1, v - 1)), frozenset(s for s, c in b.items() if (s, c) != (0, 0)),
+            frozenset(f),
+            frozenset(b),
+            frozenset(s for s, c in f.items() if (s, c) != (p - 1, v - 1)),
+            frozenset(s for s, c in b.items() if (s, c) != (0, 0)),
         )
-        if segments and (segments[-1].forward, segments[-1].backward, segments[-1].forward_sends, segments[-1].backward_sends) == key:
+        last = segments[-1] if segments else None
+        if last and (last.forward, last.backward, last.forward_sends, last.backward_sends) == key:
             segments[-1] = dataclasses.replace(segments[-1], length=segments[-1].length + 1)
         else:
             segments.append(Segment(t, 1, *key))
@@ -435,12 +446,13 @@ def timetable(schedule: str, stages: int, microbatches: int, virtual_stages: int
 
 
 def ticks(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> int:
-    """Ticks of the timetable holding a forward (as many hold a backward): ``v M + p - 1`` (``v = 1`` but interleaved)."""
+    """Ticks of the timetable holding a forward (as many hold a backward): ``v M + p - 1``."""
     return sum(s.length for s in timetable(schedule, stages, microbatches, virtual_stages) if s.forward)
 
 
 def bubble(stages: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """The theoretical bubble fraction: ``(p - 1) / (M + p - 1)`` (GPipe, 1F1B), ``(p - 1) / (v M + p - 1)`` interleaved."""
+    """The theoretical bubble fraction: ``(p - 1) / (M + p - 1)`` (GPipe, 1F1B), ``(p - 1) / (v M + p - 1)``
+    interleaved."""
     return (stages - 1) / (virtual_stages * microbatches + stages - 1)
 
 

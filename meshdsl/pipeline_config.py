@@ -33,11 +33,14 @@ class PipelineConfig:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"pipeline schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.virtual_stages != 1 and self.schedule != "interleaved":
-            raise ConfigError(f"pipeline virtual_stages = {self.virtual_stages} needs schedule 'interleaved', not {self.schedule!r}")
+            raise ConfigError(
+                f"pipeline virtual_stages = {self.virtual_stages} needs schedule 'interleaved', not {self.schedule!r}"
+            )
 
     @classmethod
     def of(cls, table: "PipelineConfig | Mapping[str, Any] | None") -> "PipelineConfig":
-        """From a layout file's ``[pipeline]`` table (``microbatches``, ``schedule``, ``virtual_stages``), or the default."""
+        """From a layout file's ``[pipeline]`` table (``microbatches``, ``schedule``, ``virtual_stages``), or the
+        default."""
         if table is None or isinstance(table, PipelineConfig):
             return table or cls()
         unknown = set(table) - set(KEYS)

@@ -162,7 +162,8 @@ def test_errors_name_the_problem(tmp_path):
         other = _tiny(layers=layers, batch=batch_size)
         config = pipeline.PipelineConfig(m, "interleaved", 2)
         with pytest.raises(md.ConfigError, match=message):
-            md.compile(lambda p, b: pipeline.value_and_grad(other, p, b, config), four, {"layers": "stage"})(*_shapes(other))
+            step = md.compile(lambda p, b: pipeline.value_and_grad(other, p, b, config), four, {"layers": "stage"})
+            step(*_shapes(other))
     bad = tmp_path / "bad.toml"
     bad.write_text('[rules]\nlayers = "stage"\n[pipeline]\nmicro_batches = 4\n')
     with pytest.raises(md.ConfigError, match="bad.toml.*unknown key\\(s\\) \\['micro_batches'\\]"):
@@ -195,7 +196,8 @@ def test_four_stages_match_one_device_and_send_only_the_schedules_transfers(sche
     assert ref_model.config == model.config
     loss, grads = compiled(params, batch)
     assert _relative(np.asarray(loss), np.asarray(ref_loss)) < 1e-5
-    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads, is_leaf=_is_tensor), jax.tree_util.tree_leaves(ref_grads, is_leaf=_is_tensor)):
+    got = jax.tree_util.tree_leaves_with_path(grads, is_leaf=_is_tensor)
+    for (path, g), r in zip(got, jax.tree_util.tree_leaves(ref_grads, is_leaf=_is_tensor)):
         assert _relative(g.numpy(), r.numpy()) < 1e-5, jax.tree_util.keystr(path)
     # Each direction sends in the v M + p - 2 ticks in which some boundary has a microbatch to pass (a
     # permute counts its whole buffer per device), only from the stages that have one.
