@@ -1,4 +1,4 @@
-"""Pipeline parallelism: a model's stacked layers split into stages, run on microbatches (GPipe, 1F1B).
+"""Pipeline parallelism: a model's stacked layers split into stages, run on microbatches (GPipe, 1F1B, interleaved).
 
 A layout rule ``layers: stage`` (any mesh axes) splits the stacked layer parameters, so each
 device along ``stage`` holds ``layers / stages`` consecutive layers: its pipeline stage. The batch
@@ -22,6 +22,9 @@ Schedules (``p`` stages, ``M`` microbatches; :func:`timetable` says which stage 
   forwards only, the last ``p - 1`` backwards only, and the program holds no other half: a step
   costs ``(M + p - 1)(F + B)`` like GPipe's. A stage keeps at most ``min(M, 2p - 1)``
   microbatches' residuals.
+* ``interleaved`` (Megatron-LM's, ``virtual_stages = v``): the layers cut into ``v p`` chunks,
+  chunk ``k`` on stage ``k mod p``; the 1F1B code over chunks (:func:`forward_item`,
+  :func:`backward_item`), ``v M + p - 1`` chunk ticks each way: bubble ``(p - 1)/(v M + p - 1)``.
 
 The tick loop is cut into segments of ticks in which the same stages are live (each a ``scan``,
 or one inline tick): a segment computes a forward (or backward) only if some stage runs one, and
