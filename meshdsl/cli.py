@@ -130,7 +130,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--save-every", type=int, default=0, metavar="N", help="save a checkpoint every N steps (default: only after the last)")
     train.add_argument("--keep", type=int, default=3, metavar="K", help="keep the newest K checkpoints (default 3)")
     train.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches per step (default: the layout's [pipeline], else 1)")
-    train.add_argument("--schedule", default=None, choices=["gpipe", "1f1b"], help="pipeline schedule (default: the layout's [pipeline], else 1f1b)")
+    train.add_argument("--schedule", default=None, choices=["gpipe", "1f1b", "interleaved"], help="pipeline schedule (default: the layout's [pipeline], else 1f1b)")
+    train.add_argument(
+        "--virtual-stages", type=int, default=None, metavar="V",
+        help="interleaved schedule: chunks of layers per stage (default: the layout's [pipeline], else 1)",
+    )
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir (any mesh, layout or device count)")
     _add_watch_flags(train)
 
@@ -148,7 +152,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--grad-reduce-dtype", default=None, choices=["bfloat16"], help="sum gradients across devices in bf16")
     bench.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help=SET_HELP)
     bench.add_argument("--microbatches", type=int, nargs="+", default=None, help="pipelined layouts: microbatch counts to measure (default: the layout's)")
-    bench.add_argument("--schedule", nargs="+", default=None, choices=["gpipe", "1f1b"], help="pipelined layouts: schedules to measure (default: the layout's)")
+    bench.add_argument("--schedule", nargs="+", default=None, choices=["gpipe", "1f1b", "interleaved"], help="pipelined layouts: schedules to measure (default: the layout's)")
+    bench.add_argument(
+        "--virtual-stages", type=int, default=None, metavar="V",
+        help="the interleaved schedule's chunks per stage (default: the layout's when it is interleaved, else 2)",
+    )
     bench.add_argument("--out", default="bench-results", help="folder for JSON, markdown and PNG charts")
     bench.add_argument("--no-gspmd", action="store_true", help="skip compiling each step on XLA's partitioner for the '÷ gspmd' column")
 
@@ -249,7 +257,7 @@ def _config(args: argparse.Namespace) -> object:
             eval_fraction=args.eval_fraction,
             compute_dtype=args.compute_dtype, remat=args.remat, grad_reduce_dtype=args.grad_reduce_dtype,
             log_json=args.log_json, checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, keep=args.keep,
-            resume=args.resume, microbatches=args.microbatches, schedule=args.schedule,
+            resume=args.resume, microbatches=args.microbatches, schedule=args.schedule, virtual_stages=args.virtual_stages,
             lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
             accumulate=args.accumulate, eval_every=args.eval_every, eval_steps=args.eval_steps,
             log_every=args.log_every, tensorboard=args.tensorboard, profile_steps=args.profile_steps,
@@ -262,7 +270,7 @@ def _config(args: argparse.Namespace) -> object:
             models=args.model, preset=args.preset, layouts=args.layouts, rounds=args.rounds,
             steps_per_round=args.steps_per_round, baseline=args.baseline, optimizer=args.optimizer, out=args.out,
             grad_reduce_dtype=args.grad_reduce_dtype, overrides=overrides, microbatches=args.microbatches, schedules=args.schedule,
-            gspmd=not args.no_gspmd,
+            virtual_stages=args.virtual_stages, gspmd=not args.no_gspmd,
         )
     return overrides
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism: a model's stacked layers split into stages, run on microbatches (GPipe, 1F1B).
+"""Pipeline parallelism: a model's stacked layers split into stages, run on microbatches (GPipe, 1F1B, interleaved).
 
 A layout rule ``layers: stage`` (any mesh axes) splits the stacked layer parameters, so each
 device along ``stage`` holds ``layers / stages`` consecutive layers: its pipeline stage. The batch
@@ -11,27 +11,36 @@ number of stages is the size of the axes splitting ``layers``; on global arrays 
 device) it is 1, and the same code is plain gradient accumulation over the microbatches: the
 reference the tests compare with.
 
-Schedules (``p`` stages, ``M`` microbatches, one tick = every stage runs its layers once):
+Schedules (``p`` stages, ``M`` microbatches; :func:`timetable` says which stage runs what when):
 
 * ``gpipe``: ``M + p - 1`` forward ticks (stage ``s`` runs microbatch ``t - s`` at tick ``t``);
   the backward pass is JAX's autodiff of that loop, which keeps every tick's activations:
   memory grows with ``M``.
-* ``1f1b`` (PipeDream-flush in synchronous ticks): ``M + 2(p - 1)`` ticks; at tick ``t`` stage
-  ``s`` runs the forward of microbatch ``t - s`` and the backward of microbatch
-  ``t - 2(p - 1) + s``, recomputing its layers from the stage input it stored. A stage keeps at
-  most ``2p - 1`` stage inputs (a ring buffer) and one microbatch's activations: memory is flat in
-  ``M``.
+* ``1f1b`` (PipeDream-flush in synchronous ticks): at tick ``t`` stage ``s`` runs the forward of
+  microbatch ``t - s`` and the backward of microbatch ``t - 2(p - 1) + s``, from the residuals its
+  forward stored (recomputed only under the model's ``remat``). The first ``p - 1`` ticks hold
+  forwards only, the last ``p - 1`` backwards only, and the program holds no other half: a step
+  costs ``(M + p - 1)(F + B)`` like GPipe's. A stage keeps at most ``min(M, 2p - 1)``
+  microbatches' residuals.
+* ``interleaved`` (Megatron-LM's, ``virtual_stages = v``): the layers cut into ``v p`` chunks,
+  chunk ``k`` on stage ``k mod p``; the 1F1B code over chunks (:func:`forward_item`,
+  :func:`backward_item`), ``v M + p - 1`` chunk ticks each way: bubble ``(p - 1)/(v M + p - 1)``.
 
-The model's embedding (``pre``) and head and loss (``post``) run on every stage each tick and
-are masked to stage 0 and the last stage: simple, and it costs their compute ``p`` times over.
+The tick loop is cut into segments of ticks in which the same stages are live (each a ``scan``,
+or one inline tick): a segment computes a forward (or backward) only if some stage runs one, and
+sends only from the stages that do. The embedding (``pre``) runs under ``lax.cond`` on the first
+stage and the head and loss (``post``) on the last: the other stages skip them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from meshdsl.dims import Dim, Shape
@@ -72,7 +81,7 @@ def value_and_grad(model: Any, params: dict[str, Any], batch: dict[str, Tensor],
     """
     check_model(model)
     run = _Run(model, params, batch, config, current())
-    return run.gpipe() if config.schedule == "gpipe" else run.one_f_one_b()
+    return run.gpipe() if config.schedule == "gpipe" else run.one_f_one_b()  # 1f1b, interleaved
 
 
 class _Run:
@@ -81,8 +90,10 @@ class _Run:
     def __init__(self, model: Any, params: dict[str, Any], batch: dict[str, Tensor], config: PipelineConfig, lowering: Lowering):
         self.lowering = lowering
         self.params = params
-        self.m = config.microbatches
+        self.m, self.v, self.schedule = config.microbatches, config.virtual_stages, config.schedule
         self.stage_axes, self.p = stages(lowering, model.layers)
+        if self.schedule == "interleaved":
+            _check_interleaved(self.p, self.m, self.v, model.layers)
         self.stage = lowering.axis_index(self.stage_axes)
         self.first = self.stage == 0
         self.last = self.stage == self.p - 1
@@ -92,9 +103,13 @@ class _Run:
         # Everything the activations vary along: gradients are summed over these axes once, at the end.
         self.ref = lowering.vary_like(jnp.zeros((), jnp.int32) + self.stage, *self.batch_arrays)
         self.zero_loss = lowering.vary_like(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32) + self.stage)
-        x = self._pre_tensor(self._rest(params), self._microbatch(0))
-        self.x_shape, self.x_axes = x.shape, lowering.axes(x.shape)
-        self.x_like = lowering.vary_like(jnp.zeros_like(lowering.prepare(x, self.x_axes)), self.ref)
+
+        def first_input() -> jax.Array:  # traced for its shape only: no stage runs it
+            x = self._pre_tensor(self._rest(params), self._microbatch(0))
+            self.x_shape, self.x_axes = x.shape, lowering.axes(x.shape)
+            return lowering.prepare(x, self.x_axes)
+
+        self.x_like = lowering.vary_like(lowering.zeros_traced(jax.eval_shape(first_input)), self.ref)
 
     # ---- local views ----------------------------------------------------------------------------
 
@@ -139,17 +154,46 @@ class _Run:
         return jax.tree_util.tree_map(lambda a: self.lowering.vary_like(a, self.ref), tree)
 
     def _stage_params(self, layers: dict[str, Tensor]) -> list[jax.Array]:
-        """The local arrays of this stage's layers: ``layers`` split over the stage axes, other dims as stored."""
-        out, self.layer_meta = [], []
+        """The local arrays of this stage's layers: ``layers`` split over the stage axes, other dims as stored.
+
+        Interleaved, the device at stage ``s`` holds chunks ``s, s + p, ...`` of ``v p`` equal chunks:
+        the layers are gathered over the stage axes and its chunks taken (a chunk of ``layers / (v p)``
+        layers per virtual stage), in order.
+        """
+        out, self.layer_meta, self.layer_axis = [], [], []
         leaves, self.layer_tree = jax.tree_util.tree_flatten(layers, is_leaf=lambda x: isinstance(x, Tensor))
         for t in leaves:
             i = t.shape.index(self.micro_model.layers.name)
             own = self.lowering.layout_of(t)
-            target = own[:i] + (self.stage_axes,) + own[i + 1 :]
-            out.append(self.lowering.vary_like(self.lowering.prepare(t, target), self.ref))
             d = t.shape[i]
-            shape = Shape(Dim(STAGE_LAYERS, d.size // self.p) if e.name == d.name else e for e in t.shape)
+            if self.v == 1:
+                local = self.lowering.prepare(t, own[:i] + (self.stage_axes,) + own[i + 1 :])
+            else:
+                whole = self.lowering.prepare(t, own[:i] + ((),) + own[i + 1 :])
+                chunks = whole.reshape(whole.shape[:i] + (self.v * self.p, -1) + whole.shape[i + 1 :])
+                mine = jnp.take(chunks, jnp.arange(self.v) * self.p + self.stage, axis=i)
+                local = mine.reshape(whole.shape[:i] + (-1,) + whole.shape[i + 1 :])
+            out.append(self.lowering.vary_like(local, self.ref))
+            shape = Shape(Dim(STAGE_LAYERS, d.size // (self.p * self.v)) if e.name == d.name else e for e in t.shape)
             self.layer_meta.append((shape, own[:i] + ((),) + own[i + 1 :]))
+            self.layer_axis.append(i)
+        return out
+
+    def _chunk(self, w: list[jax.Array], j: Any) -> list[jax.Array]:
+        """Chunk ``j`` (of ``v``) of this stage's layers: all of them when ``v = 1``."""
+        if self.v == 1:
+            return w
+        sizes = [a.shape[i] // self.v for a, i in zip(w, self.layer_axis)]
+        return [lax.dynamic_slice_in_dim(a, j * n, n, axis=i) for a, n, i in zip(w, sizes, self.layer_axis)]
+
+    def _add_chunk(self, g_w: list[jax.Array], g: list[jax.Array], j: Any) -> list[jax.Array]:
+        """``g_w`` with the gradient ``g`` of chunk ``j`` added."""
+        if self.v == 1:
+            return [a + u for a, u in zip(g_w, g)]
+        out = []
+        for a, u, i in zip(g_w, g, self.layer_axis):
+            start = j * u.shape[i]
+            out.append(lax.dynamic_update_slice_in_dim(a, lax.dynamic_slice_in_dim(a, start, u.shape[i], axis=i) + u, start, axis=i))
         return out
 
     # ---- the three parts on local arrays ---------------------------------------------------------
@@ -171,14 +215,55 @@ class _Run:
         loss = self.micro_model.post(rest, self.lowering.keep(y, self.x_shape, self.x_axes), mb)
         return self.lowering.prepare(loss, ())
 
-    def _send(self, x: jax.Array, shift: int) -> jax.Array:
-        return self.lowering.ppermute(x, self.stage_axes, shift, wrap=False)
-
     def _psum_stages(self, x: jax.Array) -> jax.Array:
         return lax.psum(x, self.stage_axes) if self.stage_axes else x
 
     def _prepared(self, params: dict[str, Any]) -> tuple[dict[str, Any], list[jax.Array]]:
         return self._vary(self._rest(params)), self._stage_params(params["layers"])
+
+    # ---- what runs where --------------------------------------------------------------------------
+
+    def _when(self, pred: Any, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the devices where ``pred`` holds, zeros typed like it elsewhere.
+
+        A ``lax.cond``: the other devices skip ``fn``'s work. ``pred`` depends on the stage only, so
+        every device of a group that ``fn``'s collectives span (they share the stage) takes the same branch.
+        """
+        like = jax.eval_shape(fn)
+        zeros = lambda: jax.tree_util.tree_map(self.lowering.zeros_traced, like)  # noqa: E731
+        if isinstance(pred, (bool, np.bool_)):  # one stage (global arrays): known when tracing
+            return fn() if pred else zeros()
+        return lax.cond(pred, fn, zeros)
+
+    def _live(self, stages: frozenset[int]) -> Any:
+        """Whether this device's stage is in ``stages`` (a Python bool with one stage)."""
+        if self.p == 1:
+            return 0 in stages
+        return jnp.asarray([s in stages for s in range(self.p)])[self.stage]
+
+    def _send(self, x: jax.Array, shift: int, sources: frozenset[int]) -> jax.Array:
+        """``x`` sent ``shift`` stages on (round the ring when interleaved) from the stages ``sources`` only."""
+        if not sources:
+            return jnp.zeros_like(x)
+        return self.lowering.ppermute(x, self.stage_axes, shift, wrap=self.v > 1, sources=sorted(sources))
+
+    def _input(self, rest: dict[str, Any], segment: "Segment", received: jax.Array, f: Any, j: Any) -> jax.Array:
+        """The input of the forward of microbatch ``f``, chunk ``j``: ``pre`` of it on the first virtual stage,
+        else what arrived."""
+        if 0 not in segment.forward:
+            return received
+        first = self.first if self.v == 1 else self.first & (j == 0)
+        return jnp.where(first, self._when(first, lambda: self._pre(rest, self._microbatch(f))), received)
+
+    def _segments(self, tick: Callable[["Segment", Any, Any], Any], carry: Any) -> Any:
+        """``carry`` through every tick of the timetable: a ``scan`` per segment, one tick inline."""
+        for segment in timetable(self.schedule, self.p, self.m, self.v):
+            if segment.length == 1:
+                carry = tick(segment, carry, segment.start)
+            else:
+                ts = jnp.arange(segment.start, segment.start + segment.length)
+                carry, _ = lax.scan(lambda c, t, seg=segment: (tick(seg, c, t), None), carry, ts)
+        return carry
 
     # ---- schedules --------------------------------------------------------------------------------
 
@@ -188,69 +273,194 @@ class _Run:
         def loss(params: dict[str, Any]) -> jax.Array:
             rest, w = self._prepared(params)
 
-            def tick(carry: tuple, t: jax.Array) -> tuple[tuple, None]:
+            def tick(segment: Segment, carry: tuple, t: Any) -> tuple:
                 received, total = carry
-                x = jnp.where(self.first, self._pre(rest, self._microbatch(t)), received)
-                y = self._stage(w, x)
-                done = t - (self.p - 1)
-                value = self._post(rest, y, self._microbatch(done))
-                total = total + jnp.where(self.last & (done >= 0), value, 0.0)
-                return (self._send(y, 1), total), None
+                f = t - self.stage  # forward of microbatch f
+                y = self._stage(w, self._input(rest, segment, received, f, 0))
+                if self.p - 1 in segment.forward:
+                    total = total + self._when(self.last, lambda: self._post(rest, y, self._microbatch(f)))
+                return self._send(y, 1, segment.forward_sends), total
 
-            (_, total), _ = lax.scan(tick, (self.x_like, self.zero_loss), jnp.arange(self.m + self.p - 1))
+            _, total = self._segments(tick, (self.x_like, self.zero_loss))
             return self._psum_stages(total) / self.m
 
         return jax.value_and_grad(loss)(self.params)
 
     def one_f_one_b(self) -> tuple[jax.Array, Any]:
-        """One forward and one backward per stage per tick, gradients by hand: ``M + 2(p - 1)`` ticks."""
+        """1F1B and interleaved 1F1B: a forward and a backward per stage per tick, gradients by hand from
+        stored residuals."""
         (rest, w), unprepare = jax.vjp(self._prepared, self.params)
-        slots = 2 * self.p - 1
-        m, p = self.m, self.p
+        m, p, v = self.m, self.p, self.v
+        slots = min(v * m, 2 * v * p - 1)
 
-        def tick(carry: tuple, t: jax.Array) -> tuple[tuple, None]:
-            received, cotangent_in, stored, total, g_rest, g_w = carry
-            f = t - self.stage  # forward of microbatch f
-            x = jnp.where(self.first, self._pre(rest, self._microbatch(f)), received)
-            stored = lax.dynamic_update_index_in_dim(stored, x, jnp.mod(f, slots), 0)
-            y = self._stage(w, x)
-            live_f = self.last & (f >= 0) & (f < m)
+        def forward(wc: list[jax.Array], x: jax.Array) -> tuple[jax.Array, list[jax.Array | int], Any]:
+            """The chunk's output, its vjp's residuals (an int ``i`` where one is the weight ``wc[i]``: not
+            stored, it is at hand) and their tree."""
+            y, fn = jax.vjp(self._stage, wc, x)
+            leaves, tree = jax.tree_util.tree_flatten(fn)
+            weights = {id(a): i for i, a in enumerate(wc)}
+            return y, [weights.get(id(a), a) for a in leaves], tree
+
+        traced: dict[str, Any] = {}
+
+        def stored(wc: list[jax.Array], x: jax.Array) -> list[jax.Array]:
+            _, residuals, traced["tree"] = forward(wc, x)
+            traced["probe"] = [a if isinstance(a, int) else None for a in residuals]
+            return [a for a in residuals if not isinstance(a, int)]
+
+        stored_like = jax.eval_shape(stored, self._chunk(w, 0), self.x_like)
+        probe, tree = traced["probe"], traced["tree"]
+        # One slot per chunk-microbatch in flight, and a last one that idle forwards write to.
+        ring0 = [jnp.broadcast_to(self.lowering.zeros_traced(s), (slots + 1, *s.shape)) for s in stored_like]
+        ring0 = [self.lowering.vary_like(r, self.lowering.zeros_traced(s)) for r, s in zip(ring0, stored_like)]
+
+        def post(y: jax.Array, f: Any) -> tuple[jax.Array, Any, jax.Array]:
+            """The last stage's loss of microbatch ``f``, and its gradients for ``rest`` and ``y`` (seeded 1/M)."""
             value, post_vjp = jax.vjp(lambda r, y: self._post(r, y, self._microbatch(f)), rest, y)
-            g_post, ct_y = post_vjp(self.lowering.vary_like(jnp.where(live_f, 1.0 / m, 0.0).astype(value.dtype), value))
-            total = total + jnp.where(live_f, value, 0.0)
-            b = t - 2 * (p - 1) + self.stage  # backward of microbatch b
-            live_b = (b >= 0) & (b < m)
-            ct = jnp.where(live_b, jnp.where(self.last, ct_y, cotangent_in), 0.0)
-            _, stage_vjp = jax.vjp(self._stage, w, lax.dynamic_index_in_dim(stored, jnp.mod(b, slots), 0, keepdims=False))
-            g_layers, g_x = stage_vjp(self.lowering.vary_like(ct.astype(y.dtype), y))
+            g_post, ct_y = post_vjp(self.lowering.vary_like(jnp.full((), 1.0 / m, value.dtype), value))
+            return value, g_post, ct_y
+
+        def pre_grad(g_x: jax.Array, b: Any) -> Any:
+            """The first stage's gradient for ``rest`` through ``pre`` of microbatch ``b``."""
             _, pre_vjp = jax.vjp(lambda r: self._pre(r, self._microbatch(b)), rest)
-            (g_pre,) = pre_vjp(jnp.where(self.first, g_x, 0.0).astype(g_x.dtype))
-            g_rest = jax.tree_util.tree_map(lambda a, u, v: a + u + v, g_rest, g_post, g_pre)
-            g_w = [a + u for a, u in zip(g_w, g_layers)]
-            return (self._send(y, 1), self._send(g_x, -1), stored, total, g_rest, g_w), None
+            return pre_vjp(g_x)[0]
+
+        def add(a: Any, b: Any) -> Any:
+            return jax.tree_util.tree_map(lambda u, v: u + v, a, b)
+
+        def tick(segment: Segment, carry: tuple, t: Any) -> tuple:
+            received, ct_in, ring, total, g_rest, g_w = carry
+            ct_y = None
+            if segment.forward:
+                f, j, seq = forward_item(t, self.stage, p, v)  # forward of microbatch f through chunk j
+                y, residuals, _ = forward(self._chunk(w, j), self._input(rest, segment, received, f, j))
+                slot = jnp.where(self._live(segment.forward), jnp.mod(seq, slots), slots)
+                stored = [a for a in residuals if not isinstance(a, int)]
+                ring = [
+                    lax.dynamic_update_index_in_dim(r, self.lowering.vary_like(a, r), slot, 0) for r, a in zip(ring, stored)
+                ]
+                if p - 1 in segment.forward:
+                    last = self.last if v == 1 else self.last & (j == v - 1)
+                    value, g_post, ct_y = self._when(last, lambda: post(y, f))
+                    total, g_rest = total + value, add(g_rest, g_post)
+                received = self._send(y, 1, segment.forward_sends)
+            if segment.backward:
+                b, j, seq = backward_item(t, self.stage, p, v)  # backward of microbatch b through chunk j
+                last = self.last if v == 1 else self.last & (j == v - 1)
+                ct = ct_in if ct_y is None else jnp.where(last, ct_y, ct_in)
+                ct = jnp.where(self._live(segment.backward), ct, 0.0).astype(self.x_like.dtype)
+                # An idle backward reads a slot a forward wrote, with a zero cotangent: zero gradients, never NaN.
+                slot = jnp.mod(jnp.clip(seq, 0, v * m - 1), slots)
+                loaded = iter(lax.dynamic_index_in_dim(r, slot, 0, keepdims=False) for r in ring)
+                wc = self._chunk(w, j)
+                leaves = [next(loaded) if a is None else wc[a] for a in probe]
+                g_chunk, g_x = jax.tree_util.tree_unflatten(tree, leaves)(self.lowering.vary_like(ct, self.x_like))
+                g_w = self._add_chunk(g_w, g_chunk, j)
+                if 0 in segment.backward:
+                    first = self.first if v == 1 else self.first & (j == 0)
+                    g_rest = add(g_rest, self._when(first, lambda: pre_grad(g_x, b)))
+                ct_in = self._send(g_x, -1, segment.backward_sends)
+            return received, ct_in, ring, total, g_rest, g_w
 
         def zeros(tree: Any) -> Any:
             return jax.tree_util.tree_map(lambda a: self.lowering.vary_like(jnp.zeros_like(a), a), tree)
 
-        total = self.zero_loss
-        stored = jnp.broadcast_to(self.x_like, (slots, *self.x_like.shape))
-        stored = self.lowering.vary_like(stored, self.x_like)
-        init = (self.x_like, self.x_like, stored, total, zeros(rest), zeros(w))
-        (_, _, _, total, g_rest, g_w), _ = lax.scan(tick, init, jnp.arange(m + 2 * (p - 1)))
+        init = (self.x_like, self.x_like, ring0, self.zero_loss, zeros(rest), zeros(w))
+        _, _, _, total, g_rest, g_w = self._segments(tick, init)
         (grads,) = unprepare((g_rest, g_w))
         return self._psum_stages(total) / m, grads
 
 
-def ticks(schedule: str, stages: int, microbatches: int) -> int:
-    """Synchronous ticks a step takes: ``M + p - 1`` (GPipe, each way) or ``M + 2(p - 1)`` (1F1B)."""
-    return microbatches + (stages - 1) * (1 if schedule == "gpipe" else 2)
+def _check_interleaved(p: int, m: int, v: int, layers: Dim) -> None:
+    """ConfigError unless ``p`` stages of ``v`` chunks can run ``m`` microbatches interleaved."""
+    if m % p:
+        raise ConfigError(
+            f"pipeline: the interleaved schedule runs microbatches in groups of the {p} stages: "
+            f"{m} microbatches is not a multiple of {p}"
+        )
+    if layers.size % (p * v):
+        raise ConfigError(
+            f"pipeline: {p} stages x {v} virtual stages do not divide {layers.name} ({layers.size}) into equal chunks"
+        )
 
 
-def bubble(stages: int, microbatches: int) -> float:
-    """The theoretical bubble fraction of GPipe and 1F1B: ``(p - 1) / (M + p - 1)``."""
-    return (stages - 1) / (microbatches + stages - 1)
+def forward_item(t: Any, s: Any, p: int, v: int) -> tuple[Any, Any, Any]:
+    """``(microbatch, chunk, n)``: what stage ``s`` runs forward at tick ``t``, its ``n``-th forward.
+
+    Microbatches go in groups of ``p``, each group through chunk 0, then chunk 1, ... (Megatron's
+    interleaved order; with ``v = 1``, microbatch ``t - s``). Live where ``0 <= microbatch < M``.
+    Written once for Python ints (the timetable) and traced arrays (the ticks).
+    """
+    n = t - s
+    group, rest = n // (v * p), n % (v * p)
+    return group * p + rest % p, rest // p, n
 
 
-def schedule_bubble(schedule: str, stages: int, microbatches: int) -> float:
-    """The idle fraction of this module's synchronous ticks (idle slots compute on masked data)."""
-    return 1 - microbatches / ticks(schedule, stages, microbatches)
+def backward_item(t: Any, s: Any, p: int, v: int) -> tuple[Any, Any, Any]:
+    """``(microbatch, chunk, n)``: what stage ``s`` runs backward at tick ``t``, ``n`` the number of its forward.
+
+    The last virtual stage runs a microbatch's backward in the tick of its forward; each virtual stage
+    below one tick later (with ``v = 1``: microbatch ``t - 2(p - 1) + s``).
+    """
+    n = t + s - 2 * (p - 1) - (v - 1) * p
+    group, rest = n // (v * p), n % (v * p)
+    chunk = v - 1 - rest // p
+    return group * p + rest % p, chunk, group * v * p + chunk * p + rest % p
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Consecutive ticks ``start ... start + length - 1`` in which the same stages run a forward, the same a
+    backward, and the same send (``forward_sends`` to the next stage, ``backward_sends`` to the one before)."""
+
+    start: int
+    length: int
+    forward: frozenset[int]
+    backward: frozenset[int]
+    forward_sends: frozenset[int]
+    backward_sends: frozenset[int]
+
+
+def timetable(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> list[Segment]:
+    """Which stages run a forward and which a backward at each tick of ``schedule``, and which send, as segments.
+
+    GPipe runs only the forwards (``M + p - 1`` ticks; its backward is JAX's reverse of them); 1F1B and
+    interleaved also the backwards (:func:`forward_item`, :func:`backward_item`). A stage sends what
+    it computed unless it is the last virtual stage (forward) or the first (backward).
+    """
+    p, m, v = stages, microbatches, virtual_stages
+    backward = schedule != "gpipe"
+    segments: list[Segment] = []
+    for t in range(v * m + p - 1 + ((v + 1) * p - 2 - (p - 1) if backward else 0)):
+        f = {s: forward_item(t, s, p, v) for s in range(p)}
+        f = {s: c for s, (mb, c, _) in f.items() if 0 <= mb < m}
+        b = {s: backward_item(t, s, p, v) for s in range(p)} if backward else {}
+        b = {s: c for s, (mb, c, _) in b.items() if 0 <= mb < m}
+        key = (
+            frozenset(f),
+            frozenset(b),
+            frozenset(s for s, c in f.items() if (s, c) != (p - 1, v - 1)),
+            frozenset(s for s, c in b.items() if (s, c) != (0, 0)),
+        )
+        last = segments[-1] if segments else None
+        if last and (last.forward, last.backward, last.forward_sends, last.backward_sends) == key:
+            segments[-1] = dataclasses.replace(segments[-1], length=segments[-1].length + 1)
+        else:
+            segments.append(Segment(t, 1, *key))
+    return segments
+
+
+def ticks(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> int:
+    """Ticks of the timetable holding a forward (as many hold a backward): ``v M + p - 1``."""
+    return sum(s.length for s in timetable(schedule, stages, microbatches, virtual_stages) if s.forward)
+
+
+def bubble(stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """The theoretical bubble fraction: ``(p - 1) / (M + p - 1)`` (GPipe, 1F1B), ``(p - 1) / (v M + p - 1)``
+    interleaved."""
+    return (stages - 1) / (virtual_stages * microbatches + stages - 1)
+
+
+def schedule_bubble(schedule: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """The idle fraction of a stage over this module's ticks: each stage runs ``v M`` of :func:`ticks` forward ticks."""
+    return 1 - virtual_stages * microbatches / ticks(schedule, stages, microbatches, virtual_stages)

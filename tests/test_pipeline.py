@@ -15,7 +15,9 @@ import pytest
 
 import harness
 import meshdsl as md
-from meshdsl import hlo, pipeline
+from jax import lax
+
+from meshdsl import hlo, hlo_flops, pipeline
 from meshdsl.train import optim
 from meshdsl.train.step import Trainer
 from meshdsl.models import moe, transformer
@@ -50,9 +52,15 @@ def _shapes(model) -> tuple:
     return jax.eval_shape(model.init, jax.random.key(0)), jax.eval_shape(model.batch, jax.random.key(1))
 
 
+def _config(schedule: str, microbatches: int, layers: int, stages: int) -> pipeline.PipelineConfig:
+    """``schedule`` over ``microbatches``; interleaved with 2 virtual stages where the layers allow, else 1."""
+    v = 2 if schedule == "interleaved" and layers % (2 * stages) == 0 else 1
+    return pipeline.PipelineConfig(microbatches=microbatches, schedule=schedule, virtual_stages=v)
+
+
 def _step(model: transformer.Model, schedule: str) -> Callable:
-    """The pipelined value-and-grad of ``model`` over 2 microbatches."""
-    config = pipeline.PipelineConfig(microbatches=2, schedule=schedule)
+    """The pipelined value-and-grad of ``model`` over 2 microbatches on 2 stages."""
+    config = _config(schedule, 2, model.config.layers, 2)
     return lambda p, b: pipeline.value_and_grad(model, p, b, config)
 
 
@@ -71,7 +79,11 @@ def test_schedule_matches_one_device_and_explain_matches_hlo(schedule):
         assert g.shape == r.shape
         assert _relative(g.numpy(), r.numpy()) < 1e-5, jax.tree_util.keystr(path)
     predicted = md.explain(step, mesh, RULES, params, batch).summary()
-    assert predicted["collective-permute"]["count"] > 0
+    # Two stages: v M activations forward and v M cotangents backward (interleaved: v = 2 chunks per
+    # stage), one microbatch's [rows, length, d_model] each.
+    c, v = model.config, 2 if schedule == "interleaved" else 1
+    activation = c.batch // 2 // 2 * c.length * c.d_model * 4  # batch over data=2, 2 microbatches, float32
+    assert predicted["collective-permute"] == {"count": 2 * 2 * v, "bytes": 2 * 2 * v * activation}
     assert predicted == hlo.summary(compiled.as_text(), num_devices=mesh.size)
 
 
@@ -107,10 +119,11 @@ def _temp_bytes(schedule: str, microbatches: int, rows: int = 2) -> int:
 
 
 def test_1f1b_activation_memory_is_flat_in_microbatches_and_gpipe_grows():
-    gpipe = [_temp_bytes("gpipe", m) for m in (1, 4)]
-    one_f_one_b = [_temp_bytes("1f1b", m) for m in (1, 4)]
+    # 1F1B keeps the residuals of at most 2p - 1 = 3 microbatches in flight; GPipe of all M + p - 1 ticks.
+    gpipe = [_temp_bytes("gpipe", m) for m in (3, 12)]
+    one_f_one_b = [_temp_bytes("1f1b", m) for m in (3, 12)]
     assert gpipe[1] > 2 * gpipe[0], gpipe
-    # Only the microbatched token arrays (int32) grow with M under 1F1B: 3 more microbatches of 2 x 16.
+    # Only the microbatched token arrays (int32) grow with M under 1F1B: 9 more microbatches of 2 x 16.
     assert one_f_one_b[1] - one_f_one_b[0] < 0.1 * (gpipe[1] - gpipe[0]), (one_f_one_b, gpipe)
     assert one_f_one_b[1] < gpipe[1]
 
@@ -133,11 +146,161 @@ def test_errors_name_the_problem(tmp_path):
         Trainer(model, optim.sgd(0.1), layout.mesh(), layout, backend="gspmd")
     with pytest.raises(md.ConfigError, match="models.moe.Model cannot be pipelined"):
         Trainer(moe.Model(moe.Config.preset("tiny")), optim.sgd(0.1), layout.mesh(), layout)
-    with pytest.raises(md.ConfigError, match="schedule must be one of gpipe, 1f1b, got 'zigzag'"):
+    with pytest.raises(md.ConfigError, match="schedule must be one of gpipe, 1f1b, interleaved, got 'zigzag'"):
         pipeline.PipelineConfig(4, "zigzag")
     with pytest.raises(md.ConfigError, match="microbatches must be a positive integer, got 0"):
         pipeline.PipelineConfig(0)
+    with pytest.raises(md.ConfigError, match="virtual_stages = 2 needs schedule 'interleaved', not '1f1b'"):
+        pipeline.PipelineConfig(4, "1f1b", 2)
+    with pytest.raises(md.ConfigError, match="virtual_stages must be a positive integer, got 0"):
+        pipeline.PipelineConfig(4, "interleaved", 0)
+    four = md.Mesh({"stage": 4, "data": 2})
+    for layers, batch_size, m, message in (
+        (8, 12, 6, "groups of the 4 stages: 6 microbatches is not a multiple of 4"),
+        (4, 8, 4, "4 stages x 2 virtual stages do not divide layers \\(4\\) into equal chunks"),
+    ):
+        other = _tiny(layers=layers, batch=batch_size)
+        config = pipeline.PipelineConfig(m, "interleaved", 2)
+        with pytest.raises(md.ConfigError, match=message):
+            step = md.compile(lambda p, b: pipeline.value_and_grad(other, p, b, config), four, {"layers": "stage"})
+            step(*_shapes(other))
     bad = tmp_path / "bad.toml"
     bad.write_text('[rules]\nlayers = "stage"\n[pipeline]\nmicro_batches = 4\n')
     with pytest.raises(md.ConfigError, match="bad.toml.*unknown key\\(s\\) \\['micro_batches'\\]"):
         md.Layout.load(bad)
+
+
+# ---- four stages: the schedules' timetables, FLOPs, transfers and where the embedding and head run ----
+
+MESH4 = {"stage": 4, "data": 2}
+RULES4 = {"layers": "stage", "batch": "data"}
+
+
+@functools.cache
+def _four_stages(schedule: str, microbatches: int) -> tuple:
+    """The tiny Transformer (8 layers, 2 per stage, one row per microbatch and device) on stage=4 data=2:
+    the model, the compiled step and explain's summary."""
+    model = _tiny(layers=8, batch=2 * microbatches)
+    params, batch = _shapes(model)
+    config = _config(schedule, microbatches, 8, 4)
+    step = lambda p, b: pipeline.value_and_grad(model, p, b, config)  # noqa: E731
+    mesh = md.Mesh(MESH4)
+    compiled = md.compile(step, mesh, RULES4).lower(params, batch).compile()
+    return model, compiled, md.explain(step, mesh, RULES4, params, batch).summary()
+
+
+@pytest.mark.parametrize("schedule", pipeline.SCHEDULES)
+def test_four_stages_match_one_device_and_send_only_the_schedules_transfers(schedule):
+    model, compiled, predicted = _four_stages(schedule, 4)
+    ref_model, params, batch, (ref_loss, ref_grads) = _case(layers=8)
+    assert ref_model.config == model.config
+    loss, grads = compiled(params, batch)
+    assert _relative(np.asarray(loss), np.asarray(ref_loss)) < 1e-5
+    got = jax.tree_util.tree_leaves_with_path(grads, is_leaf=_is_tensor)
+    for (path, g), r in zip(got, jax.tree_util.tree_leaves(ref_grads, is_leaf=_is_tensor)):
+        assert _relative(g.numpy(), r.numpy()) < 1e-5, jax.tree_util.keystr(path)
+    # Each direction sends in the v M + p - 2 ticks in which some boundary has a microbatch to pass (a
+    # permute counts its whole buffer per device), only from the stages that have one.
+    m, p, v, c = 4, 4, 2 if schedule == "interleaved" else 1, model.config
+    activation = c.batch // 2 // m * c.length * c.d_model * 4
+    assert predicted["collective-permute"] == {"count": 2 * (v * m + p - 2), "bytes": 2 * (v * m + p - 2) * activation}
+    assert predicted == hlo.summary(compiled.as_text(), num_devices=8)
+    text = compiled.as_text()
+    pairs = sorted({pair for cp in hlo.collectives(text, num_devices=8) if cp.pairs for pair in [cp.pairs]}, key=len)
+    assert pairs[0] and len(pairs[0]) == 2, pairs  # warm-up's first tick: stage 0 alone sends (on both data rows)
+
+
+@pytest.mark.parametrize("microbatches", [4, 8])
+def test_1f1b_runs_no_more_flops_than_gpipe_and_its_ticks_give_gpipes_bubble(microbatches):
+    flops = {s: hlo_flops.matmul_flops(_four_stages(s, microbatches)[1].as_text()) for s in ("gpipe", "1f1b")}
+    assert flops["1f1b"] <= flops["gpipe"], flops
+    model = _four_stages("gpipe", microbatches)[0]
+    c = model.config
+    # The layer matmuls alone, forward and backward (3 x forward), of (M + p - 1) ticks of 2 layers on a microbatch.
+    tokens = c.batch // 2 // microbatches * c.length
+    layer = 2 * tokens * (4 * c.d_model * c.heads * c.d_kv + 2 * c.d_model * c.d_ff)
+    assert flops["1f1b"] >= 3 * 2 * layer * (microbatches + 3)
+    for schedule in ("gpipe", "1f1b"):
+        assert pipeline.ticks(schedule, 4, microbatches) == microbatches + 3
+        assert pipeline.schedule_bubble(schedule, 4, microbatches) == pytest.approx(3 / (microbatches + 3))
+    assert pipeline.ticks("interleaved", 4, microbatches, 2) == 2 * microbatches + 3
+    assert pipeline.schedule_bubble("interleaved", 4, microbatches, 2) == pytest.approx(3 / (2 * microbatches + 3))
+
+
+@pytest.mark.parametrize(
+    "schedule,stages,microbatches,v",
+    [("1f1b", 1, 3, 1), ("1f1b", 2, 2, 1), ("1f1b", 4, 3, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 5, 1),
+     ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 3, 6, 3), ("interleaved", 1, 2, 2)],
+)
+def test_timetable_runs_each_microbatch_once_each_way_in_dependency_order(schedule, stages, microbatches, v):
+    p = stages
+    forward, backward, sent = {}, {}, set()  # (microbatch, virtual stage) -> tick
+    for segment in pipeline.timetable(schedule, p, microbatches, v):
+        for t in range(segment.start, segment.start + segment.length):
+            for s in range(p):
+                mb, j, _ = pipeline.forward_item(t, s, p, v)
+                assert (s in segment.forward) == (0 <= mb < microbatches)
+                if s in segment.forward:
+                    assert (mb, j * p + s) not in forward
+                    forward[(mb, j * p + s)] = t
+                    assert (s in segment.forward_sends) == (j * p + s < v * p - 1)
+                mb, j, _ = pipeline.backward_item(t, s, p, v)
+                assert (s in segment.backward) == (0 <= mb < microbatches)
+                if s in segment.backward:
+                    assert (mb, j * p + s) not in backward
+                    backward[(mb, j * p + s)] = t
+                    assert (s in segment.backward_sends) == (j * p + s > 0)
+    everything = {(mb, k) for mb in range(microbatches) for k in range(v * p)}
+    assert set(forward) == everything == set(backward)
+    for mb, k in everything:
+        assert k == 0 or forward[(mb, k)] > forward[(mb, k - 1)]
+        assert backward[(mb, k)] >= forward[(mb, k)]
+        assert k == v * p - 1 or backward[(mb, k)] > backward[(mb, k + 1)]
+    # Each stage's ticks with work: v M forwards and v M backwards, within v M + p - 1 ticks each way.
+    ticks = max(forward.values()) + 1
+    assert ticks == v * microbatches + p - 1 == pipeline.ticks(schedule, p, microbatches, v)
+    assert pipeline.schedule_bubble(schedule, p, microbatches, v) == pytest.approx((p - 1) / (v * microbatches + p - 1))
+    # At most 2 v p - 1 chunk-microbatches between their forward and backward on any stage at once.
+    for s in range(p):
+        for t in range(max(backward.values()) + 1):
+            live = sum(forward[(mb, k)] <= t < backward[(mb, k)] for mb, k in everything if k % p == s)
+            assert live <= 2 * v * p - 1
+
+
+_CALLS: list[tuple[str, int]] = []
+
+
+def _note(kind: str) -> None:
+    """At run time, ``(kind, stage)`` appended to ``_CALLS`` by each device that runs this point of the program."""
+    try:
+        stage = lax.axis_index("stage")
+    except NameError:  # traced outside the mesh (md.compile's shape pass): nothing runs
+        return
+    jax.debug.callback(lambda s: _CALLS.append((kind, int(s))), stage)
+
+
+class _Recording(transformer.Model):
+    """The tiny Transformer noting, at run time, which stage runs its embedding and its head."""
+
+    def pre(self, params, batch):
+        _note("pre")
+        return super().pre(params, batch)
+
+    def post(self, params, x, batch):
+        _note("post")
+        return super().post(params, x, batch)
+
+
+@pytest.mark.parametrize("schedule", pipeline.SCHEDULES)
+def test_embedding_runs_only_on_the_first_stage_and_head_only_on_the_last(schedule):
+    model = _Recording(transformer.Config.preset("tiny", layers=8))
+    params, batch = jax.jit(lambda: (model.init(jax.random.key(0)), model.batch(jax.random.key(1))))()
+    config = _config(schedule, 4, 8, 4)
+    step = md.compile(lambda p, b: pipeline.value_and_grad(model, p, b, config), md.Mesh(MESH4), RULES4)
+    _CALLS.clear()
+    jax.block_until_ready(step(params, batch))
+    jax.effects_barrier()
+    stages = {kind: sorted({s for k, s in _CALLS if k == kind}) for kind in ("pre", "post")}
+    assert stages == {"pre": [0], "post": [3]}, stages
+    # Each of the stage's 2 devices (data=2) runs the head once per microbatch.
+    assert sum(k == "post" for k, _ in _CALLS) == 2 * 4

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import meshdsl as md
-from meshdsl import hlo, outputs
+from meshdsl import hlo, hlo_flops, outputs
 from meshdsl.bench import analytic, baselines, fits
 from meshdsl.bench.peaks import peak_flops
 from meshdsl.bench.report import write_reports
@@ -52,6 +52,8 @@ class BenchConfig:
     """Pipelined layouts: the microbatch counts to measure, at a fixed microbatch size (None: the layout's)."""
     schedules: list[str] | None = None
     """Pipelined layouts: the schedules to measure (None: the layout's)."""
+    virtual_stages: int | None = None
+    """The interleaved schedule's chunks per stage (None: the layout's when it is interleaved, else 2)."""
     gspmd: bool = True
     """Also compile each step on the gspmd backend and count XLA's own partitioner's bytes (the outside anchor)."""
 
@@ -206,6 +208,8 @@ def check(cfg: BenchConfig) -> None:
             raise ConfigError(f"{flag} {value}: it must be at least 1 (every entry is timed rounds x steps-per-round steps)")
     for m in cfg.microbatches or []:
         PipelineConfig(m)
+    if cfg.virtual_stages is not None:
+        PipelineConfig(1, "interleaved", cfg.virtual_stages)
     optim.make(cfg.optimizer)
     for model_name in cfg.models:
         for spec in _layout_specs(cfg.layouts, build_model(model_name, cfg.preset, **cfg.overrides), model_name):
@@ -221,8 +225,11 @@ def _pipeline_variants(cfg: BenchConfig, spec: str, model_name: str) -> list[tup
         return [None]
     own = layout.pipeline
     rows = build_model(model_name, cfg.preset, **cfg.overrides).config.batch // own.microbatches
+    v = cfg.virtual_stages or (own.virtual_stages if own.schedule == "interleaved" else 2)
     return [
-        (PipelineConfig(m, s), rows * m) for s in (cfg.schedules or [own.schedule]) for m in (cfg.microbatches or [own.microbatches])
+        (own.replace(m, s, v if s == "interleaved" else 1), rows * m)
+        for s in (cfg.schedules or [own.schedule])
+        for m in (cfg.microbatches or [own.microbatches])
     ]
 
 
@@ -234,7 +241,7 @@ def _prepare(
     overrides = cfg.overrides if variant is None else {**cfg.overrides, "batch": variant[1]}
     model = build_model(model_name, cfg.preset, **overrides)
     name = _label(spec)
-    label = name if variant is None else f"{name}[{variant[0].schedule} M={variant[0].microbatches}]"
+    label = name if variant is None else f"{name}[{_schedule_label(variant[0])} M={variant[0].microbatches}]"
     optimizer = optim.make(cfg.optimizer)
     try:
         mesh = layout.mesh()
@@ -263,7 +270,7 @@ def _prepare(
         predicted_on_accelerator=trainer.explain(state, data, platform="gpu").summary() if narrow_on_cpu else predicted,
         minimum_bytes=analytic.minimum_bytes(model, state["params"], mesh, layout, optimizer, cfg.grad_reduce_dtype),
         peak_flops=peak_flops(device.device_kind, dtype),
-        pipeline=None if pipe is None else _pipeline_fields(pipe, trainer, model),
+        pipeline=None if pipe is None else _pipeline_fields(pipe, trainer, model, text),
     )
     if cfg.gspmd:
         entry.gspmd, entry.gspmd_note = _gspmd(step, cfg.grad_reduce_dtype)
@@ -288,14 +295,22 @@ def _gspmd(step: CompiledStep, grad_reduce_dtype: str | None) -> tuple[dict[str,
     return hlo.summary(text, num_devices=trainer.mesh.size), note
 
 
-def _pipeline_fields(pipe: PipelineConfig, trainer: Trainer, model: Any) -> dict[str, Any]:
+def _schedule_label(pipe: PipelineConfig) -> str:
+    """``1f1b``, ``gpipe``, or ``interleaved v=2``."""
+    return pipe.schedule + (f" v={pipe.virtual_stages}" if pipe.schedule == "interleaved" else "")
+
+
+def _pipeline_fields(pipe: PipelineConfig, trainer: Trainer, model: Any, hlo_text: str) -> dict[str, Any]:
+    """Schedule, stages, microbatches, bubbles (theory, the timetable's ticks) and the compiled step's
+    matmul FLOPs per device (loops counted by their trip counts: :mod:`meshdsl.hlo_flops`)."""
     from meshdsl.lowering.spmd import SpmdLowering
 
     p = stages(SpmdLowering(trainer.mesh, trainer.layout), model.layers)[1]
-    m = pipe.microbatches
+    m, v = pipe.microbatches, pipe.virtual_stages
     return {
-        "schedule": pipe.schedule, "stages": p, "microbatches": m, "microbatch_rows": model.config.batch // m,
-        "bubble_theoretical": bubble(p, m), "bubble_schedule": schedule_bubble(pipe.schedule, p, m), "bubble_measured": None,
+        "schedule": pipe.schedule, "virtual_stages": v, "stages": p, "microbatches": m, "microbatch_rows": model.config.batch // m,
+        "bubble_theoretical": bubble(p, m, v), "bubble_schedule": schedule_bubble(pipe.schedule, p, m, v), "bubble_measured": None,
+        "matmul_flops_per_device": hlo_flops.matmul_flops(hlo_text),
     }
 
 

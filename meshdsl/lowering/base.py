@@ -207,6 +207,15 @@ class Lowering:
     def all_gather(self, x: jax.Array, axes: Sequence[str], dim: int) -> jax.Array:
         return x
 
-    def ppermute(self, x: jax.Array, axes: Sequence[str], shift: int, wrap: bool) -> jax.Array:
-        """Send ``x`` to the device ``shift`` places further along ``axes`` (zeros arrive where none is sent)."""
-        return x if shift == 0 or wrap else jax.numpy.zeros_like(x)
+    def ppermute(
+        self, x: jax.Array, axes: Sequence[str], shift: int, wrap: bool, sources: Sequence[int] | None = None
+    ) -> jax.Array:
+        """Send ``x`` to the device ``shift`` places further along ``axes`` (zeros arrive where none is sent).
+
+        ``sources``: only the devices at these positions along ``axes`` send (None: all)."""
+        sends = sources is None or 0 in sources
+        return x if (shift == 0 or wrap) and sends else jax.numpy.zeros_like(x)
+
+    def zeros_traced(self, like: Any) -> jax.Array:
+        """Zeros of ``like`` (a ``jax.eval_shape`` result), typed varying along the mesh axes it varies along."""
+        return jnp.zeros(like.shape, like.dtype)

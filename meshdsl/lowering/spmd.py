@@ -149,6 +149,11 @@ class SpmdLowering(Lowering):
     def with_layout(self, layout: Layout) -> "SpmdLowering":
         return SpmdLowering(self.mesh, layout, self.grad_reduce_dtype)
 
+    def zeros_traced(self, like: Any) -> jax.Array:
+        manual = getattr(like, "manual_axis_type", None)  # JAX >= 0.10; earlier releases call it vma
+        varying = manual.varying if manual is not None else getattr(like, "vma", ())
+        return _pvary(jnp.zeros(like.shape, like.dtype), tuple(sorted(varying)))
+
     def vary_like(self, x: jax.Array, *others: jax.Array) -> jax.Array:
         missing = frozenset().union(*(_varying_axes(o) for o in others)) - _varying_axes(x)
         return _pvary(x, tuple(sorted(missing)))
@@ -177,11 +182,13 @@ class SpmdLowering(Lowering):
     def all_gather(self, x: jax.Array, axes: Sequence[str], dim: int) -> jax.Array:
         return lax.all_gather(x, tuple(axes), axis=dim, tiled=True, to="invarying") if axes else x
 
-    def ppermute(self, x: jax.Array, axes: Sequence[str], shift: int, wrap: bool) -> jax.Array:
+    def ppermute(
+        self, x: jax.Array, axes: Sequence[str], shift: int, wrap: bool, sources: Sequence[int] | None = None
+    ) -> jax.Array:
         n = self.group_size(axes)
-        if shift == 0 or (wrap and shift % n == 0):
+        if (shift == 0 or (wrap and shift % n == 0)) and sources is None:
             return x
-        pairs = [(i, i + shift) for i in range(n)]
+        pairs = [(i, i + shift) for i in range(n) if sources is None or i in sources]
         pairs = [(i, j % n) for i, j in pairs if wrap or 0 <= j < n]
         if not pairs:
             return jnp.zeros_like(x)

@@ -56,6 +56,7 @@ class RunConfig:
     resume: bool = False
     microbatches: int | None = None
     schedule: str | None = None
+    virtual_stages: int | None = None
     lr_schedule: str | None = None
     """constant, cosine, linear or wsd (:func:`meshdsl.train.optim.schedule`); None: the layout's
     ``[train]`` table, else constant. So for ``warmup_steps``, ``min_lr_ratio``, ``accumulate`` and
@@ -133,7 +134,7 @@ def _optimizer(run: RunConfig) -> optim.Optimizer:
 def build_trainer(run: RunConfig, mesh: md.Mesh | None = None) -> Trainer:
     """The trainer ``run`` asks for (``run`` as :func:`resolved` gives it)."""
     layout = load_layout(run.layout)
-    pipeline = layout.pipeline.replace(run.microbatches, run.schedule)
+    pipeline = layout.pipeline.replace(run.microbatches, run.schedule, run.virtual_stages)
     return Trainer(
         _model(run), _optimizer(run), mesh or layout.mesh(), layout, run.backend, run.grad_reduce_dtype,
         pipeline=pipeline, accumulate=run.accumulate, metrics=True,
@@ -179,7 +180,7 @@ def check(run: RunConfig) -> None:
     settings.positive(run.log_every, "--log-every", "the steps between printed lines")
     model = _model(run)
     _optimizer(run)
-    pipeline = layout.pipeline.replace(run.microbatches, run.schedule)
+    pipeline = layout.pipeline.replace(run.microbatches, run.schedule, run.virtual_stages)
     check_accumulate(run.accumulate, pipelined(model, layout, pipeline, run.backend))
     if run.data is not None:
         token_file(run, model)
