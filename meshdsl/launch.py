@@ -145,17 +145,15 @@ def check_fits(run: Any, processes: int, devices: int) -> None:
     cannot run on ``processes`` x ``devices`` devices: its layout's mesh does not fit that many,
     or a dim does not divide over it. The step is traced on an abstract mesh of that size (nothing
     compiled, no devices needed); a pipelined layout's mesh is checked, its stages are not traced."""
-    import jax
-
-    import meshdsl as md
     from meshdsl.errors import MeshDslError
+    from meshdsl.mesh import axis_sizes
     from meshdsl.planner.trace import trace_step
     from meshdsl.train.loop import _model, _optimizer, load_layout
 
     total = processes * devices
     layout = load_layout(run.layout)
     try:
-        sizes = md.Mesh(layout.mesh_axes, jax.devices("cpu")[:1] * total).axis_sizes
+        sizes = axis_sizes(layout.mesh_axes, total)
         if not layout.axes_of("layers"):
             trace_step(_model(run), _optimizer(run), sizes, layout, run.grad_reduce_dtype)
     except MeshDslError as e:

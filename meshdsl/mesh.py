@@ -52,6 +52,46 @@ def _devices(devices: Any) -> list:
     return out
 
 
+class _TooFew(LayoutError):
+    """A mesh larger than the devices there are (``size``: the devices it needs)."""
+
+    def __init__(self, message: str, size: int):
+        super().__init__(message)
+        self.size = size
+
+
+def axis_sizes(axes: Mapping[str, int] | str | Sequence[tuple[str, int]], devices: int) -> dict[str, int]:
+    """The axis sizes of a mesh ``axes`` on ``devices`` devices (a ``-1`` axis takes what the others
+    leave); LayoutError for a malformed mesh or one that needs more devices than that. What ``Mesh``
+    builds its grid from, and what ``meshdsl launch`` checks before any process (or device) exists."""
+    items = _parse(axes)
+    names = [n for n, _ in items]
+    for name, size in items:
+        if not _AXIS.match(name):
+            raise LayoutError(f"mesh axis name {name!r} is not an identifier")
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or (size < 1 and size != -1):
+            raise LayoutError(f"mesh axis {name} has size {size!r}; a size is a positive int or -1")
+    if len(set(names)) != len(names):
+        raise LayoutError(f"mesh axes {names} repeat a name")
+    wildcards = [n for n, s in items if s == -1]
+    if len(wildcards) > 1:
+        raise LayoutError(f"mesh axes {', '.join(wildcards)} are all -1; at most one axis may take the remaining devices")
+    fixed = math.prod(int(s) for _, s in items if s != -1)
+    if wildcards:
+        if devices % fixed:
+            raise LayoutError(
+                f"mesh axis {wildcards[0]}=-1 takes the devices the others leave, but {devices} devices "
+                f"are not divisible by {fixed} (the product of the other axes)"
+            )
+        items = [(n, devices // fixed if s == -1 else int(s)) for n, s in items]
+    sizes = {n: int(s) for n, s in items}
+    size = math.prod(sizes.values())
+    if size > devices:
+        shown = " ".join(f"{n}={s}" for n, s in sizes.items())
+        raise _TooFew(f"mesh {shown} needs {size} devices, but only {devices} are available", size)
+    return sizes
+
+
 class Mesh:
     """Devices arranged as an array with named axes: ``Mesh({"data": 4, "model": 2})``.
 
@@ -60,36 +100,17 @@ class Mesh:
     """
 
     def __init__(self, axes: Mapping[str, int] | str | Sequence[tuple[str, int]], devices: Sequence | None = None):
-        items = _parse(axes)
         given = devices is not None
         devices = _devices(devices) if given else list(jax.devices())
-        names = [n for n, _ in items]
-        for name, size in items:
-            if not _AXIS.match(name):
-                raise LayoutError(f"mesh axis name {name!r} is not an identifier")
-            if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or (size < 1 and size != -1):
-                raise LayoutError(f"mesh axis {name} has size {size!r}; a size is a positive int or -1")
-        if len(set(names)) != len(names):
-            raise LayoutError(f"mesh axes {names} repeat a name")
-        wildcards = [n for n, s in items if s == -1]
-        if len(wildcards) > 1:
-            raise LayoutError(f"mesh axes {', '.join(wildcards)} are all -1; at most one axis may take the remaining devices")
-        fixed = math.prod(int(s) for _, s in items if s != -1)
-        if wildcards:
-            if len(devices) % fixed:
-                raise LayoutError(
-                    f"mesh axis {wildcards[0]}=-1 takes the devices the others leave, but {len(devices)} devices "
-                    f"are not divisible by {fixed} (the product of the other axes)"
-                )
-            items = [(n, len(devices) // fixed if s == -1 else int(s)) for n, s in items]
-        self.axis_sizes: dict[str, int] = {n: int(s) for n, s in items}
-        if self.size > len(devices):
+        try:
+            self.axis_sizes: dict[str, int] = axis_sizes(axes, len(devices))
+        except _TooFew as e:
             hint = "" if given or devices[0].platform != "cpu" else (
-                f"; on a machine without accelerators, simulate {self.size} CPU devices by setting "
-                f"XLA_FLAGS={DEVICE_FLAG}={self.size} before JAX starts (or jax.config.update('jax_num_cpu_devices', "
-                f"{self.size}) before its first use)"
+                f"; on a machine without accelerators, simulate {e.size} CPU devices by setting "
+                f"XLA_FLAGS={DEVICE_FLAG}={e.size} before JAX starts (or jax.config.update('jax_num_cpu_devices', "
+                f"{e.size}) before its first use)"
             )
-            raise LayoutError(f"mesh {self} needs {self.size} devices, but only {len(devices)} are available{hint}")
+            raise LayoutError(f"{e}{hint}") from None
         grid = np.array(devices[: self.size], dtype=object).reshape(tuple(self.axis_sizes.values()))
         self.jax_mesh = jax.sharding.Mesh(grid, tuple(self.axis_sizes))
 

@@ -231,7 +231,7 @@ def test_a_layout_splitting_almost_nothing_of_the_model_is_warned_about(user_mod
     mesh = md.Mesh({"data": 4, "model": 2})
     (warning,) = split_warnings(md.Layout.load(LAYOUTS / "dp_tp.toml"), mesh, model, "user_lm.py")
     vocab, hidden = 2 * 64 * 16, 2 * 16 * 256  # parameters with vocab; the MLP's two weights
-    assert warning == ("layout batch:data; groups:data; heads:model; d_ff:model; vocab:model splits only vocab of "
+    assert warning == ("layout batch:data; groups:data; heads:model; kv_heads:model; d_ff:model; vocab:model splits only vocab of "
                        f"model user_lm.py: {vocab / (vocab + hidden):.0%} of its parameters and none of its batch's "
                        "dims (examples, seq), so most of the step runs replicated on each of the 8 devices")
     (nothing,) = split_warnings(md.Layout("batch:data; d_ff:model"), mesh, model, "user_lm.py")

@@ -98,6 +98,12 @@ class TokenFile:
         first = index * self.batch
         return self._batch(lambda r: self.train_tokens + (first + r) % self.eval_windows * self.length, mesh, layout)
 
+    def abstract_batch(self, mesh: md.Mesh, layout: md.Layout) -> dict[str, md.Tensor]:
+        """A batch's shapes, dtype and sharding with nothing read: what a step compiles for."""
+        shape = self.spec.shape
+        array = jax.ShapeDtypeStruct(shape.sizes, self.spec.dtype, sharding=layout.sharding(mesh, shape))
+        return {self.spec.inputs: md.Tensor(array, shape), self.spec.targets: md.Tensor(array, shape)}
+
     def _batch(self, start_of: Any, mesh: md.Mesh, layout: md.Layout) -> dict[str, md.Tensor]:
         """Inputs and targets: each device block reads only its rows' windows (``start_of(row)``), once for both."""
         shape = self.spec.shape

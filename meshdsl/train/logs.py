@@ -77,8 +77,12 @@ class Logs:
         intact = "the lines of the steps before it are in it"
         if self.json is not None:
             with outputs.writing(f"--log-json {self.log_json!r} at step {step}", intact):
-                self.json.write(json.dumps({"step": step, **record}) + "\n")
-                self.json.flush()
+                try:
+                    self.json.write(json.dumps({"step": step, **record}) + "\n")
+                    self.json.flush()
+                except OSError:
+                    self._drop_json()
+                    raise
         if self.board is not None:
             with outputs.writing(f"--tensorboard event file at step {step}", "the steps before it are in it"):
                 for key, value in record.items():
@@ -86,10 +90,23 @@ class Logs:
                         self.board.add_scalar(TAGS[key], value, step)
                 self.board.flush()
 
+    def _drop_json(self) -> None:
+        """Stop writing the JSON log (and drawing its curve) after a failed write: reported once, its
+        buffer cannot be flushed."""
+        try:
+            self.json.close()
+        except OSError:
+            pass
+        self.json = self.png = None
+
     def close(self) -> Path | None:
         """Close the sinks and draw the loss curve (when there is a JSON log); the PNG's path, or None."""
         if self.json is not None:
-            self.json.close()
+            with outputs.writing(f"--log-json {self.log_json!r} at the end", "the lines of the steps before it are in it"):
+                try:
+                    self.json.close()
+                finally:
+                    self.json = None
         if self.board is not None:
             self.board.close()
         if self.png is None or not self.curve:

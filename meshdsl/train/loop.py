@@ -124,6 +124,7 @@ def resolved(run: RunConfig) -> RunConfig:
 
 
 def _optimizer(run: RunConfig) -> optim.Optimizer:
+    run = resolved(run)
     kwargs = {} if run.learning_rate is None else {"learning_rate": run.learning_rate}
     multiplier = optim.schedule(run.lr_schedule, run.steps, run.warmup_steps, run.min_lr_ratio)
     # a constant rate without warmup stays a number: the very program (and losses) of a run without a schedule
@@ -132,7 +133,8 @@ def _optimizer(run: RunConfig) -> optim.Optimizer:
 
 
 def build_trainer(run: RunConfig, mesh: md.Mesh | None = None) -> Trainer:
-    """The trainer ``run`` asks for (``run`` as :func:`resolved` gives it)."""
+    """The trainer ``run`` asks for, its settings left None taken as :func:`resolved` takes them."""
+    run = resolved(run)
     layout = load_layout(run.layout)
     pipeline = layout.pipeline.replace(run.microbatches, run.schedule, run.virtual_stages)
     return Trainer(
@@ -410,7 +412,7 @@ def _train(
     # Compiled ahead to check its memory (before any state exists) and to time it; the jit calls below
     # find the executable in JAX's cache and, being jit calls, take host-local inputs (the data key)
     # as every process's copy of one array.
-    like = jax.random.key_data(jax.random.key(run.seed)) if tokens is None else tokens.batch_at(0, mesh, layout)
+    like = jax.random.key_data(jax.random.key(run.seed)) if tokens is None else tokens.abstract_batch(mesh, layout)
     compile_checked(trainer, like, f"a training step of {run.model} {run.preset} under {run.layout}")
     state, data_key, first = _start(run, trainer, manager, out)
     if first:
