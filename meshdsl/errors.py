@@ -26,3 +26,8 @@ class ConfigError(MeshDslError):
 
 class DataError(MeshDslError):
     """A token file that is missing, malformed, too short, or holds ids outside the vocabulary."""
+
+
+class UnsupportedJaxError(MeshDslError):
+    """A traced program meshdsl cannot read on the JAX at hand: a primitive whose parameters are laid
+    out as no supported JAX version lays them out (the message names the primitive and the version)."""
