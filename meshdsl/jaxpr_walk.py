@@ -474,7 +474,7 @@ def _merge_eqns(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dic
             continue
         if eqn.primitive is LEAVE_SHARD_MAP:
             left[eqn.outvars[0]] = (eqn.invars[0], _marker_key(eqn))
-        elif eqn.primitive is ENTER_SHARD_MAP and left.get(eqn.invars[0], (None, None))[1] == _marker_key(eqn):
+        elif eqn.primitive is ENTER_SHARD_MAP and _left_as(left, eqn.invars[0]) == _marker_key(eqn):
             subst[eqn.outvars[0]] = left[eqn.invars[0]][0]  # the same blocks back again: XLA cancels the round trip
             continue
         key = None if eqn.primitive.name in _ALL_REDUCES and not barriers else _merge_key(eqn)
@@ -495,6 +495,12 @@ def _merge_eqns(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dic
         if not _same(outvars, out[first].outvars):
             out[first] = out[first].replace(outvars=outvars)
     return out
+
+
+def _left_as(left: Mapping[Any, tuple[Any, tuple]], operand: Any) -> tuple | None:
+    """The spec and mesh under which ``operand`` left a ``shard_map``, if it did (a literal, such as
+    a Python number passed to a compiled function, left none: JAX 0.12's literals are unhashable)."""
+    return left[operand][1] if isinstance(operand, jex_core.Var) and operand in left else None
 
 
 def _marker_key(eqn: jex_core.JaxprEqn) -> tuple:

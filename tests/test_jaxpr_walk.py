@@ -163,3 +163,30 @@ def test_reading_the_carries_of_an_unknown_scan_is_a_clear_error() -> None:
     step = dataclasses.replace(step, params={"length": 4, "jaxpr": step.params["jaxpr"]})
     with pytest.raises(md.UnsupportedJaxError, match=rf"'scan' equation on JAX {jax.__version__}: no count"):
         carried(step)
+
+
+def test_report_of_an_optax_step_around_a_compiled_function_with_a_number() -> None:
+    """A Python number passed to an ``md.compile`` 'd function enters its ``shard_map`` as a literal,
+    unhashable on JAX 0.12: the walker read it as a variable (``TypeError: unhashable type: 'Literal'``,
+    issue 24). The report of the whole optax step equals the compiled program's collectives."""
+    import optax
+
+    from meshdsl import hlo
+    from meshdsl.explain import report_of_jaxpr
+
+    mesh = md.Mesh({"data": 4, "model": 2})
+    batch, d, f = md.Dim("batch", 8), md.Dim("d", 4), md.Dim("f", 6)
+    loss = md.compile(lambda w, x, k: md.reduce_mean(md.square(md.einsum(x, w, out=[batch, f]) * k)).array, mesh, "batch:data; f:model")
+    rng = np.random.default_rng(0)
+    w = md.tensor(rng.standard_normal((4, 6)).astype(np.float32), [d, f])
+    x = md.tensor(rng.standard_normal((8, 4)).astype(np.float32), [batch, d])
+    opt = optax.adam(1e-3)
+
+    def train_step(w, state, x):
+        value, grads = jax.value_and_grad(loss)(w, x, 2.0)
+        updates, state = opt.update(grads, state, w)
+        return optax.apply_updates(w, updates), state, value
+
+    traced = jax.make_jaxpr(train_step)(w, opt.init(w), x)
+    compiled = jax.jit(train_step).lower(w, opt.init(w), x).compile().as_text()
+    assert report_of_jaxpr(traced.jaxpr, mesh.axis_sizes, True).summary() == hlo.summary(compiled)
