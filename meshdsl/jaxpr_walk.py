@@ -17,13 +17,15 @@
 * Dead code is dropped: before inlining, as JAX does before lowering, and after (with a loop's
   carries no next iteration needs); and at the end, what merging left unused.
 * Identical computations are merged within each computation (a loop body or branch is a
-  computation of its own, so nothing merges across a loop's boundary), twice, as XLA:CPU runs
-  its CSE: first with the optimization barriers keeping a recomputation apart from the forward
-  pass; then, the barriers expanded away (after XLA's all-reduce combiner has tupled the
-  all-reduces), merging what only a barrier kept apart, except all-reduces. So a recomputed
-  all-reduce runs again under ``prevent_cse=True`` and not under ``prevent_cse=False``, while a
-  recomputed all-gather, reduce-scatter, all-to-all or permute merges with the forward pass's
-  either way. A global array that leaves one ``shard_map`` and enters another under the same
+  computation of its own, so nothing merges across a loop's boundary), as XLA:CPU runs its CSE,
+  first with the optimization barriers keeping a recomputation apart from the forward pass. What
+  follows depends on the XLA at hand (:data:`CSE_AFTER_BARRIERS`): XLA of jaxlib 0.10 expands the
+  barriers away (after its all-reduce combiner has tupled the all-reduces) and runs CSE again,
+  merging what only a barrier kept apart except all-reduces; so a recomputed all-reduce runs
+  again under ``prevent_cse=True`` and not under ``prevent_cse=False``, while a recomputed
+  all-gather, reduce-scatter, all-to-all or permute merges with the forward pass's either way.
+  XLA of jaxlib 0.11 and newer merges nothing a barrier kept apart: under ``prevent_cse=True``
+  every recomputed collective runs again. A global array that leaves one ``shard_map`` and enters another under the same
   spec is the same per-device block: XLA cancels that round trip.
 * An all-reduce or all-gather of a value computed from constants alone (a shift past the end of
   a dim, ``md.zeros``) moves nothing: the value is the same on every device, XLA's all-reduce
@@ -37,6 +39,7 @@ import functools
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
+import jaxlib
 import numpy as np
 from jax import lax
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: drop what XLA would drop as dead
@@ -55,6 +58,16 @@ LEAVE_SHARD_MAP = jex_core.Primitive("leave_shard_map")
 GATHERED_CONSTANT = jex_core.Primitive("gathered_constant")
 """An ``all_gather`` of a value that is the same on every device: XLA tiles it locally, no data moves."""
 """A ``shard_map`` body's per-device result becoming a global result (``spec``, ``mesh``): no data moves."""
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+    return tuple(int(p) for p in jaxlib.__version__.split(".")[:2] if p.isdigit())
+
+
+CSE_AFTER_BARRIERS = _jaxlib_version() < (0, 11)
+"""Whether the XLA at hand merges, after expanding optimization barriers, what only a barrier kept
+apart (all-reduces excepted): measured so with jaxlib 0.10.2; with 0.12.0.1 (and, by the same
+tests failing there, 0.11.2) nothing behind a barrier merges, collective or not."""
 
 
 @functools.cache
@@ -195,7 +208,7 @@ def as_compiled(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
     inlined = _dead_dropped(_rewritten(live, _inline_eqns, {}))
     inlined = _rewritten(inlined, _constant_collectives_dropped, {})
     merged = _rewritten(inlined, functools.partial(_merge_eqns, barriers=True), {})
-    merged = _rewritten(merged, functools.partial(_merge_eqns, barriers=False), {})
+    merged = _rewritten(merged, functools.partial(_merge_eqns, barriers=False, merge=CSE_AFTER_BARRIERS), {})
     return _rewritten(merged, _unused_dropped, {})
 
 
@@ -453,14 +466,17 @@ def _same_on_every_device(eqn: jex_core.JaxprEqn) -> bool:
 _ALL_REDUCES = frozenset({"psum", "psum_invariant", "pmax", "pmin"})
 
 
-def _merge_eqns(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dict[Any, Any], barriers: bool) -> list[jex_core.JaxprEqn]:
+def _merge_eqns(
+    jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dict[Any, Any], barriers: bool, merge: bool = True
+) -> list[jex_core.JaxprEqn]:
     """Each equation that repeats an earlier one of the same computation removed, its results
     recorded in ``subst`` as the earlier one's (XLA's CSE).
 
     ``barriers``: optimization barriers keep what they pass apart (XLA's CSE before it expands
     them). Otherwise they are gone, and what only they kept apart merges, all-reduces excepted
     (XLA:CPU's CSE after expanding the barriers, once its all-reduce combiner has run, merges
-    every other collective but no all-reduce).
+    every other collective but no all-reduce). ``merge`` False: the barriers are only expanded,
+    nothing merges (newer XLA, :data:`CSE_AFTER_BARRIERS`).
     """
     out: list[jex_core.JaxprEqn] = []
     seen: dict[tuple, int] = {}
@@ -477,7 +493,7 @@ def _merge_eqns(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dic
         elif eqn.primitive is ENTER_SHARD_MAP and _left_as(left, eqn.invars[0]) == _marker_key(eqn):
             subst[eqn.outvars[0]] = left[eqn.invars[0]][0]  # the same blocks back again: XLA cancels the round trip
             continue
-        key = None if eqn.primitive.name in _ALL_REDUCES and not barriers else _merge_key(eqn)
+        key = None if not merge or (eqn.primitive.name in _ALL_REDUCES and not barriers) else _merge_key(eqn)
         if key is None or key not in seen:
             if key is not None:
                 seen[key] = len(out)
