@@ -220,8 +220,13 @@ def reduce(kind: str, x: Named, dims: str | Iterable[str] | None = None) -> Name
     return Named(xp.asarray(fn(x.array, axis=axes)), [n for n in x.names if n not in dims])
 
 
+_finite_or_zero = lift(lambda xp, a: xp.where(xp.isfinite(a), a, xp.zeros_like(a)))
+
+
 def logsumexp(x: Named, dims: str | Iterable[str] | None = None) -> Named:
-    top = stop_gradient(reduce("max", x, dims))
+    """As ``jax.nn.logsumexp`` and ``scipy.special.logsumexp``: a maximum that is not finite (a row of
+    ``-inf``) shifts by 0, so such a row gives ``-inf``."""
+    top = stop_gradient(_finite_or_zero(reduce("max", x, dims)))
     return log(reduce("sum", exp(x - top), dims)) + top
 
 
