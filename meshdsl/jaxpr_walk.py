@@ -384,7 +384,9 @@ def _shard_map_inlined(eqn: jex_core.JaxprEqn) -> list[jex_core.JaxprEqn]:
 
     eqns = [marker(ENTER_SHARD_MAP, x, _fresh(v, env), spec) for x, v, spec in zip(eqn.invars, body.invars, in_specs)]
     eqns += _body_eqns(body, env)
-    eqns += [marker(LEAVE_SHARD_MAP, _atom(r, env), v, spec) for r, v, spec in zip(body.outvars, eqn.outvars, out_specs)]
+    eqns += [
+        marker(LEAVE_SHARD_MAP, _atom(r, env), v, spec) for r, v, spec in zip(body.outvars, eqn.outvars, out_specs)
+    ]
     return eqns
 
 

@@ -467,7 +467,9 @@ def build_softmax(ctx: Context, h: Value) -> Step | None:
     return Step(f"{name}({'all' if every else _s(dims)})", lambda x: fn(x, arg), lambda x: ref(x, None if every else dims))
 
 
-def _masked_softmax(name: str, fn: Callable[..., Any], ref: Callable[..., Any], dims: list[str], rows: dict[str, int]) -> Step:
+def _masked_softmax(
+    name: str, fn: Callable[..., Any], ref: Callable[..., Any], dims: list[str], rows: dict[str, int]
+) -> Step:
     """``name`` over ``dims`` with every third row (a position of the other dims) fully masked to
     -inf, as attention masks do (issue 21). logsumexp must give exactly -inf there, as jax.nn's
     (its -inf then reads 0, so the chain goes on finite); softmax and log_softmax give nan there,

@@ -235,7 +235,8 @@ def search(
             dropped.append(Dropped(cand, str(e)))
             continue
         except Exception as e:  # a bug met by one layout of many: left out, and reported (SearchResult.failures)
-            dropped.append(Dropped(cand, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}", failed=True, error=e))
+            reason = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+            dropped.append(Dropped(cand, reason, failed=True, error=e))
             continue
         if progress is not None:
             progress(f"  {cand.name}: {prediction.step_s * 1e3:.2f} ms, {prediction.memory.total / GiB:.2f} GiB")
@@ -247,8 +248,8 @@ def search(
     if not ranked and failures:
         first = failures[0]
         raise SearchFailed(
-            f"meshdsl failed to trace {len(failures)} of {traced} traced candidates of {name} (a bug in meshdsl to report, "
-            f"not an illegal layout), e.g. {first.candidate.name}: {first.reason}"
+            f"meshdsl failed to trace {len(failures)} of {traced} traced candidates of {name} "
+            f"(a bug in meshdsl to report, not an illegal layout), e.g. {first.candidate.name}: {first.reason}"
         ) from first.error
     if not ranked:
         raise ConfigError(_no_fit(name, devices, limit, dropped))
