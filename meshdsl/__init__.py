@@ -7,7 +7,7 @@ axis), and ``md.compile`` runs it with the collectives the layout needs. See doc
 from meshdsl import checkpoint, nn, pipeline, random
 from meshdsl.compile import Backend, Compiled, compile
 from meshdsl.dims import Dim, Shape
-from meshdsl.errors import ConfigError, DataError, LayoutError, MeshDslError, ShapeError, WriteError
+from meshdsl.errors import ConfigError, DataError, LayoutError, MeshDslError, ShapeError, UnsupportedJaxError, WriteError
 from meshdsl.explain import Communication, Report, explain
 from meshdsl.layout import Layout
 from meshdsl.lowering.context import use_layout
@@ -120,6 +120,7 @@ __all__ = [
     "tensor",
     "top_k",
     "transpose",
+    "UnsupportedJaxError",
     "unstack",
     "use_layout",
     "where",

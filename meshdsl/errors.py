@@ -42,3 +42,8 @@ class WriteError(MeshDslError):
 
 class TrainingError(MeshDslError):
     """A training run that cannot go on: a loss that is NaN or infinite (``--allow-nan`` trains on)."""
+
+
+class UnsupportedJaxError(MeshDslError):
+    """A traced program meshdsl cannot read on the JAX at hand: a primitive whose parameters are laid
+    out as no supported JAX version lays them out (the message names the primitive and the version)."""

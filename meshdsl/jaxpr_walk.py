@@ -17,13 +17,15 @@
 * Dead code is dropped: before inlining, as JAX does before lowering, and after (with a loop's
   carries no next iteration needs); and at the end, what merging left unused.
 * Identical computations are merged within each computation (a loop body or branch is a
-  computation of its own, so nothing merges across a loop's boundary), twice, as XLA:CPU runs
-  its CSE: first with the optimization barriers keeping a recomputation apart from the forward
-  pass; then, the barriers expanded away (after XLA's all-reduce combiner has tupled the
-  all-reduces), merging what only a barrier kept apart, except all-reduces. So a recomputed
-  all-reduce runs again under ``prevent_cse=True`` and not under ``prevent_cse=False``, while a
-  recomputed all-gather, reduce-scatter, all-to-all or permute merges with the forward pass's
-  either way. A global array that leaves one ``shard_map`` and enters another under the same
+  computation of its own, so nothing merges across a loop's boundary), as XLA:CPU runs its CSE,
+  first with the optimization barriers keeping a recomputation apart from the forward pass. What
+  follows depends on the XLA at hand (:data:`CSE_AFTER_BARRIERS`): XLA of jaxlib 0.10 expands the
+  barriers away (after its all-reduce combiner has tupled the all-reduces) and runs CSE again,
+  merging what only a barrier kept apart except all-reduces; so a recomputed all-reduce runs
+  again under ``prevent_cse=True`` and not under ``prevent_cse=False``, while a recomputed
+  all-gather, reduce-scatter, all-to-all or permute merges with the forward pass's either way.
+  XLA of jaxlib 0.11 and newer merges nothing a barrier kept apart: under ``prevent_cse=True``
+  every recomputed collective runs again. A global array that leaves one ``shard_map`` and enters another under the same
   spec is the same per-device block: XLA cancels that round trip.
 * An all-reduce or all-gather of a value computed from constants alone (a shift past the end of
   a dim, ``md.zeros``) moves nothing: the value is the same on every device, XLA's all-reduce
@@ -37,11 +39,93 @@ import functools
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
+import jaxlib
 import numpy as np
 from jax import lax
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: drop what XLA would drop as dead
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as jex_primitives
+
+from meshdsl.errors import UnsupportedJaxError
+
+_NO_OP = frozenset({"name", "stop_gradient"})
+"""Primitives JAX lowers to nothing whose result has its operand's type: ``checkpoint_name``'s and
+``lax.stop_gradient``'s (so ``argmax``'s local max of ``stop_gradient(x)`` merges with ``reduce_max``'s of ``x``)."""
+
+ENTER_SHARD_MAP = jex_core.Primitive("enter_shard_map")
+"""A global operand becoming a ``shard_map`` body's per-device block (``spec``, ``mesh``): no data moves."""
+LEAVE_SHARD_MAP = jex_core.Primitive("leave_shard_map")
+GATHERED_CONSTANT = jex_core.Primitive("gathered_constant")
+"""An ``all_gather`` of a value that is the same on every device: XLA tiles it locally, no data moves."""
+"""A ``shard_map`` body's per-device result becoming a global result (``spec``, ``mesh``): no data moves."""
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+    return tuple(int(p) for p in jaxlib.__version__.split(".")[:2] if p.isdigit())
+
+
+CSE_AFTER_BARRIERS = _jaxlib_version() < (0, 11)
+"""Whether the XLA at hand merges, after expanding optimization barriers, what only a barrier kept
+apart (all-reduces excepted): measured so with jaxlib 0.10.2; with 0.12.0.1 (and, by the same
+tests failing there, 0.11.2) nothing behind a barrier merges, collective or not."""
+
+
+@functools.cache
+def barrier_primitive() -> Any:
+    """``lax.optimization_barrier``'s primitive (``jax.extend`` does not export it)."""
+    return jax.make_jaxpr(lax.optimization_barrier)(0.0).eqns[0].primitive
+
+
+# ---- equation params across JAX versions ---------------------------------------------------------
+# The one place that knows how each supported JAX (0.10 to 0.12) lays out the params of the
+# equations meshdsl looks inside; everything else asks these functions.
+
+
+def param(name: str, params: Mapping[str, Any], key: str) -> Any:
+    """``params[key]`` of a ``name`` equation; UnsupportedJaxError, naming both and the JAX version, if absent."""
+    if key not in params:
+        raise _unsupported(name, params, f"no param {key!r}")
+    return params[key]
+
+
+def _unsupported(name: str, params: Mapping[str, Any], what: str) -> UnsupportedJaxError:
+    return UnsupportedJaxError(
+        f"meshdsl cannot read a {name!r} equation on JAX {jax.__version__}: {what} (its params: "
+        f"{', '.join(sorted(params)) or 'none'}); meshdsl reads JAX 0.10 to 0.12"
+    )
+
+
+def scan_counts(params: Mapping[str, Any]) -> tuple[int, int]:
+    """``(constants, carries)``: how many of a ``scan`` 's leading operands are loop constants and
+    how many after them are carries (the rest are scanned over; its results are the carries, then
+    the stacked outputs). JAX 0.10 names the counts ``num_consts`` and ``num_carry``; newer JAX
+    keeps them as the sizes of the groups of a tree of its operands, ``ft_in`` (constants,
+    carries, scanned-over)."""
+    if "num_consts" in params and "num_carry" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    groups = params.get("ft_in")
+    try:
+        consts, carry, _ = groups.unpack()
+        return len(consts), len(carry)
+    except (AttributeError, TypeError, ValueError):
+        raise _unsupported("scan", params, "no count of its constants and carries") from None
+
+
+def while_counts(params: Mapping[str, Any]) -> tuple[int, int]:
+    """``(condition constants, body constants)``: a ``while`` 's leading operands (its carries follow)."""
+    return int(param("while", params, "cond_nconsts")), int(param("while", params, "body_nconsts"))
+
+
+def loop_carries(name: str, params: Mapping[str, Any], n_operands: int) -> range:
+    """Positions of a loop's operands that are its carries, in the order of its first results
+    (empty for anything that is not a ``scan`` or ``while``)."""
+    if name == "scan":
+        consts, carry = scan_counts(params)
+        return range(consts, consts + carry)
+    if name == "while":
+        return range(sum(while_counts(params)), n_operands)
+    return range(0)
+
 
 _CALLS = {
     "jit": "jaxpr",
@@ -55,22 +139,38 @@ _CALLS = {
 """Call primitives XLA inlines, with the parameter holding the called jaxpr (operands one to one)."""
 _REMATS = ("remat2", "checkpoint", "remat")
 """Names of ``jax.checkpoint``'s primitive across JAX versions."""
-_NO_OP = frozenset({"name", "stop_gradient"})
-"""Primitives JAX lowers to nothing whose result has its operand's type: ``checkpoint_name``'s and
-``lax.stop_gradient``'s (so ``argmax``'s local max of ``stop_gradient(x)`` merges with ``reduce_max``'s of ``x``)."""
-
-ENTER_SHARD_MAP = jex_core.Primitive("enter_shard_map")
-"""A global operand becoming a ``shard_map`` body's per-device block (``spec``, ``mesh``): no data moves."""
-LEAVE_SHARD_MAP = jex_core.Primitive("leave_shard_map")
-GATHERED_CONSTANT = jex_core.Primitive("gathered_constant")
-"""An ``all_gather`` of a value that is the same on every device: XLA tiles it locally, no data moves."""
-"""A ``shard_map`` body's per-device result becoming a global result (``spec``, ``mesh``): no data moves."""
 
 
-@functools.cache
-def barrier_primitive() -> Any:
-    """``lax.optimization_barrier``'s primitive (``jax.extend`` does not export it)."""
-    return jax.make_jaxpr(lax.optimization_barrier)(0.0).eqns[0].primitive
+def called(name: str, params: Mapping[str, Any]) -> Any:
+    """The jaxpr (closed or not) a call, ``jax.checkpoint`` or ``shard_map`` equation runs on its operands."""
+    if name in _CALLS:
+        return param(name, params, _CALLS[name])
+    return param(name, params, "jaxpr")
+
+
+def remat_barrier(params: Mapping[str, Any], n_operands: int) -> list[int]:
+    """Operands of a ``jax.checkpoint`` equation that JAX passes through an optimization barrier: in
+    a gradient (``differentiated``), those whose ``prevent_cse`` is set (one flag, or one per operand)."""
+    if not params.get("differentiated", False):
+        return []
+    flags = params.get("prevent_cse", True)
+    flags = tuple(flags) if isinstance(flags, (tuple, list)) else (flags,) * n_operands
+    return [i for i, f in enumerate(flags) if f]
+
+
+def shard_map_specs(params: Mapping[str, Any]) -> tuple[Any, Sequence[Any], Sequence[Any]]:
+    """A ``shard_map`` 's mesh, operand specs and result specs."""
+    return tuple(param("shard_map", params, k) for k in ("mesh", "in_specs", "out_specs"))  # type: ignore[return-value]
+
+
+def cond_branches(params: Mapping[str, Any]) -> Sequence[Any]:
+    """A ``cond`` 's branches (closed jaxprs), taking its operands after the branch index."""
+    return param("cond", params, "branches")
+
+
+def scan_length(params: Mapping[str, Any]) -> int:
+    """How many iterations a ``scan`` runs."""
+    return int(param("scan", params, "length"))
 
 
 # ---- reading the rewritten program ----------------------------------------------------------
@@ -85,7 +185,7 @@ def trip_count(eqn: jex_core.JaxprEqn) -> int | None:
     """How often ``eqn`` 's :func:`bodies` run per run of ``eqn``: a ``scan`` 's length, None for a
     ``while`` (data-dependent), 1 for anything else (each branch of a ``cond`` counts as if taken)."""
     if eqn.primitive.name == "scan":
-        return int(eqn.params["length"])
+        return scan_length(eqn.params)
     return None if eqn.primitive.name == "while" else 1
 
 
@@ -108,7 +208,7 @@ def as_compiled(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
     inlined = _dead_dropped(_rewritten(live, _inline_eqns, {}))
     inlined = _rewritten(inlined, _constant_collectives_dropped, {})
     merged = _rewritten(inlined, functools.partial(_merge_eqns, barriers=True), {})
-    merged = _rewritten(merged, functools.partial(_merge_eqns, barriers=False), {})
+    merged = _rewritten(merged, functools.partial(_merge_eqns, barriers=False, merge=CSE_AFTER_BARRIERS), {})
     return _rewritten(merged, _unused_dropped, {})
 
 
@@ -210,12 +310,12 @@ def _inline_eqns(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: di
             eqn = eqn.replace(invars=invars)
         name = eqn.primitive.name
         if name in _CALLS:
-            out += _spliced(eqn.params[_CALLS[name]], eqn.invars, eqn.outvars, subst)
+            out += _spliced(called(name, eqn.params), eqn.invars, eqn.outvars, subst)
         elif name in _REMATS:
             out += _recomputed(eqn, subst)
         elif name == "shard_map":
             out += _shard_map_inlined(eqn)
-        elif name == "scan" and eqn.params["length"] == 1:
+        elif name == "scan" and scan_length(eqn.params) == 1:
             out += _one_trip(eqn, subst)
         elif name in _NO_OP:
             subst[eqn.outvars[0]] = eqn.invars[0]
@@ -264,29 +364,29 @@ def _recomputed(eqn: jex_core.JaxprEqn, subst: dict[Any, Any]) -> list[jex_core.
     recomputation stays apart from the forward pass.
     """
     args = list(eqn.invars)
-    flags = eqn.params.get("prevent_cse", True)
-    flags = tuple(flags) if isinstance(flags, (tuple, list)) else (flags,) * len(args)
-    held = [i for i, f in enumerate(flags) if f]
+    held = remat_barrier(eqn.params, len(args))
     barrier: list[jex_core.JaxprEqn] = []
-    if eqn.params.get("differentiated", False) and held:
+    if held:
         outs = [jex_core.Var(args[i].aval) for i in held]
         barrier.append(jex_core.new_jaxpr_eqn([args[i] for i in held], outs, barrier_primitive(), {}, jex_core.no_effects, eqn.source_info))
         for i, v in zip(held, outs):
             args[i] = v
-    return barrier + _spliced(eqn.params["jaxpr"], args, eqn.outvars, subst)
+    return barrier + _spliced(called(eqn.primitive.name, eqn.params), args, eqn.outvars, subst)
 
 
 def _shard_map_inlined(eqn: jex_core.JaxprEqn) -> list[jex_core.JaxprEqn]:
     """A ``shard_map`` 's body between :data:`ENTER_SHARD_MAP` and :data:`LEAVE_SHARD_MAP` markers."""
-    body, env = _closed_env(eqn.params["jaxpr"])
-    mesh = eqn.params["mesh"]
+    body, env = _closed_env(called("shard_map", eqn.params))
+    mesh, in_specs, out_specs = shard_map_specs(eqn.params)
 
     def marker(primitive: Any, source: Any, target: Any, spec: Any) -> jex_core.JaxprEqn:
         return jex_core.new_jaxpr_eqn([source], [target], primitive, {"spec": spec, "mesh": mesh}, jex_core.no_effects, eqn.source_info)
 
-    eqns = [marker(ENTER_SHARD_MAP, x, _fresh(v, env), spec) for x, v, spec in zip(eqn.invars, body.invars, eqn.params["in_specs"])]
+    eqns = [marker(ENTER_SHARD_MAP, x, _fresh(v, env), spec) for x, v, spec in zip(eqn.invars, body.invars, in_specs)]
     eqns += _body_eqns(body, env)
-    eqns += [marker(LEAVE_SHARD_MAP, _atom(r, env), v, spec) for r, v, spec in zip(body.outvars, eqn.outvars, eqn.params["out_specs"])]
+    eqns += [
+        marker(LEAVE_SHARD_MAP, _atom(r, env), v, spec) for r, v, spec in zip(body.outvars, eqn.outvars, out_specs)
+    ]
     return eqns
 
 
@@ -303,14 +403,14 @@ def _one_trip(scan: jex_core.JaxprEqn, subst: dict[Any, Any]) -> list[jex_core.J
     which the parts of its body that only the loop's dead results need are dead code: jaxpr DCE
     cannot see that inside a scan (a carry stays live when a next iteration would read it).
     """
-    body, env = _closed_env(scan.params["jaxpr"])
-    n_in = scan.params["num_consts"] + scan.params["num_carry"]
+    body, env = _closed_env(called("scan", scan.params))
+    n_consts, n_carry = scan_counts(scan.params)
+    n_in = n_consts + n_carry
     env.update(zip(body.invars[:n_in], scan.invars[:n_in]))
     squeeze = {"dimensions": (0,)}
     eqns = [_reshaped(jex_primitives.squeeze_p, squeeze, x, _fresh(v, env), scan) for x, v in zip(scan.invars[n_in:], body.invars[n_in:])]
     eqns += _body_eqns(body, env)
     results = [_atom(v, env) for v in body.outvars]
-    n_carry = scan.params["num_carry"]
     subst.update((v, r) for v, r in zip(scan.outvars[:n_carry], results[:n_carry]) if not isinstance(v, jex_core.DropVar))
     for v, y in zip(scan.outvars[n_carry:], results[n_carry:]):
         grow = {"new_sizes": tuple(v.aval.shape), "dimensions": None, "sharding": None}
@@ -368,14 +468,17 @@ def _same_on_every_device(eqn: jex_core.JaxprEqn) -> bool:
 _ALL_REDUCES = frozenset({"psum", "psum_invariant", "pmax", "pmin"})
 
 
-def _merge_eqns(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dict[Any, Any], barriers: bool) -> list[jex_core.JaxprEqn]:
+def _merge_eqns(
+    jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dict[Any, Any], barriers: bool, merge: bool = True
+) -> list[jex_core.JaxprEqn]:
     """Each equation that repeats an earlier one of the same computation removed, its results
     recorded in ``subst`` as the earlier one's (XLA's CSE).
 
     ``barriers``: optimization barriers keep what they pass apart (XLA's CSE before it expands
     them). Otherwise they are gone, and what only they kept apart merges, all-reduces excepted
     (XLA:CPU's CSE after expanding the barriers, once its all-reduce combiner has run, merges
-    every other collective but no all-reduce).
+    every other collective but no all-reduce). ``merge`` False: the barriers are only expanded,
+    nothing merges (newer XLA, :data:`CSE_AFTER_BARRIERS`).
     """
     out: list[jex_core.JaxprEqn] = []
     seen: dict[tuple, int] = {}
@@ -389,10 +492,10 @@ def _merge_eqns(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dic
             continue
         if eqn.primitive is LEAVE_SHARD_MAP:
             left[eqn.outvars[0]] = (eqn.invars[0], _marker_key(eqn))
-        elif eqn.primitive is ENTER_SHARD_MAP and left.get(eqn.invars[0], (None, None))[1] == _marker_key(eqn):
+        elif eqn.primitive is ENTER_SHARD_MAP and _left_as(left, eqn.invars[0]) == _marker_key(eqn):
             subst[eqn.outvars[0]] = left[eqn.invars[0]][0]  # the same blocks back again: XLA cancels the round trip
             continue
-        key = None if eqn.primitive.name in _ALL_REDUCES and not barriers else _merge_key(eqn)
+        key = None if not merge or (eqn.primitive.name in _ALL_REDUCES and not barriers) else _merge_key(eqn)
         if key is None or key not in seen:
             if key is not None:
                 seen[key] = len(out)
@@ -410,6 +513,12 @@ def _merge_eqns(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dic
         if not _same(outvars, out[first].outvars):
             out[first] = out[first].replace(outvars=outvars)
     return out
+
+
+def _left_as(left: Mapping[Any, tuple[Any, tuple]], operand: Any) -> tuple | None:
+    """The spec and mesh under which ``operand`` left a ``shard_map``, if it did (a literal, such as
+    a Python number passed to a compiled function, left none: JAX 0.12's literals are unhashable)."""
+    return left[operand][1] if isinstance(operand, jex_core.Var) and operand in left else None
 
 
 def _marker_key(eqn: jex_core.JaxprEqn) -> tuple:

@@ -461,7 +461,33 @@ def build_softmax(ctx: Context, h: Value) -> Step | None:
     dims = list(ctx.subset(h.dims, 1))
     every = name == "logsumexp" and ctx.draw(st.integers(0, 4)) == 0
     arg = None if every else dims
+    rows = {} if every else {n: s for n, s in h.dims.items() if n not in dims}
+    if rows and ctx.draw(st.integers(0, 3)) == 0:
+        return _masked_softmax(name, fn, ref, dims, rows)
     return Step(f"{name}({'all' if every else _s(dims)})", lambda x: fn(x, arg), lambda x: ref(x, None if every else dims))
+
+
+def _masked_softmax(
+    name: str, fn: Callable[..., Any], ref: Callable[..., Any], dims: list[str], rows: dict[str, int]
+) -> Step:
+    """``name`` over ``dims`` with every third row (a position of the other dims) fully masked to
+    -inf, as attention masks do (issue 21). logsumexp must give exactly -inf there, as jax.nn's
+    (its -inf then reads 0, so the chain goes on finite); softmax and log_softmax give nan there,
+    as jax.nn's, and the row reads 0. A gradient through the mask is finite on both sides."""
+    mask = (np.arange(math.prod(rows.values())) % 3 == 1).reshape(tuple(rows.values()))
+    inf = float("-inf")
+
+    def md_fn(x):
+        m = md.tensor(mask, [md.Dim(n, s) for n, s in rows.items()])
+        y = fn(md.where(m, inf, x), dims)
+        return md.where(md.equal(y, inf), 0.0, y) if name == "logsumexp" else md.where(m, 0.0, y)
+
+    def ref_fn(x):
+        m = Named(mask, list(rows))
+        y = ref(R.where(m, inf, x), dims)
+        return R.where(R.equal(y, inf), 0.0, y) if name == "logsumexp" else R.where(m, 0.0, y)
+
+    return Step(f"{name}({_s(dims)}, masked rows)", md_fn, ref_fn, tied=True)
 
 
 # ---- einsum ------------------------------------------------------------------------------------

@@ -216,12 +216,34 @@ def reduce(kind: str, x: Named, dims: str | Iterable[str] | None = None) -> Name
     xp = xp_of(x)
     dims = _dims(x, dims)
     axes = tuple(x.names.index(d) for d in dims)
-    fn = {"sum": xp.sum, "mean": xp.mean, "max": xp.max, "min": xp.min}[kind]
-    return Named(xp.asarray(fn(x.array, axis=axes)), [n for n in x.names if n not in dims])
+    names = [n for n in x.names if n not in dims]
+    if kind in ("max", "min"):
+        return Named(_extremum(xp, x.array, axes, kind), names)
+    fn = {"sum": xp.sum, "mean": xp.mean}[kind]
+    return Named(xp.asarray(fn(x.array, axis=axes)), names)
+
+
+def _extremum(xp, a: Any, axes: tuple[int, ...], kind: str) -> Any:
+    """The largest (smallest) entry over ``axes``, taken by its index: its derivative is the entry's,
+    as at a strict extremum (the generator keeps extrema distinct). Not ``jnp.max``'s derivative,
+    which finds the entries equal to the maximum by comparing bit for bit: under ``jax.jit`` XLA may
+    recompute the operand inside each fusion that reads it, rounding differently, and then finds
+    no entry or the wrong ones (seen with XLA of jaxlib 0.12 on a ``lax.scan`` 's stacked outputs in
+    float64: the seed-3067 program of tests/test_programs.py)."""
+    keep = [i for i in range(a.ndim) if i not in axes]
+    moved = xp.transpose(a, keep + list(axes))
+    flat = moved.reshape(moved.shape[: len(keep)] + (-1,))
+    pick = xp.argmax(flat, axis=-1) if kind == "max" else xp.argmin(flat, axis=-1)
+    return xp.asarray(xp.take_along_axis(flat, pick[..., None], axis=-1)[..., 0])
+
+
+_finite_or_zero = lift(lambda xp, a: xp.where(xp.isfinite(a), a, xp.zeros_like(a)))
 
 
 def logsumexp(x: Named, dims: str | Iterable[str] | None = None) -> Named:
-    top = stop_gradient(reduce("max", x, dims))
+    """As ``jax.nn.logsumexp`` and ``scipy.special.logsumexp``: a maximum that is not finite (a row of
+    ``-inf``) shifts by 0, so such a row gives ``-inf``."""
+    top = stop_gradient(_finite_or_zero(reduce("max", x, dims)))
     return log(reduce("sum", exp(x - top), dims)) + top
 
 

@@ -26,6 +26,7 @@ import meshdsl as md  # noqa: E402
 import strategies as S  # noqa: E402
 from meshdsl.explain import Source, report_of_jaxpr  # noqa: E402
 from meshdsl.hlo import HloCollective, collectives, summary  # noqa: E402
+from meshdsl.jaxpr_walk import CSE_AFTER_BARRIERS  # noqa: E402
 
 needs_8_devices = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (host) devices")
 
@@ -414,8 +415,10 @@ _BARRIER_CASES = {
 @needs_8_devices
 @pytest.mark.parametrize("kind", list(_BARRIER_CASES))
 def test_an_optimization_barrier_keeps_only_all_reduces_apart(kind):
-    # XLA:CPU expands optimization barriers before its last CSE, after its all-reduce combiner:
-    # of a collective and its copy behind a barrier, only an all-reduce runs twice.
+    # XLA:CPU of jaxlib 0.10 expands optimization barriers before its last CSE, after its
+    # all-reduce combiner: of a collective and its copy behind a barrier, only an all-reduce runs
+    # twice. Newer XLA merges nothing a barrier kept apart: each runs twice. md.explain models the
+    # XLA at hand (jaxpr_walk.CSE_AFTER_BARRIERS).
     collective, out = _BARRIER_CASES[kind]
 
     def f(w):
@@ -424,7 +427,7 @@ def test_an_optimization_barrier_keeps_only_all_reduces_apart(kind):
     program = jax.shard_map(f, mesh=_mesh(), in_specs=P("a"), out_specs=(out, out), check_vma=False)
     w = jnp.ones((16, 4), jnp.float32)
     actual = summary(jax.jit(program).lower(w).compile().as_text())
-    assert actual[kind]["count"] == (2 if kind == "all-reduce" else 1)
+    assert actual[kind]["count"] == (2 if kind == "all-reduce" or not CSE_AFTER_BARRIERS else 1)
     assert report_of_jaxpr(jax.make_jaxpr(program)(w).jaxpr, {"a": 4, "b": 2}, cpu=True).summary() == actual
 
 

@@ -207,6 +207,42 @@ def test_a_candidate_meshdsl_fails_to_trace_is_left_out_and_reported(monkeypatch
     assert "RuntimeError: stand-in for a bug" in err
 
 
+def test_a_search_where_every_traced_candidate_crashes_says_so(monkeypatch) -> None:
+    """A crash on every candidate is a bug reported as one (chained to the first crash), never as
+    "no layout is legal" (issue 20: a KeyError on JAX 0.12 was reported that way)."""
+    import importlib
+
+    search_module = importlib.import_module("meshdsl.planner.search")
+
+    def crashing(*args, **kwargs):
+        raise KeyError("num_consts")
+
+    monkeypatch.setattr(search_module, "trace_step", crashing)
+    with pytest.raises(search_module.SearchFailed, match=r"meshdsl failed to trace (\d+) of \1 traced candidates of mlp "
+                       r"\(a bug in meshdsl to report, not an illegal layout\), e.g. \[.*\].*: KeyError: 'num_consts'") as caught:
+        search(build_model("mlp", "tiny"), optim.make("adamw"), 8, CPU, None, pipeline=False, name="mlp")
+    assert isinstance(caught.value.__cause__, KeyError)
+
+
+def test_a_program_meshdsl_cannot_read_ends_the_search_with_one_line(monkeypatch, capsys) -> None:
+    """An equation laid out as no supported JAX lays it out fails every candidate alike: the search
+    stops at the first, and the command says so in one line naming the primitive and the version."""
+    import importlib
+
+    search_module = importlib.import_module("meshdsl.planner.search")
+    calls = []
+
+    def unreadable(*args, **kwargs):
+        calls.append(1)
+        raise md.UnsupportedJaxError(f"meshdsl cannot read a 'scan' equation on JAX {jax.__version__}: stand-in")
+
+    monkeypatch.setattr(search_module, "trace_step", unreadable)
+    argv = ["search", "--model", "mlp", "--preset", "tiny", "--devices", "8", "--profile", "cpu-sim", "--no-pipeline"]
+    assert main(argv) == 2 and len(calls) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"meshdsl search: error: meshdsl cannot read a 'scan' equation on JAX {jax.__version__}: stand-in"
+
+
 def test_search_ranks_by_predicted_time_and_writes_a_loadable_layout(tmp_path, monkeypatch) -> None:
     """Search traces only (compiling is forbidden here), ranks fastest first, and --out round-trips."""
     def no_compile(*args, **kwargs):

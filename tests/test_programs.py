@@ -230,3 +230,48 @@ def test_max_gradient_when_xla_recomputes_its_operand(layout):
     for backend in harness.BACKENDS:
         got = md.compile(fn, mesh, layout, backend=backend)(x)
         harness.assert_values_close(got.numpy(), want, what=f"{backend} d loss / dx")
+
+
+def test_max_gradient_of_a_remat_scans_outputs_seed_3067():
+    """The generator's seed-3067 program on JAX 0.12 (issue 20), chain 1: a remat'd scan whose
+    stacked outputs feed one_hot(argmax) * reduce_max over the scanned dim, mesh a2_b2_c2, gradient
+    inside and around md.compile. meshdsl was right; the float64 reference was wrong: jnp.max's
+    derivative compares its operand with the maximum bit for bit, and XLA of jaxlib 0.12 recomputed
+    the scan's outputs in another fusion, so some rows' gradients went to no entry or split. The
+    reference now takes the extremum by index (reference._extremum). This hand-written program has
+    the drawn chain's shape and checks md against that reference; the rounding that broke the old
+    reference depends on the drawn data, which it does not reproduce (the generator's own example,
+    replayed with its @reproduce_failure blob, fails with the old reference and passes now)."""
+    vocab, seq, n0, n1 = md.Dim("vocab", 12), md.Dim("seq", 6), md.Dim("n0", 4), md.Dim("n1", 4)
+    rng = np.random.default_rng(3067)
+    x = harness.rand(rng, {"vocab": 12, "seq": 6})
+    xs = harness.rand(rng, {"vocab": 12, "seq": 6, "n0": 4})
+    w = harness.rand(rng, {"vocab": 12})
+
+    def fn(x, xs, w):
+        def body(h, u):
+            h = md.einsum(h, w, out=[vocab, seq]) * 0.5 + u * 0.5
+            return h, h
+
+        _, ys = md.scan(body, x, xs, "n0", remat=True)
+        return md.one_hot(md.argmax(ys, "n0"), n1) * md.reduce_max(ys, "n0")
+
+    def ref(x, xs, w):
+        xp = R.xp_of(x, xs, w)
+        h, outs = x.array, []
+        for i in range(4):
+            h = h * w.array[:, None] * 0.5 + xs.array[..., i] * 0.5
+            outs.append(h)
+        ys = Named(xp.stack(outs, axis=-1), ["vocab", "seq", "n0"])
+        P.distinct_top(ys, ["n0"], 1)
+        return R.one_hot(R.argmax(ys, "n0"), "n1", 4) * R.reduce("max", ys, "n0")
+
+    checked = 0
+    for seed in range(4):
+        args = [x, xs, w] if seed == 0 else [harness.rand(np.random.default_rng([3067, seed]), dict(zip(t.names, t.shape.sizes))) for t in (x, xs, w)]
+        try:
+            with P.margins():
+                checked += harness.check(fn, args, ref, harness.mesh("a2_b2_c2"), "", around=True)
+        except P.NearKink:
+            continue
+    assert checked >= 2

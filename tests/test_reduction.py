@@ -19,6 +19,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 import harness
 import meshdsl as md
+from meshdsl import hlo
 import reference as R
 import strategies as S
 
@@ -256,3 +257,71 @@ def test_grad_around_compile_with_narrow_gradient_sums(layout, stored):
     for name, g, v, t in zip("xwu", grads, want, (x, w, u)):
         assert g.names == t.names, name
         harness.assert_values_close(g.numpy(), v, 2e-2, f"gradient of {name}")
+
+
+# ---- fully masked rows (issue 21) and gspmd's bytes (issue 22) -----------------------------------
+
+_JAX_SOFTMAX = {"logsumexp": jax.nn.logsumexp, "softmax": jax.nn.softmax, "log_softmax": jax.nn.log_softmax}
+
+
+def _masked_rows() -> tuple[np.ndarray, np.ndarray]:
+    """A [batch=4, vocab=16] input whose row 1 is all -inf and row 2 has a masked half, and the mask."""
+    x = np.random.default_rng(11).standard_normal((4, 16)).astype(np.float32)
+    mask = np.zeros((4, 16), bool)
+    mask[1], mask[2, ::2] = True, True
+    return np.where(mask, -np.inf, x), mask
+
+
+@pytest.mark.parametrize("backend", ["eager", *harness.BACKENDS])
+@pytest.mark.parametrize("name", list(_JAX_SOFTMAX))
+def test_softmax_family_of_fully_masked_rows_equals_jax_nn(name, backend):
+    """A row of -inf: logsumexp is -inf (it was -inf - -inf = nan), softmax and log_softmax are what
+    jax.nn's give (nan); and the gradient through a mask of each finite output is jax's, finite."""
+    x, mask = _masked_rows()
+    cot = np.random.default_rng(12).standard_normal((4, 16)).astype(np.float32)
+    dims = harness.dims({"batch": 4, "vocab": 16})
+    keep = md.tensor(~mask, dims)
+    fn, ref = getattr(md, name), _JAX_SOFTMAX[name]
+
+    def md_loss(a):
+        y = fn(md.where(keep, a, -np.inf), "vocab")
+        y = md.where(md.equal(y, y) & md.not_equal(md.abs(y), np.inf), y, 0.0)  # the finite outputs
+        c = md.tensor(cot, dims) if name != "logsumexp" else md.tensor(cot[:, 0], dims[:1])
+        return md.reduce_sum(y * c).array
+
+    def ref_loss(a):
+        y = ref(jnp.where(~mask, a, -jnp.inf), axis=1)
+        y = jnp.where(jnp.isfinite(y), y, 0.0)
+        return jnp.sum(y * (cot if name != "logsumexp" else cot[:, 0]))
+
+    def both(a):
+        return fn(a, "vocab"), jax.grad(md_loss)(a)
+
+    t = md.tensor(x, dims)
+    got = both(t) if backend == "eager" else md.compile(both, harness.mesh(MESH), "batch:data; vocab:model", backend=backend)(t)
+    np.testing.assert_allclose(got[0].numpy(), ref(x, axis=1), rtol=1e-6, atol=1e-6, equal_nan=True)
+    want = jax.grad(ref_loss)(np.where(mask, 0.0, x).astype(np.float32))
+    assert np.isfinite(want).all()
+    np.testing.assert_allclose(got[1].numpy(), want, rtol=1e-5, atol=1e-6)
+    if name == "logsumexp":
+        assert got[0].numpy()[1] == -np.inf
+
+
+@pytest.mark.parametrize("name", list(_JAX_SOFTMAX))
+def test_gspmd_softmax_family_over_split_vocab_moves_what_spmd_moves(name):
+    """gspmd's softmax family over a split dim: one max and one sum all-reduce, as spmd (the max's
+    derivative rule used to reach XLA as a (value, index) reduction, two all-gathers), forward and
+    with its gradient; values and gradients checked against the reference by harness.check."""
+    rng = np.random.default_rng(13)
+    mesh, layout = harness.mesh(MESH), md.Layout({"batch": "data", "vocab": "model"})
+    x = harness.rand(rng, BATCH_VOCAB)
+    cot = harness.rand(rng, {"batch": 8} if name == "logsumexp" else BATCH_VOCAB)
+    fn = lambda x: getattr(md, name)(x, "vocab")  # noqa: E731
+    assert harness.check(fn, [x], lambda x: getattr(R, name)(x, "vocab"), mesh, layout)
+
+    def grad(x):
+        return jax.grad(lambda x: md.reduce_sum(fn(x) * cot).array)(x)
+
+    for f in (fn, grad):
+        spmd, gspmd = (md.compile(f, mesh, layout, backend=b).lower(x).compile().as_text() for b in harness.BACKENDS)
+        assert hlo.summary(gspmd) == hlo.summary(spmd) and set(hlo.summary(gspmd)) == {"all-reduce"}

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import harness
 import reference as R
 from reference import Named
 
@@ -113,6 +114,26 @@ def test_softmax_family_reference_is_finite_and_right_on_extreme_inputs(row):
     g_sm = jax.grad(lambda v: jnp.sum(R.softmax(Named(v, "b n"), "n").array * jnp.asarray(c)))(a)
     weighted = sum(p * Decimal(ci) for p, ci in zip(probs, c))
     _close(np.asarray(g_sm).ravel(), [p * (Decimal(ci) - weighted) for p, ci in zip(probs, c)], 1e-5, 1e-6, "softmax derivative")
+
+
+def test_softmax_family_reference_of_masked_rows_is_jax_nn():
+    """A fully masked row (-inf) and a half-masked one: the references give what jax.nn gives
+    (logsumexp -inf, softmax and log_softmax nan on the masked row), values and gradients."""
+    a = np.array([[-np.inf] * 4, [1.0, -np.inf, 0.5, -np.inf]])
+    x = Named(a, "b n")
+    for name in ("logsumexp", "softmax", "log_softmax"):
+        with harness.float64_jax():
+            want = np.asarray(getattr(jax.nn, name)(jnp.asarray(a), axis=1))
+        np.testing.assert_allclose(getattr(R, name)(x, "n").array, want, rtol=1e-12, err_msg=name)
+    keep = np.isfinite(a[1])
+
+    def lse(v, ref):
+        return jnp.sum(ref(jnp.where(keep, v, -jnp.inf)) * jnp.array([1.0]))
+
+    v = jnp.asarray(np.where(keep, a[1], 0.0)[None], jnp.float32)
+    want = jax.grad(lse)(v, lambda u: jax.nn.logsumexp(u, axis=1))
+    got = jax.grad(lse)(v, lambda u: R.logsumexp(Named(u, "b n"), "n").array)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def test_take_along_and_conv2d_references_against_loops():

@@ -78,9 +78,15 @@ def exact_max(x: jax.Array, offset: Any, positions: tuple[int, ...], axes: tuple
     ``positions`` (0 on global arrays), computed as ``md.argmax`` computes it, so that the
     ``pmin`` choosing the entry is ``md.argmax``'s own when both run (one collective for XLA and
     for ``md.explain``).
+
+    Undifferentiated on global arrays (``axes`` empty: the gspmd backend, or a dim no axis splits)
+    it is a plain maximum: the GSPMD partitioner moves a (value, index) reduction over a split dim
+    as two all-gathers even when nothing reads the index, where a maximum is one all-reduce.
     """
+    if not axes:
+        return jnp.max(x, axis=positions)
     best, _ = max_and_index(x, positions)
-    return lax.pmax(best, axes) if axes else best
+    return lax.pmax(best, axes)
 
 
 @exact_max.defjvp

@@ -77,10 +77,22 @@ def reduce_min(x: Tensor, dims: Dims = None) -> Tensor:
     return _reduce(x, dims, "min")
 
 
+def _shift(x: Tensor, dims: Dims) -> Tensor:
+    """The maximum of ``x`` over ``dims``, through which no gradient flows: what the softmax family
+    subtracts before ``exp``. Taken of ``stop_gradient(x)``, so no derivative rule of the maximum runs:
+    on the gspmd backend the rule's (value, index) reduction would otherwise reach XLA, which moves
+    both by all-gathers where the maximum alone is one all-reduce."""
+    return reduce_max(ew.stop_gradient(x), dims)
+
+
 @op("logsumexp")
 def logsumexp(x: Tensor, dims: Dims = None) -> Tensor:
-    """log(sum(exp(x))) over ``dims``, computed stably."""
-    top = ew.stop_gradient(reduce_max(x, dims))
+    """log(sum(exp(x))) over ``dims``, computed stably.
+
+    A maximum that is not finite shifts by 0, as ``jax.nn.logsumexp`` does: a row of ``-inf`` (fully
+    masked) gives ``-inf``, not ``-inf - -inf = nan``.
+    """
+    top = ew._map("finite", lambda a: jnp.where(jnp.isfinite(a), a, jnp.zeros_like(a)), _shift(x, dims))
     return ew.log(reduce_sum(ew.exp(x - top), dims)) + top
 
 
@@ -113,7 +125,7 @@ def _on_local(lowering: Lowering, shape: Shape, axes: Axes, fn: Callable[..., Te
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
 def _softmax(array: jax.Array, lowering: Lowering, shape: Shape, axes: Axes, names: tuple[str, ...]) -> jax.Array:
     def value(x: Tensor) -> Tensor:
-        e = ew.exp(x - ew.stop_gradient(reduce_max(x, names)))
+        e = ew.exp(x - _shift(x, names))
         return e / reduce_sum(e, names)
 
     return _on_local(lowering, shape, axes, value, array)

@@ -31,6 +31,7 @@ from typing import AbstractSet as Set, Any, Mapping
 import jax
 
 import meshdsl as md
+from meshdsl.jaxpr_walk import loop_carries, scan_counts
 from meshdsl.tensor import is_tensor
 from meshdsl.planner.program import Block, Step, nbytes
 
@@ -109,15 +110,10 @@ def carried(step: Step) -> list[tuple[int, int]]:
     XLA runs a loop in place: each carry has one buffer, the initial value's when nothing reads
     that value after the loop.
     """
-    if step.name == "scan":
-        start = step.params["num_consts"]
-        inits = step.ins[start:start + step.params["num_carry"]]
-    elif step.name == "while":
-        inits = step.ins[step.params["cond_nconsts"] + step.params["body_nconsts"]:]
-    elif step.name == "threefry2x32":  # a loop in XLA too, over its two counter words (the keys are scalars)
+    if step.name == "threefry2x32":  # a loop in XLA too, over its two counter words (the keys are scalars)
         inits = step.ins[2:]
     else:
-        return []
+        inits = [step.ins[i] for i in loop_carries(step.name, step.params, len(step.ins))]
     return [(out, init) for (out, _), init in zip(step.outs, inits)]
 
 
@@ -130,7 +126,7 @@ def in_place(step: Step, body: Block) -> set[int]:
     """
     if step.name != "scan":
         return set(body.outputs)
-    carries = step.params["num_carry"]
+    _, carries = scan_counts(step.params)
     apart = computed(body)
     return set(body.outputs[:carries]) | {v for v in body.outputs[carries:] if v not in apart}
 
@@ -140,7 +136,7 @@ def sliced(step: Step, body: Block) -> dict[int, int]:
     copies each out of its stack into a buffer of its own every iteration (value id -> bytes)."""
     if step.name != "scan":
         return {}
-    start = step.params["num_consts"] + step.params["num_carry"]
+    start = sum(scan_counts(step.params))
     apart = computed(body)
     sizes = {v: nbytes(a) for s in body.steps for v, a in zip(s.ins, s.in_avals)}
     return {v: sizes[v] for v in body.inputs[start:len(step.ins)] if v in apart}

@@ -22,7 +22,11 @@ is traced; the rest are traced once each (:mod:`~meshdsl.planner.trace`, nothing
 priced (:mod:`~meshdsl.planner.cost`), and those whose predicted peak is over the limit dropped,
 as are those the model cannot take (a ``ConfigError``, e.g. a pipeline it has no parts for). A
 candidate whose trace raises any other error meets a bug in meshdsl: it is left out too, so one
-layout does not end the search, and listed as a failure the command reports.
+layout does not end the search, and listed as a failure the command reports. When no candidate
+is left to rank and some failed, the search ends with :class:`SearchFailed` (chained to the first
+failure), never with "no layout is legal": a crash is not a verdict on the layouts. A program
+meshdsl cannot read on the JAX at hand (:class:`~meshdsl.errors.UnsupportedJaxError`) ends the
+search at once: it would fail every candidate alike.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import meshdsl as md
-from meshdsl.errors import ConfigError
+from meshdsl.errors import ConfigError, UnsupportedJaxError
 from meshdsl.planner import memory as memory_model
 from meshdsl.planner.cost import Prediction, price
 from meshdsl.planner.profile import DeviceProfile
@@ -84,6 +88,13 @@ class Dropped:
     memory_bytes: float | None = None
     failed: bool = False
     """Tracing it raised an error other than meshdsl's own: a bug, not an illegal layout."""
+    error: BaseException | None = dataclasses.field(default=None, compare=False, repr=False)
+    """The exception of a failed candidate (kept to chain it to :class:`SearchFailed`)."""
+
+
+class SearchFailed(RuntimeError):
+    """No candidate could be ranked because meshdsl failed to trace some: a bug in meshdsl to report,
+    not a verdict on the layouts (the first failure is its ``__cause__``)."""
 
 
 @dataclasses.dataclass
@@ -227,11 +238,14 @@ def search(
         try:
             traced += 1
             prediction = price(trace_step(model, optimizer, cand.axis_sizes, cand.layout, batch=batch), model, profile)
+        except UnsupportedJaxError:
+            raise
         except (md.LayoutError, md.ShapeError, md.ConfigError) as e:
             dropped.append(Dropped(cand, str(e)))
             continue
         except Exception as e:  # a bug met by one layout of many: left out, and reported (SearchResult.failures)
-            dropped.append(Dropped(cand, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}", failed=True))
+            reason = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+            dropped.append(Dropped(cand, reason, failed=True, error=e))
             continue
         if progress is not None:
             progress(f"  {cand.name}: {prediction.step_s * 1e3:.2f} ms, {prediction.memory.total / GiB:.2f} GiB")
@@ -239,6 +253,13 @@ def search(
             dropped.append(Dropped(cand, "predicted peak memory exceeds the memory limit", prediction.memory.total))
             continue
         ranked.append((cand, prediction))
+    failures = [d for d in dropped if d.failed]
+    if not ranked and failures:
+        first = failures[0]
+        raise SearchFailed(
+            f"meshdsl failed to trace {len(failures)} of {traced} traced candidates of {name} "
+            f"(a bug in meshdsl to report, not an illegal layout), e.g. {first.candidate.name}: {first.reason}"
+        ) from first.error
     if not ranked:
         raise ConfigError(_no_fit(name, devices, limit, dropped))
     ranked.sort(key=lambda item: item[1].step_s)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import meshdsl as md
+from meshdsl.jaxpr_walk import called
 from meshdsl.lowering.base import Lowering
 from meshdsl.lowering.context import use
 from meshdsl.planner.memory import peak_bytes
@@ -70,5 +71,5 @@ def shard_map_body(jaxpr: Any) -> Any:
     """The per-device jaxpr inside the program's one ``shard_map``."""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "shard_map":
-            return eqn.params["jaxpr"]
+            return called("shard_map", eqn.params)
     raise ValueError("the traced step has no shard_map")
