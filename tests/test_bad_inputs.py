@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import meshdsl as md
+from cli_errors import one_error_line, snapshot
 from meshdsl import cli
 from meshdsl.planner.profile import load_profile
 from meshdsl.train import optim, rules
@@ -92,20 +93,6 @@ def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trained: Path) ->
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
-
-def _snapshot(root: Path) -> dict[str, Any]:
-    """Every file's bytes and every directory under ``root``, by relative path."""
-    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
-
-
-def _one_error_line(err: str, *expected: str) -> str:
-    assert "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert re.match(r"meshdsl (train|bench|explain|calibrate|search|launch): error: \S", lines[0]), err
-    for text in expected:
-        assert text in lines[0], (text, lines[0])
-    return lines[0]
 
 
 # (argv, texts the error line must hold, whether it shows before any device is used)
@@ -225,15 +212,15 @@ CLI_CASES = {
 
 @pytest.mark.parametrize("argv, expected, early", list(CLI_CASES.values()), ids=list(CLI_CASES))
 def test_cli_mistake_is_one_line_before_the_work(argv: list[str], expected: list[str], early: bool, workspace: Path, capsys) -> None:
-    before = _snapshot(workspace)
+    before = snapshot(workspace)
     code = cli.main(argv)
     out, err = capsys.readouterr()
     assert code == 2, err
-    _one_error_line(err, *expected)
+    one_error_line(err, *expected)
     assert not re.search(r"^step +\d", out, re.M), out  # nothing trained
     if early:
         assert out == "", out  # nothing started: the mistake showed before any device was used
-    assert _snapshot(workspace) == before
+    assert snapshot(workspace) == before
 
 
 @pytest.fixture
@@ -270,12 +257,12 @@ READ_ONLY_CASES = {
 @pytest.mark.parametrize("folder, argv, expected", list(READ_ONLY_CASES.values()), ids=list(READ_ONLY_CASES))
 def test_read_only_output_is_refused_before_the_work(folder: str, argv: list[str], expected: str, workspace: Path, read_only, capsys) -> None:
     read_only(workspace / folder)
-    before = _snapshot(workspace)
+    before = snapshot(workspace)
     code = cli.main(argv)
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
-    _one_error_line(err, expected, f"directory '{folder}' is not writable")
-    assert _snapshot(workspace) == before
+    one_error_line(err, expected, f"directory '{folder}' is not writable")
+    assert snapshot(workspace) == before
 
 
 def _state() -> dict[str, Any]:
@@ -353,14 +340,14 @@ API_CASES = {
 
 @pytest.mark.parametrize("call, error, expected", list(API_CASES.values()), ids=list(API_CASES))
 def test_api_mistake_is_one_md_error_and_changes_nothing(call: Callable[[], None], error: type, expected: list[str], workspace: Path) -> None:
-    before = _snapshot(workspace)
+    before = snapshot(workspace)
     with pytest.raises(error) as raised:
         call()
     message = str(raised.value)
     assert "\n" not in message and "tensorstore_spec" not in message, message
     for text in expected:
         assert text in message, (text, message)
-    assert _snapshot(workspace) == before  # no *.partial-*, no *.old-*, nothing replaced
+    assert snapshot(workspace) == before  # no *.partial-*, no *.old-*, nothing replaced
 
 
 def test_a_rule_naming_no_dim_of_the_model_is_warned_about(workspace: Path, capsys) -> None:

@@ -11,11 +11,8 @@ import io
 import json
 import os
 import re
-import resource
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +22,7 @@ import numpy as np
 import pytest
 
 import meshdsl as md
+from cli_errors import one_error_line, snapshot
 from meshdsl import cli
 from meshdsl.train.loop import RunConfig, train
 
@@ -32,21 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MLP = ["--model", "mlp", "--preset", "tiny"]
 HANG_GUARD_S = 600  # only stops a hung run from stalling CI; never a performance bound
 
-
-def _snapshot(root: Path) -> dict[str, Any]:
-    """Every file's bytes and every directory under ``root``, by relative path."""
-    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
-
-
-def _one_line(err: str, *expected: str) -> str:
-    """The single error line of ``err``, holding each of ``expected``; no traceback."""
-    assert "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert re.match(r"meshdsl (train|bench|explain|calibrate|search|launch): error: \S", lines[0]), err
-    for text in expected:
-        assert text in lines[0], (text, lines[0])
-    return lines[0]
 
 
 def _state(mesh: md.Mesh, layout: md.Layout) -> dict:
@@ -178,7 +161,7 @@ def test_two_trainers_on_one_directory_never_crash_or_overwrite(tmp_path: Path) 
     finally:
         first.kill()
     assert second.returncode == 2, second.stderr
-    _one_line(second.stderr, "checkpoint dir 'ck' is in use by another run", f"process {first.pid}")
+    one_error_line(second.stderr, "checkpoint dir 'ck' is in use by another run", f"process {first.pid}")
     assert first.returncode == 0 and "Traceback" not in err, err
     assert md.checkpoint.steps(tmp_path / "ck") == list(range(1, 41))
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == sorted(f"step_{s}" for s in range(1, 41))
@@ -199,16 +182,16 @@ def test_a_save_past_the_file_size_limit_says_which_step_why_and_what_is_intact(
     """``ulimit -f``: the resumed run cannot write step_2. One line names the step, the cause and
     the intact step_1; step_1 still restores; nothing half-written is left."""
     assert _meshdsl("train", *MLP, "--steps", "1", "--checkpoint-dir", "ck", cwd=tmp_path).returncode == 0
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     limited = [sys.executable, "-c", LIMITED, "200", "-m", "meshdsl.cli", "train", *MLP, "--steps", "2",
                "--checkpoint-dir", "ck", "--resume"]
     done = subprocess.run(limited, cwd=tmp_path, env=_cli_env(), capture_output=True, text=True,
                           timeout=HANG_GUARD_S, check=False)
     assert done.returncode == 2, done.stderr
     intact = "the newest intact checkpoint is 'ck/step_1'"
-    _one_line(done.stderr, "checkpoint of step 2 not saved", "File too large", intact)
+    one_error_line(done.stderr, "checkpoint of step 2 not saved", "File too large", intact)
     assert "step 2/2" in done.stdout  # the step ran; only its save failed
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
     state, metadata = md.checkpoint.restore(tmp_path / "ck" / "step_1", md.Mesh({"data": 8}))
     assert metadata["step"] == 1
 
@@ -236,12 +219,12 @@ def _cli(
 
 
 def test_a_checkpoint_given_as_the_checkpoint_dir_is_refused(trained: Path, capsys, monkeypatch) -> None:
-    before = _snapshot(trained)
+    before = snapshot(trained)
     argv = ["train", *MLP, "--steps", "4", "--checkpoint-dir", "ckpt/step_2", "--resume"]
     code, out, err = _cli(argv, trained, capsys, monkeypatch)
     assert code == 2 and out == ""
-    _one_line(err, "checkpoint dir 'ckpt/step_2' is itself a checkpoint", "give the directory that holds it, 'ckpt'")
-    assert _snapshot(trained) == before
+    one_error_line(err, "checkpoint dir 'ckpt/step_2' is itself a checkpoint", "give the directory that holds it, 'ckpt'")
+    assert snapshot(trained) == before
 
 
 # ---- outputs: checked before the work, never an input, failures in one line ----------------------------------------
@@ -280,13 +263,13 @@ def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.mark.parametrize("argv, expected", list(OUTPUT_CASES.values()), ids=list(OUTPUT_CASES))
 def test_an_output_that_cannot_be_written_or_is_an_input_is_refused_before_the_work(argv, expected, workspace, capsys) -> None:
-    before = _snapshot(workspace)
+    before = snapshot(workspace)
     code = cli.main(argv)
     out, err = capsys.readouterr()
     assert code == 2, err
-    _one_line(err, *expected)
+    one_error_line(err, *expected)
     assert out == ""  # refused before any device was used: nothing calibrated, trained or measured
-    assert _snapshot(workspace) == before
+    assert snapshot(workspace) == before
 
 
 def test_a_log_that_stops_growing_mid_run_is_one_line_naming_the_step(tmp_path: Path) -> None:
@@ -295,7 +278,7 @@ def test_a_log_that_stops_growing_mid_run_is_one_line_naming_the_step(tmp_path: 
     limited = [sys.executable, "-c", LIMITED, "300", "-m", "meshdsl.cli", "train", *MLP, "--steps", "30", "--log-json", "log.jsonl"]
     done = subprocess.run(limited, cwd=tmp_path, env=_cli_env(), capture_output=True, text=True, timeout=HANG_GUARD_S, check=False)
     assert done.returncode == 2, done.stderr
-    line = _one_line(done.stderr, "--log-json 'log.jsonl' at step", "could not be written: File too large", "steps before it")
+    line = one_error_line(done.stderr, "--log-json 'log.jsonl' at step", "could not be written: File too large", "steps before it")
     failed = int(re.search(r"at step (\d+)", line).group(1))
     logged = (tmp_path / "log.jsonl").read_text().splitlines()
     assert [json.loads(text)["step"] for text in logged[: failed - 1]] == list(range(1, failed))
@@ -322,7 +305,7 @@ def test_a_launch_that_cannot_work_starts_no_process(argv, expected, tmp_path, m
     code = cli.main(argv)
     out, err = capsys.readouterr()
     assert code == 2, err
-    _one_line(err, *expected)
+    one_error_line(err, *expected)
     assert out == "" and "pid" not in err  # the launcher's first line, listing the processes, never came
 
 
@@ -346,21 +329,21 @@ def test_a_flag_that_would_overflow_or_be_ignored_is_refused(argv, expected, tmp
     code = cli.main(argv)
     out, err = capsys.readouterr()
     assert code == 2, err
-    _one_line(err, *expected)
+    one_error_line(err, *expected)
     assert out == "" and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("command", [["train", *MLP], ["launch", "--local", "2", "--", "train", *MLP]])
-def test_a_device_count_in_xla_flags_that_is_no_number_is_one_line(command, tmp_path, monkeypatch, capsys) -> None:
+def test_a_device_count_in_xla_flags_that_is_no_number_isone_error_line(command, tmp_path, monkeypatch, capsys) -> None:
     """XLA would print its 94-line flag help and abort."""
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=abc")
     code = cli.main(command)
     _, err = capsys.readouterr()
     assert code == 2
-    _one_line(err, "XLA_FLAGS has --xla_force_host_platform_device_count=abc", "positive integer")
+    one_error_line(err, "XLA_FLAGS has --xla_force_host_platform_device_count=abc", "positive integer")
 
 
-def test_a_platform_that_cannot_start_is_one_line(tmp_path: Path) -> None:
+def test_a_platform_that_cannot_start_isone_error_line(tmp_path: Path) -> None:
     """JAX_PLATFORMS=cuda on a machine without a GPU plugin: JAX raises a bare AssertionError."""
     try:
         jax.devices("cuda")
@@ -370,7 +353,7 @@ def test_a_platform_that_cannot_start_is_one_line(tmp_path: Path) -> None:
         pytest.skip("this machine has a cuda device")
     done = _meshdsl("train", *MLP, "--steps", "1", cwd=tmp_path, env={**_cli_env(), "JAX_PLATFORMS": "cuda"})
     assert done.returncode == 2, done.stderr
-    _one_line(done.stderr, "JAX_PLATFORMS='cuda': JAX could not start its devices", "set it to cpu")
+    one_error_line(done.stderr, "JAX_PLATFORMS='cuda': JAX could not start its devices", "set it to cpu")
     assert list(tmp_path.iterdir()) == []
 
 
