@@ -50,7 +50,7 @@ class Config(Presets):
     compute_dtype: str = "float32"
 
     PRESETS = {
-        "tiny": dict(batch=8, length=16, d_model=32, heads=16, kv_heads=8, d_kv=4, d_ff=64, vocab=64, layers=2),
+        "tiny": dict(batch=32, length=16, d_model=32, heads=16, kv_heads=8, d_kv=4, d_ff=64, vocab=64, layers=2),
         "small": dict(batch=16, length=64, d_model=128, heads=16, kv_heads=8, d_kv=16, d_ff=384, vocab=1024, layers=4),
         # Llama 3.2 1B's dims (its embeddings are tied; here the unembedding is its own).
         "1b": dict(batch=256, length=2048, d_model=2048, heads=32, d_kv=64, d_ff=8192, layers=16, **LLAMA3),
