@@ -13,7 +13,6 @@ every input inside and around ``md.compile``, and md.explain against the compile
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp

@@ -234,7 +234,7 @@ def test_1f1b_runs_no_more_flops_than_gpipe_and_its_ticks_give_gpipes_bubble(mic
 )
 def test_timetable_runs_each_microbatch_once_each_way_in_dependency_order(schedule, stages, microbatches, v):
     p = stages
-    forward, backward, sent = {}, {}, set()  # (microbatch, virtual stage) -> tick
+    forward, backward = {}, {}  # (microbatch, virtual stage) -> tick
     for segment in pipeline.timetable(schedule, p, microbatches, v):
         for t in range(segment.start, segment.start + segment.length):
             for s in range(p):
