@@ -7,25 +7,68 @@ axis), and ``md.compile`` runs it with the collectives the layout needs. See doc
 from meshdsl import checkpoint, nn, pipeline, random
 from meshdsl.compile import Backend, Compiled, compile
 from meshdsl.dims import Dim, Shape
-from meshdsl.errors import ConfigError, DataError, LayoutError, MeshDslError, ShapeError, UnsupportedJaxError, WriteError
+from meshdsl.errors import (
+    ConfigError,
+    DataError,
+    LayoutError,
+    MeshDslError,
+    ShapeError,
+    UnsupportedJaxError,
+    WriteError,
+)
 from meshdsl.explain import Communication, Report, explain
 from meshdsl.layout import Layout
 from meshdsl.lowering.context import use_layout
 from meshdsl.mesh import Mesh
-from meshdsl.ops.conv import conv2d
 from meshdsl.ops.concat import concat, pad, slice, split, stack, unstack
+from meshdsl.ops.conv import conv2d
 from meshdsl.ops.creation import full, ones, zeros
 from meshdsl.ops.einsum import einsum
 from meshdsl.ops.elementwise import (
-    abs, add, cast, cos, divide, equal, erf, exp, gelu, greater, greater_equal, less, less_equal, log, logical_and,
-    log_sigmoid, logical_not, logical_or, maximum, minimum, mod, multiply, negative, not_equal, power, relu, rsqrt,
-    sigmoid, silu, sin, softplus, sqrt, square, stop_gradient, subtract, swish, tanh, where,
+    abs,
+    add,
+    cast,
+    cos,
+    divide,
+    equal,
+    erf,
+    exp,
+    gelu,
+    greater,
+    greater_equal,
+    less,
+    less_equal,
+    log,
+    log_sigmoid,
+    logical_and,
+    logical_not,
+    logical_or,
+    map,  # noqa: A004  (md.map, as Python's)
+    maximum,
+    minimum,
+    mod,
+    multiply,
+    negative,
+    not_equal,
+    power,
+    relu,
+    rsqrt,
+    sigmoid,
+    silu,
+    sin,
+    softplus,
+    sqrt,
+    square,
+    stop_gradient,
+    subtract,
+    swish,
+    tanh,
+    where,
 )
-from meshdsl.ops.elementwise import map  # noqa: A004  (md.map, as Python's)
 from meshdsl.ops.indexing import argmax, cumsum, gather, one_hot, range, shift, take_along, top_k
 from meshdsl.ops.reduction import log_softmax, logsumexp, reduce_max, reduce_mean, reduce_min, reduce_sum, softmax
-from meshdsl.ops.scan import scan
 from meshdsl.ops.reshape import rearrange, rename, replace_dimensions, reshape, transpose
+from meshdsl.ops.scan import scan
 from meshdsl.random import dropout
 from meshdsl.tensor import Tensor, tensor
 

@@ -138,13 +138,17 @@ def _describe(where: str, leaf: Any, index: int) -> dict[str, Any]:
     elif isinstance(leaf, (np.ndarray, np.generic)):
         kind, array = "numpy", np.asarray(leaf)
     else:
-        raise DataError(f"checkpoint: leaf {where} is a {type(leaf).__name__}; a checkpoint holds md.Tensors, arrays and plain scalars")
+        raise DataError(
+            f"checkpoint: leaf {where} is a {type(leaf).__name__}; a checkpoint holds md.Tensors, arrays and plain scalars"
+        )
     if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):
         raise DataError(f"checkpoint: leaf {where} is a typed PRNG key; save jax.random.key_data(key) instead")
     try:
         ts.dtype(np.dtype(array.dtype).name)
     except (ValueError, TypeError):
-        raise DataError(f"checkpoint: leaf {where} has dtype {array.dtype}, which tensorstore's zarr3 cannot store") from None
+        raise DataError(
+            f"checkpoint: leaf {where} has dtype {array.dtype}, which tensorstore's zarr3 cannot store"
+        ) from None
     record = {"kind": kind, "array": f"arrays/{index}", "dtype": np.dtype(array.dtype).name, "shape": list(array.shape)}
     if kind == "tensor":
         record["dims"] = [[d.name, d.size] for d in leaf.shape]
@@ -190,8 +194,12 @@ def _create(tmp: Path, arrays: list[tuple[dict[str, Any], Any]]) -> None:
     """Create ``tmp`` and an empty zarr3 array per record, chunked by the saving shard shape."""
     tmp.mkdir(parents=True)
     for record, array in arrays:
-        layout = {"shape": record["shape"], "data_type": record["dtype"], "codecs": _CODECS,
-                  "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": _chunks(array)}}}
+        layout = {
+            "shape": record["shape"],
+            "data_type": record["dtype"],
+            "codecs": _CODECS,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": _chunks(array)}},
+        }
         ts.open({**_ts_spec(tmp / record["array"]), "metadata": layout}, create=True).result()
 
 
@@ -214,7 +222,9 @@ def _check_target(path: Path) -> None:
     outputs.check_dir(path, "checkpoint")
     outputs.check_dir(path.parent, f"checkpoint {str(path)!r}: its directory")
     if path.is_dir() and not (path / MANIFEST).is_file() and any(path.iterdir()):
-        raise ConfigError(f"checkpoint {str(path)!r} is a directory that holds files but no {MANIFEST}; saving would replace it, so choose another path")
+        raise ConfigError(
+            f"checkpoint {str(path)!r} is a directory that holds files but no {MANIFEST}; saving would replace it, so choose another path"
+        )
 
 
 def save(path: str | Path, state: Any, *, metadata: dict[str, Any] | None = None) -> Path:
@@ -234,8 +244,12 @@ def save(path: str | Path, state: Any, *, metadata: dict[str, Any] | None = None
     except (TypeError, ValueError) as e:
         raise DataError(f"checkpoint {str(path)!r}: metadata is not plain JSON: {e}") from None
     leaves = _leaves(state)
-    records = [{"path": where, "keys": keys, **_describe(where, leaf, i)} for i, (where, keys, leaf) in enumerate(leaves)]
-    arrays = [(r, leaf.array if is_tensor(leaf) else leaf) for r, (_, _, leaf) in zip(records, leaves) if r["kind"] != "value"]
+    records = [
+        {"path": where, "keys": keys, **_describe(where, leaf, i)} for i, (where, keys, leaf) in enumerate(leaves)
+    ]
+    arrays = [
+        (r, leaf.array if is_tensor(leaf) else leaf) for r, (_, _, leaf) in zip(records, leaves) if r["kind"] != "value"
+    ]
     tmp = path.with_name(f"{path.name}.partial-{_token()}")
     try:
         if _process_zero():
@@ -245,8 +259,14 @@ def save(path: str | Path, state: Any, *, metadata: dict[str, Any] | None = None
         _barrier(f"meshdsl.checkpoint.written:{tmp.name}")
         if _process_zero():
             created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            manifest = {"format": FORMAT, "version": VERSION, "created": created,
-                        "processes": jax.process_count(), "leaves": records, "metadata": metadata}
+            manifest = {
+                "format": FORMAT,
+                "version": VERSION,
+                "created": created,
+                "processes": jax.process_count(),
+                "leaves": records,
+                "metadata": metadata,
+            }
             manifest["checksum"] = _checksum(manifest)
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
             _commit(tmp, path)
@@ -271,9 +291,13 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     try:
         manifest = json.loads(file.read_text())
     except (ValueError, UnicodeDecodeError) as e:
-        raise DataError(f"{str(path)!r} is not a meshdsl checkpoint (foreign directory: {MANIFEST} is not JSON: {e})") from None
+        raise DataError(
+            f"{str(path)!r} is not a meshdsl checkpoint (foreign directory: {MANIFEST} is not JSON: {e})"
+        ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise DataError(f"{str(path)!r} is not a meshdsl checkpoint (foreign directory: {MANIFEST} has no format {FORMAT!r})")
+        raise DataError(
+            f"{str(path)!r} is not a meshdsl checkpoint (foreign directory: {MANIFEST} has no format {FORMAT!r})"
+        )
     if manifest.get("version") not in (1, VERSION):
         raise DataError(
             f"checkpoint {str(path)!r} has format version {manifest.get('version')!r}; this meshdsl reads versions 1 to {VERSION}"
@@ -282,7 +306,9 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         raise DataError(f"checkpoint {str(path)!r} is corrupt: {MANIFEST} lacks its leaves or metadata")
     for record in manifest["leaves"]:
         if not _well_formed(record):
-            raise DataError(f"checkpoint {str(path)!r} is corrupt: malformed leaf record in {MANIFEST}: {json.dumps(record)[:200]}")
+            raise DataError(
+                f"checkpoint {str(path)!r} is corrupt: malformed leaf record in {MANIFEST}: {json.dumps(record)[:200]}"
+            )
     if manifest["version"] > 1 and manifest.get("checksum") != _checksum(manifest):
         raise DataError(
             f"checkpoint {str(path)!r} is corrupt: {MANIFEST} does not match its checksum "
@@ -293,20 +319,32 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
 
 def _well_formed(record: Any) -> bool:
     """Whether a manifest leaf record has the fields its kind needs, with the right types."""
-    if not isinstance(record, dict) or not isinstance(record.get("path"), str) or not isinstance(record.get("keys"), list):
+    if (
+        not isinstance(record, dict)
+        or not isinstance(record.get("path"), str)
+        or not isinstance(record.get("keys"), list)
+    ):
         return False
-    if not all(isinstance(e, dict) and len(e) == 1 and next(iter(e)) in ("key", "attr", "index") for e in record["keys"]):
+    if not all(
+        isinstance(e, dict) and len(e) == 1 and next(iter(e)) in ("key", "attr", "index") for e in record["keys"]
+    ):
         return False
     kind = record.get("kind")
     if kind == "value":
         return "value" in record
     shape = record.get("shape")
-    if kind not in ("tensor", "array", "numpy") or not isinstance(record.get("array"), str) or not isinstance(record.get("dtype"), str):
+    if (
+        kind not in ("tensor", "array", "numpy")
+        or not isinstance(record.get("array"), str)
+        or not isinstance(record.get("dtype"), str)
+    ):
         return False
     if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
         return False
     dims = record.get("dims")
-    return kind != "tensor" or (isinstance(dims, list) and [d[1] if isinstance(d, list) and len(d) == 2 else None for d in dims] == shape)
+    return kind != "tensor" or (
+        isinstance(dims, list) and [d[1] if isinstance(d, list) and len(d) == 2 else None for d in dims] == shape
+    )
 
 
 def _shape_of(record: dict[str, Any]) -> Shape:
@@ -320,20 +358,30 @@ def _check_like(path: Path, records: list[dict[str, Any]], like: Any) -> tuple[A
     missing = [w for w, _, _ in expected if w not in saved]
     extra = sorted(set(saved) - {w for w, _, _ in expected})
     if missing or extra:
-        raise DataError(f"checkpoint {str(path)!r} does not match the expected state: missing leaves {missing}, unexpected leaves {extra}")
+        raise DataError(
+            f"checkpoint {str(path)!r} does not match the expected state: missing leaves {missing}, unexpected leaves {extra}"
+        )
     for where, _, leaf in expected:
         record = saved[where]
         if record["kind"] == "value":
             continue
         if is_tensor(leaf):
-            have = str(_shape_of(record)) if record["kind"] == "tensor" else f"an array of shape {tuple(record['shape'])}"
+            have = (
+                str(_shape_of(record)) if record["kind"] == "tensor" else f"an array of shape {tuple(record['shape'])}"
+            )
             if record["kind"] != "tensor" or _shape_of(record) != leaf.shape:
-                raise DataError(f"checkpoint {str(path)!r}: leaf {where} is {have}, but the expected state has {leaf.shape}")
+                raise DataError(
+                    f"checkpoint {str(path)!r}: leaf {where} is {have}, but the expected state has {leaf.shape}"
+                )
         elif tuple(record["shape"]) != tuple(np.shape(leaf)):
-            raise DataError(f"checkpoint {str(path)!r}: leaf {where} has shape {tuple(record['shape'])}, but the expected state has {tuple(np.shape(leaf))}")
+            raise DataError(
+                f"checkpoint {str(path)!r}: leaf {where} has shape {tuple(record['shape'])}, but the expected state has {tuple(np.shape(leaf))}"
+            )
         dtype = getattr(leaf, "dtype", None)
         if dtype is not None and np.dtype(dtype).name != record["dtype"]:
-            raise DataError(f"checkpoint {str(path)!r}: leaf {where} has dtype {record['dtype']}, but the expected state has {np.dtype(dtype).name}")
+            raise DataError(
+                f"checkpoint {str(path)!r}: leaf {where} has dtype {record['dtype']}, but the expected state has {np.dtype(dtype).name}"
+            )
     return jax.tree_util.tree_structure(like, is_leaf=_is_leaf), [saved[w] for w, _, _ in expected]
 
 
@@ -343,7 +391,9 @@ def _open(path: Path, record: dict[str, Any]) -> ts.TensorStore:
     try:
         store = ts.open({**_ts_spec(path / record["array"]), "fill_missing_data_reads": False}, open=True).result()
     except ValueError as e:
-        raise DataError(f"{where}: array {record['array']} is missing or unreadable (corrupt checkpoint): {_reason(e)}") from None
+        raise DataError(
+            f"{where}: array {record['array']} is missing or unreadable (corrupt checkpoint): {_reason(e)}"
+        ) from None
     if tuple(store.shape) != tuple(record["shape"]) or store.dtype.name != record["dtype"]:
         raise DataError(
             f"{where}: array {record['array']} holds {store.dtype.name}{list(store.shape)}, but the manifest says "
@@ -357,7 +407,9 @@ def _result(path: Path, record: dict[str, Any], future: Any) -> np.ndarray:
     try:
         return future.result()
     except ValueError as e:
-        raise DataError(f"checkpoint {str(path)!r}: leaf {record['path']}: array {record['array']} is corrupt: {_reason(e)}") from None
+        raise DataError(
+            f"checkpoint {str(path)!r}: leaf {record['path']}: array {record['array']} is corrupt: {_reason(e)}"
+        ) from None
 
 
 def _span(index: tuple) -> tuple:
@@ -409,7 +461,9 @@ def _rebuild(records: list[dict[str, Any]], leaves: list[Any]) -> Any:
     return _nest(root)
 
 
-def restore(path: str | Path, mesh: Mesh, layout: Layout | str | None = None, *, like: Any = None) -> tuple[Any, dict[str, Any]]:
+def restore(
+    path: str | Path, mesh: Mesh, layout: Layout | str | None = None, *, like: Any = None
+) -> tuple[Any, dict[str, Any]]:
     """``(state, metadata)`` from the checkpoint at ``path``, laid out on ``mesh`` under ``layout``.
 
     Every md Tensor is split as ``layout.param_layout`` says for its named dims (a checkpoint holds
@@ -509,7 +563,9 @@ class CheckpointManager:
             held = int(np.asarray(multihost_utils.broadcast_one_to_all(np.int32(refused is None))))
             if not held and refused is None:
                 where = str(self.directory)
-                refused = ConfigError(f"checkpoint dir {where!r} is in use by another run (process 0 could not lock it)")
+                refused = ConfigError(
+                    f"checkpoint dir {where!r} is in use by another run (process 0 could not lock it)"
+                )
         if refused is not None:
             raise refused
         return note
@@ -572,4 +628,3 @@ def _prune(path: Path) -> None:
     shutil.rmtree(tomb)
 
 
-from meshdsl.safetensors_io import Source, load_safetensors  # noqa: E402  (md.checkpoint's reader of other formats)

@@ -16,7 +16,7 @@ import os
 import re
 import sys
 import traceback
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 DEVICE_FLAG = "--xla_force_host_platform_device_count"
 MAX_SIMULATED_DEVICES = 2048
@@ -88,18 +88,39 @@ SET_HELP = "override a field of the model's Config, e.g. --set layers=32 (repeat
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshdsl", description="Named-tensor models on a device mesh: train and benchmark layouts.")
-    parser.add_argument("--devices", type=int, default=None, help="simulated CPU devices when no accelerator is present (default 8)")
-    parser.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="multi-process run: where process 0 listens (or MESHDSL_COORDINATOR)")
-    parser.add_argument("--num-processes", type=int, default=None, help="multi-process run: how many processes (or MESHDSL_NUM_PROCESSES)")
-    parser.add_argument("--process-id", type=int, default=None, help="multi-process run: this process, 0..N-1 (or MESHDSL_PROCESS_ID)")
+    parser = argparse.ArgumentParser(
+        prog="meshdsl", description="Named-tensor models on a device mesh: train and benchmark layouts."
+    )
     parser.add_argument(
-        "--heartbeat-timeout", type=int, default=None, metavar="S",
+        "--devices", type=int, default=None, help="simulated CPU devices when no accelerator is present (default 8)"
+    )
+    parser.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="multi-process run: where process 0 listens (or MESHDSL_COORDINATOR)",
+    )
+    parser.add_argument(
+        "--num-processes",
+        type=int,
+        default=None,
+        help="multi-process run: how many processes (or MESHDSL_NUM_PROCESSES)",
+    )
+    parser.add_argument(
+        "--process-id", type=int, default=None, help="multi-process run: this process, 0..N-1 (or MESHDSL_PROCESS_ID)"
+    )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=None,
+        metavar="S",
         help="multi-process run: seconds of silence after which a process counts as dead and the others stop "
         "(or MESHDSL_HEARTBEAT_TIMEOUT; default 5)",
     )
     parser.add_argument(
-        "-v", "--verbose", action="store_true",
+        "-v",
+        "--verbose",
+        action="store_true",
         help="launch: also show the processes' JAX runtime log lines and Gloo's connection messages "
         "(else only counted)",
     )
@@ -109,56 +130,131 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--model", default="transformer", help=MODEL_HELP)
     train.add_argument("--preset", default="small", help=PRESET_HELP)
     train.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help=SET_HELP)
-    train.add_argument("--layout", default="data_parallel", help="a layout TOML file, a shipped layout name (dp_tp), or rules such as 'batch:data'")
+    train.add_argument(
+        "--layout",
+        default="data_parallel",
+        help="a layout TOML file, a shipped layout name (dp_tp), or rules such as 'batch:data'",
+    )
     train.add_argument("--steps", type=int, default=200)
     train.add_argument("--optimizer", default="adamw", help="sgd, adamw or adafactor")
     train.add_argument("--learning-rate", type=float, default=None)
     train.add_argument("--backend", default="spmd", choices=["spmd", "gspmd"])
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--data", default=None, help="token file (.npy, or raw uint16 .bin/.u16, uint32 .u32) read "
-                       "into the keys and dims of the model's own batch(key), in a seeded shuffled order; default: the "
-                       "synthetic task")
-    train.add_argument("--eval-fraction", type=float, default=0.05, help="the tail of the --data file held out for "
-                       "evaluation, never trained on (default 0.05)")
-    train.add_argument("--compute-dtype", default=None, choices=["float32", "bfloat16"], help="compute in bf16 with "
-                       "f32 master parameters; for a model whose Config declares a compute_dtype field")
-    train.add_argument("--remat", action="store_true", help="recompute each layer's activations in the backward "
-                       "pass; for a model whose Config declares a remat field")
-    train.add_argument("--grad-reduce-dtype", default=None, choices=["bfloat16"], help="sum gradients across devices in bf16 (half the bytes)")
-    train.add_argument("--log-json", default=None, metavar="FILE", help="also write each step's loss and time to FILE, one JSON object a line")
-    train.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="save checkpoints step_<N> here (and after the last step)")
-    train.add_argument("--save-every", type=int, default=0, metavar="N", help="save a checkpoint every N steps (default: only after the last)")
-    train.add_argument("--keep", type=int, default=3, metavar="K", help="keep the newest K checkpoints (default 3)")
-    train.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches per step (default: the layout's [pipeline], else 1)")
-    train.add_argument("--schedule", default=None, choices=["gpipe", "1f1b", "interleaved"], help="pipeline schedule (default: the layout's [pipeline], else 1f1b)")
     train.add_argument(
-        "--virtual-stages", type=int, default=None, metavar="V",
+        "--data",
+        default=None,
+        help="token file (.npy, or raw uint16 .bin/.u16, uint32 .u32) read "
+        "into the keys and dims of the model's own batch(key), in a seeded shuffled order; default: the "
+        "synthetic task",
+    )
+    train.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=0.05,
+        help="the tail of the --data file held out for evaluation, never trained on (default 0.05)",
+    )
+    train.add_argument(
+        "--compute-dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="compute in bf16 with f32 master parameters; for a model whose Config declares a compute_dtype field",
+    )
+    train.add_argument(
+        "--remat",
+        action="store_true",
+        help="recompute each layer's activations in the backward pass; for a model whose Config declares a remat field",
+    )
+    train.add_argument(
+        "--grad-reduce-dtype",
+        default=None,
+        choices=["bfloat16"],
+        help="sum gradients across devices in bf16 (half the bytes)",
+    )
+    train.add_argument(
+        "--log-json",
+        default=None,
+        metavar="FILE",
+        help="also write each step's loss and time to FILE, one JSON object a line",
+    )
+    train.add_argument(
+        "--checkpoint-dir", default=None, metavar="DIR", help="save checkpoints step_<N> here (and after the last step)"
+    )
+    train.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="save a checkpoint every N steps (default: only after the last)",
+    )
+    train.add_argument("--keep", type=int, default=3, metavar="K", help="keep the newest K checkpoints (default 3)")
+    train.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="pipeline microbatches per step (default: the layout's [pipeline], else 1)",
+    )
+    train.add_argument(
+        "--schedule",
+        default=None,
+        choices=["gpipe", "1f1b", "interleaved"],
+        help="pipeline schedule (default: the layout's [pipeline], else 1f1b)",
+    )
+    train.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        metavar="V",
         help="interleaved schedule: chunks of layers per stage (default: the layout's [pipeline], else 1)",
     )
-    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir (any mesh, layout or device count)")
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --checkpoint-dir (any mesh, layout or device count)",
+    )
     _add_watch_flags(train)
 
     bench = sub.add_parser("bench", help="compare layouts: step time, throughput, memory and communication")
     bench.add_argument("--model", nargs="+", default=["transformer"], help="models to benchmark, each " + MODEL_HELP)
     bench.add_argument("--preset", default="small", help=PRESET_HELP)
     bench.add_argument(
-        "--layouts", nargs="+", default=None,
+        "--layouts",
+        nargs="+",
+        default=None,
         help="layout TOML files (any path), shipped layout names (dp_tp) or rules ('batch:data'); default: the model's LAYOUTS",
     )
     bench.add_argument("--rounds", type=int, default=5, help="interleaved rounds (layout A, B, C, A, B, C, ...)")
     bench.add_argument("--steps-per-round", type=int, default=3)
     bench.add_argument("--baseline", choices=["jax"], default=None, help="also time a hand-written plain-JAX version")
     bench.add_argument("--optimizer", default="adamw")
-    bench.add_argument("--grad-reduce-dtype", default=None, choices=["bfloat16"], help="sum gradients across devices in bf16")
-    bench.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help=SET_HELP)
-    bench.add_argument("--microbatches", type=int, nargs="+", default=None, help="pipelined layouts: microbatch counts to measure (default: the layout's)")
-    bench.add_argument("--schedule", nargs="+", default=None, choices=["gpipe", "1f1b", "interleaved"], help="pipelined layouts: schedules to measure (default: the layout's)")
     bench.add_argument(
-        "--virtual-stages", type=int, default=None, metavar="V",
+        "--grad-reduce-dtype", default=None, choices=["bfloat16"], help="sum gradients across devices in bf16"
+    )
+    bench.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help=SET_HELP)
+    bench.add_argument(
+        "--microbatches",
+        type=int,
+        nargs="+",
+        default=None,
+        help="pipelined layouts: microbatch counts to measure (default: the layout's)",
+    )
+    bench.add_argument(
+        "--schedule",
+        nargs="+",
+        default=None,
+        choices=["gpipe", "1f1b", "interleaved"],
+        help="pipelined layouts: schedules to measure (default: the layout's)",
+    )
+    bench.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        metavar="V",
         help="the interleaved schedule's chunks per stage (default: the layout's when it is interleaved, else 2)",
     )
     bench.add_argument("--out", default="bench-results", help="folder for JSON, markdown and PNG charts")
-    bench.add_argument("--no-gspmd", action="store_true", help="skip compiling each step on XLA's partitioner for the '÷ gspmd' column")
+    bench.add_argument(
+        "--no-gspmd", action="store_true", help="skip compiling each step on XLA's partitioner for the '÷ gspmd' column"
+    )
 
     from meshdsl.planner.commands import add_parsers
 
@@ -169,7 +265,13 @@ def _parser() -> argparse.ArgumentParser:
 
     launch = sub.add_parser("launch", help="run 'train' or 'bench' as several processes on this host")
     launch.add_argument("--local", type=int, required=True, metavar="N", help="number of processes")
-    launch.add_argument("--devices-per-process", type=int, default=None, metavar="D", help="simulated CPU devices in each (default 8 // N)")
+    launch.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        metavar="D",
+        help="simulated CPU devices in each (default 8 // N)",
+    )
     launch.add_argument("run", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- train --preset tiny")
     return parser
 
@@ -178,26 +280,60 @@ def _add_watch_flags(train: argparse.ArgumentParser) -> None:
     """``train``'s flags for the learning-rate schedule, accumulation, evaluation, logs and traces."""
     table = " (default: the layout file's [train] table, else %s)"
     add = train.add_argument
-    add("--lr-schedule", default=None, choices=["constant", "cosine", "linear", "wsd"],
-        help="learning-rate schedule" + table % "constant")
-    add("--warmup-steps", type=int, default=None, metavar="N",
-        help="rise linearly from 0 to the learning rate over N steps" + table % "0")
-    add("--min-lr-ratio", type=float, default=None, metavar="R",
-        help="cosine/linear/wsd end at R x the learning rate" + table % "0")
-    add("--accumulate", type=int, default=None, metavar="N",
-        help="cut each step's batch into N microbatches (gradient accumulation)" + table % "1")
-    add("--eval-every", type=int, default=0, metavar="N",
-        help="evaluate on held-out batches every N steps and after the last (default 0: never)")
+    add(
+        "--lr-schedule",
+        default=None,
+        choices=["constant", "cosine", "linear", "wsd"],
+        help="learning-rate schedule" + table % "constant",
+    )
+    add(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="rise linearly from 0 to the learning rate over N steps" + table % "0",
+    )
+    add(
+        "--min-lr-ratio",
+        type=float,
+        default=None,
+        metavar="R",
+        help="cosine/linear/wsd end at R x the learning rate" + table % "0",
+    )
+    add(
+        "--accumulate",
+        type=int,
+        default=None,
+        metavar="N",
+        help="cut each step's batch into N microbatches (gradient accumulation)" + table % "1",
+    )
+    add(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="evaluate on held-out batches every N steps and after the last (default 0: never)",
+    )
     add("--eval-steps", type=int, default=10, metavar="K", help="batches each evaluation averages over (default 10)")
-    add("--log-every", type=int, default=10, metavar="N",
-        help="off a terminal, print a line every N steps (default 10)")
-    add("--tensorboard", default=None, metavar="DIR",
-        help="write TensorBoard scalars (loss, eval loss, learning rate, ...) into DIR")
+    add(
+        "--log-every", type=int, default=10, metavar="N", help="off a terminal, print a line every N steps (default 10)"
+    )
+    add(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="write TensorBoard scalars (loss, eval loss, learning rate, ...) into DIR",
+    )
     add("--profile-steps", default=None, metavar="A:B", help="record a jax.profiler trace of steps A to B")
-    add("--profile-dir", default=None, metavar="DIR",
-        help="where the trace goes (default: --tensorboard DIR, else ./profile)")
-    add("--allow-nan", action="store_true",
-        help="train on past a NaN or infinite loss (default: stop, naming the step)")
+    add(
+        "--profile-dir",
+        default=None,
+        metavar="DIR",
+        help="where the trace goes (default: --tensorboard DIR, else ./profile)",
+    )
+    add(
+        "--allow-nan", action="store_true", help="train on past a NaN or infinite loss (default: stop, naming the step)"
+    )
 
 
 def _overrides(items: Sequence[str]) -> dict[str, object]:
@@ -252,25 +388,58 @@ def _config(args: argparse.Namespace) -> object:
         from meshdsl.train.loop import RunConfig
 
         return RunConfig(
-            model=args.model, preset=args.preset, overrides=overrides, layout=args.layout, steps=args.steps, optimizer=args.optimizer,
-            learning_rate=args.learning_rate, backend=args.backend, seed=args.seed, data=args.data,
+            model=args.model,
+            preset=args.preset,
+            overrides=overrides,
+            layout=args.layout,
+            steps=args.steps,
+            optimizer=args.optimizer,
+            learning_rate=args.learning_rate,
+            backend=args.backend,
+            seed=args.seed,
+            data=args.data,
             eval_fraction=args.eval_fraction,
-            compute_dtype=args.compute_dtype, remat=args.remat, grad_reduce_dtype=args.grad_reduce_dtype,
-            log_json=args.log_json, checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, keep=args.keep,
-            resume=args.resume, microbatches=args.microbatches, schedule=args.schedule, virtual_stages=args.virtual_stages,
-            lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
-            accumulate=args.accumulate, eval_every=args.eval_every, eval_steps=args.eval_steps,
-            log_every=args.log_every, tensorboard=args.tensorboard, profile_steps=args.profile_steps,
-            profile_dir=args.profile_dir, allow_nan=args.allow_nan,
+            compute_dtype=args.compute_dtype,
+            remat=args.remat,
+            grad_reduce_dtype=args.grad_reduce_dtype,
+            log_json=args.log_json,
+            checkpoint_dir=args.checkpoint_dir,
+            save_every=args.save_every,
+            keep=args.keep,
+            resume=args.resume,
+            microbatches=args.microbatches,
+            schedule=args.schedule,
+            virtual_stages=args.virtual_stages,
+            lr_schedule=args.lr_schedule,
+            warmup_steps=args.warmup_steps,
+            min_lr_ratio=args.min_lr_ratio,
+            accumulate=args.accumulate,
+            eval_every=args.eval_every,
+            eval_steps=args.eval_steps,
+            log_every=args.log_every,
+            tensorboard=args.tensorboard,
+            profile_steps=args.profile_steps,
+            profile_dir=args.profile_dir,
+            allow_nan=args.allow_nan,
         )
     if args.command == "bench":
         from meshdsl.bench.run import BenchConfig
 
         return BenchConfig(
-            models=args.model, preset=args.preset, layouts=args.layouts, rounds=args.rounds,
-            steps_per_round=args.steps_per_round, baseline=args.baseline, optimizer=args.optimizer, out=args.out,
-            grad_reduce_dtype=args.grad_reduce_dtype, overrides=overrides, microbatches=args.microbatches, schedules=args.schedule,
-            virtual_stages=args.virtual_stages, gspmd=not args.no_gspmd,
+            models=args.model,
+            preset=args.preset,
+            layouts=args.layouts,
+            rounds=args.rounds,
+            steps_per_round=args.steps_per_round,
+            baseline=args.baseline,
+            optimizer=args.optimizer,
+            out=args.out,
+            grad_reduce_dtype=args.grad_reduce_dtype,
+            overrides=overrides,
+            microbatches=args.microbatches,
+            schedules=args.schedule,
+            virtual_stages=args.virtual_stages,
+            gspmd=not args.no_gspmd,
         )
     return overrides
 
@@ -304,11 +473,20 @@ def _launch(args: argparse.Namespace) -> int:
     from meshdsl.errors import ConfigError, MeshDslError
     from meshdsl.launch import check_fits, child_command, launch, split_devices
 
-    given = [flag for flag, value in (("--coordinator", args.coordinator), ("--num-processes", args.num_processes),
-                                      ("--process-id", args.process_id)) if value is not None]
+    given = [
+        flag
+        for flag, value in (
+            ("--coordinator", args.coordinator),
+            ("--num-processes", args.num_processes),
+            ("--process-id", args.process_id),
+        )
+        if value is not None
+    ]
     if given:
-        raise ConfigError(f"{', '.join(given)}: meshdsl launch starts its own processes and coordinator; "
-                          "these flags are for one process of a run started by hand")
+        raise ConfigError(
+            f"{', '.join(given)}: meshdsl launch starts its own processes and coordinator; "
+            "these flags are for one process of a run started by hand"
+        )
     command = child_command(args.run)
     child = _parser().parse_args(command)
     try:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import enum
 import inspect
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +50,9 @@ def _as_layout(layout: LayoutLike | None, default: Layout, what: str = "layout")
     if layout is None:
         return default
     if not isinstance(layout, (Layout, str, Mapping)):
-        raise LayoutError(f"md.compile: {what} must be an md.Layout, a string like 'batch:data' or a dict, got {describe(layout)}")
+        raise LayoutError(
+            f"md.compile: {what} must be an md.Layout, a string like 'batch:data' or a dict, got {describe(layout)}"
+        )
     return layout if isinstance(layout, Layout) else Layout(layout)
 
 
@@ -84,12 +87,16 @@ class Compiled:
         if not callable(fn):
             raise ConfigError(f"md.compile: fn must be a function, got {describe(fn)}")
         if not isinstance(mesh, Mesh):
-            raise ConfigError(f"md.compile: mesh must be an md.Mesh, got {describe(mesh)}; build one with md.Mesh({mesh!r})")
+            raise ConfigError(
+                f"md.compile: mesh must be an md.Mesh, got {describe(mesh)}; build one with md.Mesh({mesh!r})"
+            )
         if grad_reduce_dtype is not None:
             try:
                 jnp.dtype(grad_reduce_dtype)
             except TypeError:
-                raise ConfigError(f"md.compile: grad_reduce_dtype {grad_reduce_dtype!r} is not a dtype (e.g. 'bfloat16')") from None
+                raise ConfigError(
+                    f"md.compile: grad_reduce_dtype {grad_reduce_dtype!r} is not a dtype (e.g. 'bfloat16')"
+                ) from None
         backends = [b.value for b in Backend]
         if not isinstance(backend, Backend) and backend not in backends:
             raise ConfigError(f"md.compile: backend {backend!r} is not one of {', '.join(backends)}")
@@ -98,7 +105,9 @@ class Compiled:
         self.mesh = mesh
         self.layout = _as_layout(layout, Layout())
         self.backend = Backend(backend)
-        self.in_layouts = None if in_layouts is None else tuple(_as_layout(x, self.layout, "in_layouts") for x in in_layouts)
+        self.in_layouts = (
+            None if in_layouts is None else tuple(_as_layout(x, self.layout, "in_layouts") for x in in_layouts)
+        )
         if out_layouts is None or isinstance(out_layouts, (Layout, str, Mapping)):
             self.out_layouts: Layout | tuple[Layout, ...] = _as_layout(out_layouts, self.layout, "out_layouts")
         else:
@@ -143,19 +152,31 @@ class Compiled:
             pass
         beyond = [i for i in self.donate_argnums if i >= len(args)]
         if beyond:
-            raise ConfigError(f"md.compile: donate_argnums {beyond} name no argument of a call with {len(args)} argument(s)")
+            raise ConfigError(
+                f"md.compile: donate_argnums {beyond} name no argument of a call with {len(args)} argument(s)"
+            )
         if self.in_layouts is not None and len(self.in_layouts) != len(args):
-            raise LayoutError(f"md.compile: {len(self.in_layouts)} in_layouts given for a call with {len(args)} argument(s); give one per positional argument")
+            raise LayoutError(
+                f"md.compile: {len(self.in_layouts)} in_layouts given for a call with {len(args)} argument(s); give one per positional argument"
+            )
         for path, leaf in jax.tree_util.tree_flatten_with_path(args, is_leaf=is_tensor)[0]:
             _check_argument(f"argument {jax.tree_util.keystr(path)}", leaf)
 
-    def _leaves(self, tree: Any, layouts: Layout | tuple[Layout, ...] | None, prefix: str) -> list[tuple[str, Any, Layout]]:
+    def _leaves(
+        self, tree: Any, layouts: Layout | tuple[Layout, ...] | None, prefix: str
+    ) -> list[tuple[str, Any, Layout]]:
         """(name for messages, leaf, its layout) for each leaf; tuple ``layouts`` go element by element."""
         if isinstance(layouts, tuple):
             if not isinstance(tree, (tuple, list)) or len(tree) != len(layouts):
                 got = f"a sequence of {len(tree)}" if isinstance(tree, (tuple, list)) else describe(tree)
-                raise LayoutError(f"md.compile: {len(layouts)} out_layouts given, one per {prefix}, but the {prefix} is {got}")
-            return [item for i, (sub, lay) in enumerate(zip(tree, layouts)) for item in self._leaves(sub, lay, f"{prefix}[{i}]")]
+                raise LayoutError(
+                    f"md.compile: {len(layouts)} out_layouts given, one per {prefix}, but the {prefix} is {got}"
+                )
+            return [
+                item
+                for i, (sub, lay) in enumerate(zip(tree, layouts))
+                for item in self._leaves(sub, lay, f"{prefix}[{i}]")
+            ]
         leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_tensor)[0]
         return [(prefix + jax.tree_util.keystr(p), x, layouts or self.layout) for p, x in leaves]
 
@@ -169,7 +190,11 @@ class Compiled:
     def spmd_function(self, *args: Any) -> Any:
         """The unjitted spmd program: one ``shard_map`` over the mesh (``md.explain`` traces this)."""
         treedef = jax.tree_util.tree_structure(args, is_leaf=is_tensor)
-        ins = [item for i, a in enumerate(args) for item in self._leaves(a, self.in_layouts[i] if self.in_layouts else None, f"argument [{i}]")]
+        ins = [
+            item
+            for i, a in enumerate(args)
+            for item in self._leaves(a, self.in_layouts[i] if self.in_layouts else None, f"argument [{i}]")
+        ]
         in_axes = [self._axes(*item) for item in ins]
         with use(Lowering()):
             shapes = jax.eval_shape(self.fn, *args)
@@ -178,12 +203,17 @@ class Compiled:
         out_axes = [self._axes(*item) for item in outs]
 
         def body(*local: Any) -> tuple:
-            inputs = [Tensor(a, x.shape, (), ax) if isinstance(x, Tensor) else a for a, (_, x, _), ax in zip(local, ins, in_axes)]
+            inputs = [
+                Tensor(a, x.shape, (), ax) if isinstance(x, Tensor) else a
+                for a, (_, x, _), ax in zip(local, ins, in_axes)
+            ]
             with use(SpmdLowering(self.mesh, self.layout, self.grad_reduce_dtype)) as lowering:
                 result = self.fn(*jax.tree_util.tree_unflatten(treedef, inputs))
                 flat = jax.tree_util.tree_leaves(result, is_leaf=is_tensor)
                 with jax.named_scope("md.result"):
-                    return tuple(lowering.prepare(x, ax) if isinstance(x, Tensor) else x for x, ax in zip(flat, out_axes))
+                    return tuple(
+                        lowering.prepare(x, ax) if isinstance(x, Tensor) else x for x, ax in zip(flat, out_axes)
+                    )
 
         mapped = jax.shard_map(
             body,
@@ -201,10 +231,14 @@ class Compiled:
 
         def constrain(tree: Any, layouts: Any, prefix: str) -> Any:
             items = self._leaves(tree, layouts, prefix)
-            leaves = [lowering.with_layout(lay).constrain(x, name) if isinstance(x, Tensor) else x for name, x, lay in items]
+            leaves = [
+                lowering.with_layout(lay).constrain(x, name) if isinstance(x, Tensor) else x for name, x, lay in items
+            ]
             return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree, is_leaf=is_tensor), leaves)
 
-        args = tuple(constrain(a, self.in_layouts[i] if self.in_layouts else None, f"argument [{i}]") for i, a in enumerate(args))
+        args = tuple(
+            constrain(a, self.in_layouts[i] if self.in_layouts else None, f"argument [{i}]") for i, a in enumerate(args)
+        )
         with use(lowering):
             result = self.fn(*args)
         return constrain(result, self.out_layouts, "result")

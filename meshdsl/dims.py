@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
-from typing import Iterable, Iterator, Sequence, Union
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Union
 
 from meshdsl.errors import ShapeError
 
@@ -56,7 +57,7 @@ class Shape:
 
     __slots__ = ("dims",)
 
-    def __init__(self, dims: Iterable[Dim] | "Shape" = ()):
+    def __init__(self, dims: Iterable[Dim] | Shape = ()):
         dims = tuple(dims.dims if isinstance(dims, Shape) else dims)
         for d in dims:
             if not isinstance(d, Dim):
@@ -120,10 +121,10 @@ class Shape:
     def __hash__(self) -> int:
         return hash(self.dims)
 
-    def __add__(self, other: "Shape | Sequence[Dim]") -> "Shape":
+    def __add__(self, other: Shape | Sequence[Dim]) -> Shape:
         return Shape(self.dims + tuple(as_shape(other).dims))
 
-    def without(self, names: Iterable[DimLike]) -> "Shape":
+    def without(self, names: Iterable[DimLike]) -> Shape:
         """This shape minus the named dims."""
         drop = {n.name if isinstance(n, Dim) else n for n in names}
         return Shape(d for d in self.dims if d.name not in drop)
@@ -162,7 +163,9 @@ def dim_names(dims: DimLike | Iterable[DimLike] | None) -> tuple[str, ...] | Non
     if isinstance(dims, Shape):
         return dims.names
     if not isinstance(dims, (list, tuple)):
-        raise ShapeError(f"dims are a name, an md.Dim, a string of names or a list of those, got {type(dims).__name__} {dims!r}")
+        raise ShapeError(
+            f"dims are a name, an md.Dim, a string of names or a list of those, got {type(dims).__name__} {dims!r}"
+        )
     out: list[str] = []
     for d in dims:
         out.extend(dim_names(d))
@@ -176,7 +179,9 @@ def resolve(names: DimLike | Iterable[DimLike], shape: Shape) -> tuple[Dim, ...]
     elif isinstance(names, (Shape, list, tuple)):
         items = list(names)
     else:
-        raise ShapeError(f"dims are a name, an md.Dim, a string of names or a list of those, got {type(names).__name__} {names!r}")
+        raise ShapeError(
+            f"dims are a name, an md.Dim, a string of names or a list of those, got {type(names).__name__} {names!r}"
+        )
     out: list[Dim] = []
     for item in items:
         for name in dim_names(item):

@@ -25,7 +25,8 @@ import os
 import socket
 import sys
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -100,18 +101,26 @@ def resolve(
     if coordinator is None and num_processes is None and process_id is None:
         return ProcessGroup(None, None, None) if _cluster_detected(environ) else None
     if num_processes is None:
-        raise ConfigError(f"a multi-process run needs --num-processes (or {NUM_PROCESSES_ENV}) beside the coordinator and process id")
+        raise ConfigError(
+            f"a multi-process run needs --num-processes (or {NUM_PROCESSES_ENV}) beside the coordinator and process id"
+        )
     if num_processes < 1:
         raise ConfigError(f"--num-processes {num_processes}: a run has at least 1 process")
     if process_id is None:
-        raise ConfigError(f"--num-processes {num_processes} needs --process-id (or {PROCESS_ID_ENV}): which of the processes this is")
+        raise ConfigError(
+            f"--num-processes {num_processes} needs --process-id (or {PROCESS_ID_ENV}): which of the processes this is"
+        )
     if not 0 <= process_id < num_processes:
-        raise ConfigError(f"--process-id {process_id} is outside 0..{num_processes - 1} for --num-processes {num_processes}")
+        raise ConfigError(
+            f"--process-id {process_id} is outside 0..{num_processes - 1} for --num-processes {num_processes}"
+        )
     if num_processes == 1:
         return None
     if coordinator is None:
         if not environ.get("JAX_COORDINATOR_ADDRESS"):
-            raise ConfigError(f"--num-processes {num_processes} needs --coordinator HOST:PORT (or {COORDINATOR_ENV}): where process 0 listens")
+            raise ConfigError(
+                f"--num-processes {num_processes} needs --coordinator HOST:PORT (or {COORDINATOR_ENV}): where process 0 listens"
+            )
     else:
         _check_coordinator(coordinator)
     return ProcessGroup(coordinator, num_processes, process_id)
@@ -130,7 +139,9 @@ def wait_for_coordinator(address: str, timeout: float) -> None:
             return
         except OSError as e:
             if time.monotonic() > deadline:
-                raise ConfigError(f"no coordinator answers at {address} after {timeout:.0f} s ({e.strerror or e}); is process 0 running there?") from None
+                raise ConfigError(
+                    f"no coordinator answers at {address} after {timeout:.0f} s ({e.strerror or e}); is process 0 running there?"
+                ) from None
             time.sleep(0.5)
 
 
@@ -152,15 +163,25 @@ def _options(heartbeat: int) -> dict[str, int]:
     and ``shutdown_timeout_seconds`` are absent from older versions; a note says when the heartbeat is)."""
     import jax
 
-    wanted = {"initialization_timeout": INIT_TIMEOUT_S, "heartbeat_timeout_seconds": heartbeat, "shutdown_timeout_seconds": SHUTDOWN_TIMEOUT_S}
+    wanted = {
+        "initialization_timeout": INIT_TIMEOUT_S,
+        "heartbeat_timeout_seconds": heartbeat,
+        "shutdown_timeout_seconds": SHUTDOWN_TIMEOUT_S,
+    }
     accepted = inspect.signature(jax.distributed.initialize).parameters
     if "heartbeat_timeout_seconds" not in accepted:
-        print(f"meshdsl: note: JAX {jax.__version__} sets no heartbeat timeout; a dead process is noticed after JAX's own", file=sys.stderr)
+        print(
+            f"meshdsl: note: JAX {jax.__version__} sets no heartbeat timeout; a dead process is noticed after JAX's own",
+            file=sys.stderr,
+        )
     return {k: v for k, v in wanted.items() if k in accepted}
 
 
 def initialize(
-    coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None, heartbeat: int | None = None
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    heartbeat: int | None = None,
 ) -> bool:
     """Join the multi-process run the flags or environment describe; True when one was joined.
 
@@ -178,7 +199,11 @@ def initialize(
     try:
         jax.distributed.initialize(group.coordinator, group.num_processes, group.process_id, **_options(timeout))
     except (RuntimeError, ValueError) as e:
-        where = f"{group.coordinator} as process {group.process_id} of {group.num_processes}" if group.coordinator else "the detected cluster"
+        where = (
+            f"{group.coordinator} as process {group.process_id} of {group.num_processes}"
+            if group.coordinator
+            else "the detected cluster"
+        )
         raise ConfigError(f"could not join the multi-process run at {where}: {str(e).splitlines()[0]}") from None
     return True
 

@@ -18,15 +18,16 @@ import dataclasses
 import enum
 import math
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from meshdsl.collectives import Collective, bytes_moved
 from meshdsl import hlo
+from meshdsl.collectives import Collective, bytes_moved
 from meshdsl.compile import Backend, Compiled
 from meshdsl.errors import ConfigError
 from meshdsl.jaxpr_walk import as_compiled, walk
@@ -142,7 +143,9 @@ def _communications(eqn: Any, times: int | None, axis_sizes: Mapping[str, int], 
     rows = []
     for var in side:
         buffer = _nbytes(var.aval, widen)
-        rows.append(Communication(op, tensor, collective, axes, buffer, times, bytes_moved(collective, buffer, n) * times))
+        rows.append(
+            Communication(op, tensor, collective, axes, buffer, times, bytes_moved(collective, buffer, n) * times)
+        )
     return rows
 
 
@@ -183,7 +186,10 @@ def report_of_hlo(hlo_text: str, mesh: Mesh) -> Report:
     def axes(c: hlo.HloCollective) -> tuple[str, ...]:
         pairs = c.pairs or tuple((c.group[0], i) for i in c.group[1:])
         varying = {
-            names[k] for a, b in pairs for k, (i, j) in enumerate(zip(np.unravel_index(a, shape), np.unravel_index(b, shape))) if i != j
+            names[k]
+            for a, b in pairs
+            for k, (i, j) in enumerate(zip(np.unravel_index(a, shape), np.unravel_index(b, shape)))
+            if i != j
         }
         return tuple(n for n in names if n in varying)
 
@@ -228,13 +234,19 @@ def explain(
         raise ConfigError(
             f"md.explain: platform {platform!r} is not one of {', '.join(PLATFORMS)} (None: the mesh's devices')"
         )
-    compiled = Compiled(fn, mesh, layout, backend, in_layouts=in_layouts, out_layouts=out_layouts, grad_reduce_dtype=grad_reduce_dtype)
+    compiled = Compiled(
+        fn, mesh, layout, backend, in_layouts=in_layouts, out_layouts=out_layouts, grad_reduce_dtype=grad_reduce_dtype
+    )
     if compiled.backend is Backend.GSPMD:
         if isinstance(mesh.jax_mesh, jax.sharding.AbstractMesh):
-            raise ConfigError(f"md.explain: backend gspmd compiles for real devices, but mesh {mesh} is abstract; build it on devices (md.Mesh({mesh}))")
+            raise ConfigError(
+                f"md.explain: backend gspmd compiles for real devices, but mesh {mesh} is abstract; build it on devices (md.Mesh({mesh}))"
+            )
         here = mesh.devices.flat[0].platform
         if platform not in (None, here):
-            raise ConfigError(f"md.explain: backend gspmd is measured on the devices at hand ({here}); it cannot be priced as on {platform}")
+            raise ConfigError(
+                f"md.explain: backend gspmd is measured on the devices at hand ({here}); it cannot be priced as on {platform}"
+            )
         return report_of_hlo(compiled.lower(*args).compile().as_text(), mesh)
     closed = jax.make_jaxpr(compiled.spmd_function)(*args)
     return report_of_jaxpr(closed.jaxpr, mesh.axis_sizes, (platform or mesh.devices.flat[0].platform) == "cpu")

@@ -181,7 +181,9 @@ def _collective(instruction: _Instruction, kind: Collective, devices: int | None
     pairs: tuple[tuple[int, int], ...] = ()
     if kind is Collective.COLLECTIVE_PERMUTE:
         printed = re.search(r"\bsource_target_pairs=\{(.*?)\}\}", instruction.attributes)
-        pairs = tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)", printed.group(1) + "}")) if printed else ()
+        pairs = (
+            tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)", printed.group(1) + "}")) if printed else ()
+        )
         ids = tuple(sorted({i for pair in pairs for i in pair}))
         group = len(ids)
     else:
@@ -207,7 +209,8 @@ def _replica_group(instruction: _Instruction, devices: int | None) -> tuple[int,
         return groups[-1], tuple(int(i) for i in _iota(iota.group(2), iota.group(3)).reshape(-1, groups[-1])[0])
     # mesh['a'=4,'b'=2] {'a'}, maybe with ", device_ids=([4,2]T(1,0))" before the axes.
     mesh = re.search(
-        r"\breplica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^{}]*)\}", attributes
+        r"\breplica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^{}]*)\}",
+        attributes,
     )
     if mesh:
         sizes = {name: int(size) for name, size in re.findall(r"'?([^'=,\s]+)'?=(\d+)", mesh.group(1))}

@@ -15,7 +15,16 @@ import math
 import re
 
 from meshdsl.hlo import (
-    _ARRAY, _COMMENT, _COMPUTATION, _INSTRUCTION, _OPCODE, _TRIP_COUNT, _attribute, _balanced_end, _callees, _parse,
+    _ARRAY,
+    _COMMENT,
+    _COMPUTATION,
+    _INSTRUCTION,
+    _OPCODE,
+    _TRIP_COUNT,
+    _attribute,
+    _balanced_end,
+    _callees,
+    _parse,
 )
 
 

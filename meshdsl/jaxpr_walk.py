@@ -36,7 +36,8 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 import jaxlib
@@ -217,7 +218,9 @@ def _dead_dropped(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
     return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
 
 
-def _unused_dropped(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dict[Any, Any]) -> list[jex_core.JaxprEqn]:
+def _unused_dropped(
+    jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dict[Any, Any]
+) -> list[jex_core.JaxprEqn]:
     """The equations whose results something reads, or that have an effect beyond naming mesh axes.
 
     Unlike :func:`_dead_dropped` it keeps every loop as it is (JAX's rule for a ``scan`` checks
@@ -301,7 +304,9 @@ def _atom(v: Any, env: Mapping[Any, Any]) -> Any:
 # ---- inlining ------------------------------------------------------------------------------------
 
 
-def _inline_eqns(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dict[Any, Any]) -> list[jex_core.JaxprEqn]:
+def _inline_eqns(
+    jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dict[Any, Any]
+) -> list[jex_core.JaxprEqn]:
     """Calls, ``shard_map`` s and one-trip scans replaced by their bodies; :data:`_NO_OP` s dropped."""
     out: list[jex_core.JaxprEqn] = []
     for eqn in eqns:
@@ -337,7 +342,10 @@ def _fresh(v: Any, env: dict[Any, Any]) -> Any:
 
 def _body_eqns(body: jex_core.Jaxpr, env: dict[Any, Any]) -> list[jex_core.JaxprEqn]:
     """``body`` 's equations reading ``env`` 's values for its variables, each binder made fresh."""
-    return [e.replace(invars=[_atom(v, env) for v in e.invars], outvars=[_fresh(v, env) for v in e.outvars]) for e in body.eqns]
+    return [
+        e.replace(invars=[_atom(v, env) for v in e.invars], outvars=[_fresh(v, env) for v in e.outvars])
+        for e in body.eqns
+    ]
 
 
 def _closed_env(callee: Any) -> tuple[jex_core.Jaxpr, dict[Any, Any]]:
@@ -347,7 +355,9 @@ def _closed_env(callee: Any) -> tuple[jex_core.Jaxpr, dict[Any, Any]]:
     return callee, {}
 
 
-def _spliced(callee: Any, args: Sequence[Any], results: Sequence[Any], subst: dict[Any, Any]) -> list[jex_core.JaxprEqn]:
+def _spliced(
+    callee: Any, args: Sequence[Any], results: Sequence[Any], subst: dict[Any, Any]
+) -> list[jex_core.JaxprEqn]:
     """The equations of ``callee`` run on ``args``; its results recorded in ``subst`` as ``results``."""
     body, env = _closed_env(callee)
     env.update(zip(body.invars, args))
@@ -368,7 +378,11 @@ def _recomputed(eqn: jex_core.JaxprEqn, subst: dict[Any, Any]) -> list[jex_core.
     barrier: list[jex_core.JaxprEqn] = []
     if held:
         outs = [jex_core.Var(args[i].aval) for i in held]
-        barrier.append(jex_core.new_jaxpr_eqn([args[i] for i in held], outs, barrier_primitive(), {}, jex_core.no_effects, eqn.source_info))
+        barrier.append(
+            jex_core.new_jaxpr_eqn(
+                [args[i] for i in held], outs, barrier_primitive(), {}, jex_core.no_effects, eqn.source_info
+            )
+        )
         for i, v in zip(held, outs):
             args[i] = v
     return barrier + _spliced(called(eqn.primitive.name, eqn.params), args, eqn.outvars, subst)
@@ -380,7 +394,9 @@ def _shard_map_inlined(eqn: jex_core.JaxprEqn) -> list[jex_core.JaxprEqn]:
     mesh, in_specs, out_specs = shard_map_specs(eqn.params)
 
     def marker(primitive: Any, source: Any, target: Any, spec: Any) -> jex_core.JaxprEqn:
-        return jex_core.new_jaxpr_eqn([source], [target], primitive, {"spec": spec, "mesh": mesh}, jex_core.no_effects, eqn.source_info)
+        return jex_core.new_jaxpr_eqn(
+            [source], [target], primitive, {"spec": spec, "mesh": mesh}, jex_core.no_effects, eqn.source_info
+        )
 
     eqns = [marker(ENTER_SHARD_MAP, x, _fresh(v, env), spec) for x, v, spec in zip(eqn.invars, body.invars, in_specs)]
     eqns += _body_eqns(body, env)
@@ -390,7 +406,9 @@ def _shard_map_inlined(eqn: jex_core.JaxprEqn) -> list[jex_core.JaxprEqn]:
     return eqns
 
 
-def _reshaped(primitive: Any, params: dict[str, Any], source: Any, target: Any, scan: jex_core.JaxprEqn) -> jex_core.JaxprEqn:
+def _reshaped(
+    primitive: Any, params: dict[str, Any], source: Any, target: Any, scan: jex_core.JaxprEqn
+) -> jex_core.JaxprEqn:
     """``target = primitive(source)``: the leading length-1 axis a scan adds to or takes from its slices."""
     return jex_core.new_jaxpr_eqn([source], [target], primitive, params, jex_core.no_effects, scan.source_info)
 
@@ -408,10 +426,15 @@ def _one_trip(scan: jex_core.JaxprEqn, subst: dict[Any, Any]) -> list[jex_core.J
     n_in = n_consts + n_carry
     env.update(zip(body.invars[:n_in], scan.invars[:n_in]))
     squeeze = {"dimensions": (0,)}
-    eqns = [_reshaped(jex_primitives.squeeze_p, squeeze, x, _fresh(v, env), scan) for x, v in zip(scan.invars[n_in:], body.invars[n_in:])]
+    eqns = [
+        _reshaped(jex_primitives.squeeze_p, squeeze, x, _fresh(v, env), scan)
+        for x, v in zip(scan.invars[n_in:], body.invars[n_in:])
+    ]
     eqns += _body_eqns(body, env)
     results = [_atom(v, env) for v in body.outvars]
-    subst.update((v, r) for v, r in zip(scan.outvars[:n_carry], results[:n_carry]) if not isinstance(v, jex_core.DropVar))
+    subst.update(
+        (v, r) for v, r in zip(scan.outvars[:n_carry], results[:n_carry]) if not isinstance(v, jex_core.DropVar)
+    )
     for v, y in zip(scan.outvars[n_carry:], results[n_carry:]):
         grow = {"new_sizes": tuple(v.aval.shape), "dimensions": None, "sharding": None}
         eqns.append(_reshaped(jex_primitives.reshape_p, grow, y, v, scan))
@@ -426,7 +449,9 @@ _PER_DEVICE = frozenset({"axis_index", "ppermute", "all_to_all", "reduce_scatter
 _ALL_GATHERS = frozenset({"all_gather", "all_gather_invariant"})
 
 
-def _constant_collectives_dropped(jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dict[Any, Any]) -> list[jex_core.JaxprEqn]:
+def _constant_collectives_dropped(
+    jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dict[Any, Any]
+) -> list[jex_core.JaxprEqn]:
     """Each all-reduce whose operand is computed from literals alone removed, its result recorded
     in ``subst`` as its operand (a buffer of the same type; XLA computes it locally); each
     all-gather of such an operand made a :data:`GATHERED_CONSTANT` (its result is still a buffer).

@@ -20,7 +20,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Any, Sequence, TextIO
+from collections.abc import Sequence
+from typing import IO, Any, TextIO
 
 from meshdsl import distributed
 from meshdsl.errors import ConfigError
@@ -122,7 +123,9 @@ def child_command(command: Sequence[str]) -> list[str]:
     command = list(command[1:] if command and command[0] == "--" else command)
     if not command or command[0] not in COMMANDS:
         got = f"{command[0]!r}" if command else "nothing"
-        raise ConfigError(f"meshdsl launch runs {' or '.join(COMMANDS)}, e.g. 'meshdsl launch --local 2 -- train --preset tiny'; got {got}")
+        raise ConfigError(
+            f"meshdsl launch runs {' or '.join(COMMANDS)}, e.g. 'meshdsl launch --local 2 -- train --preset tiny'; got {got}"
+        )
     return command
 
 
@@ -161,9 +164,15 @@ def check_fits(run: Any, processes: int, devices: int) -> None:
         raise ConfigError(f"{split} do not fit: {e}") from None
 
 
-def launch(command: Sequence[str], processes: int, devices_per_process: int | None = None,
-           out: TextIO = sys.stdout, err: TextIO = sys.stderr, heartbeat: int | None = None,
-           verbose: bool = False) -> int:
+def launch(
+    command: Sequence[str],
+    processes: int,
+    devices_per_process: int | None = None,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+    heartbeat: int | None = None,
+    verbose: bool = False,
+) -> int:
     """Run ``meshdsl <command>`` as ``processes`` processes on this host; the exit status of the
     process that failed first (0 when none failed).
 
@@ -185,13 +194,20 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int | No
     try:
         for rank in range(processes):
             env = {
-                **os.environ, "PYTHONUNBUFFERED": "1", distributed.COORDINATOR_ENV: coordinator,
-                distributed.NUM_PROCESSES_ENV: str(processes), distributed.PROCESS_ID_ENV: str(rank),
+                **os.environ,
+                "PYTHONUNBUFFERED": "1",
+                distributed.COORDINATOR_ENV: coordinator,
+                distributed.NUM_PROCESSES_ENV: str(processes),
+                distributed.PROCESS_ID_ENV: str(rank),
                 distributed.HEARTBEAT_ENV: str(timeout),
             }
             child = subprocess.Popen(
                 [sys.executable, "-m", "meshdsl.cli", "--devices", str(devices), *command],
-                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
             )
             children.append(child)
             forward.follow(rank, child.stdout, out)
@@ -222,7 +238,9 @@ def _signal(child: subprocess.Popen, sig: signal.Signals) -> None:
         pass
 
 
-def _supervise(children: list[subprocess.Popen], grace: float, err: TextIO, forward: _Forwarder) -> tuple[list[int], int | None]:
+def _supervise(
+    children: list[subprocess.Popen], grace: float, err: TextIO, forward: _Forwarder
+) -> tuple[list[int], int | None]:
     """Wait for every child; after the first failure or interrupt, stop the rest by the deadlines.
 
     Returns every child's exit code and the rank that failed first unprompted (None: none did, or
@@ -266,7 +284,11 @@ def _supervise(children: list[subprocess.Popen], grace: float, err: TextIO, forw
                 stop_at = time.monotonic() + grace
                 rank, code = failed[0]
                 first = rank
-                _say(err, forward, f"process {rank} {describe(code)}; stopping the others (at most {grace + KILL_AFTER_S:.0f} s)")
+                _say(
+                    err,
+                    forward,
+                    f"process {rank} {describe(code)}; stopping the others (at most {grace + KILL_AFTER_S:.0f} s)",
+                )
             if stop_at is not None and time.monotonic() > stop_at and not terminated:
                 terminated = True
                 _say(err, forward, "sending SIGTERM to the processes still running")

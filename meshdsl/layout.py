@@ -24,8 +24,9 @@ from __future__ import annotations
 import math
 import re
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -59,7 +60,9 @@ def _parse_string(text: str) -> dict[str, tuple[str, ...]]:
     for part in _split_rules(text):
         dim, colon, value = part.partition(":")
         if not colon:
-            raise LayoutError(f"malformed layout rule {part!r} in {text!r}: expected 'dim:axis' or 'dim:(axis1, axis2)'")
+            raise LayoutError(
+                f"malformed layout rule {part!r} in {text!r}: expected 'dim:axis' or 'dim:(axis1, axis2)'"
+            )
         value = value.strip()
         if value.startswith("(") and value.endswith(")"):
             value = value[1:-1]
@@ -85,7 +88,7 @@ def _add_rule(rules: dict[str, tuple[str, ...]], dim: str, value: Any, source: A
     rules[dim] = axes
 
 
-def _parse(rules: "str | Mapping[str, RuleValue] | Layout | None") -> dict[str, tuple[str, ...]]:
+def _parse(rules: str | Mapping[str, RuleValue] | Layout | None) -> dict[str, tuple[str, ...]]:
     if rules is None:
         return {}
     if isinstance(rules, Layout):
@@ -111,8 +114,8 @@ class Layout:
 
     def __init__(
         self,
-        rules: "str | Mapping[str, RuleValue] | Layout | None" = None,
-        params: "str | Mapping[str, RuleValue] | Layout | None" = None,
+        rules: str | Mapping[str, RuleValue] | Layout | None = None,
+        params: str | Mapping[str, RuleValue] | Layout | None = None,
         mesh_axes: Mapping[str, int] | None = None,
         pipeline: Any = None,
     ):
@@ -126,7 +129,7 @@ class Layout:
             self.pipeline = rules.pipeline if pipeline is None else self.pipeline
 
     @classmethod
-    def load(cls, path: str | Path) -> "Layout":
+    def load(cls, path: str | Path) -> Layout:
         """Read a TOML layout file: ``[mesh]`` axis sizes, ``[rules]``, optional ``[params]`` and ``[pipeline]`` (see ``layouts/``)."""
         path = Path(path)
         if path.is_dir():
@@ -140,22 +143,28 @@ class Layout:
         # [train]: settings for meshdsl train (meshdsl.train.settings reads it), not part of the layout
         unknown = set(data) - {"mesh", "rules", "params", "pipeline", "train", "description"}
         if unknown:
-            raise LayoutError(f"layout file {str(path)!r}: unknown table(s) {sorted(unknown)}; expected [mesh], [rules], [params], [pipeline], [train]")
+            raise LayoutError(
+                f"layout file {str(path)!r}: unknown table(s) {sorted(unknown)}; expected [mesh], [rules], [params], [pipeline], [train]"
+            )
         for table in ("mesh", "rules", "params", "pipeline", "train"):
             if not isinstance(data.get(table, {}), dict):
                 raise LayoutError(f"layout file {str(path)!r}: [{table}] must be a table")
         for axis, size in data.get("mesh", {}).items():
             if isinstance(size, bool) or not isinstance(size, int) or not (size >= 1 or size == -1):
-                raise LayoutError(f"layout file {str(path)!r}: [mesh] axis {axis} has size {size!r}; a size is a positive integer or -1 (the remaining devices)")
+                raise LayoutError(
+                    f"layout file {str(path)!r}: [mesh] axis {axis} has size {size!r}; a size is a positive integer or -1 (the remaining devices)"
+                )
         if not data.get("mesh") and not data.get("rules"):
-            raise LayoutError(f"layout file {str(path)!r} has neither a [mesh] table nor [rules], so it lays nothing out (an empty file?)")
+            raise LayoutError(
+                f"layout file {str(path)!r} has neither a [mesh] table nor [rules], so it lays nothing out (an empty file?)"
+            )
         try:
             return cls(data.get("rules", {}), data.get("params"), data.get("mesh"), data.get("pipeline"))
         except (LayoutError, ConfigError) as e:
             raise type(e)(f"layout file {str(path)!r}: {e}") from None
 
     @property
-    def param_layout(self) -> "Layout":
+    def param_layout(self) -> Layout:
         """The rules parameters and optimizer state are stored under: ``params`` if given, else these."""
         return self.params if self.params is not None else Layout(self.rules)
 
@@ -177,9 +186,7 @@ class Layout:
         for dim, axes in self.rules.items():
             for a in axes:
                 if a not in mesh.axis_sizes:
-                    raise LayoutError(
-                        f"layout rule {dim}:{a} names mesh axis {a!r}, but the mesh has axes {mesh}"
-                    )
+                    raise LayoutError(f"layout rule {dim}:{a} names mesh axis {a!r}, but the mesh has axes {mesh}")
 
     def axes(self, shape: ShapeLike, mesh: Mesh, tensor: str = "tensor") -> Axes:
         """Per-dim split axes of a tensor of ``shape``; LayoutError if they do not fit ``mesh``."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -22,14 +23,18 @@ def _parse(axes: Mapping[str, int] | str | Sequence[tuple[str, int]]) -> list[tu
         for part in axes.replace(",", " ").split():
             name, eq, size = part.partition("=")
             if not eq or not re.fullmatch(r"-?\d+", size.strip()):
-                raise LayoutError(f"malformed mesh axis {part!r} in {axes!r}: expected name=size, e.g. 'data=4 model=2'")
+                raise LayoutError(
+                    f"malformed mesh axis {part!r} in {axes!r}: expected name=size, e.g. 'data=4 model=2'"
+                )
             items.append((name.strip(), int(size)))
         return items
     if isinstance(axes, Mapping):
         return [(str(k), v) for k, v in axes.items()]
     if isinstance(axes, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in axes):
         return [(str(k), v) for k, v in axes]
-    raise LayoutError(f"mesh axes must be a dict, a string like 'data=4 model=2' or (name, size) pairs, got {type(axes).__name__} {axes!r}")
+    raise LayoutError(
+        f"mesh axes must be a dict, a string like 'data=4 model=2' or (name, size) pairs, got {type(axes).__name__} {axes!r}"
+    )
 
 
 def _devices(devices: Any) -> list:
@@ -75,7 +80,9 @@ def axis_sizes(axes: Mapping[str, int] | str | Sequence[tuple[str, int]], device
         raise LayoutError(f"mesh axes {names} repeat a name")
     wildcards = [n for n, s in items if s == -1]
     if len(wildcards) > 1:
-        raise LayoutError(f"mesh axes {', '.join(wildcards)} are all -1; at most one axis may take the remaining devices")
+        raise LayoutError(
+            f"mesh axes {', '.join(wildcards)} are all -1; at most one axis may take the remaining devices"
+        )
     fixed = math.prod(int(s) for _, s in items if s != -1)
     if wildcards:
         if devices % fixed:
@@ -105,17 +112,21 @@ class Mesh:
         try:
             self.axis_sizes: dict[str, int] = axis_sizes(axes, len(devices))
         except _TooFew as e:
-            hint = "" if given or devices[0].platform != "cpu" else (
-                f"; on a machine without accelerators, simulate {e.size} CPU devices by setting "
-                f"XLA_FLAGS={DEVICE_FLAG}={e.size} before JAX starts (or jax.config.update('jax_num_cpu_devices', "
-                f"{e.size}) before its first use)"
+            hint = (
+                ""
+                if given or devices[0].platform != "cpu"
+                else (
+                    f"; on a machine without accelerators, simulate {e.size} CPU devices by setting "
+                    f"XLA_FLAGS={DEVICE_FLAG}={e.size} before JAX starts (or jax.config.update('jax_num_cpu_devices', "
+                    f"{e.size}) before its first use)"
+                )
             )
             raise LayoutError(f"{e}{hint}") from None
         grid = np.array(devices[: self.size], dtype=object).reshape(tuple(self.axis_sizes.values()))
         self.jax_mesh = jax.sharding.Mesh(grid, tuple(self.axis_sizes))
 
     @classmethod
-    def abstract(cls, axis_sizes: Mapping[str, int]) -> "Mesh":
+    def abstract(cls, axis_sizes: Mapping[str, int]) -> Mesh:
         """A mesh with axis names and sizes but no devices: enough to trace, not to run."""
         mesh = cls.__new__(cls)
         mesh.axis_sizes = {str(k): int(v) for k, v in axis_sizes.items()}

@@ -25,9 +25,10 @@ import importlib
 import importlib.util
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Sequence
+from typing import Any
 
 from meshdsl.errors import ConfigError
 from meshdsl.models import NAMES
@@ -151,7 +152,9 @@ def _check_field(model: str, field: str, value: Any, reference: Any) -> None:
     """ConfigError unless ``value`` suits a config field whose preset or default value is ``reference``."""
     if isinstance(reference, bool) or not isinstance(reference, (int, float)):
         if not isinstance(value, type(reference)):
-            raise ConfigError(f"model {model}: {field}={value!r}, but {field} takes a {type(reference).__name__} such as {reference!r}")
+            raise ConfigError(
+                f"model {model}: {field}={value!r}, but {field} takes a {type(reference).__name__} such as {reference!r}"
+            )
     elif isinstance(reference, int):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"model {model}: {field}={value!r}, but {field} takes an integer of at least 1")
@@ -211,7 +214,7 @@ def _exited(error: SystemExit, mine: list[Path]) -> str:
     at = f" at {where}" if where else ""
     return (
         f"importing it called sys.exit({error.code!r}){at}; a model module defines Config and Model and runs nothing "
-        "when imported (put a script's code under `if __name__ == \"__main__\":`)"
+        'when imported (put a script\'s code under `if __name__ == "__main__":`)'
     )
 
 
@@ -254,7 +257,9 @@ def _check_form(module: ModuleType, spec: str) -> None:
         raise ConfigError(f"model {spec}: Config is not a dataclass (decorate it with @dataclasses.dataclass); {_FORM}")
     presets = getattr(config, "PRESETS", None)
     if not isinstance(presets, dict) or not presets or not all(isinstance(v, dict) for v in presets.values()):
-        raise ConfigError(f"model {spec}: Config.PRESETS must be a non-empty dict of preset name -> dict of field values, got {presets!r}")
+        raise ConfigError(
+            f"model {spec}: Config.PRESETS must be a non-empty dict of preset name -> dict of field values, got {presets!r}"
+        )
     lacking = [m for m in REQUIRED if not callable(getattr(model, m, None))]
     if lacking:
         raise ConfigError(f"model {spec}: Model has no {', '.join(lacking)}; {_FORM}")

@@ -73,7 +73,9 @@ def stages(lowering: Lowering, layers: Dim) -> tuple[tuple[str, ...], int]:
     return axes, lowering.group_size(axes)
 
 
-def value_and_grad(model: Any, params: dict[str, Any], batch: dict[str, Tensor], config: PipelineConfig) -> tuple[jax.Array, Any]:
+def value_and_grad(
+    model: Any, params: dict[str, Any], batch: dict[str, Tensor], config: PipelineConfig
+) -> tuple[jax.Array, Any]:
     """``(loss, grads)`` of ``model.loss(params, batch)``, as ``jax.value_and_grad`` gives them, pipelined.
 
     The loss is the mean over microbatches of ``post``'s loss (equal to the whole batch's mean
@@ -87,7 +89,9 @@ def value_and_grad(model: Any, params: dict[str, Any], batch: dict[str, Tensor],
 class _Run:
     """One pipelined step: the local views of parameters and microbatches, and the two schedules."""
 
-    def __init__(self, model: Any, params: dict[str, Any], batch: dict[str, Tensor], config: PipelineConfig, lowering: Lowering):
+    def __init__(
+        self, model: Any, params: dict[str, Any], batch: dict[str, Tensor], config: PipelineConfig, lowering: Lowering
+    ):
         self.lowering = lowering
         self.params = params
         self.m, self.v, self.schedule = config.microbatches, config.virtual_stages, config.schedule
@@ -119,7 +123,9 @@ class _Run:
         self.batch_arrays, self.batch_meta = [], []
         for t in leaves:
             if not isinstance(t, Tensor) or dim.name not in t.shape:
-                raise ConfigError(f"pipeline: every batch tensor needs dim {dim.name!r} to cut into microbatches, got {getattr(t, 'shape', t)}")
+                raise ConfigError(
+                    f"pipeline: every batch tensor needs dim {dim.name!r} to cut into microbatches, got {getattr(t, 'shape', t)}"
+                )
             axes = self.lowering.axes(t.shape)
             a = self.lowering.prepare(t, axes)
             i = t.shape.index(dim.name)
@@ -193,7 +199,11 @@ class _Run:
         out = []
         for a, u, i in zip(g_w, g, self.layer_axis):
             start = j * u.shape[i]
-            out.append(lax.dynamic_update_slice_in_dim(a, lax.dynamic_slice_in_dim(a, start, u.shape[i], axis=i) + u, start, axis=i))
+            out.append(
+                lax.dynamic_update_slice_in_dim(
+                    a, lax.dynamic_slice_in_dim(a, start, u.shape[i], axis=i) + u, start, axis=i
+                )
+            )
         return out
 
     # ---- the three parts on local arrays ---------------------------------------------------------
@@ -206,7 +216,9 @@ class _Run:
 
     def _stage(self, w: list[jax.Array], x: jax.Array) -> jax.Array:
         """This stage's layers on the local activations ``x``."""
-        layers = jax.tree_util.tree_unflatten(self.layer_tree, [self.lowering.keep(a, s, ax) for a, (s, ax) in zip(w, self.layer_meta)])
+        layers = jax.tree_util.tree_unflatten(
+            self.layer_tree, [self.lowering.keep(a, s, ax) for a, (s, ax) in zip(w, self.layer_meta)]
+        )
         x_t = self.lowering.keep(x, self.x_shape, self.x_axes)
         out, _ = scan(lambda c, lp: (self.micro_model.layer(c, lp), None), x_t, layers, STAGE_LAYERS, remat=self.remat)
         return self.lowering.prepare(out, self.x_axes)
@@ -247,7 +259,7 @@ class _Run:
             return jnp.zeros_like(x)
         return self.lowering.ppermute(x, self.stage_axes, shift, wrap=self.v > 1, sources=sorted(sources))
 
-    def _input(self, rest: dict[str, Any], segment: "Segment", received: jax.Array, f: Any, j: Any) -> jax.Array:
+    def _input(self, rest: dict[str, Any], segment: Segment, received: jax.Array, f: Any, j: Any) -> jax.Array:
         """The input of the forward of microbatch ``f``, chunk ``j``: ``pre`` of it on the first virtual stage,
         else what arrived."""
         if 0 not in segment.forward:
@@ -255,7 +267,7 @@ class _Run:
         first = self.first if self.v == 1 else self.first & (j == 0)
         return jnp.where(first, self._when(first, lambda: self._pre(rest, self._microbatch(f))), received)
 
-    def _segments(self, tick: Callable[["Segment", Any, Any], Any], carry: Any) -> Any:
+    def _segments(self, tick: Callable[[Segment, Any, Any], Any], carry: Any) -> Any:
         """``carry`` through every tick of the timetable: a ``scan`` per segment, one tick inline."""
         for segment in timetable(self.schedule, self.p, self.m, self.v):
             if segment.length == 1:
@@ -337,7 +349,8 @@ class _Run:
                 slot = jnp.where(self._live(segment.forward), jnp.mod(seq, slots), slots)
                 stored = [a for a in residuals if not isinstance(a, int)]
                 ring = [
-                    lax.dynamic_update_index_in_dim(r, self.lowering.vary_like(a, r), slot, 0) for r, a in zip(ring, stored)
+                    lax.dynamic_update_index_in_dim(r, self.lowering.vary_like(a, r), slot, 0)
+                    for r, a in zip(ring, stored)
                 ]
                 if p - 1 in segment.forward:
                     last = self.last if v == 1 else self.last & (j == v - 1)

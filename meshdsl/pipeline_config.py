@@ -8,7 +8,8 @@ importing each other. ``md.pipeline.PipelineConfig`` and ``md.pipeline.SCHEDULES
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from meshdsl.errors import ConfigError
 
@@ -38,7 +39,7 @@ class PipelineConfig:
             )
 
     @classmethod
-    def of(cls, table: "PipelineConfig | Mapping[str, Any] | None") -> "PipelineConfig":
+    def of(cls, table: PipelineConfig | Mapping[str, Any] | None) -> PipelineConfig:
         """From a layout file's ``[pipeline]`` table (``microbatches``, ``schedule``, ``virtual_stages``), or the
         default."""
         if table is None or isinstance(table, PipelineConfig):
@@ -50,7 +51,7 @@ class PipelineConfig:
 
     def replace(
         self, microbatches: int | None = None, schedule: str | None = None, virtual_stages: int | None = None
-    ) -> "PipelineConfig":
+    ) -> PipelineConfig:
         """These settings with the given ones (None: kept) replaced, as command-line flags do. A new schedule
         other than ``interleaved`` drops the virtual stages (1) unless they are given."""
         schedule = schedule or self.schedule

@@ -49,7 +49,8 @@ import functools
 import heapq
 import itertools
 import math
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -109,7 +110,7 @@ class State:
     axes: Axes
     pending: tuple[str, ...] = ()
 
-    def after(self, step: Step) -> "State":
+    def after(self, step: Step) -> State:
         axes = [list(a) for a in self.axes]
         pending = list(self.pending)
         if step.kind is StepKind.PSUM:
@@ -118,9 +119,9 @@ class State:
             pending = [a for a in pending if a not in step.axes]
             axes[step.dim].extend(step.axes)
         elif step.kind is StepKind.ALL_GATHER:
-            del axes[step.dim][len(axes[step.dim]) - len(step.axes):]
+            del axes[step.dim][len(axes[step.dim]) - len(step.axes) :]
         elif step.kind is StepKind.ALL_TO_ALL:
-            del axes[step.from_dim][len(axes[step.from_dim]) - len(step.axes):]
+            del axes[step.from_dim][len(axes[step.from_dim]) - len(step.axes) :]
             axes[step.dim].extend(step.axes)
         else:
             axes[step.dim].extend(step.axes)
@@ -204,12 +205,20 @@ class _Space:
                 for order in itertools.permutations(summed):
                     for d, have in enumerate(axes):
                         if self.fits(d, have + order):
-                            yield Step(StepKind.PSUM_SCATTER, order, d), (_replace(axes, {d: have + order}), rest), price(1, order, split)
+                            yield (
+                                Step(StepKind.PSUM_SCATTER, order, d),
+                                (_replace(axes, {d: have + order}), rest),
+                                price(1, order, split),
+                            )
         for i, have in enumerate(axes):
             for k in range(1, len(have) + 1):
                 moved, kept = have[-k:], have[:-k]
                 gathered = split // group_size(moved, sizes)
-                yield Step(StepKind.ALL_GATHER, moved, i), (_replace(axes, {i: kept}), pending), price(1, moved, gathered)
+                yield (
+                    Step(StepKind.ALL_GATHER, moved, i),
+                    (_replace(axes, {i: kept}), pending),
+                    price(1, moved, gathered),
+                )
                 for j, other in enumerate(axes):
                     if j == i:
                         continue
@@ -271,12 +280,18 @@ def _plan(space: _Space, start: _Node, goal: _Node) -> tuple[Step, ...]:
     cheapest = _cheapest_to(space, goal)
     out = _graph(space).out
     if start not in out:
-        raise ValueError(f"relayout from {start[0]} with pending sums over {start[1]}: not a legal layout of sizes {space.sizes}")
+        raise ValueError(
+            f"relayout from {start[0]} with pending sums over {start[1]}: not a legal layout of sizes {space.sizes}"
+        )
     steps = []
     node = start
     while node != goal:
         step, node = min(
-            ((step, after) for step, after, key in out[node] if after in cheapest and _add(key, cheapest[after]) == cheapest[node]),
+            (
+                (step, after)
+                for step, after, key in out[node]
+                if after in cheapest and _add(key, cheapest[after]) == cheapest[node]
+            ),
             key=lambda move: _order(move[0]),
         )
         steps.append(step)
@@ -361,7 +376,11 @@ _gather_summing_grads_in.defvjp(_gather_fwd, _gather_bwd)
 
 def narrower(dtype: Any, grad_dtype: Any) -> bool:
     """Whether gradients of a ``dtype`` value are summed in ``grad_dtype``: a float, narrower than it."""
-    return grad_dtype is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(grad_dtype).itemsize < jnp.dtype(dtype).itemsize
+    return (
+        grad_dtype is not None
+        and jnp.issubdtype(dtype, jnp.floating)
+        and jnp.dtype(grad_dtype).itemsize < jnp.dtype(dtype).itemsize
+    )
 
 
 def _gather(x: jax.Array, axes: tuple[str, ...], to: str, grad_dtype: Any) -> jax.Array:
@@ -372,7 +391,9 @@ def _gather(x: jax.Array, axes: tuple[str, ...], to: str, grad_dtype: Any) -> ja
     return lax.all_gather(x, axes, axis=0, tiled=True, to=to)
 
 
-def _reorder_blocks(x: jax.Array, dim: int, given: tuple[str, ...], wanted: tuple[str, ...], axis_sizes: Mapping[str, int]) -> jax.Array:
+def _reorder_blocks(
+    x: jax.Array, dim: int, given: tuple[str, ...], wanted: tuple[str, ...], axis_sizes: Mapping[str, int]
+) -> jax.Array:
     """``x`` with the blocks of ``dim`` (one per device along ``given``, numbered major to minor)
     renumbered along ``wanted``, the same axes in another order; a local transpose.
 
@@ -389,7 +410,11 @@ def _reorder_blocks(x: jax.Array, dim: int, given: tuple[str, ...], wanted: tupl
 
 
 def apply(
-    x: jax.Array, steps: Iterable[Step], axis_sizes: Mapping[str, int], varying: frozenset[str] = frozenset(), grad_dtype: Any = None
+    x: jax.Array,
+    steps: Iterable[Step],
+    axis_sizes: Mapping[str, int],
+    varying: frozenset[str] = frozenset(),
+    grad_dtype: Any = None,
 ) -> jax.Array:
     """Run ``steps`` on the local shard ``x`` (inside ``shard_map`` over a mesh with ``axis_sizes``).
 
@@ -456,7 +481,6 @@ def _slice_bwd(axes: tuple[str, ...], dim: int, counts: tuple[int, ...], _: None
 
 
 _slice_gathering_grads.defvjp(_slice_fwd, _slice_bwd)
-
 
 
 def gather_together(

@@ -23,8 +23,9 @@ import functools
 import itertools
 import math
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -125,12 +126,15 @@ def _plan(path: str, leaf: Any, source: Any, where: Mapping[str, Any], label: st
     axes, stacked = source.axes(), source.placeholders()
     named = [n for group in axes for n in group] + stacked
     if sorted(named) != sorted(shape.names):
-        raise ConfigError(f"load_safetensors: {path} has dims {list(shape.names)}, but its source {source.name!r} "
-                          f"({source.dims!r}) names {named}")
+        raise ConfigError(
+            f"load_safetensors: {path} has dims {list(shape.names)}, but its source {source.name!r} "
+            f"({source.dims!r}) names {named}"
+        )
     for p in stacked:
         if p in source.values and len(source.values[p]) != shape[p].size:
-            raise ConfigError(f"load_safetensors: {path}: {len(source.values[p])} values for {{{p}}}, "
-                              f"its dim is {shape[p]}")
+            raise ConfigError(
+                f"load_safetensors: {path}: {len(source.values[p])} values for {{{p}}}, its dim is {shape[p]}"
+            )
     want = [math.prod(shape[n].size for n in group) for group in axes]
     for index in itertools.product(*(range(shape[p].size) for p in stacked)):
         name = source.tensor_name(dict(zip(stacked, index)))
@@ -138,8 +142,10 @@ def _plan(path: str, leaf: Any, source: Any, where: Mapping[str, Any], label: st
             raise DataError(f"load_safetensors: {label} has no tensor {name!r} (for {path})")
         got = list(where[name].get_slice(name).get_shape())
         if got != want:
-            raise DataError(f"load_safetensors: tensor {name!r} in {label} has shape {got}; "
-                            f"{path} {shape} needs {want} ({source.dims})")
+            raise DataError(
+                f"load_safetensors: tensor {name!r} in {label} has shape {got}; "
+                f"{path} {shape} needs {want} ({source.dims})"
+            )
     return _Leaf(path, shape, leaf.dtype, source, axes, stacked)
 
 

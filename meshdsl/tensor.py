@@ -10,7 +10,8 @@ up (Mesh-TF's LazyAllreduceSum); reading ``.array`` adds them.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +70,7 @@ class Tensor:
         return (self._data,), (self.shape, self.pending, self.layout)
 
     @classmethod
-    def tree_unflatten(cls, aux: tuple, children: Sequence[Any]) -> "Tensor":
+    def tree_unflatten(cls, aux: tuple, children: Sequence[Any]) -> Tensor:
         return cls(children[0], *aux)
 
     def __repr__(self) -> str:
@@ -79,7 +80,9 @@ class Tensor:
     def __bool__(self) -> bool:
         """The truth value of a 0-d tensor; for more dims, a ShapeError (as numpy, which also refuses)."""
         if self.shape.rank:
-            raise ShapeError(f"the truth value of an md tensor {self.shape} is ambiguous; reduce it first (md.reduce_max, md.reduce_min)")
+            raise ShapeError(
+                f"the truth value of an md tensor {self.shape} is ambiguous; reduce it first (md.reduce_max, md.reduce_min)"
+            )
         return bool(self.array)
 
     def __neg__(self):
@@ -110,13 +113,24 @@ def _binary(name: str, reflected: bool = False):
 
 
 for _dunder, _op in [
-    ("add", "add"), ("sub", "subtract"), ("mul", "multiply"), ("truediv", "divide"), ("pow", "power"), ("mod", "mod"),
-    ("and", "logical_and"), ("or", "logical_or"),
+    ("add", "add"),
+    ("sub", "subtract"),
+    ("mul", "multiply"),
+    ("truediv", "divide"),
+    ("pow", "power"),
+    ("mod", "mod"),
+    ("and", "logical_and"),
+    ("or", "logical_or"),
 ]:
     setattr(Tensor, f"__{_dunder}__", _binary(_op))
     setattr(Tensor, f"__r{_dunder}__", _binary(_op, reflected=True))
 for _dunder, _op in [
-    ("lt", "less"), ("le", "less_equal"), ("gt", "greater"), ("ge", "greater_equal"), ("eq", "equal"), ("ne", "not_equal"),
+    ("lt", "less"),
+    ("le", "less_equal"),
+    ("gt", "greater"),
+    ("ge", "greater_equal"),
+    ("eq", "equal"),
+    ("ne", "not_equal"),
 ]:
     setattr(Tensor, f"__{_dunder}__", _binary(_op))
 
@@ -159,7 +173,9 @@ def tensor(array: Any, dims: ShapeLike | str | Sequence[str]) -> Tensor:
         raise ShapeError(f"md.tensor: dims must be md.Dims, a Shape, names or a string of names, got {describe(dims)}")
     dims = [dims] if isinstance(dims, Dim) else list(dims.dims if isinstance(dims, Shape) else dims)
     if len(dims) != array.ndim:
-        raise ShapeError(f"array of shape {tuple(array.shape)} has {array.ndim} axes, but {len(dims)} dims were named: {dims}")
+        raise ShapeError(
+            f"array of shape {tuple(array.shape)} has {array.ndim} axes, but {len(dims)} dims were named: {dims}"
+        )
     resolved = []
     for d, n in zip(dims, array.shape):
         if isinstance(d, str):
@@ -167,7 +183,9 @@ def tensor(array: Any, dims: ShapeLike | str | Sequence[str]) -> Tensor:
         elif not isinstance(d, Dim):
             raise ShapeError(f"a dim is an md.Dim or a name, got {d!r}")
         elif d.size != n:
-            raise ShapeError(f"dim {d} does not match the array, whose axis {len(resolved)} has size {n} (array shape {tuple(array.shape)})")
+            raise ShapeError(
+                f"dim {d} does not match the array, whose axis {len(resolved)} has size {n} (array shape {tuple(array.shape)})"
+            )
         resolved.append(d)
     return Tensor(array, as_shape(resolved))
 

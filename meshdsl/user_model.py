@@ -12,8 +12,9 @@ from __future__ import annotations
 import inspect
 import linecache
 import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -25,10 +25,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from meshdsl.models.presets import Presets
 
 import meshdsl as md
 from meshdsl.errors import ConfigError
-from meshdsl.models.presets import Presets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,6 @@ class Config(Presets):
         # 9 * 3 * 4096 + 7 * 9 * 4096^2 + 4096 * 1000 (+ biases) = 1.06e9 parameters.
         "1b": dict(batch=64, height=32, width=32, in_channels=3, channels=4096, layers=8, classes=1000),
     }
-
 
     def __post_init__(self) -> None:
         if self.kernel % 2 == 0:

@@ -22,11 +22,11 @@ import dataclasses
 from typing import Any
 
 import jax
+from meshdsl.models import transformer
+from meshdsl.models.presets import Presets
 
 import meshdsl as md
 from meshdsl.errors import ConfigError
-from meshdsl.models import transformer
-from meshdsl.models.presets import Presets
 from meshdsl.safetensors_io import Source
 
 LLAMA3 = dict(kv_heads=8, vocab=128256, rope_theta=500000.0)
@@ -55,8 +55,18 @@ class Config(Presets):
         # Llama 3.2 1B's dims (its embeddings are tied; here the unembedding is its own).
         "1b": dict(batch=256, length=2048, d_model=2048, heads=32, d_kv=64, d_ff=8192, layers=16, **LLAMA3),
         # Llama 3 8B's published dims.
-        "8b": dict(batch=64, length=4096, d_model=4096, heads=32, d_kv=128, d_ff=14336, layers=32, remat=True,
-                   compute_dtype="bfloat16", **LLAMA3),
+        "8b": dict(
+            batch=64,
+            length=4096,
+            d_model=4096,
+            heads=32,
+            d_kv=128,
+            d_ff=14336,
+            layers=32,
+            remat=True,
+            compute_dtype="bfloat16",
+            **LLAMA3,
+        ),
     }
 
     def __post_init__(self) -> None:
@@ -85,7 +95,8 @@ class Model(transformer.Model):
         self.norm = md.nn.RMSNorm(self.d_model, eps=c.norm_eps)
         rotary = md.nn.Rotary(self.d_kv, theta=c.rope_theta, interleaved=c.rope == "interleaved")
         self.attention = md.nn.MultiHeadAttention(
-            self.d_model, self.group, self.d_kv, kv_heads=self.kv_heads, causal=True, rotary=rotary)
+            self.d_model, self.group, self.d_kv, kv_heads=self.kv_heads, causal=True, rotary=rotary
+        )
         self.feed_forward = md.nn.GatedMLP(self.d_model, self.d_ff)
         self.embedding = md.nn.Embedding(self.vocab, self.d_model)
         self.unembedding = md.nn.Linear(self.d_model, self.vocab)
@@ -125,15 +136,17 @@ class Model(transformer.Model):
         this mapping does not do: a ConfigError.
         """
         if self.config.rope != "half":
-            raise ConfigError(f"hf_names: Hugging Face's LLaMA weights are for rope='half' (rotate-half), "
-                              f"not {self.config.rope!r}")
+            raise ConfigError(
+                f"hf_names: Hugging Face's LLaMA weights are for rope='half' (rotate-half), not {self.config.rope!r}"
+            )
         layer = "model.layers.{layers}."
         return {
             "embed": Source("model.embed_tokens.weight", "vocab d_model"),
             "layers/attn_norm": Source(layer + "input_layernorm.weight", "d_model"),
             "layers/wq": Source(layer + "self_attn.q_proj.weight", "(kv_heads group d_kv) d_model"),
-            "layers/wkv": Source(layer + "self_attn.{kv}_proj.weight", "(kv_heads d_kv) d_model",
-                                 values={"kv": ("k", "v")}),
+            "layers/wkv": Source(
+                layer + "self_attn.{kv}_proj.weight", "(kv_heads d_kv) d_model", values={"kv": ("k", "v")}
+            ),
             "layers/wo": Source(layer + "self_attn.o_proj.weight", "d_model (kv_heads group d_kv)"),
             "layers/mlp_norm": Source(layer + "post_attention_layernorm.weight", "d_model"),
             "layers/w_gate": Source(layer + "mlp.gate_proj.weight", "d_ff d_model"),

@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+from meshdsl.models.presets import Presets
 
 import meshdsl as md
-from meshdsl.models.presets import Presets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +28,6 @@ class Config(Presets):
         "small": dict(batch=256, d_io=512, d_ff=2048),
         "1b": dict(batch=1024, d_io=8192, d_ff=65536),
     }
-
 
 
 class Model:

@@ -59,11 +59,11 @@ import math
 from typing import Any
 
 import jax
+from meshdsl.models import transformer
 
 import meshdsl as md
-from meshdsl.planner.flops import attention_flops
 from meshdsl.errors import ConfigError
-from meshdsl.models import transformer
+from meshdsl.planner.flops import attention_flops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,11 +81,19 @@ class Config(transformer.Config):
         "small": {**transformer.Config.PRESETS["small"], "experts": 8, "capacity_factor": 2.0},
         # ~0.97e9 parameters: 6 MoE layers of 16 experts (805M), 6 dense layers, 67M of embeddings.
         "1b": dict(
-            batch=256, length=2048, d_model=1024, heads=16, d_kv=64, d_ff=4096, vocab=32768, layers=12, experts=16,
-            capacity_factor=2.0, moe_every=2,
+            batch=256,
+            length=2048,
+            d_model=1024,
+            heads=16,
+            d_kv=64,
+            d_ff=4096,
+            vocab=32768,
+            layers=12,
+            experts=16,
+            capacity_factor=2.0,
+            moe_every=2,
         ),
     }
-
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -181,7 +189,9 @@ class Model(transformer.Model):
 
     def forward(self, params: dict[str, Any], tokens: md.Tensor) -> tuple[md.Tensor, md.Tensor]:
         """Logits ``[batch, length, vocab]`` (float32) and the load-balancing loss (scalar)."""
-        x, aux = md.scan(self._block, self.embed(params, tokens), params["layers"], self.layers, remat=self.config.remat)
+        x, aux = md.scan(
+            self._block, self.embed(params, tokens), params["layers"], self.layers, remat=self.config.remat
+        )
         return self.head(params, x), md.reduce_mean(aux)
 
     def logits(self, params: dict[str, Any], tokens: md.Tensor) -> md.Tensor:
@@ -216,4 +226,8 @@ class Model(transformer.Model):
         )
         slots = moe_layers * c.experts * c.batch * c.expert_capacity
         tokens = c.batch * c.length
-        return 6 * per_token * tokens + 6 * 2 * c.d_model * c.d_ff * slots + c.layers * attention_flops(c.batch, c.heads, c.length, c.length, c.d_kv, causal=True)
+        return (
+            6 * per_token * tokens
+            + 6 * 2 * c.d_model * c.d_ff * slots
+            + c.layers * attention_flops(c.batch, c.heads, c.length, c.length, c.d_kv, causal=True)
+        )

@@ -19,11 +19,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from meshdsl.models.presets import Presets
 
 import meshdsl as md
-from meshdsl.planner.flops import attention_flops
-from meshdsl.models.presets import Presets
 from meshdsl.errors import ConfigError
+from meshdsl.planner.flops import attention_flops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,6 @@ class Config(Presets):
         "small": dict(batch=16, length=64, d_model=128, heads=8, d_kv=16, d_ff=512, vocab=1024, layers=4),
         "1b": dict(batch=256, length=2048, d_model=2048, heads=16, d_kv=128, d_ff=8192, vocab=32768, layers=18),
     }
-
 
     def __post_init__(self) -> None:
         if self.norm not in ("rms", "layer"):
@@ -125,12 +124,24 @@ class Model:
         return md.reduce_mean(md.logsumexp(logits, self.vocab) - target)
 
     def logits(self, params: dict[str, Any], tokens: md.Tensor) -> md.Tensor:
-        x, _ = md.scan(lambda x, p: (self._layer(x, p), None), self.embed(params, tokens), params["layers"], "layers", remat=self.config.remat)
+        x, _ = md.scan(
+            lambda x, p: (self._layer(x, p), None),
+            self.embed(params, tokens),
+            params["layers"],
+            "layers",
+            remat=self.config.remat,
+        )
         return self.head(params, x)
 
     def loss(self, params: dict[str, Any], batch: dict[str, md.Tensor]) -> md.Tensor:
         """Mean next-token cross-entropy: ``post(layers(pre))``, as ``meshdsl.pipeline`` runs it in stages."""
-        x, _ = md.scan(lambda x, p: (self.layer(x, p), None), self.pre(params, batch), params["layers"], "layers", remat=self.config.remat)
+        x, _ = md.scan(
+            lambda x, p: (self.layer(x, p), None),
+            self.pre(params, batch),
+            params["layers"],
+            "layers",
+            remat=self.config.remat,
+        )
         return self.post(params, x, batch)
 
     # The pipeline parts (``meshdsl.pipeline``): embedding, one layer, head and loss.
@@ -140,7 +151,7 @@ class Model:
         """Whether ``loss`` is ``post(layers(pre))``; a subclass that changes the loss (the MoE) is not."""
         return type(self).loss is Model.loss
 
-    def with_batch(self, size: int) -> "Model":
+    def with_batch(self, size: int) -> Model:
         """This model for batches of ``size`` rows (a pipeline's microbatches)."""
         return type(self)(dataclasses.replace(self.config, batch=size))
 
@@ -162,7 +173,9 @@ class Model:
         start = md.cast(md.random.bits(key, [self.batch_dim]) % c.vocab, jnp.int32)
         position = md.Dim("position", c.length + 1)
         powers = md.tensor(jnp.asarray([pow(5, i, c.vocab) for i in range(position.size)], jnp.int32), [position])
-        offsets = md.tensor(jnp.asarray([3 * _geometric(5, i, c.vocab) % c.vocab for i in range(position.size)], jnp.int32), [position])
+        offsets = md.tensor(
+            jnp.asarray([3 * _geometric(5, i, c.vocab) % c.vocab for i in range(position.size)], jnp.int32), [position]
+        )
         tokens = (start * powers + offsets) % c.vocab
 
         def window(begin: int) -> md.Tensor:
@@ -177,7 +190,9 @@ class Model:
         per_layer = 4 * c.d_model * c.heads * c.d_kv + 2 * c.d_model * c.d_ff
         params = c.layers * per_layer + c.d_model * c.vocab
         tokens = c.batch * c.length
-        return 6 * params * tokens + c.layers * attention_flops(c.batch, c.heads, c.length, c.length, c.d_kv, causal=True)
+        return 6 * params * tokens + c.layers * attention_flops(
+            c.batch, c.heads, c.length, c.length, c.d_kv, causal=True
+        )
 
     def examples_per_step(self) -> int:
         """Tokens per step."""

@@ -55,8 +55,12 @@ _COMMON = dict(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
-settings.register_profile("meshdsl", derandomize=True, max_examples=100, phases=[Phase.explicit, Phase.generate], **_COMMON)
+settings.register_profile(
+    "meshdsl", derandomize=True, max_examples=100, phases=[Phase.explicit, Phase.generate], **_COMMON
+)
 settings.register_profile("meshdsl-shrink", derandomize=True, max_examples=100, **_COMMON)
 settings.register_profile("fuzz", derandomize=False, max_examples=1000, **_COMMON)
-settings.register_profile("explore", derandomize=False, max_examples=100, phases=[Phase.explicit, Phase.generate], **_COMMON)
+settings.register_profile(
+    "explore", derandomize=False, max_examples=100, phases=[Phase.explicit, Phase.generate], **_COMMON
+)
 settings.load_profile("meshdsl")

@@ -47,7 +47,8 @@ import functools
 import math
 import os
 import re
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,10 +56,10 @@ import numpy as np
 import pytest
 from hypothesis import currently_in_test_context, reject
 from jax.sharding import NamedSharding, PartitionSpec
+from reference import Named, recording
 
 import meshdsl as md
 from meshdsl import hlo
-from reference import Named, recording
 
 BACKENDS = ("spmd", "gspmd")
 TOL = 1e-5
@@ -97,7 +98,9 @@ def dims(spec: Mapping[str, int] | Sequence[tuple[str, int]]) -> list[md.Dim]:
     return [md.Dim(n, s) for n, s in items]
 
 
-def rand(rng: np.random.Generator, spec: Mapping[str, int] | Sequence[tuple[str, int]], kind: str = "normal") -> md.Tensor:
+def rand(
+    rng: np.random.Generator, spec: Mapping[str, int] | Sequence[tuple[str, int]], kind: str = "normal"
+) -> md.Tensor:
     """A float32 md tensor of dims ``spec`` (``{"batch": 8, "d": 4}``).
 
     ``kind``: ``normal``; ``positive`` (in [0.5, 2]); ``int`` (float32 holding small integers,
@@ -200,14 +203,18 @@ def assert_values_close(got: Any, want: Any, tol: float = TOL, what: str = "valu
         if excess.size and not float(np.max(excess)) <= 0.0:
             worst = np.unravel_index(np.argmax(excess), excess.shape)
             extra = "" if floor is None else f" + float32 noise {float(np.asarray(floor)[worst]):.3g}"
-            raise AssertionError(f"{what}: abs error {float(diff[worst]):.3g} at {tuple(map(int, worst))} > {tol:g} * {scale:.3g}{extra}"
-                                 f"\n got {got}\n want {want}")
+            raise AssertionError(
+                f"{what}: abs error {float(diff[worst]):.3g} at {tuple(map(int, worst))} > {tol:g} * {scale:.3g}{extra}"
+                f"\n got {got}\n want {want}"
+            )
     else:
         assert got.dtype.kind == want.dtype.kind, f"{what}: dtype {got.dtype}, reference {want.dtype}"
         np.testing.assert_array_equal(got, want, err_msg=what)
 
 
-def assert_tree_close(actual: Any, expected: Any, tol: float, what: str, noisy: Callable[[], Any] | None = None) -> None:
+def assert_tree_close(
+    actual: Any, expected: Any, tol: float, what: str, noisy: Callable[[], Any] | None = None
+) -> None:
     """Each leaf as :func:`assert_close`. ``noisy``: the reference computed in float32 (called only
     if a leaf misses the tolerance); each element may then also differ by ``NOISE * |ref32 - ref64|``."""
     got, got_tree = jax.tree_util.tree_flatten(actual, is_leaf=_is_tensor)
@@ -222,10 +229,14 @@ def assert_tree_close(actual: Any, expected: Any, tol: float, what: str, noisy: 
                 raise
             w32 = np.asarray(jax.tree_util.tree_leaves(noisy())[i].array, np.float64)
             floor = NOISE * np.abs(w32 - w.array)
-            assert_values_close(g.numpy(), w.array, tol, f"{what}{p} (float32 reference: {np.max(floor) / NOISE:.3g} off)", floor)
+            assert_values_close(
+                g.numpy(), w.array, tol, f"{what}{p} (float32 reference: {np.max(floor) / NOISE:.3g} off)", floor
+            )
 
 
-def assert_explain_matches_hlo(fn: Callable, mesh_: md.Mesh, layout: md.Layout | Any, args: Sequence[Any], compiled: md.Compiled | None = None) -> dict:
+def assert_explain_matches_hlo(
+    fn: Callable, mesh_: md.Mesh, layout: md.Layout | Any, args: Sequence[Any], compiled: md.Compiled | None = None
+) -> dict:
     """``md.explain`` predicts exactly the collectives (count and bytes per kind) of the compiled spmd program; returns them."""
     compiled = compiled if compiled is not None else md.compile(fn, mesh_, layout)
     predicted = md.explain(fn, mesh_, layout, *args).summary()
@@ -336,7 +347,10 @@ def check(
     if grad:
         rng = np.random.default_rng(len(outs))
         cot_arrays = [rng.standard_normal(o.array.shape).astype(np.float32) for o in outs]
-        cots = [from_numpy(c, dims(o.sizes.items()), expected_sharding(layout, mesh_, o.names)) for c, o in zip(cot_arrays, outs)]
+        cots = [
+            from_numpy(c, dims(o.sizes.items()), expected_sharding(layout, mesh_, o.names))
+            for c, o in zip(cot_arrays, outs)
+        ]
         want = _reference_gradient(reference, args, float_pos, cot_arrays)
         want32 = _once(lambda: _reference_gradient(reference, args, float_pos, cot_arrays, np.float32))
         program, program_args = _with_gradient(fn, len(args), float_pos), (*args, *cots)
@@ -420,17 +434,26 @@ def _check_around(fn, args, want, want32, float_pos, cot_arrays, mesh_, layout, 
             full = list(inputs)
             for i, f in zip(float_pos, floats):
                 full[i] = f
-            leaves = [o for o in jax.tree_util.tree_leaves(compiled[b](*full), is_leaf=_is_tensor) if _is_float(o.dtype)]
+            leaves = [
+                o for o in jax.tree_util.tree_leaves(compiled[b](*full), is_leaf=_is_tensor) if _is_float(o.dtype)
+            ]
             return sum(jnp.sum(o.array * c) for o, c in zip(leaves, cts))
 
         return {b: jax.grad(functools.partial(loss, b))(tuple(inputs[i] for i in float_pos)) for b in backends}
 
-    cts = [jax.device_put(c, NamedSharding(mesh_.jax_mesh, PartitionSpec())) for c in cot_arrays]  # replicated: no resharding per call
+    cts = [
+        jax.device_put(c, NamedSharding(mesh_.jax_mesh, PartitionSpec())) for c in cot_arrays
+    ]  # replicated: no resharding per call
     got = compile_fast(jax.jit(grads).lower(args, cts))(args, cts)
     for b in backends:
         picks = [float_pos.index(i) for i in float_pos]
-        assert_tree_close(got[b], tuple(want[k] for k in picks), tol, f"{b} gradient around md.compile",
-                          lambda: tuple(want32()[k] for k in picks))
+        assert_tree_close(
+            got[b],
+            tuple(want[k] for k in picks),
+            tol,
+            f"{b} gradient around md.compile",
+            lambda: tuple(want32()[k] for k in picks),
+        )
 
 
 def train(trainer: Any, steps: int) -> tuple[np.ndarray, Any]:

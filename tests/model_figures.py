@@ -101,7 +101,9 @@ def mismatch(got: dict[str, Any], want: dict[str, Any]) -> str | None:
 
 def record() -> dict[str, Any]:
     """Every case's figures, with the commit of the code that made them."""
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=LAYOUTS_DIR.parent).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=LAYOUTS_DIR.parent
+    ).stdout.strip()
     out: dict[str, Any] = {
         "commit": commit,
         "script": "tests/model_figures.py (python -m model_figures; see its docstring)",

@@ -37,23 +37,25 @@ import contextlib
 import dataclasses
 import itertools
 import math
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import strategies as st
-
-import harness
-import meshdsl as md
 import reference as R
 import strategies as S
+from hypothesis import strategies as st
 from reference import Named
+
+import meshdsl as md
 
 MAX_RANK = 3
 MARGIN = 2e-5
 """Two values an op must tell apart differ by at least this, relative to ``max(1, |values|)``:
 twice the harness tolerance, so that values within tolerance of the reference decide alike."""
+
 
 class NearKink(Exception):
     """The drawn input values put two values an op must tell apart too close together."""
@@ -81,7 +83,11 @@ def apart(a: Named, b: Named | float = 0.0) -> None:
     if not _checking(a, b):
         return
     diff = np.abs((a - b).array) if isinstance(b, Named) else np.abs(a.array - b)
-    scale = max(1.0, float(np.max(np.abs(a.array), initial=0)), float(np.max(np.abs(b.array), initial=0)) if isinstance(b, Named) else abs(b))
+    scale = max(
+        1.0,
+        float(np.max(np.abs(a.array), initial=0)),
+        float(np.max(np.abs(b.array), initial=0)) if isinstance(b, Named) else abs(b),
+    )
     if diff.size and float(np.min(diff)) < MARGIN * scale:
         raise NearKink(f"values within {MARGIN:g} of each other at a kink")
 
@@ -256,15 +262,39 @@ UNARY = [
     ("negative", md.negative, R.negative, None, None),
     ("0.5 * h + 1", lambda h: h * 0.5 + 1.0, lambda h: h * 0.5 + 1.0, None, None),
     ("exp(h / 2)", lambda h: md.exp(h * 0.5), lambda h: R.exp(h * 0.5), None, None),
-    ("log(softplus(h) + 0.5)", lambda h: md.log(md.softplus(h) + 0.5), lambda h: R.log(R.softplus(h) + 0.5), None, None),
+    (
+        "log(softplus(h) + 0.5)",
+        lambda h: md.log(md.softplus(h) + 0.5),
+        lambda h: R.log(R.softplus(h) + 0.5),
+        None,
+        None,
+    ),
     ("sqrt(h^2 + 0.25)", lambda h: md.sqrt(md.square(h) + 0.25), lambda h: R.sqrt(R.square(h) + 0.25), None, None),
     ("rsqrt(h^2 + 0.25)", lambda h: md.rsqrt(md.square(h) + 0.25), lambda h: R.rsqrt(R.square(h) + 0.25), None, None),
-    ("power(softplus(h) + 0.5, 1.5)", lambda h: md.power(md.softplus(h) + 0.5, 1.5), lambda h: R.power(R.softplus(h) + 0.5, 1.5), None, None),
+    (
+        "power(softplus(h) + 0.5, 1.5)",
+        lambda h: md.power(md.softplus(h) + 0.5, 1.5),
+        lambda h: R.power(R.softplus(h) + 0.5, 1.5),
+        None,
+        None,
+    ),
     ("square(h) / 2", lambda h: md.square(h) * 0.5, lambda h: R.square(h) * 0.5, None, None),
-    ("h + stop_gradient(h) / 2", lambda h: h + md.stop_gradient(h) * 0.5, lambda h: h + R.stop_gradient(h) * 0.5, None, None),
+    (
+        "h + stop_gradient(h) / 2",
+        lambda h: h + md.stop_gradient(h) * 0.5,
+        lambda h: h + R.stop_gradient(h) * 0.5,
+        None,
+        None,
+    ),
     ("abs", md.abs, R.abs, None, 0.0),
     ("relu", md.relu, R.relu, True, 0.0),
-    ("cast(h > 0, float32) * h", lambda h: md.cast(h > 0, jnp.float32) * h, lambda h: R.cast(R.greater(h, 0.0), np.float32) * h, True, 0.0),
+    (
+        "cast(h > 0, float32) * h",
+        lambda h: md.cast(h > 0, jnp.float32) * h,
+        lambda h: R.cast(R.greater(h, 0.0), np.float32) * h,
+        True,
+        0.0,
+    ),
 ]
 
 
@@ -291,7 +321,9 @@ ARITHMETIC = {
 }
 
 
-def _operand(ctx: Context, h: Value, op: str) -> tuple[str, Callable, Callable, tuple[Input, ...], bool, dict[str, int]] | None:
+def _operand(
+    ctx: Context, h: Value, op: str
+) -> tuple[str, Callable, Callable, tuple[Input, ...], bool, dict[str, int]] | None:
     """The other operand of a binary op: (label, md maker, reference maker, inputs, varies, dims).
 
     A fresh normal (or positive, for divide and power's base) input over drawn pool dims, or one
@@ -304,8 +336,14 @@ def _operand(ctx: Context, h: Value, op: str) -> tuple[str, Callable, Callable, 
         dim = ctx.one(list(h.dims) or list(ctx.pool))
         size = h.dims.get(dim, ctx.pool.get(dim))
         d = md.Dim(dim, size)
-        return (f"range({dim}) / 8", lambda: md.range(d, jnp.float32) * 0.125,
-                lambda: R.arange(dim, size, np.float32) * 0.125, (), False, {dim: size})
+        return (
+            f"range({dim}) / 8",
+            lambda: md.range(d, jnp.float32) * 0.125,
+            lambda: R.arange(dim, size, np.float32) * 0.125,
+            (),
+            False,
+            {dim: size},
+        )
     dims = ctx.some_dims(1, exclude=())
     dims = {n: h.dims.get(n, s) for n, s in dims.items()}
     if len({*h.dims, *dims}) > MAX_RANK:
@@ -315,11 +353,24 @@ def _operand(ctx: Context, h: Value, op: str) -> tuple[str, Callable, Callable, 
         maker = {0.0: md.zeros, 1.0: md.ones}.get(value)
         make = (lambda: maker(_dims(dims))) if maker else (lambda: md.full(_dims(dims), value))
         sizes = tuple(dims.values())
-        return (f"full[{_s(dims)}]={value}", make, lambda: Named(np.full(sizes, value, np.float32), list(dims)), (), False, dims)
+        return (
+            f"full[{_s(dims)}]={value}",
+            make,
+            lambda: Named(np.full(sizes, value, np.float32), list(dims)),
+            (),
+            False,
+            dims,
+        )
     if kind == "cast":
         idx = Input(_items(dims), "index", -3, 4)
-        return (f"cast(i[{_s(dims)}], float32) / 4", lambda i: md.cast(i, jnp.float32) * 0.25,
-                lambda i: R.cast(i, np.float32) * 0.25, (idx,), False, dims)
+        return (
+            f"cast(i[{_s(dims)}], float32) / 4",
+            lambda i: md.cast(i, jnp.float32) * 0.25,
+            lambda i: R.cast(i, np.float32) * 0.25,
+            (idx,),
+            False,
+            dims,
+        )
     positive = op == "divide" or (op == "power")
     inp = Input(_items(dims), "positive" if positive else "normal")
     return (f"{'q' if positive else 'f'}[{_s(dims)}]", lambda f: f, lambda f: f, (inp,), True, dims)
@@ -450,7 +501,11 @@ def build_reduction(ctx: Context, h: Value) -> Step | None:
     return Step(f"{name}({'all' if every else _s(dims)})", lambda x: fn(x, arg), ref)
 
 
-SOFTMAX = {"softmax": (md.softmax, R.softmax), "log_softmax": (md.log_softmax, R.log_softmax), "logsumexp": (md.logsumexp, R.logsumexp)}
+SOFTMAX = {
+    "softmax": (md.softmax, R.softmax),
+    "log_softmax": (md.log_softmax, R.log_softmax),
+    "logsumexp": (md.logsumexp, R.logsumexp),
+}
 
 
 def build_softmax(ctx: Context, h: Value) -> Step | None:
@@ -464,7 +519,9 @@ def build_softmax(ctx: Context, h: Value) -> Step | None:
     rows = {} if every else {n: s for n, s in h.dims.items() if n not in dims}
     if rows and ctx.draw(st.integers(0, 3)) == 0:
         return _masked_softmax(name, fn, ref, dims, rows)
-    return Step(f"{name}({'all' if every else _s(dims)})", lambda x: fn(x, arg), lambda x: ref(x, None if every else dims))
+    return Step(
+        f"{name}({'all' if every else _s(dims)})", lambda x: fn(x, arg), lambda x: ref(x, None if every else dims)
+    )
 
 
 def _masked_softmax(
@@ -510,16 +567,33 @@ def build_einsum(ctx: Context, h: Value) -> Step | None:
     out_dims = {n: every[n] for n in out}
     name = f"einsum(h, w[{_s(w)}]{f', v[{_s(w2)}]' if w2 else ''}, out=[{_s(out)}]) * {scale:.3g}"
     if kind == "plain":
-        return Step(name, lambda h, a: md.einsum(h, a, out=out) * scale, lambda h, a: R.einsum(out, h, a) * scale, (Input(_items(w)),))
+        return Step(
+            name,
+            lambda h, a: md.einsum(h, a, out=out) * scale,
+            lambda h, a: R.einsum(out, h, a) * scale,
+            (Input(_items(w)),),
+        )
     if kind == "three":
-        return Step(name, lambda h, a, b: md.einsum(h, a, b, out=out) * scale, lambda h, a, b: R.einsum(out, h, a, b) * scale,
-                    (Input(_items(w)), Input(_items(w2))))
+        return Step(
+            name,
+            lambda h, a, b: md.einsum(h, a, b, out=out) * scale,
+            lambda h, a, b: R.einsum(out, h, a, b) * scale,
+            (Input(_items(w)), Input(_items(w2))),
+        )
     if kind == "bias":
         bias = ctx.subset(out_dims)
-        return Step(f"{name} + b[{_s(bias)}]", lambda h, a, b: md.einsum(h, a, out=out) * scale + b,
-                    lambda h, a, b: R.einsum(out, h, a) * scale + b, (Input(_items(w)), Input(_items(bias))))
-    return Step(f"{name} + 0.5 * einsum(h, w2) * s", lambda h, a, b: md.einsum(h, a, out=out) * scale + 0.5 * md.einsum(h, b, out=out) * scale,
-                lambda h, a, b: R.einsum(out, h, a) * scale + 0.5 * R.einsum(out, h, b) * scale, (Input(_items(w)), Input(_items(w))))
+        return Step(
+            f"{name} + b[{_s(bias)}]",
+            lambda h, a, b: md.einsum(h, a, out=out) * scale + b,
+            lambda h, a, b: R.einsum(out, h, a) * scale + b,
+            (Input(_items(w)), Input(_items(bias))),
+        )
+    return Step(
+        f"{name} + 0.5 * einsum(h, w2) * s",
+        lambda h, a, b: md.einsum(h, a, out=out) * scale + 0.5 * md.einsum(h, b, out=out) * scale,
+        lambda h, a, b: R.einsum(out, h, a) * scale + 0.5 * R.einsum(out, h, b) * scale,
+        (Input(_items(w)), Input(_items(w))),
+    )
 
 
 # ---- reshapes ----------------------------------------------------------------------------------
@@ -557,32 +631,48 @@ def build_reshape(ctx: Context, h: Value) -> Step | None:
         if kind == "merge":
             m = ctx.new_dim(total, like=names[i])
             new = [*before, (m, total), *after]
-            return Step(f"reshape({names[i]} {names[i + 1]} -> {m})", lambda t: md.reshape(t, [md.Dim(n, s) for n, s in new]),
-                        lambda t: R.reshape(t, new))
+            return Step(
+                f"reshape({names[i]} {names[i + 1]} -> {m})",
+                lambda t: md.reshape(t, [md.Dim(n, s) for n, s in new]),
+                lambda t: R.reshape(t, new),
+            )
         c1, c2 = ctx.one(_factor_pairs(total))
         a, b = ctx.new_dim(c1, like=names[i]), ctx.new_dim(c2, like=names[i + 1])
         new = [*before, (a, c1), (b, c2), *after]
         old = names[i : i + 2]
-        return Step(f"replace_dimensions({_s(old)} -> {a}={c1} {b}={c2})",
-                    lambda t: md.replace_dimensions(t, old, [md.Dim(a, c1), md.Dim(b, c2)]), lambda t: R.reshape(t, new))
+        return Step(
+            f"replace_dimensions({_s(old)} -> {a}={c1} {b}={c2})",
+            lambda t: md.replace_dimensions(t, old, [md.Dim(a, c1), md.Dim(b, c2)]),
+            lambda t: R.reshape(t, new),
+        )
     cut = ctx.one(cuttable)
     hi, lo = ctx.one(_factor_pairs(sizes[cut]))
     a, b = ctx.new_dim(hi, like=cut), ctx.new_dim(lo)
     atoms = [d for n, s in sizes.items() for d in ([(a, hi), (b, lo)] if n == cut else [(n, s)])]
     if kind == "cut":
-        return Step(f"reshape({cut} -> {a}={hi} {b}={lo})", lambda t: md.reshape(t, [md.Dim(n, s) for n, s in atoms]),
-                    lambda t: R.reshape(t, atoms))
+        return Step(
+            f"reshape({cut} -> {a}={hi} {b}={lo})",
+            lambda t: md.reshape(t, [md.Dim(n, s) for n, s in atoms]),
+            lambda t: R.reshape(t, atoms),
+        )
     # rearrange: cut, reorder every atom, merge two neighbours.
     order = ctx.draw(st.permutations([n for n, _ in atoms]))
     k = ctx.draw(st.integers(0, len(order) - 2))
     atom = dict(atoms)
     g = ctx.new_dim(atom[order[k]] * atom[order[k + 1]], like=order[k])
-    out = [(n, atom[n]) for n in order[:k]] + [(g, atom[order[k]] * atom[order[k + 1]])] + [(n, atom[n]) for n in order[k + 2 :]]
+    out = (
+        [(n, atom[n]) for n in order[:k]]
+        + [(g, atom[order[k]] * atom[order[k + 1]])]
+        + [(n, atom[n]) for n in order[k + 2 :]]
+    )
     left = " ".join(f"({a} {b})" if n == cut else n for n in names)
     right = " ".join([*order[:k], f"({g}: {order[k]} {order[k + 1]})", *order[k + 2 :]])
     pattern = f"{left} -> {right}"
-    return Step(f"rearrange('{pattern}', {a}={hi})", lambda t: md.rearrange(t, pattern, **{a: hi}),
-                lambda t: R.reshape(R.reshape(t, atoms).to(order), out))
+    return Step(
+        f"rearrange('{pattern}', {a}={hi})",
+        lambda t: md.rearrange(t, pattern, **{a: hi}),
+        lambda t: R.reshape(R.reshape(t, atoms).to(order), out),
+    )
 
 
 # ---- cuts and joins ----------------------------------------------------------------------------
@@ -616,18 +706,30 @@ def build_cut(ctx: Context, h: Value) -> Step | None:
             xs.insert(at, h)
             return xs
 
-        return Step(f"concat(h at {at} with f[{'; '.join(_s(o) + f' {dim}={o[dim]}' for o in others)}], {dim})",
-                    lambda h, *fs: md.concat(order(h, fs), dim), lambda h, *fs: R.concat(order(h, fs), dim), fresh)
+        return Step(
+            f"concat(h at {at} with f[{'; '.join(_s(o) + f' {dim}={o[dim]}' for o in others)}], {dim})",
+            lambda h, *fs: md.concat(order(h, fs), dim),
+            lambda h, *fs: R.concat(order(h, fs), dim),
+            fresh,
+        )
     if kind == "slice":
         size = g * ctx.draw(st.integers(1, blocks))
         begin = ctx.draw(st.integers(0, n - size))
-        return Step(f"slice({dim}, {begin}, {size})", lambda t: md.slice(t, begin, size, dim), lambda t: R.slice_(t, begin, size, dim))
+        return Step(
+            f"slice({dim}, {begin}, {size})",
+            lambda t: md.slice(t, begin, size, dim),
+            lambda t: R.slice_(t, begin, size, dim),
+        )
     if kind == "pad":
         added = g * ctx.draw(st.integers(1, 2))
         before = ctx.draw(st.integers(0, added))
         value = ctx.one([0.0, 1.5])
-        return Step(f"pad({dim}, [{before}, {added - before}], {value})", lambda t: md.pad(t, [before, added - before], dim, value=value),
-                    lambda t: R.pad(t, before, added - before, dim, value), tied=True)
+        return Step(
+            f"pad({dim}, [{before}, {added - before}], {value})",
+            lambda t: md.pad(t, [before, added - before], dim, value=value),
+            lambda t: R.pad(t, before, added - before, dim, value),
+            tied=True,
+        )
     if kind == "split":
         equal = ctx.draw(st.booleans())
         if equal:
@@ -645,16 +747,26 @@ def build_cut(ctx: Context, h: Value) -> Step | None:
         def pick(parts):
             return (parts[keep], *(p for i, p in enumerate(parts) if i != keep))
 
-        return Step(f"split({dim}, {arg}) -> part {keep} (+ the others)", lambda t: pick(md.split(t, dim, arg)),
-                    lambda t: pick(R.split(t, dim, arg)))
+        return Step(
+            f"split({dim}, {arg}) -> part {keep} (+ the others)",
+            lambda t: pick(md.split(t, dim, arg)),
+            lambda t: pick(R.split(t, dim, arg)),
+        )
     if kind == "stack":
         new = ctx.new_dim(2)
         axis = ctx.draw(st.integers(0, len(h.dims)))
-        return Step(f"stack([h, f], {new}, axis={axis})", lambda h, f: md.stack([h, f], new, axis=axis),
-                    lambda h, f: R.stack([h, f], new, axis), (Input(_items(h.dims)),))
+        return Step(
+            f"stack([h, f], {new}, axis={axis})",
+            lambda h, f: md.stack([h, f], new, axis=axis),
+            lambda h, f: R.stack([h, f], new, axis),
+            (Input(_items(h.dims)),),
+        )
     position = list(h.dims).index(dim)
-    return Step(f"stack(unstack(h, {dim}) reversed, {dim})", lambda t: md.stack(md.unstack(t, dim)[::-1], dim, axis=position),
-                lambda t: R.stack(R.unstack(t, dim)[::-1], dim, position))
+    return Step(
+        f"stack(unstack(h, {dim}) reversed, {dim})",
+        lambda t: md.stack(md.unstack(t, dim)[::-1], dim, axis=position),
+        lambda t: R.stack(R.unstack(t, dim)[::-1], dim, position),
+    )
 
 
 # ---- index ops ---------------------------------------------------------------------------------
@@ -668,47 +780,75 @@ def build_gather(ctx: Context, h: Value) -> Step | None:
     dim = ctx.one(list(h.dims))
     n = h.dims[dim]
     rest = {k: v for k, v in h.dims.items() if k != dim}
-    kinds = ["gather", "take_along", "one_hot"] + ([] if h.tied else ["gather argmax", "take_along argmax", "one_hot argmax"])
+    kinds = ["gather", "take_along", "one_hot"] + (
+        [] if h.tied else ["gather argmax", "take_along argmax", "one_hot argmax"]
+    )
     kind = ctx.one(kinds)
     if kind == "gather":
         idx = ctx.some_dims(1, MAX_RANK - len(rest), exclude=list(h.dims))  # never named like dim: a ShapeError
         if not idx or len(idx) + len(rest) > MAX_RANK:
             return None
         i = Input(_items(idx), "index", -2, n + 2)
-        return Step(f"gather(h, i[{_s(idx)}], {dim})", lambda h, i: md.gather(h, i, dim), lambda h, i: R.gather(h, i, dim), (i,), tied=True)
+        return Step(
+            f"gather(h, i[{_s(idx)}], {dim})",
+            lambda h, i: md.gather(h, i, dim),
+            lambda h, i: R.gather(h, i, dim),
+            (i,),
+            tied=True,
+        )
     if kind == "take_along":
         idx = ctx.subset(rest)
         i = Input(_items(idx), "index", -1, n + 1)
-        return Step(f"take_along(h, i[{_s(idx)}], {dim})", lambda h, i: md.take_along(h, i, dim), lambda h, i: R.take_along(h, i, dim),
-                    (i,), tied=True)
+        return Step(
+            f"take_along(h, i[{_s(idx)}], {dim})",
+            lambda h, i: md.take_along(h, i, dim),
+            lambda h, i: R.take_along(h, i, dim),
+            (i,),
+            tied=True,
+        )
     if kind == "one_hot":
         idx = ctx.subset(rest)
         i = Input(_items(idx), "index", -1, n + 1)
         d = md.Dim(dim, n)
-        return Step(f"h * one_hot(i[{_s(idx)}], {dim}, on=2, off=0.5)", lambda h, i: h * md.one_hot(i, d, on_value=2.0, off_value=0.5),
-                    lambda h, i: h * R.one_hot(i, dim, n, 2.0, 0.5), (i,))
+        return Step(
+            f"h * one_hot(i[{_s(idx)}], {dim}, on=2, off=0.5)",
+            lambda h, i: h * md.one_hot(i, d, on_value=2.0, off_value=0.5),
+            lambda h, i: h * R.one_hot(i, dim, n, 2.0, 0.5),
+            (i,),
+        )
 
     def top(x):
         distinct_top(x, [dim], 1)
         return R.argmax(x, dim)
 
     if kind == "take_along argmax":
-        return Step(f"take_along(h, argmax(h, {dim}), {dim})", lambda h: md.take_along(h, md.argmax(h, dim), dim),
-                    lambda h: R.take_along(h, top(h), dim))
+        return Step(
+            f"take_along(h, argmax(h, {dim}), {dim})",
+            lambda h: md.take_along(h, md.argmax(h, dim), dim),
+            lambda h: R.take_along(h, top(h), dim),
+        )
     if kind == "one_hot argmax":
         new = ctx.new_dim(n, like=dim)
         d = md.Dim(new, n)
-        return Step(f"one_hot(argmax(h, {dim}), {new}) * reduce_max(h, {dim})",
-                    lambda h: md.one_hot(md.argmax(h, dim), d) * md.reduce_max(h, dim),
-                    lambda h: R.one_hot(top(h), new, n) * R.reduce("max", h, [dim]), tied=True)
+        return Step(
+            f"one_hot(argmax(h, {dim}), {new}) * reduce_max(h, {dim})",
+            lambda h: md.one_hot(md.argmax(h, dim), d) * md.reduce_max(h, dim),
+            lambda h: R.one_hot(top(h), new, n) * R.reduce("max", h, [dim]),
+            tied=True,
+        )
     if len(rest) >= MAX_RANK:
         return None
     table = ctx.new_dim(n)
     extra = ctx.some_dims(0, MAX_RANK - len(rest) - 0, exclude=list(h.dims))
     extra = dict(list(extra.items())[: MAX_RANK - len(rest)])
     w = _permuted(ctx, {table: n, **extra})
-    return Step(f"gather(w[{_s(w)}], argmax(h, {dim}), {table})", lambda h, w: md.gather(w, md.argmax(h, dim), table),
-                lambda h, w: R.gather(w, top(h), table), (Input(_items(w)),), tied=True)
+    return Step(
+        f"gather(w[{_s(w)}], argmax(h, {dim}), {table})",
+        lambda h, w: md.gather(w, md.argmax(h, dim), table),
+        lambda h, w: R.gather(w, top(h), table),
+        (Input(_items(w)),),
+        tied=True,
+    )
 
 
 def build_top_k(ctx: Context, h: Value) -> Step | None:
@@ -740,14 +880,24 @@ def build_cumsum_shift(ctx: Context, h: Value) -> Step | None:
     dim = ctx.one(list(h.dims))
     if ctx.draw(st.booleans()):
         exclusive = ctx.draw(st.booleans())
-        return Step(f"cumsum(h, {dim}, exclusive={exclusive})", lambda t: md.cumsum(t, dim, exclusive=exclusive),
-                    lambda t: R.cumsum(t, dim, exclusive), tied=True if exclusive else None)
+        return Step(
+            f"cumsum(h, {dim}, exclusive={exclusive})",
+            lambda t: md.cumsum(t, dim, exclusive=exclusive),
+            lambda t: R.cumsum(t, dim, exclusive),
+            tied=True if exclusive else None,
+        )
     n = h.dims[dim]
     block = max(n // ctx.group(dim), 1)
-    offset = ctx.one(sorted({0, 1, block - 1, block, block + 1, 2 * block, -1, -block, -block - 1, n - 1, n, n + 3, -n}))
+    offset = ctx.one(
+        sorted({0, 1, block - 1, block, block + 1, 2 * block, -1, -block, -block - 1, n - 1, n, n + 3, -n})
+    )
     wrap = ctx.draw(st.booleans())
-    return Step(f"shift(h, {offset}, {dim}, wrap={wrap})", lambda t: md.shift(t, offset, dim, wrap=wrap),
-                lambda t: R.shift(t, offset, dim, wrap), tied=None if wrap else True)
+    return Step(
+        f"shift(h, {offset}, {dim}, wrap={wrap})",
+        lambda t: md.shift(t, offset, dim, wrap=wrap),
+        lambda t: R.shift(t, offset, dim, wrap),
+        tied=None if wrap else True,
+    )
 
 
 # ---- random ------------------------------------------------------------------------------------
@@ -764,8 +914,13 @@ def build_random(ctx: Context, h: Value) -> Step | None:
         noise = ctx.subset(h.dims, 1) if ctx.draw(st.booleans()) else dict(h.dims)
         r = Random("uniform", seed, _items(noise))
         shape = _dims(noise)
-        return Step(f"dropout(key {seed}, h, {rate}, [{_s(noise)}])", lambda t: md.dropout(key, t, rate, shape),
-                    lambda t: t * R.cast(R.greater_equal(r.named(), rate), np.float64) / (1.0 - rate), randoms=(r,), tied=True)
+        return Step(
+            f"dropout(key {seed}, h, {rate}, [{_s(noise)}])",
+            lambda t: md.dropout(key, t, rate, shape),
+            lambda t: t * R.cast(R.greater_equal(r.named(), rate), np.float64) / (1.0 - rate),
+            randoms=(r,),
+            tied=True,
+        )
     dims = ctx.subset(h.dims, 1) if h.dims and ctx.draw(st.booleans()) else ctx.some_dims(1)
     dims = {n: h.dims.get(n, s) for n, s in dims.items()}
     if len({*h.dims, *dims}) > MAX_RANK:
@@ -773,11 +928,20 @@ def build_random(ctx: Context, h: Value) -> Step | None:
     shape = _dims(dims)
     if kind == "normal":
         r = Random("normal", seed, _items(dims))
-        return Step(f"h + normal(key {seed}, [{_s(dims)}]) / 2", lambda t: t + md.random.normal(key, shape) * 0.5,
-                    lambda t: t + r.named() * 0.5, randoms=(r,), tied=False if set(h.dims) <= set(dims) else None)
+        return Step(
+            f"h + normal(key {seed}, [{_s(dims)}]) / 2",
+            lambda t: t + md.random.normal(key, shape) * 0.5,
+            lambda t: t + r.named() * 0.5,
+            randoms=(r,),
+            tied=False if set(h.dims) <= set(dims) else None,
+        )
     r = Random("uniform", seed, _items(dims), 0.5, 1.5)
-    return Step(f"h * uniform(key {seed}, [{_s(dims)}], 0.5, 1.5)", lambda t: t * md.random.uniform(key, shape, minval=0.5, maxval=1.5),
-                lambda t: t * r.named(), randoms=(r,))
+    return Step(
+        f"h * uniform(key {seed}, [{_s(dims)}], 0.5, 1.5)",
+        lambda t: t * md.random.uniform(key, shape, minval=0.5, maxval=1.5),
+        lambda t: t * r.named(),
+        randoms=(r,),
+    )
 
 
 def fill_randoms(randoms: Sequence[Random]) -> None:
@@ -866,7 +1030,9 @@ def draw_steps(ctx: Context, value: Value, count: int, families: Sequence[str]) 
     return steps, value
 
 
-def _composite(name: str, md_fn: Callable, ref_fn: Callable, fresh: Sequence[Input], subs: Sequence[Step], tied: bool) -> Step:
+def _composite(
+    name: str, md_fn: Callable, ref_fn: Callable, fresh: Sequence[Input], subs: Sequence[Step], tied: bool
+) -> Step:
     return Step(name, md_fn, ref_fn, tuple(fresh), tied=tied, randoms=tuple(r for s in subs for r in s.randoms))
 
 
@@ -910,7 +1076,9 @@ def build_scan(ctx: Context, h: Value) -> Step | None:
         if init == "zeros":
             return md.zeros(_dims(c_dims)) if m is md else Named(np.zeros(list(c_dims.values())), list(c_dims))
         if init == "full":
-            return md.full(_dims(c_dims), value) if m is md else Named(np.full(list(c_dims.values()), value), list(c_dims))
+            return (
+                md.full(_dims(c_dims), value) if m is md else Named(np.full(list(c_dims.values()), value), list(c_dims))
+            )
         if init == "mean":
             gone = [n for n in h.names if n not in c_dims]
             return (md.reduce_mean(h, gone) if m is md else R.reduce("mean", h, gone)) if gone else h
@@ -928,8 +1096,13 @@ def build_scan(ctx: Context, h: Value) -> Step | None:
 
     def md_fn(h, *f):
         xs = h if over_h else f[0]
-        carry, ys = md.scan(lambda c, x: (lambda r: (r[0], r[1] if emit else None))(step_fn(md, c, x, f)),
-                            start(md, h, f), xs, s, remat=remat)
+        carry, ys = md.scan(
+            lambda c, x: (lambda r: (r[0], r[1] if emit else None))(step_fn(md, c, x, f)),
+            start(md, h, f),
+            xs,
+            s,
+            remat=remat,
+        )
         return (ys, carry) if emit else carry
 
     def ref_fn(h, *f):

@@ -23,17 +23,18 @@ from __future__ import annotations
 import contextlib
 import math
 import string
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-_recorded: list["Named"] | None = None
+_recorded: list[Named] | None = None
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[list["Named"]]:
+def recording() -> Iterator[list[Named]]:
     """Collect every Named built inside the block (the reference's intermediates and results)."""
     global _recorded
     outer, _recorded = _recorded, []
@@ -73,7 +74,7 @@ class Named:
     def sizes(self) -> dict[str, int]:
         return dict(zip(self.names, self.array.shape))
 
-    def to(self, names: str | Sequence[str]) -> "Named":
+    def to(self, names: str | Sequence[str]) -> Named:
         """The same array with its axes permuted to ``names``."""
         names = tuple(names.split()) if isinstance(names, str) else tuple(names)
         if sorted(names) != sorted(self.names):
@@ -85,16 +86,35 @@ class Named:
         return f"Named({self.sizes}, dtype={self.array.dtype})"
 
     # Arithmetic broadcasts by name, like md tensors.
-    def __add__(self, o): return lift(lambda xp, a, b: a + b)(self, o)
-    def __radd__(self, o): return lift(lambda xp, a, b: a + b)(o, self)
-    def __sub__(self, o): return lift(lambda xp, a, b: a - b)(self, o)
-    def __rsub__(self, o): return lift(lambda xp, a, b: a - b)(o, self)
-    def __mul__(self, o): return lift(lambda xp, a, b: a * b)(self, o)
-    def __rmul__(self, o): return lift(lambda xp, a, b: a * b)(o, self)
-    def __truediv__(self, o): return lift(lambda xp, a, b: a / b)(self, o)
-    def __rtruediv__(self, o): return lift(lambda xp, a, b: a / b)(o, self)
-    def __pow__(self, o): return lift(lambda xp, a, b: a ** b)(self, o)
-    def __neg__(self): return lift(lambda xp, a: -a)(self)
+    def __add__(self, o):
+        return lift(lambda xp, a, b: a + b)(self, o)
+
+    def __radd__(self, o):
+        return lift(lambda xp, a, b: a + b)(o, self)
+
+    def __sub__(self, o):
+        return lift(lambda xp, a, b: a - b)(self, o)
+
+    def __rsub__(self, o):
+        return lift(lambda xp, a, b: a - b)(o, self)
+
+    def __mul__(self, o):
+        return lift(lambda xp, a, b: a * b)(self, o)
+
+    def __rmul__(self, o):
+        return lift(lambda xp, a, b: a * b)(o, self)
+
+    def __truediv__(self, o):
+        return lift(lambda xp, a, b: a / b)(self, o)
+
+    def __rtruediv__(self, o):
+        return lift(lambda xp, a, b: a / b)(o, self)
+
+    def __pow__(self, o):
+        return lift(lambda xp, a, b: a**b)(self, o)
+
+    def __neg__(self):
+        return lift(lambda xp, a: -a)(self)
 
 
 def union_names(*operands: Any) -> tuple[str, ...]:
@@ -408,7 +428,9 @@ def shift(x: Named, offset: int, dim: str, wrap: bool = False) -> Named:
     return Named(xp.where(mask, taken, 0 * taken), x.names)
 
 
-def conv2d(x: Named, kernel: Named, height: str, width: str, in_dim: str, out_dim: str, kernel_height: str, kernel_width: str) -> Named:
+def conv2d(
+    x: Named, kernel: Named, height: str, width: str, in_dim: str, out_dim: str, kernel_height: str, kernel_width: str
+) -> Named:
     """Stride 1, SAME zero padding, odd kernel sizes: ``sum over (u, v, c) of x[.., i + u - kh // 2,
     j + v - kw // 2, c] * kernel[u, v, c, o]``; ``x``'s dims with ``in_dim`` replaced by ``out_dim``."""
     xp = xp_of(x, kernel)

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Mapping, Sequence
-
-import numpy as np
-from hypothesis import settings, strategies as st
+from collections.abc import Mapping, Sequence
 
 import harness
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+
 import meshdsl as md
 
 SIZES = (2, 4, 8, 16, 6, 12)
@@ -60,7 +61,9 @@ def axis_choices(mesh: md.Mesh, max_axes: int = 2) -> list[tuple[str, ...]]:
 
 
 @st.composite
-def dim_axes(draw, mesh: md.Mesh, size: int, taken: set[str], like: tuple[str, ...] = (), share: float = 0.2) -> tuple[str, ...]:
+def dim_axes(
+    draw, mesh: md.Mesh, size: int, taken: set[str], like: tuple[str, ...] = (), share: float = 0.2
+) -> tuple[str, ...]:
     """Axes for one dim of ``size``, always dividing it: unsplit, an axis, or an ordered pair or
     triple of axes. With probability ``share`` they may include axes other dims hold (``taken``):
     legal while the two dims never meet in one tensor, the case where an op chooses its compute
@@ -106,8 +109,7 @@ def legal_axes(draw, mesh: md.Mesh, shape: Sequence[int], exclude: Sequence[str]
     used = set(exclude)
     for size in shape:
         options = [
-            o for o in axis_choices(mesh)
-            if not used & set(o) and size % math.prod(mesh.axis_sizes[a] for a in o) == 0
+            o for o in axis_choices(mesh) if not used & set(o) and size % math.prod(mesh.axis_sizes[a] for a in o) == 0
         ]
         axes = draw(st.sampled_from(options))
         used.update(axes)
@@ -141,7 +143,9 @@ def group_size(mesh: md.Mesh, layout: md.Layout, name: str) -> int:
 
 
 @st.composite
-def layouts_splitting(draw, mesh: md.Mesh, pool: Mapping[str, int], name: str, risk: float = 0.05, p_split: float = 0.75) -> md.Layout:
+def layouts_splitting(
+    draw, mesh: md.Mesh, pool: Mapping[str, int], name: str, risk: float = 0.05, p_split: float = 0.75
+) -> md.Layout:
     """:func:`layouts_any_order`, but ``name`` is split with probability ``p_split`` (over one axis or a
     pair that divides its size); other dims then give up the axes ``name`` took."""
     base = draw(layouts_any_order(mesh, pool, risk))

@@ -88,7 +88,11 @@ CASES = {
     "where with a string branch": (md.ShapeError, lambda: md.where(COND, X, "zero"), ["where", "'zero'"]),
     "exp of a string": (md.ShapeError, lambda: md.exp("e"), ["exp", "'e'"]),
     # ---- reductions ----
-    "reduce an array": (md.ShapeError, lambda: md.reduce_sum(np.ones((4, 8), np.float32), "a"), ["reduce_sum", "md tensor", "float32[4, 8]"]),
+    "reduce an array": (
+        md.ShapeError,
+        lambda: md.reduce_sum(np.ones((4, 8), np.float32), "a"),
+        ["reduce_sum", "md tensor", "float32[4, 8]"],
+    ),
     "reduce an unknown dim": (md.ShapeError, lambda: md.reduce_sum(X, "c"), ["reduce_sum", "'c'", "[a=4, b=8]"]),
     "reduce a dim of another size": (md.ShapeError, lambda: md.reduce_max(X, D("a", 5)), ["a=5", "a=4"]),
     "reduce over an int": (md.ShapeError, lambda: md.reduce_mean(X, 5), ["reduce_mean", "dims", "int 5"]),
@@ -104,13 +108,25 @@ CASES = {
     "reshape to another size": (md.ShapeError, lambda: md.reshape(X, [D("c", 5)]), ["32", "5"]),
     "rename an unknown dim": (md.ShapeError, lambda: md.rename(X, "zz", "c"), ["rename", "'zz'"]),
     "transpose to other dims": (md.ShapeError, lambda: md.transpose(X, "a"), ["transpose", "a=4, b=8"]),
-    "rearrange cannot split": (md.ShapeError, lambda: md.rearrange(X, "(x y) b -> x y b", x=3), ["rearrange", "a=4", "3"]),
+    "rearrange cannot split": (
+        md.ShapeError,
+        lambda: md.rearrange(X, "(x y) b -> x y b", x=3),
+        ["rearrange", "a=4", "3"],
+    ),
     # ---- cuts and joins ----
     "concat of one tensor": (md.ShapeError, lambda: md.concat(X, "a"), ["concat", "list", "[a=4, b=8]"]),
-    "concat along a dim of another size": (md.ShapeError, lambda: md.concat([X, X], D("a", 3)), ["concat", "a=3", "a=4"]),
+    "concat along a dim of another size": (
+        md.ShapeError,
+        lambda: md.concat([X, X], D("a", 3)),
+        ["concat", "a=3", "a=4"],
+    ),
     "stack under an existing name": (md.ShapeError, lambda: md.stack([X, X], "a"), ["stack", "a"]),
     "slice by a fraction": (md.ShapeError, lambda: md.slice(X, 0.5, 2, "a"), ["slice", "0.5"]),
-    "concat mismatched": (md.ShapeError, lambda: md.concat([X, md.tensor(np.ones((4, 2)), "a c")], "a"), ["concat", "c=2", "b=8"]),
+    "concat mismatched": (
+        md.ShapeError,
+        lambda: md.concat([X, md.tensor(np.ones((4, 2)), "a c")], "a"),
+        ["concat", "c=2", "b=8"],
+    ),
     "slice out of range": (md.ShapeError, lambda: md.slice(X, 3, 4, "a"), ["slice", "3", "4", "a=4"]),
     "slice negative begin": (md.ShapeError, lambda: md.slice(X, -1, 2, "a"), ["slice", "-1", "a=4"]),
     "pad negative": (md.ShapeError, lambda: md.pad(X, [-1, 0], "a"), ["pad", "[-1, 0]"]),
@@ -124,10 +140,22 @@ CASES = {
     "top_k too many": (md.ShapeError, lambda: md.top_k(X, "b", D("k", 9)), ["top_k", "k=9", "b=8"]),
     "gather float indices": (md.ShapeError, lambda: md.gather(X, A4, "b"), ["gather", "float32"]),
     "gather an unknown dim": (md.ShapeError, lambda: md.gather(X, IDX, "c"), ["gather", "'c'"]),
-    "top_k over a dim of another size": (md.ShapeError, lambda: md.top_k(X, D("b", 5), D("k", 2)), ["top_k", "b=5", "b=8"]),
-    "gather along a dim of another size": (md.ShapeError, lambda: md.gather(X, IDX, D("b", 5)), ["gather", "b=5", "b=8"]),
+    "top_k over a dim of another size": (
+        md.ShapeError,
+        lambda: md.top_k(X, D("b", 5), D("k", 2)),
+        ["top_k", "b=5", "b=8"],
+    ),
+    "gather along a dim of another size": (
+        md.ShapeError,
+        lambda: md.gather(X, IDX, D("b", 5)),
+        ["gather", "b=5", "b=8"],
+    ),
     "cumsum along a dim of another size": (md.ShapeError, lambda: md.cumsum(X, D("a", 3)), ["cumsum", "a=3", "a=4"]),
-    "one_hot of an unknown dtype": (md.ShapeError, lambda: md.one_hot(IDX, D("c", 4), dtype="foo"), ["one_hot", "'foo'"]),
+    "one_hot of an unknown dtype": (
+        md.ShapeError,
+        lambda: md.one_hot(IDX, D("c", 4), dtype="foo"),
+        ["one_hot", "'foo'"],
+    ),
     "shift by a fraction": (md.ShapeError, lambda: md.shift(X, 1.5, "a"), ["shift", "1.5"]),
     "range of a name": (md.ShapeError, lambda: md.range("a"), ["range", "'a'"]),
     "cumsum of an array": (md.ShapeError, lambda: md.cumsum(np.ones(3), "a"), ["cumsum", "float64[3]"]),
@@ -136,31 +164,87 @@ CASES = {
     "full of a string": (md.ShapeError, lambda: md.full([D("a", 2)], "x"), ["full", "'x'"]),
     "zeros of names": (md.ShapeError, lambda: md.zeros("a b"), ["'a b'", "md.Dim"]),
     "random with an int key": (md.ShapeError, lambda: md.random.normal(123, [D("a", 2)]), ["random", "key", "int"]),
-    "uniform of an unknown dtype": (md.ShapeError, lambda: md.random.uniform(KEY, [D("a", 2)], dtype="foo"), ["uniform", "'foo'"]),
-    "dropout noise over another dim": (md.ShapeError, lambda: md.dropout(KEY, X, 0.5, noise_shape=[D("c", 3)]), ["dropout", "'c'", "[a=4, b=8]"]),
+    "uniform of an unknown dtype": (
+        md.ShapeError,
+        lambda: md.random.uniform(KEY, [D("a", 2)], dtype="foo"),
+        ["uniform", "'foo'"],
+    ),
+    "dropout noise over another dim": (
+        md.ShapeError,
+        lambda: md.dropout(KEY, X, 0.5, noise_shape=[D("c", 3)]),
+        ["dropout", "'c'", "[a=4, b=8]"],
+    ),
     "full of an int shape": (md.ShapeError, lambda: md.full(5, 1.0), ["shape", "int 5"]),
     "dropout rate above 1": (md.ConfigError, lambda: md.dropout(KEY, X, 1.5), ["dropout", "1.5"]),
     # ---- compile and compiled functions ----
-    "compile on a mesh string": (md.ConfigError, lambda: md.compile(reduce_a, "x=2", "a:x"), ["mesh", "'x=2'", "md.Mesh"]),
-    "compile with an unknown backend": (md.ConfigError, lambda: compiled(reduce_a, backend="xla"), ["backend", "'xla'", "spmd", "gspmd"]),
+    "compile on a mesh string": (
+        md.ConfigError,
+        lambda: md.compile(reduce_a, "x=2", "a:x"),
+        ["mesh", "'x=2'", "md.Mesh"],
+    ),
+    "compile with an unknown backend": (
+        md.ConfigError,
+        lambda: compiled(reduce_a, backend="xla"),
+        ["backend", "'xla'", "spmd", "gspmd"],
+    ),
     "compile with a layout int": (md.LayoutError, lambda: compiled(reduce_a, layout=5), ["layout", "5"]),
     "compile with an unknown axis": (md.LayoutError, lambda: compiled(reduce_a, layout="a:q"), ["a:q", "'q'"]),
-    "out_layouts of another length": (md.LayoutError, lambda: compiled(reduce_a, out_layouts=["", ""])(X), ["out_layouts", "2", "result"]),
-    "in_layouts of another length": (md.LayoutError, lambda: compiled(reduce_a, in_layouts=["", ""])(X), ["in_layouts", "2", "1 argument"]),
-    "compiled given an array": (md.ShapeError, lambda: compiled(reduce_a)(np.ones((4, 8), np.float32)), ["reduce_sum", "md tensor", "float32[4, 8]"]),
-    "compiled given other dims": (md.ShapeError, lambda: compiled(reduce_a)(md.tensor(np.ones((4, 8)), "c b")), ["reduce_sum", "'a'", "[c=4, b=8]"]),
-    "compiled given an indivisible size": (md.LayoutError, lambda: compiled(reduce_a)(md.tensor(np.ones((3, 8)), "a b")), ["a", "3", "2"]),
+    "out_layouts of another length": (
+        md.LayoutError,
+        lambda: compiled(reduce_a, out_layouts=["", ""])(X),
+        ["out_layouts", "2", "result"],
+    ),
+    "in_layouts of another length": (
+        md.LayoutError,
+        lambda: compiled(reduce_a, in_layouts=["", ""])(X),
+        ["in_layouts", "2", "1 argument"],
+    ),
+    "compiled given an array": (
+        md.ShapeError,
+        lambda: compiled(reduce_a)(np.ones((4, 8), np.float32)),
+        ["reduce_sum", "md tensor", "float32[4, 8]"],
+    ),
+    "compiled given other dims": (
+        md.ShapeError,
+        lambda: compiled(reduce_a)(md.tensor(np.ones((4, 8)), "c b")),
+        ["reduce_sum", "'a'", "[c=4, b=8]"],
+    ),
+    "compiled given an indivisible size": (
+        md.LayoutError,
+        lambda: compiled(reduce_a)(md.tensor(np.ones((3, 8)), "a b")),
+        ["a", "3", "2"],
+    ),
     "compiled given two arguments": (md.ShapeError, lambda: compiled(reduce_a)(X, X), ["reduce_a", "2 argument"]),
-    "compile with a bad grad_reduce_dtype": (md.ConfigError, lambda: compiled(reduce_a, grad_reduce_dtype="foo"), ["grad_reduce_dtype", "'foo'"]),
-    "donate an argument there is not": (md.ConfigError, lambda: compiled(reduce_a, donate_argnums=(3,))(X), ["donate_argnums", "3", "1 argument"]),
+    "compile with a bad grad_reduce_dtype": (
+        md.ConfigError,
+        lambda: compiled(reduce_a, grad_reduce_dtype="foo"),
+        ["grad_reduce_dtype", "'foo'"],
+    ),
+    "donate an argument there is not": (
+        md.ConfigError,
+        lambda: compiled(reduce_a, donate_argnums=(3,))(X),
+        ["donate_argnums", "3", "1 argument"],
+    ),
     "compile a non-function": (md.ConfigError, lambda: md.compile(5, mesh2(), ""), ["fn", "int 5"]),
     "compiled given a string": (md.ShapeError, lambda: compiled(reduce_a)("a"), ["argument [0]", "str"]),
-    "explain a while_loop with collectives": (md.ConfigError, explain_while_loop, ["md.explain", "while_loop", "cannot be counted", "scan"]),
+    "explain a while_loop with collectives": (
+        md.ConfigError,
+        explain_while_loop,
+        ["md.explain", "while_loop", "cannot be counted", "scan"],
+    ),
     # ---- scan ----
     "scan carry changes shape": (md.ShapeError, scan_changing_carry, ["scan", "carry", "[a=4]", "[]"]),
     "scan body returns no pair": (md.ShapeError, scan_not_a_pair, ["scan", "(carry, y)"]),
-    "scan over a missing dim": (md.ShapeError, lambda: md.scan(lambda c, x: (c, None), A4, X, "steps"), ["scan", "steps"]),
-    "scan over a dim of another size": (md.ShapeError, lambda: md.scan(lambda c, x: (c, None), A4, X, D("a", 3)), ["scan", "a=3", "a=4"]),
+    "scan over a missing dim": (
+        md.ShapeError,
+        lambda: md.scan(lambda c, x: (c, None), A4, X, "steps"),
+        ["scan", "steps"],
+    ),
+    "scan over a dim of another size": (
+        md.ShapeError,
+        lambda: md.scan(lambda c, x: (c, None), A4, X, D("a", 3)),
+        ["scan", "a=3", "a=4"],
+    ),
 }
 
 
@@ -208,60 +292,161 @@ def apply(layer, x, key=KEY):
 CASES_ROUND_TWO = {
     # ---- tensors and dims ----
     "tensor of None": (md.ShapeError, lambda: md.tensor(None, "a"), ["md.tensor", "None"]),
-    "tensor of ids beyond int32": (md.ShapeError, lambda: md.tensor(np.array([3, 2**40]), "a"), ["md.tensor", "1099511627776", "int32"]),
-    "tensor of uint64 beyond uint32": (md.ShapeError, lambda: md.tensor(np.array([2**33], np.uint64), "a"), ["md.tensor", "8589934592", "uint32"]),
+    "tensor of ids beyond int32": (
+        md.ShapeError,
+        lambda: md.tensor(np.array([3, 2**40]), "a"),
+        ["md.tensor", "1099511627776", "int32"],
+    ),
+    "tensor of uint64 beyond uint32": (
+        md.ShapeError,
+        lambda: md.tensor(np.array([2**33], np.uint64), "a"),
+        ["md.tensor", "8589934592", "uint32"],
+    ),
     "dim of 2**63": (md.ShapeError, lambda: D("a", 2**63), ["'a'", "9223372036854775808", "2**63"]),
     "range beyond int8": (md.ShapeError, lambda: md.range(D("a", 300), jnp.int8), ["range", "a=300", "int8", "127"]),
     "einsum of nothing": (md.ShapeError, lambda: md.einsum(), ["einsum", "at least one"]),
     # ---- meshes, compile, explain ----
-    "mesh of one device twice": (md.LayoutError, lambda: md.Mesh({"x": 2}, devices=[jax.devices()[0]] * 2), ["devices", "twice", str(jax.devices()[0])]),
-    "mesh of a device string": (md.LayoutError, lambda: md.Mesh({"x": 2}, devices="cpu"), ["devices", "'cpu'", "jax.devices()"]),
-    "mesh larger than the simulated devices": (md.LayoutError, lambda: md.Mesh({"data": 16}),
-                                               ["16 devices", "8", "XLA_FLAGS=--xla_force_host_platform_device_count=16", "before JAX starts"]),
-    "compiled on an abstract mesh": (md.ConfigError, lambda: md.compile(reduce_a, md.Mesh.abstract({"x": 2}), "a:x")(X),
-                                     ["reduce_a", "abstract", "x=2", "md.explain"]),
-    "compiled given a keyword": (md.ShapeError, lambda: compiled(reduce_a)(t=X), ["reduce_a", "keyword", "'t'", "positional"]),
+    "mesh of one device twice": (
+        md.LayoutError,
+        lambda: md.Mesh({"x": 2}, devices=[jax.devices()[0]] * 2),
+        ["devices", "twice", str(jax.devices()[0])],
+    ),
+    "mesh of a device string": (
+        md.LayoutError,
+        lambda: md.Mesh({"x": 2}, devices="cpu"),
+        ["devices", "'cpu'", "jax.devices()"],
+    ),
+    "mesh larger than the simulated devices": (
+        md.LayoutError,
+        lambda: md.Mesh({"data": 16}),
+        ["16 devices", "8", "XLA_FLAGS=--xla_force_host_platform_device_count=16", "before JAX starts"],
+    ),
+    "compiled on an abstract mesh": (
+        md.ConfigError,
+        lambda: md.compile(reduce_a, md.Mesh.abstract({"x": 2}), "a:x")(X),
+        ["reduce_a", "abstract", "x=2", "md.explain"],
+    ),
+    "compiled given a keyword": (
+        md.ShapeError,
+        lambda: compiled(reduce_a)(t=X),
+        ["reduce_a", "keyword", "'t'", "positional"],
+    ),
     "explain with no arguments": (md.ConfigError, lambda: md.explain(), ["md.explain", "fn", "mesh"]),
     # ---- random ----
-    "uniform minval nan": (md.ConfigError, lambda: md.random.uniform(KEY, [D("a", 2)], minval=NAN), ["uniform", "minval", "nan"]),
-    "uniform minval above maxval": (md.ConfigError, lambda: md.random.uniform(KEY, [D("a", 2)], minval=2.0, maxval=1.0),
-                                    ["uniform", "minval 2.0", "maxval 1.0"]),
-    "normal of int32": (md.ShapeError, lambda: md.random.normal(KEY, [D("a", 2)], dtype=jnp.int32), ["normal", "int32", "floating"]),
-    "uniform of int32": (md.ShapeError, lambda: md.random.uniform(KEY, [D("a", 2)], dtype="int32"), ["uniform", "int32", "floating"]),
+    "uniform minval nan": (
+        md.ConfigError,
+        lambda: md.random.uniform(KEY, [D("a", 2)], minval=NAN),
+        ["uniform", "minval", "nan"],
+    ),
+    "uniform minval above maxval": (
+        md.ConfigError,
+        lambda: md.random.uniform(KEY, [D("a", 2)], minval=2.0, maxval=1.0),
+        ["uniform", "minval 2.0", "maxval 1.0"],
+    ),
+    "normal of int32": (
+        md.ShapeError,
+        lambda: md.random.normal(KEY, [D("a", 2)], dtype=jnp.int32),
+        ["normal", "int32", "floating"],
+    ),
+    "uniform of int32": (
+        md.ShapeError,
+        lambda: md.random.uniform(KEY, [D("a", 2)], dtype="int32"),
+        ["uniform", "int32", "floating"],
+    ),
     "md.dropout rate nan": (md.ConfigError, lambda: md.dropout(KEY, X, NAN), ["dropout", "rate", "nan"]),
     "nn.dropout rate nan": (md.ConfigError, lambda: md.nn.dropout(KEY, X, NAN), ["dropout", "rate", "nan"]),
-    "nn.dropout rate nan, deterministic": (md.ConfigError, lambda: md.nn.dropout(KEY, X, NAN, deterministic=True), ["dropout", "rate", "nan"]),
+    "nn.dropout rate nan, deterministic": (
+        md.ConfigError,
+        lambda: md.nn.dropout(KEY, X, NAN, deterministic=True),
+        ["dropout", "rate", "nan"],
+    ),
     "nn.dropout rate a string": (md.ConfigError, lambda: md.nn.dropout(KEY, X, "0.1"), ["dropout", "rate", "'0.1'"]),
     # ---- layers: options ----
-    "attention with a size-0 dim": (md.ShapeError, lambda: md.nn.MultiHeadAttention(D("d", 8), D("heads", 0), D("d_kv", 4)),
-                                    ["MultiHeadAttention", "heads=0", "at least 1"]),
-    "conv kernel of size 0": (md.ShapeError, lambda: md.nn.Conv2d(D("c", 3), D("o", 4), kernel=(0, 3)), ["Conv2d", "kernel", "(0, 3)"]),
-    "conv stride 0": (md.ShapeError, lambda: md.nn.Conv2d(D("c", 3), D("o", 4), stride=(1, 0)), ["Conv2d", "stride", "(1, 0)"]),
-    "linear with a size-0 dim": (md.ShapeError, lambda: md.nn.Linear(D("a", 0), D("f", 4)), ["Linear", "a=0", "at least 1"]),
-    "embedding of a size-0 vocab": (md.ShapeError, lambda: md.nn.Embedding(D("vocab", 0), D("d", 4)), ["Embedding", "vocab=0"]),
-    "MLP activation a string": (md.ConfigError, lambda: md.nn.MLP(D("a", 4), D("f", 8), activation="relu"),
-                                ["MLP", "activation", "'relu'", "md.relu"]),
-    "MoE activation a string": (md.ConfigError, lambda: md.nn.MoE(D("d", 8), D("f", 16), D("experts", 4), activation="gelu"),
-                                ["MoE", "activation", "'gelu'"]),
-    "MoE capacity_factor nan": (md.ConfigError, lambda: md.nn.MoE(D("d", 8), D("f", 16), D("experts", 4), capacity_factor=NAN),
-                                ["MoE", "capacity_factor", "nan"]),
+    "attention with a size-0 dim": (
+        md.ShapeError,
+        lambda: md.nn.MultiHeadAttention(D("d", 8), D("heads", 0), D("d_kv", 4)),
+        ["MultiHeadAttention", "heads=0", "at least 1"],
+    ),
+    "conv kernel of size 0": (
+        md.ShapeError,
+        lambda: md.nn.Conv2d(D("c", 3), D("o", 4), kernel=(0, 3)),
+        ["Conv2d", "kernel", "(0, 3)"],
+    ),
+    "conv stride 0": (
+        md.ShapeError,
+        lambda: md.nn.Conv2d(D("c", 3), D("o", 4), stride=(1, 0)),
+        ["Conv2d", "stride", "(1, 0)"],
+    ),
+    "linear with a size-0 dim": (
+        md.ShapeError,
+        lambda: md.nn.Linear(D("a", 0), D("f", 4)),
+        ["Linear", "a=0", "at least 1"],
+    ),
+    "embedding of a size-0 vocab": (
+        md.ShapeError,
+        lambda: md.nn.Embedding(D("vocab", 0), D("d", 4)),
+        ["Embedding", "vocab=0"],
+    ),
+    "MLP activation a string": (
+        md.ConfigError,
+        lambda: md.nn.MLP(D("a", 4), D("f", 8), activation="relu"),
+        ["MLP", "activation", "'relu'", "md.relu"],
+    ),
+    "MoE activation a string": (
+        md.ConfigError,
+        lambda: md.nn.MoE(D("d", 8), D("f", 16), D("experts", 4), activation="gelu"),
+        ["MoE", "activation", "'gelu'"],
+    ),
+    "MoE capacity_factor nan": (
+        md.ConfigError,
+        lambda: md.nn.MoE(D("d", 8), D("f", 16), D("experts", 4), capacity_factor=NAN),
+        ["MoE", "capacity_factor", "nan"],
+    ),
     "LayerNorm eps nan": (md.ConfigError, lambda: md.nn.LayerNorm(D("d", 8), eps=NAN), ["LayerNorm", "eps", "nan"]),
     "RMSNorm eps -1": (md.ConfigError, lambda: md.nn.RMSNorm(D("d", 8), eps=-1), ["RMSNorm", "eps", "-1"]),
-    "Linear init_scale nan": (md.ConfigError, lambda: md.nn.Linear(D("a", 8), D("f", 4), init_scale=NAN), ["Linear", "init_scale", "nan"]),
-    "Embedding init_scale inf": (md.ConfigError, lambda: md.nn.Embedding(D("vocab", 8), D("f", 4), init_scale=float("inf")),
-                                 ["Embedding", "init_scale", "inf"]),
-    "attention scale nan": (md.ConfigError, lambda: md.nn.dot_product_attention(Q, KV, KV, scale=NAN), ["dot_product_attention", "scale", "nan"]),
+    "Linear init_scale nan": (
+        md.ConfigError,
+        lambda: md.nn.Linear(D("a", 8), D("f", 4), init_scale=NAN),
+        ["Linear", "init_scale", "nan"],
+    ),
+    "Embedding init_scale inf": (
+        md.ConfigError,
+        lambda: md.nn.Embedding(D("vocab", 8), D("f", 4), init_scale=float("inf")),
+        ["Embedding", "init_scale", "inf"],
+    ),
+    "attention scale nan": (
+        md.ConfigError,
+        lambda: md.nn.dot_product_attention(Q, KV, KV, scale=NAN),
+        ["dot_product_attention", "scale", "nan"],
+    ),
     # ---- layers: inputs ----
-    "Linear on int input": (md.ShapeError, lambda: apply(md.nn.Linear(D("b", 8), D("f", 4)), XI), ["Linear", "int32", "md.cast"]),
+    "Linear on int input": (
+        md.ShapeError,
+        lambda: apply(md.nn.Linear(D("b", 8), D("f", 4)), XI),
+        ["Linear", "int32", "md.cast"],
+    ),
     "MLP on int input": (md.ShapeError, lambda: apply(md.nn.MLP(D("b", 8), D("f", 4)), XI), ["MLP", "int32"]),
     "LayerNorm on int input": (md.ShapeError, lambda: apply(md.nn.LayerNorm(D("b", 8)), XI), ["LayerNorm", "int32"]),
-    "dot_product_attention of int queries": (md.ShapeError, lambda: md.nn.dot_product_attention(md.cast(Q, "int32"), KV, KV),
-                                             ["dot_product_attention queries", "int32"]),
-    "attention on int input": (md.ShapeError, lambda: apply(ATTENTION, md.cast(SEQ, "int32")), ["MultiHeadAttention", "int32"]),
-    "Embedding of an id beyond vocab": (md.ShapeError, lambda: EMBEDDING(EMBEDDING.init(KEY), md.tensor(np.array([3, 70]), "t")),
-                                        ["Embedding", "70", "vocab=16"]),
-    "Embedding of a negative id": (md.ShapeError, lambda: EMBEDDING(EMBEDDING.init(KEY), md.tensor(np.array([-1, 2]), "t")),
-                                   ["Embedding", "-1", "vocab=16"]),
+    "dot_product_attention of int queries": (
+        md.ShapeError,
+        lambda: md.nn.dot_product_attention(md.cast(Q, "int32"), KV, KV),
+        ["dot_product_attention queries", "int32"],
+    ),
+    "attention on int input": (
+        md.ShapeError,
+        lambda: apply(ATTENTION, md.cast(SEQ, "int32")),
+        ["MultiHeadAttention", "int32"],
+    ),
+    "Embedding of an id beyond vocab": (
+        md.ShapeError,
+        lambda: EMBEDDING(EMBEDDING.init(KEY), md.tensor(np.array([3, 70]), "t")),
+        ["Embedding", "70", "vocab=16"],
+    ),
+    "Embedding of a negative id": (
+        md.ShapeError,
+        lambda: EMBEDDING(EMBEDDING.init(KEY), md.tensor(np.array([-1, 2]), "t")),
+        ["Embedding", "-1", "vocab=16"],
+    ),
 }
 
 
@@ -299,8 +484,12 @@ def test_the_readme_mesh_on_one_cpu_device_names_the_flag():
     import harness
 
     program = "import meshdsl as md\nmd.Mesh({'data': 4, 'model': 2})\n"
-    done = subprocess.run([sys.executable, "-c", program], env=harness.subprocess_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", program], env=harness.subprocess_env(), capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 1, done.stderr
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("meshdsl.errors.LayoutError: mesh data=4 model=2 needs 8 devices, but only 1 are available"), last
+    assert last.startswith(
+        "meshdsl.errors.LayoutError: mesh data=4 model=2 needs 8 devices, but only 1 are available"
+    ), last
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts" in last, last

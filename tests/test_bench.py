@@ -25,9 +25,16 @@ DP_TP = md.Layout("batch:data; heads:model; d_ff:model; vocab:model", mesh_axes=
 DATA = md.Layout("batch:data", mesh_axes={"data": 4})
 
 
-def _step(model: str, optimizer: str, layout: md.Layout, grad_reduce_dtype: str | None = None, **overrides) -> CompiledStep:
-    trainer = Trainer(build_model(model, "tiny", **overrides), optim.make(optimizer), layout.mesh(jax.devices()[:4]), layout,
-                      grad_reduce_dtype=grad_reduce_dtype)
+def _step(
+    model: str, optimizer: str, layout: md.Layout, grad_reduce_dtype: str | None = None, **overrides
+) -> CompiledStep:
+    trainer = Trainer(
+        build_model(model, "tiny", **overrides),
+        optim.make(optimizer),
+        layout.mesh(jax.devices()[:4]),
+        layout,
+        grad_reduce_dtype=grad_reduce_dtype,
+    )
     return compile_step(trainer, seed=0)
 
 
@@ -72,7 +79,14 @@ def test_the_baseline_sums_gradients_in_grad_reduce_dtype() -> None:
 def test_a_baseline_whose_losses_differ_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A check that fails leaves the baseline untimed, with both loss lists in the note."""
     step = _step("mlp", "sgd", DATA)
-    monkeypatch.setattr(baselines, "_MODELS", {**baselines._MODELS, "mlp": (*baselines._MODELS["mlp"][:2], lambda p, b, c, f: 2 * baselines._mlp_loss(p, b, c, f))})
+    monkeypatch.setattr(
+        baselines,
+        "_MODELS",
+        {
+            **baselines._MODELS,
+            "mlp": (*baselines._MODELS["mlp"][:2], lambda p, b, c, f: 2 * baselines._mlp_loss(p, b, c, f)),
+        },
+    )
     checked = baselines.baseline(step)
     assert (checked.step, checked.losses_match) == (None, False)
     assert checked.note.startswith("losses differ, not timed: meshdsl [1.19") and ", plain JAX [2.38" in checked.note
@@ -81,7 +95,9 @@ def test_a_baseline_whose_losses_differ_is_not_timed(monkeypatch: pytest.MonkeyP
 # ---- the analytic minimum ------------------------------------------------------------------------------
 
 
-def _minimum(layout: md.Layout, model: str = "transformer", optimizer: str = "adamw", **overrides) -> dict[str, float] | None:
+def _minimum(
+    layout: md.Layout, model: str = "transformer", optimizer: str = "adamw", **overrides
+) -> dict[str, float] | None:
     m = build_model(model, "tiny", **overrides)
     return analytic.terms(m, m.init(jax.random.key(0)), layout.mesh(), layout, optim.make(optimizer))
 
@@ -90,7 +106,10 @@ def test_the_minimum_follows_the_rules_not_the_file_name(tmp_path: Path) -> None
     (tmp_path / "renamed").mkdir()
     (tmp_path / "renamed" / "fsdp.toml").write_text((LAYOUTS / "data_parallel.toml").read_text())
     shutil.copy(LAYOUTS / "fsdp.toml", tmp_path / "zero3.toml")
-    fsdp, data_parallel = _minimum(load_layout(str(LAYOUTS / "fsdp.toml"))), _minimum(load_layout(str(LAYOUTS / "data_parallel.toml")))
+    fsdp, data_parallel = (
+        _minimum(load_layout(str(LAYOUTS / "fsdp.toml"))),
+        _minimum(load_layout(str(LAYOUTS / "data_parallel.toml"))),
+    )
     assert fsdp["parameter gathers"] > 0 and data_parallel["parameter gathers"] == 0
     assert _minimum(load_layout(str(tmp_path / "zero3.toml"))) == fsdp
     assert _minimum(load_layout(str(tmp_path / "renamed" / "fsdp.toml"))) == data_parallel

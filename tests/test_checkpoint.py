@@ -14,12 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import harness
 import meshdsl as md
 from meshdsl.train.loop import RunConfig, load_layout, train
 
@@ -70,8 +70,9 @@ def test_round_trip_is_bitwise_and_keeps_named_dims(tmp_path):
     for like in (None, state):
         restored, metadata = md.checkpoint.restore(path, mesh, DP_TP, like=like)
         assert metadata == {"step": 3, "note": "hi"}
-        assert jax.tree_util.tree_structure(restored, is_leaf=lambda x: isinstance(x, md.Tensor)) == \
-            jax.tree_util.tree_structure(state, is_leaf=lambda x: isinstance(x, md.Tensor))
+        assert jax.tree_util.tree_structure(
+            restored, is_leaf=lambda x: isinstance(x, md.Tensor)
+        ) == jax.tree_util.tree_structure(state, is_leaf=lambda x: isinstance(x, md.Tensor))
         for where, want in _tensors(state).items():
             got = _tensors(restored)[where]
             assert got.shape == want.shape and got.dtype == want.dtype
@@ -137,10 +138,34 @@ def killed_run(tmp_path_factory):
     """A 10-step dp_tp run on 8 devices saving every 5 steps, SIGKILLed while committing step 10."""
     where = tmp_path_factory.mktemp("killed")
     (where / "crash.py").write_text(CRASH)
-    args = ["--devices", "8", "train", "--model", "transformer", "--preset", "tiny", "--layout", "dp_tp", "--steps", "10",
-            "--checkpoint-dir", str(where / "ckpt"), "--save-every", "5", "--log-json", str(where / "log.jsonl")]
-    result = subprocess.run([sys.executable, str(where / "crash.py"), "step_10", *args], cwd=where, env=_env(),
-                            capture_output=True, text=True, timeout=600, check=False)
+    args = [
+        "--devices",
+        "8",
+        "train",
+        "--model",
+        "transformer",
+        "--preset",
+        "tiny",
+        "--layout",
+        "dp_tp",
+        "--steps",
+        "10",
+        "--checkpoint-dir",
+        str(where / "ckpt"),
+        "--save-every",
+        "5",
+        "--log-json",
+        str(where / "log.jsonl"),
+    ]
+    result = subprocess.run(
+        [sys.executable, str(where / "crash.py"), "step_10", *args],
+        cwd=where,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     log = [json.loads(line) for line in (where / "log.jsonl").read_text().splitlines()]
     return where / "ckpt", result, {row["step"]: row["loss"] for row in log}
 
@@ -154,24 +179,42 @@ def test_a_save_killed_before_its_commit_leaves_the_last_checkpoint(killed_run):
     assert md.checkpoint.latest(directory) == directory / "step_5" and md.checkpoint.steps(directory) == [5]
     state, metadata = md.checkpoint.restore(directory / "step_5", md.Mesh({"data": 8}), "d_model:data")
     assert metadata["step"] == 5 and metadata["model"] == "transformer" and metadata["config"]["d_model"] == 32
-    assert int(state["step"]) == 5 and state["params"]["layers"]["wqkv"].names == ("layers", "d_model", "qkv", "heads", "d_kv")
+    assert int(state["step"]) == 5 and state["params"]["layers"]["wqkv"].names == (
+        "layers",
+        "d_model",
+        "qkv",
+        "heads",
+        "d_kv",
+    )
 
 
 def test_resumed_under_fsdp_on_4_devices_it_continues_the_killed_run(killed_run, tmp_path):
     saved, _, losses = killed_run
     directory = tmp_path / "ckpt"
     shutil.copytree(saved, directory)
-    run = RunConfig(model="transformer", preset="tiny", layout="fsdp", steps=10, checkpoint_dir=str(directory), resume=True)
+    run = RunConfig(
+        model="transformer", preset="tiny", layout="fsdp", steps=10, checkpoint_dir=str(directory), resume=True
+    )
     log = io.StringIO()
     resumed = train(run, log, mesh=load_layout("fsdp").mesh(jax.devices()[:4]))
     out = log.getvalue()
     assert f"resuming from {directory / 'step_5'} at step 5" in out and "on mesh data=4 (cpu)" in out
     np.testing.assert_allclose(resumed, [losses[s] for s in range(6, 11)], rtol=1e-5)
-    assert md.checkpoint.steps(directory) == [5, 10] and sorted(p.name for p in directory.iterdir()) == ["step_10", "step_5"]
+    assert md.checkpoint.steps(directory) == [5, 10] and sorted(p.name for p in directory.iterdir()) == [
+        "step_10",
+        "step_5",
+    ]
     with pytest.raises(md.ConfigError, match=r"different transformer config: .*d_model=32 \(this run: 128\)"):
-        train(RunConfig(model="transformer", preset="small", layout="fsdp", steps=12, checkpoint_dir=str(directory), resume=True), log)
+        train(
+            RunConfig(
+                model="transformer", preset="small", layout="fsdp", steps=12, checkpoint_dir=str(directory), resume=True
+            ),
+            log,
+        )
     with pytest.raises(md.ConfigError, match="already holds step_10; pass --resume"):
-        train(RunConfig(model="transformer", preset="tiny", layout="fsdp", steps=12, checkpoint_dir=str(directory)), log)
+        train(
+            RunConfig(model="transformer", preset="tiny", layout="fsdp", steps=12, checkpoint_dir=str(directory)), log
+        )
 
 
 PRUNE_KILL = """
@@ -198,15 +241,46 @@ def test_a_kill_while_pruning_leaves_only_restorable_checkpoints(tmp_path):
     (2, 3, 4), each restores, and the resumed run's steps 5-6 are bit for bit an uninterrupted run's."""
     (tmp_path / "prune_kill.py").write_text(PRUNE_KILL)
     ckpt = tmp_path / "ckpt"
-    args = ["--devices", "8", "train", "--model", "mlp", "--preset", "tiny", "--layout", "data_parallel", "--steps", "4",
-            "--checkpoint-dir", str(ckpt), "--save-every", "1", "--keep", "3", "--log-json", str(tmp_path / "log.jsonl")]
-    killed = subprocess.run([sys.executable, str(tmp_path / "prune_kill.py"), "step_1", *args], cwd=tmp_path, env=_env(),
-                            capture_output=True, text=True, timeout=600, check=False)
+    args = [
+        "--devices",
+        "8",
+        "train",
+        "--model",
+        "mlp",
+        "--preset",
+        "tiny",
+        "--layout",
+        "data_parallel",
+        "--steps",
+        "4",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--save-every",
+        "1",
+        "--keep",
+        "3",
+        "--log-json",
+        str(tmp_path / "log.jsonl"),
+    ]
+    killed = subprocess.run(
+        [sys.executable, str(tmp_path / "prune_kill.py"), "step_1", *args],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert killed.returncode == -9, killed.stderr
-    assert f"saved checkpoint {ckpt / 'step_3'}" in killed.stdout and "step 4/4" in killed.stdout  # killed in step 4's save
+    assert (
+        f"saved checkpoint {ckpt / 'step_3'}" in killed.stdout and "step 4/4" in killed.stdout
+    )  # killed in step 4's save
     assert md.checkpoint.steps(ckpt) == [2, 3, 4]
     leftovers = sorted(p.name.split("-")[0] for p in ckpt.iterdir() if not md.checkpoint._STEP.match(p.name))
-    assert leftovers == [".meshdsl", "step_1.deleted"]  # the killed run's lock file (its flock died with it) and its half prune
+    assert leftovers == [
+        ".meshdsl",
+        "step_1.deleted",
+    ]  # the killed run's lock file (its flock died with it) and its half prune
     mesh = md.Mesh({"data": 8})
     for step in md.checkpoint.steps(ckpt):
         _, metadata = md.checkpoint.restore(ckpt / f"step_{step}", mesh)
@@ -280,24 +354,51 @@ def test_corrupt_and_foreign_checkpoints_raise_data_errors(checkpoint):
     del record["dtype"]
     manifest["checksum"] = md.checkpoint._checksum(manifest)
     (altered / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(md.DataError, match=r"is corrupt: malformed leaf record in manifest.json: .*\['params'\]\['w'\]"):
+    with pytest.raises(
+        md.DataError, match=r"is corrupt: malformed leaf record in manifest.json: .*\['params'\]\['w'\]"
+    ):
         restore(altered)
 
     like = _state(mesh, DP_TP)
-    like["params"]["w"] = md.Tensor(jax.ShapeDtypeStruct((16, 4), jnp.float32), md.Shape([md.Dim("d_model", 16), md.Dim("d_ff", 4)]))
-    with pytest.raises(md.DataError, match=r"leaf \['params'\]\['w'\] is \[d_model=16, d_ff=8\], but the expected state has \[d_model=16, d_ff=4\]"):
+    like["params"]["w"] = md.Tensor(
+        jax.ShapeDtypeStruct((16, 4), jnp.float32), md.Shape([md.Dim("d_model", 16), md.Dim("d_ff", 4)])
+    )
+    with pytest.raises(
+        md.DataError,
+        match=r"leaf \['params'\]\['w'\] is \[d_model=16, d_ff=8\], but the expected state has \[d_model=16, d_ff=4\]",
+    ):
         restore(good, like=like)
-    with pytest.raises(md.LayoutError, match=r"leaf \['params'\]\['wo'\] \[heads=4, d_model=16\]: dim heads \(size 4\) .* not divisible by 8"):
+    with pytest.raises(
+        md.LayoutError,
+        match=r"leaf \['params'\]\['wo'\] \[heads=4, d_model=16\]: dim heads \(size 4\) .* not divisible by 8",
+    ):
         md.checkpoint.restore(good, md.Mesh({"x": 8}), "heads:x")
 
 
 def test_the_command_reports_a_bad_checkpoint_in_one_line(tmp_path):
     (tmp_path / "ckpt" / "step_3").mkdir(parents=True)
     (tmp_path / "ckpt" / "step_3" / "manifest.json").write_text("not json")
-    base = [sys.executable, "-m", "meshdsl.cli", "train", "--model", "mlp", "--preset", "tiny", "--steps", "4", "--checkpoint-dir", "ckpt"]
-    result = subprocess.run([*base, "--resume"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600, check=False)
+    base = [
+        sys.executable,
+        "-m",
+        "meshdsl.cli",
+        "train",
+        "--model",
+        "mlp",
+        "--preset",
+        "tiny",
+        "--steps",
+        "4",
+        "--checkpoint-dir",
+        "ckpt",
+    ]
+    result = subprocess.run(
+        [*base, "--resume"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600, check=False
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.splitlines() == [(
-        "meshdsl train: error: 'ckpt/step_3' is not a meshdsl checkpoint (foreign directory: manifest.json is not JSON: "
-        "Expecting value: line 1 column 1 (char 0))"
-    )]
+    assert result.stderr.splitlines() == [
+        (
+            "meshdsl train: error: 'ckpt/step_3' is not a meshdsl checkpoint (foreign directory: manifest.json is not JSON: "
+            "Expecting value: line 1 column 1 (char 0))"
+        )
+    ]

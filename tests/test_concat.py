@@ -11,14 +11,15 @@ The unit tests pin down docs/design.md's table: along a split dim each input is 
 split is a local slice.
 """
 
+import harness
 import numpy as np
 import pytest
-from hypothesis import assume, event, given, settings, strategies as st
-
-import harness
-import meshdsl as md
 import reference as R
 import strategies as S
+from hypothesis import assume, event, given, settings
+from hypothesis import strategies as st
+
+import meshdsl as md
 
 
 def _with(dims, name, size, position=None):
@@ -33,7 +34,9 @@ def _with(dims, name, size, position=None):
 @st.composite
 def compositions(draw, total: int, unit: int, parts: int) -> list[int]:
     """``parts`` positive multiples of ``unit`` adding up to ``total`` (``total // unit >= parts``)."""
-    cuts = sorted(draw(st.lists(st.integers(1, total // unit - 1), min_size=parts - 1, max_size=parts - 1, unique=True)))
+    cuts = sorted(
+        draw(st.lists(st.integers(1, total // unit - 1), min_size=parts - 1, max_size=parts - 1, unique=True))
+    )
     bounds = [0, *cuts, total // unit]
     return [(b - a) * unit for a, b in zip(bounds, bounds[1:])]
 
@@ -52,7 +55,12 @@ def test_concat_family(mesh, pool, data, rng):
     # concat of two or three tensors, the others' dim at a drawn position and of a drawn size.
     k = data.draw(st.integers(2, 3), label="concat operands")
     others = [
-        _with(x, dim, g * data.draw(st.integers(1, 3), label="operand size"), data.draw(st.integers(0, len(x) - 1), label="operand position"))
+        _with(
+            x,
+            dim,
+            g * data.draw(st.integers(1, 3), label="operand size"),
+            data.draw(st.integers(0, len(x) - 1), label="operand position"),
+        )
         for _ in range(k - 1)
     ]
     inputs["concat"] = [x, *others]
@@ -65,7 +73,9 @@ def test_concat_family(mesh, pool, data, rng):
     ref_ops["split equal"] = lambda t: R.split(t, dim, parts)
 
     if blocks >= 2:
-        sizes = data.draw(compositions(n, g, data.draw(st.integers(2, min(blocks, 3)), label="parts")), label="split sizes")
+        sizes = data.draw(
+            compositions(n, g, data.draw(st.integers(2, min(blocks, 3)), label="parts")), label="split sizes"
+        )
         inputs["split sizes"] = [x]
         md_ops["split sizes"] = lambda t: md.split(t, dim, sizes)
         ref_ops["split sizes"] = lambda t: R.split(t, dim, sizes)

@@ -9,22 +9,23 @@ from __future__ import annotations
 
 import functools
 
+import harness
 import jax
 import jax.numpy as jnp
+import model_figures
 import numpy as np
 import pytest
-
-import harness
-import meshdsl as md
-import model_figures
 import reference as R
 import strategies as S
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from meshdsl.models import convnet
+
+import meshdsl as md
 from meshdsl import hlo
 from meshdsl.ops.conv import conv2d
 from meshdsl.train.optim import adamw
 from meshdsl.train.step import Trainer
-from meshdsl.models import convnet
 
 B, H, W, C, O = 4, 16, 8, 8, 6
 TOL, GRAD_TOL = 1e-5, 2e-5
@@ -172,7 +173,9 @@ def _check_against(fn, reference, args, mesh, layout, collectives):
     """``fn(*args)`` and the gradients of ``sum(fn * cot)`` on both backends equal ``reference``'s on global arrays."""
     want = reference(*(jnp.asarray(a.numpy()) for a in args))
     cot = np.random.default_rng(9).standard_normal(want.shape).astype(np.float32)
-    want_grads = jax.jit(jax.grad(lambda *a: jnp.sum(reference(*a) * cot), argnums=tuple(range(len(args)))))(*(a.numpy() for a in args))
+    want_grads = jax.jit(jax.grad(lambda *a: jnp.sum(reference(*a) * cot), argnums=tuple(range(len(args)))))(
+        *(a.numpy() for a in args)
+    )
 
     def forward_and_grads(*inputs):
         cot_t = md.tensor(cot, fn(*inputs).shape)
@@ -200,13 +203,48 @@ def _check_against(fn, reference, args, mesh, layout, collectives):
 
 STRIDED = {
     # name: (mesh, layout, kernel, stride, padding, forward collectives)
-    "same_stride2_halo": ({"x": 4}, "height:x", (3, 3), (2, 2), "SAME", {"collective-permute": 1}),  # one row from the next block
-    "same_even_kernel_halo": ({"x": 4}, "height:x", (4, 2), (2, 1), "SAME", {"collective-permute": 2}),  # one row each way
+    "same_stride2_halo": (
+        {"x": 4},
+        "height:x",
+        (3, 3),
+        (2, 2),
+        "SAME",
+        {"collective-permute": 1},
+    ),  # one row from the next block
+    "same_even_kernel_halo": (
+        {"x": 4},
+        "height:x",
+        (4, 2),
+        (2, 1),
+        "SAME",
+        {"collective-permute": 2},
+    ),  # one row each way
     "valid_patches_no_communication": ({"x": 8}, "height:x", (2, 2), (2, 2), "VALID", {}),  # windows within blocks
     "valid_drifting_gathers": ({"x": 2}, "height:x", (3, 3), (1, 1), "VALID", {"all-gather": 1}),  # 14 rows from 16
-    "stride_not_dividing_block_gathers": ({"x": 2}, "height:x", (3, 3), (3, 1), "SAME", {"all-gather": 1}),  # 6 rows from 16
-    "both_spatial_and_batch": ({"data": 2, "model": 2, "x": 2}, "height:data; width:model; batch:x", (3, 3), (2, 2), "SAME", {"collective-permute": 2}),
-    "channels_split_strided": ({"data": 4, "model": 2}, "channels:model; batch:data", (3, 3), (2, 2), "VALID", {"all-reduce": 1}),
+    "stride_not_dividing_block_gathers": (
+        {"x": 2},
+        "height:x",
+        (3, 3),
+        (3, 1),
+        "SAME",
+        {"all-gather": 1},
+    ),  # 6 rows from 16
+    "both_spatial_and_batch": (
+        {"data": 2, "model": 2, "x": 2},
+        "height:data; width:model; batch:x",
+        (3, 3),
+        (2, 2),
+        "SAME",
+        {"collective-permute": 2},
+    ),
+    "channels_split_strided": (
+        {"data": 4, "model": 2},
+        "channels:model; batch:data",
+        (3, 3),
+        (2, 2),
+        "VALID",
+        {"all-reduce": 1},
+    ),
 }
 
 
@@ -231,8 +269,22 @@ POOLS = {
     # name: (mesh, layout, (window h, w), (stride h, w), padding, forward collectives). The max and
     # average pools of one program move the same rows of x: XLA keeps one of each pair (CSE).
     "aligned_windows_no_communication": ({"x": 8}, "height:x", (2, 2), (2, 2), "VALID", {}),
-    "same_overlapping_halo": ({"x": 8}, "height:x", (3, 3), (1, 1), "SAME", {"collective-permute": 2}),  # a row each way
-    "same_strided_halo": ({"data": 4, "model": 2}, "height:data; width:model", (3, 2), (2, 2), "SAME", {"collective-permute": 1}),
+    "same_overlapping_halo": (
+        {"x": 8},
+        "height:x",
+        (3, 3),
+        (1, 1),
+        "SAME",
+        {"collective-permute": 2},
+    ),  # a row each way
+    "same_strided_halo": (
+        {"data": 4, "model": 2},
+        "height:data; width:model",
+        (3, 2),
+        (2, 2),
+        "SAME",
+        {"collective-permute": 1},
+    ),
     "valid_drifting_gathers": ({"x": 2}, "height:x", (3, 1), (1, 1), "VALID", {"all-gather": 1}),
 }
 
@@ -272,7 +324,9 @@ def check_conv(mesh, layout, sizes, kh, kw, rng, order=CONV_DIMS):
 MESH_2X2 = {"x": 2, "y": 2}
 
 
-@pytest.mark.parametrize("layout, width", [("width:x; out_channels:y", 6), ("width:y; out_channels:x", 6), ("height:x; out_channels:y", 6)])
+@pytest.mark.parametrize(
+    "layout, width", [("width:x; out_channels:y", 6), ("width:y; out_channels:x", 6), ("height:x; out_channels:y", 6)]
+)
 def test_conv2d_window_and_out_channels_split_over_two_axes(layout, width):
     # The issue's case: [height=1, width=6, channels=1] * [kh=1, kw=3, channels=1, out_channels=2]
     # on x=2 y=2 gave exactly twice the answer on gspmd (as plain jax.jit does).
@@ -285,10 +339,18 @@ def test_conv2d_window_and_out_channels_split_over_two_axes(layout, width):
 @given(data=st.data(), rng=S.rngs())
 def test_conv2d_drawn(data, rng):
     mesh = data.draw(st.sampled_from([MESH_2X2, *harness.MESHES.values()]).map(md.Mesh), label="mesh")
-    sizes = data.draw(st.fixed_dictionaries({
-        "batch": st.sampled_from([1, 2, 4]), "height": st.sampled_from([1, 2, 4, 6, 8]), "width": st.sampled_from([1, 2, 4, 6, 8, 12]),
-        "channels": st.sampled_from([1, 2, 4]), "out_channels": st.sampled_from([2, 4]),
-    }), label="sizes")
+    sizes = data.draw(
+        st.fixed_dictionaries(
+            {
+                "batch": st.sampled_from([1, 2, 4]),
+                "height": st.sampled_from([1, 2, 4, 6, 8]),
+                "width": st.sampled_from([1, 2, 4, 6, 8, 12]),
+                "channels": st.sampled_from([1, 2, 4]),
+                "out_channels": st.sampled_from([2, 4]),
+            }
+        ),
+        label="sizes",
+    )
     kh, kw = data.draw(st.sampled_from([1, 3, 5]), label="kh"), data.draw(st.sampled_from([1, 3, 5]), label="kw")
     order = " ".join(data.draw(st.permutations(CONV_DIMS.split()), label="x dims"))
     spatial = data.draw(st.sampled_from(["height", "width"]), label="split spatial dim")
@@ -298,7 +360,8 @@ def test_conv2d_drawn(data, rng):
 
 def _xla_conv(x, k, mesh, x_spec, k_spec):
     """A SAME convolution under jax.jit with sharding constraints on its operands, no meshdsl."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     def f(x, k):
         x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*x_spec)))
@@ -308,8 +371,11 @@ def _xla_conv(x, k, mesh, x_spec, k_spec):
     return np.asarray(jax.jit(f)(x, k))
 
 
-@pytest.mark.xfail(strict=False, reason="XLA's SPMD partitioner (JAX 0.10.2): a convolution whose window dim and output "
-                   "feature dim are split over different mesh axes comes out multiplied by the second axis' size")
+@pytest.mark.xfail(
+    strict=False,
+    reason="XLA's SPMD partitioner (JAX 0.10.2): a convolution whose window dim and output "
+    "feature dim are split over different mesh axes comes out multiplied by the second axis' size",
+)
 def test_xla_partitions_a_convolution_split_over_a_window_and_out_channels_wrongly():
     # Plain JAX: NHWC [1, 1, 6, 1] * HWIO [1, 3, 1, 2], width over x, out features over y, x=2 y=2.
     # Today the result is exactly twice the convolution; meshdsl's gspmd backend avoids it (conv.py).
@@ -318,17 +384,25 @@ def test_xla_partitions_a_convolution_split_over_a_window_and_out_channels_wrong
     x = rng.standard_normal((1, 1, 6, 1)).astype(np.float32)
     k = rng.standard_normal((1, 3, 1, 2)).astype(np.float32)
     want = ref_conv(x.astype(np.float64), k.astype(np.float64))
-    assert np.allclose(_xla_conv(x, k, mesh, (None, None, None, None), (None, None, None, "y")), want, atol=1e-5)  # out features alone: right
+    assert np.allclose(
+        _xla_conv(x, k, mesh, (None, None, None, None), (None, None, None, "y")), want, atol=1e-5
+    )  # out features alone: right
     assert np.allclose(_xla_conv(x, k, mesh, (None, None, "x", None), ()), want, atol=1e-5)  # width alone: right
-    np.testing.assert_allclose(_xla_conv(x, k, mesh, (None, None, "x", None), (None, None, None, "y")), want, atol=1e-5)  # both: 2x
+    np.testing.assert_allclose(
+        _xla_conv(x, k, mesh, (None, None, "x", None), (None, None, None, "y")), want, atol=1e-5
+    )  # both: 2x
 
 
-@pytest.mark.xfail(strict=False, reason="XLA's SPMD partitioner (JAX 0.10.2): the kernel gradient of a convolution split "
-                   "along a window is wrong on a mesh with axes the operands are replicated over")
+@pytest.mark.xfail(
+    strict=False,
+    reason="XLA's SPMD partitioner (JAX 0.10.2): the kernel gradient of a convolution split "
+    "along a window is wrong on a mesh with axes the operands are replicated over",
+)
 def test_xla_partitions_the_kernel_gradient_of_a_window_split_convolution_wrongly():
     # Plain JAX: NHWC [2, 8, 8, 2] * HWIO [3, 3, 2, 2], only width split (over x of x=2 y=2 z=2).
     # Right on a mesh of x alone; here the kernel's gradient is off by tens. meshdsl holds width whole (conv.py).
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     rng = np.random.default_rng(1)
     x, k, cot = (rng.standard_normal(s).astype(np.float32) for s in ((2, 8, 8, 2), (3, 3, 2, 2), (2, 8, 8, 2)))
@@ -348,7 +422,11 @@ NAME_CLASHES = {
     # (conv2d keyword arguments, the kernel's dims, what the message must name)
     "height is width": (dict(width="height"), "kh kw channels out_channels", "width 'height'"),
     "in_dim is height": (dict(in_dim="height"), "kh kw height out_channels", "in_dim 'height'"),
-    "kernel_width is an input dim": (dict(kernel_width="width"), "kh width channels out_channels", "kernel_width 'width'"),
+    "kernel_width is an input dim": (
+        dict(kernel_width="width"),
+        "kh width channels out_channels",
+        "kernel_width 'width'",
+    ),
     "out_dim is an input batch dim": (dict(out_dim="batch"), "kh kw channels batch", "out_dim 'batch'"),
     "out_dim is in_dim": (dict(out_dim="channels"), "kh kw channels out_channels", "out_dim 'channels'"),
     "kernel dims one name": (dict(kernel_height="kw"), "kh kw channels out_channels", "kernel_height 'kw'"),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_cli import meshdsl
 
 import meshdsl as md
 from meshdsl.errors import ConfigError, DataError
@@ -19,7 +20,6 @@ from meshdsl.train.data import TokenFile
 from meshdsl.train.loop import RunConfig, build_trainer, check, train
 from meshdsl.train.rules import LAYOUTS, split_warnings
 from meshdsl.train.token_batch import TokenBatch, token_batch_of
-from test_cli import meshdsl
 
 USER_MODEL = '''
 """A tiny language model of a user's, its dims named the user's way: examples, seq, embed, vocab."""
@@ -175,11 +175,14 @@ def test_eval_batches_read_the_held_out_tail(tmp_path):
         none.eval_batch_at(0, mesh, layout)
 
 
-@pytest.mark.parametrize("dtype, bad, shown", [
-    (np.int32, 70, "holds id 70 at position 1234, outside the model's vocab of 64 (ids 0 to 63)"),
-    (np.int64, -3, "holds negative id -3 at position 1234"),
-    (np.uint64, 2**32 + 5, f"holds id {2**32 + 5} at position 1234"),  # not wrapped to 5
-])
+@pytest.mark.parametrize(
+    "dtype, bad, shown",
+    [
+        (np.int32, 70, "holds id 70 at position 1234, outside the model's vocab of 64 (ids 0 to 63)"),
+        (np.int64, -3, "holds negative id -3 at position 1234"),
+        (np.uint64, 2**32 + 5, f"holds id {2**32 + 5} at position 1234"),  # not wrapped to 5
+    ],
+)
 def test_ids_are_scanned_once_before_any_batch(tmp_path, monkeypatch, dtype, bad, shown):
     monkeypatch.setattr(data_module, "CHUNK", 1000)  # the bad id lies in the second chunk
     tokens = _tokens(5000, 64).astype(dtype)
@@ -203,11 +206,14 @@ def test_an_out_of_range_id_stops_train_before_step_1(tmp_path):
     tokens = np.zeros(20000, np.uint64)
     tokens[19000] = 2**40
     np.save(tmp_path / "t.npy", tokens)
-    result = meshdsl("train", "--model", "transformer", "--preset", "tiny", "--data", "t.npy", "--steps", "3",
-                     cwd=tmp_path)
+    result = meshdsl(
+        "train", "--model", "transformer", "--preset", "tiny", "--data", "t.npy", "--steps", "3", cwd=tmp_path
+    )
     assert result.returncode == 2
-    assert result.stderr.strip() == (f"meshdsl train: error: token file 't.npy' holds id {2**40} at position 19000, "
-                                     "outside the model's vocab of 64 (ids 0 to 63)")
+    assert result.stderr.strip() == (
+        f"meshdsl train: error: token file 't.npy' holds id {2**40} at position 19000, "
+        "outside the model's vocab of 64 (ids 0 to 63)"
+    )
     assert "step" not in result.stdout
 
 
@@ -218,8 +224,12 @@ def test_compute_dtype_and_remat_need_the_model_s_config_field(user_model):
         with pytest.raises(ConfigError, match=refused):
             check(RunConfig(model=user_model, preset="tiny", steps=1, **flags))
     declares = Path(user_model).with_name("declares.py")
-    declares.write_text(USER_MODEL.replace("    vocab: int = 64\n", "    vocab: int = 64\n    compute_dtype: str = 'float32'\n"
-                                                                  "    remat: bool = False\n"))
+    declares.write_text(
+        USER_MODEL.replace(
+            "    vocab: int = 64\n",
+            "    vocab: int = 64\n    compute_dtype: str = 'float32'\n    remat: bool = False\n",
+        )
+    )
     model = build_trainer(RunConfig(model=str(declares), preset="tiny", compute_dtype="bfloat16", remat=True)).model
     assert (model.config.compute_dtype, model.config.remat) == ("bfloat16", True)
     help_text = " ".join(meshdsl("train", "--help").stdout.split())
@@ -231,13 +241,17 @@ def test_a_layout_splitting_almost_nothing_of_the_model_is_warned_about(user_mod
     mesh = md.Mesh({"data": 4, "model": 2})
     (warning,) = split_warnings(md.Layout.load(LAYOUTS / "dp_tp.toml"), mesh, model, "user_lm.py")
     vocab, hidden = 2 * 64 * 16, 2 * 16 * 256  # parameters with vocab; the MLP's two weights
-    assert warning == ("layout batch:data; groups:data; heads:model; kv_heads:model; d_ff:model; vocab:model splits only vocab of "
-                       f"model user_lm.py: {vocab / (vocab + hidden):.0%} of its parameters and none of its batch's "
-                       "dims (examples, seq), so most of the step runs replicated on each of the 8 devices")
+    assert warning == (
+        "layout batch:data; groups:data; heads:model; kv_heads:model; d_ff:model; vocab:model splits only vocab of "
+        f"model user_lm.py: {vocab / (vocab + hidden):.0%} of its parameters and none of its batch's "
+        "dims (examples, seq), so most of the step runs replicated on each of the 8 devices"
+    )
     (nothing,) = split_warnings(md.Layout("batch:data; d_ff:model"), mesh, model, "user_lm.py")
-    assert nothing == ("layout batch:data; d_ff:model splits no dim of model user_lm.py "
-                       "(its dims: embed, examples, hidden, seq, vocab), "
-                       "so each of the 8 devices holds and computes everything")
+    assert nothing == (
+        "layout batch:data; d_ff:model splits no dim of model user_lm.py "
+        "(its dims: embed, examples, hidden, seq, vocab), "
+        "so each of the 8 devices holds and computes everything"
+    )
     assert split_warnings(md.Layout("examples:data"), mesh, model, "user_lm.py") == []
     assert split_warnings(md.Layout("batch:data"), md.Mesh({"data": 1}), model, "user_lm.py") == []
 
@@ -260,8 +274,14 @@ def test_a_resumed_run_reads_the_batches_and_gets_the_losses_of_an_uninterrupted
         return batch
 
     monkeypatch.setattr(TokenFile, "batch_at", recorded)
-    base = dict(model=user_model, preset="tiny", layout="examples:data", data=str(tmp_path / "t.npy"), seed=5,
-                learning_rate=0.05)
+    base = dict(
+        model=user_model,
+        preset="tiny",
+        layout="examples:data",
+        data=str(tmp_path / "t.npy"),
+        seed=5,
+        learning_rate=0.05,
+    )
     run_name, seen["whole"] = "whole", []
     whole = train(RunConfig(**base, steps=5), out=io.StringIO())
     run_name, seen["parts"] = "parts", []
@@ -281,15 +301,29 @@ def test_a_resumed_run_reads_the_batches_and_gets_the_losses_of_an_uninterrupted
 
 def test_train_reads_a_token_file_into_a_user_model_s_own_names(user_model, tmp_path):
     np.save(tmp_path / "t.npy", _affine(20000, 64))
-    result = meshdsl("train", "--model", user_model, "--preset", "tiny", "--layout", "examples:data", "--data", "t.npy",
-                     "--steps", "20", "--learning-rate", "0.05", cwd=tmp_path)
+    result = meshdsl(
+        "train",
+        "--model",
+        user_model,
+        "--preset",
+        "tiny",
+        "--layout",
+        "examples:data",
+        "--data",
+        "t.npy",
+        "--steps",
+        "20",
+        "--learning-rate",
+        "0.05",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     assert "warning" not in result.stderr
     losses = [float(line.split("loss ")[1].split()[0]) for line in result.stdout.splitlines() if " loss " in line]
     assert losses[-1] < 0.5 * losses[0]
 
 
-RECORDING = '''
+RECORDING = """
 import json, os
 import jax
 from meshdsl.train.data import TokenFile
@@ -304,7 +338,7 @@ def _recorded(self, starts):
 
 
 TokenFile._read = _recorded
-'''
+"""
 
 
 def test_each_of_two_processes_reads_only_its_rows_and_they_train_as_one(user_model, tmp_path):
@@ -316,10 +350,24 @@ def test_each_of_two_processes_reads_only_its_rows_and_they_train_as_one(user_mo
     recording = tmp_path / "recording_lm.py"
     recording.write_text(USER_MODEL + RECORDING)
     run = dict(model=user_model, preset="tiny", layout="examples:data", data=str(tmp_path / "t.npy"), steps=3)
-    cmd = _launch_cmd("train", "--model", str(recording), "--preset", "tiny", "--layout", "examples:data",
-                      "--data", "t.npy", "--steps", "3", "--log-json", "losses.jsonl")
-    result = subprocess.run(cmd, cwd=tmp_path, env=_env(READS_DIR=str(tmp_path)), capture_output=True, text=True,
-                            timeout=HANG_GUARD_S)
+    cmd = _launch_cmd(
+        "train",
+        "--model",
+        str(recording),
+        "--preset",
+        "tiny",
+        "--layout",
+        "examples:data",
+        "--data",
+        "t.npy",
+        "--steps",
+        "3",
+        "--log-json",
+        "losses.jsonl",
+    )
+    result = subprocess.run(
+        cmd, cwd=tmp_path, env=_env(READS_DIR=str(tmp_path)), capture_output=True, text=True, timeout=HANG_GUARD_S
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     reference = train(RunConfig(**run), out=io.StringIO())
     got = [json.loads(line)["loss"] for line in (tmp_path / "losses.jsonl").read_text().splitlines()]

@@ -20,7 +20,15 @@ import meshdsl.planner.roles
 from meshdsl import cli
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = [meshdsl.checkpoint, meshdsl.pipeline, meshdsl.pipeline_config, meshdsl.distributed, meshdsl.launch, meshdsl.model_loader, meshdsl.planner.roles]
+MODULES = [
+    meshdsl.checkpoint,
+    meshdsl.pipeline,
+    meshdsl.pipeline_config,
+    meshdsl.distributed,
+    meshdsl.launch,
+    meshdsl.model_loader,
+    meshdsl.planner.roles,
+]
 
 
 def _mentioned(name: str, text: str) -> bool:
@@ -37,8 +45,11 @@ def _package_names() -> list[str]:
 def _defined_here(module) -> list[str]:
     """Public functions and classes defined in ``module`` itself (not imported into it)."""
     return [
-        name for name, value in vars(module).items()
-        if not name.startswith("_") and (inspect.isfunction(value) or inspect.isclass(value)) and value.__module__ == module.__name__
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_")
+        and (inspect.isfunction(value) or inspect.isclass(value))
+        and value.__module__ == module.__name__
     ]
 
 
@@ -54,7 +65,9 @@ def public_names() -> dict[str, list[str]]:
     names = {"meshdsl": _package_names()}
     for module in MODULES:
         names[module.__name__] = _defined_here(module)
-    names["meshdsl.planner"] = list(getattr(meshdsl.planner, "__all__", [n for n in vars(meshdsl.planner) if not n.startswith("_")]))
+    names["meshdsl.planner"] = list(
+        getattr(meshdsl.planner, "__all__", [n for n in vars(meshdsl.planner) if not n.startswith("_")])
+    )
     # A subcommand counts as documented when api.md shows it as a command: ``meshdsl <name>``.
     names["meshdsl (command)"] = [f"meshdsl {name}" for name in _commands()]
     return names

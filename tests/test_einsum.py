@@ -11,15 +11,16 @@ dim cost one all-reduce, not two; a contraction whose result wants the contracte
 is a reduce-scatter; and the known md.explain bug with XLA's CSE.
 """
 
+import harness
 import jax
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings, strategies as st
-
-import harness
-import meshdsl as md
 import reference as R
 import strategies as S
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import meshdsl as md
 from meshdsl import hlo
 
 
@@ -47,9 +48,13 @@ def test_einsum(mesh, pool, data, rng):
     ys = data.draw(S.sub_shape(pool), label="y dims")
     zs = data.draw(S.sub_shape(pool, max_rank=2), label="z dims")
     union = list(dict.fromkeys([*xs, *ys]))
-    out = data.draw(st.permutations(union).flatmap(lambda p: st.integers(0, min(3, len(p))).map(lambda k: p[:k])), label="out")
+    out = data.draw(
+        st.permutations(union).flatmap(lambda p: st.integers(0, min(3, len(p))).map(lambda k: p[:k])), label="out"
+    )
     union3 = list(dict.fromkeys([*xs, *ys, *zs]))
-    out3 = data.draw(st.permutations(union3).flatmap(lambda p: st.integers(0, min(3, len(p))).map(lambda k: p[:k])), label="out3")
+    out3 = data.draw(
+        st.permutations(union3).flatmap(lambda p: st.integers(0, min(3, len(p))).map(lambda k: p[:k])), label="out3"
+    )
     form = data.draw(st.sampled_from(["names", "string", "dims", "shape"]), label="out form")
     layout = data.draw(S.layouts(mesh, pool, risk=0.3), label="layout")
     default = default_out(xs, ys)
@@ -82,7 +87,9 @@ def test_einsum_partial_sums_added_lazily(mesh, pool, data, rng):
     xs = data.draw(S.sub_shape(pool), label="x dims")
     ys = data.draw(S.sub_shape(pool), label="y dims")
     union = list(dict.fromkeys([*xs, *ys]))
-    out = data.draw(st.permutations(union).flatmap(lambda p: st.integers(0, min(3, len(p))).map(lambda k: p[:k])), label="out")
+    out = data.draw(
+        st.permutations(union).flatmap(lambda p: st.integers(0, min(3, len(p))).map(lambda k: p[:k])), label="out"
+    )
     ws = data.draw(st.permutations(out).flatmap(lambda p: st.integers(0, len(p)).map(lambda k: p[:k])), label="w dims")
     layout = data.draw(S.layouts(mesh, pool, risk=0.3), label="layout")
 
@@ -104,16 +111,25 @@ def _inputs(seed, *specs):
     return [harness.rand(rng, s) for s in specs]
 
 
-@pytest.mark.parametrize("layout", [
-    {"d_model": "model"},
-    {"d_model": "model", "batch": "data"},
-    {"d_model": ("data", "model")},
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"d_model": "model"},
+        {"d_model": "model", "batch": "data"},
+        {"d_model": ("data", "model")},
+    ],
+)
 def test_two_einsums_over_a_split_dim_cost_one_all_reduce(layout):
     # Both products contract d_model, split over the axes A; their partial sums are added
     # locally and reduced once: one all-reduce over A of the local [batch, d_ff] result.
     mesh = harness.mesh("data4_model2")
-    a, b, c, d = _inputs(0, {"batch": 8, "d_model": 16}, {"d_model": 16, "d_ff": 4}, {"batch": 8, "d_model": 16}, {"d_model": 16, "d_ff": 4})
+    a, b, c, d = _inputs(
+        0,
+        {"batch": 8, "d_model": 16},
+        {"d_model": 16, "d_ff": 4},
+        {"batch": 8, "d_model": 16},
+        {"d_model": 16, "d_ff": 4},
+    )
 
     def fn(a, b, c, d):
         return md.einsum(a, b, out=["batch", "d_ff"]) + md.einsum(c, d, out=["batch", "d_ff"])
@@ -202,5 +218,6 @@ def test_explain_counts_a_repeated_collective_once_as_xla_runs_it():
     predicted = md.explain(grad, mesh, layout, *args).summary()
     assert predicted == {"all-reduce": {"count": 1, "bytes": 14.0}}
     assert hlo.summary(md.compile(grad, mesh, layout).lower(*args).compile().as_text()) == predicted
-    np.testing.assert_allclose(md.compile(grad, mesh, layout)(*args).numpy(), 2 * args[2].numpy().sum(axis=1), rtol=1e-5)
-
+    np.testing.assert_allclose(
+        md.compile(grad, mesh, layout)(*args).numpy(), 2 * args[2].numpy().sum(axis=1), rtol=1e-5
+    )

@@ -8,15 +8,16 @@ shardings, and md.explain against the compiled HLO (no collective is expected fr
 component-wise op on operands that share a layout, which explain == HLO also covers).
 """
 
+import harness
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings, strategies as st
-
-import harness
-import meshdsl as md
 import reference as R
 import strategies as S
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import meshdsl as md
 
 # ---- unary ops: (md op, reference, input kind) ----
 
@@ -113,7 +114,9 @@ def binary_all_ref(x, y, q, i, j):
         "operator ==": R.equal(i, j),
         "operator <": R.less(i, j),
         "logical": R.logical_or(R.logical_and(R.less(i, j), R.greater(x, 0.0)), R.logical_not(R.equal(i, j))),
-        "operators &|~": R.logical_or(R.logical_and(R.less_equal(i, j), R.greater_equal(x, 0.0)), R.logical_not(R.not_equal(i, j))),
+        "operators &|~": R.logical_or(
+            R.logical_and(R.less_equal(i, j), R.greater_equal(x, 0.0)), R.logical_not(R.not_equal(i, j))
+        ),
         "cast int": R.cast(i, np.int32) + R.cast(j, np.int32),
     }
 
@@ -126,8 +129,11 @@ def test_binary_ops_broadcast_by_name(mesh, pool, data, rng):
     ys = data.draw(S.sub_shape(pool), label="y dims")
     layout = data.draw(S.layouts(mesh, pool), label="layout")
     args = [
-        harness.rand(rng, xs), harness.rand(rng, ys), harness.rand(rng, ys, "positive"),
-        harness.rand(rng, xs, "int"), harness.rand(rng, ys, "int"),
+        harness.rand(rng, xs),
+        harness.rand(rng, ys),
+        harness.rand(rng, ys, "positive"),
+        harness.rand(rng, xs, "int"),
+        harness.rand(rng, ys, "int"),
     ]
     assume(harness.check(binary_all, args, binary_all_ref, mesh, layout))
 
@@ -143,7 +149,13 @@ def test_integer_tensors_and_broadcast_order():
     want = x.numpy()[:, :, None] * y.numpy().T[None, :, :] + x.numpy()[:, :, None]
     np.testing.assert_array_equal(out.numpy(), want)
     assert out.dtype == jnp.int32
-    assert harness.check(lambda x, y: x * y + x, [x, y], lambda x, y: x * y + x, harness.mesh("data4_model2"), {"b": "data", "c": "model"})
+    assert harness.check(
+        lambda x, y: x * y + x,
+        [x, y],
+        lambda x, y: x * y + x,
+        harness.mesh("data4_model2"),
+        {"b": "data", "c": "model"},
+    )
 
 
 def test_same_name_different_size_is_a_shape_error():

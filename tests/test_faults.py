@@ -20,16 +20,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cli_errors import one_error_line, snapshot
 
 import meshdsl as md
-from cli_errors import one_error_line, snapshot
 from meshdsl import cli
 from meshdsl.train.loop import RunConfig, train
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = ["--model", "mlp", "--preset", "tiny"]
 HANG_GUARD_S = 600  # only stops a hung run from stalling CI; never a performance bound
-
 
 
 def _state(mesh: md.Mesh, layout: md.Layout) -> dict:
@@ -49,8 +48,16 @@ def _cli_env() -> dict[str, str]:
 
 
 def _meshdsl(*argv: str, cwd: Path, env: dict[str, str] | None = None, **kwargs: Any) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshdsl.cli", *argv], cwd=cwd, env=env or _cli_env(),
-                          capture_output=True, text=True, timeout=HANG_GUARD_S, check=False, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "meshdsl.cli", *argv],
+        cwd=cwd,
+        env=env or _cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+        check=False,
+        **kwargs,
+    )
 
 
 # ---- checkpoints: the manifest's checksum --------------------------------------------------------------------------
@@ -121,10 +128,19 @@ def test_swapped_or_wrong_arguments_are_md_errors(tmp_path: Path) -> None:
 
 
 def test_a_locked_directory_refuses_a_second_manager_and_a_dead_runs_lock_is_taken_over(tmp_path: Path) -> None:
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from meshdsl.dirlock import DirLock; DirLock(sys.argv[1]).acquire(); "
-        "print('held', flush=True); time.sleep(600)"
-    ), str(tmp_path / "ck")], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from meshdsl.dirlock import DirLock; DirLock(sys.argv[1]).acquire(); "
+                "print('held', flush=True); time.sleep(600)"
+            ),
+            str(tmp_path / "ck"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline() == "held\n"
         manager = md.checkpoint.CheckpointManager(tmp_path / "ck")
@@ -150,8 +166,14 @@ TRAINER = ["train", *MLP, "--steps", "40", "--checkpoint-dir", "ck", "--save-eve
 def test_two_trainers_on_one_directory_never_crash_or_overwrite(tmp_path: Path) -> None:
     """The second trainer on a directory in use is refused at its start, in one line; the first
     runs on undisturbed and commits every step's checkpoint, each of its own run."""
-    first = subprocess.Popen([sys.executable, "-m", "meshdsl.cli", *TRAINER], cwd=tmp_path, env=_cli_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "meshdsl.cli", *TRAINER],
+        cwd=tmp_path,
+        env=_cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for line in first.stdout:
             if line.startswith("saved checkpoint"):
@@ -183,10 +205,24 @@ def test_a_save_past_the_file_size_limit_says_which_step_why_and_what_is_intact(
     the intact step_1; step_1 still restores; nothing half-written is left."""
     assert _meshdsl("train", *MLP, "--steps", "1", "--checkpoint-dir", "ck", cwd=tmp_path).returncode == 0
     before = snapshot(tmp_path)
-    limited = [sys.executable, "-c", LIMITED, "200", "-m", "meshdsl.cli", "train", *MLP, "--steps", "2",
-               "--checkpoint-dir", "ck", "--resume"]
-    done = subprocess.run(limited, cwd=tmp_path, env=_cli_env(), capture_output=True, text=True,
-                          timeout=HANG_GUARD_S, check=False)
+    limited = [
+        sys.executable,
+        "-c",
+        LIMITED,
+        "200",
+        "-m",
+        "meshdsl.cli",
+        "train",
+        *MLP,
+        "--steps",
+        "2",
+        "--checkpoint-dir",
+        "ck",
+        "--resume",
+    ]
+    done = subprocess.run(
+        limited, cwd=tmp_path, env=_cli_env(), capture_output=True, text=True, timeout=HANG_GUARD_S, check=False
+    )
     assert done.returncode == 2, done.stderr
     intact = "the newest intact checkpoint is 'ck/step_1'"
     one_error_line(done.stderr, "checkpoint of step 2 not saved", "File too large", intact)
@@ -223,7 +259,9 @@ def test_a_checkpoint_given_as_the_checkpoint_dir_is_refused(trained: Path, caps
     argv = ["train", *MLP, "--steps", "4", "--checkpoint-dir", "ckpt/step_2", "--resume"]
     code, out, err = _cli(argv, trained, capsys, monkeypatch)
     assert code == 2 and out == ""
-    one_error_line(err, "checkpoint dir 'ckpt/step_2' is itself a checkpoint", "give the directory that holds it, 'ckpt'")
+    one_error_line(
+        err, "checkpoint dir 'ckpt/step_2' is itself a checkpoint", "give the directory that holds it, 'ckpt'"
+    )
     assert snapshot(trained) == before
 
 
@@ -232,19 +270,46 @@ def test_a_checkpoint_given_as_the_checkpoint_dir_is_refused(trained: Path, caps
 LM = ["--model", "transformer", "--preset", "tiny", "--steps", "2"]
 SEARCH = ["search", "--model", "mlp", "--preset", "tiny", "--profile", "cpu-sim"]
 OUTPUT_CASES = {
-    "log-json is the token file": (["train", *LM, "--data", "t.npy", "--log-json", "t.npy"],
-                                   ["--log-json 't.npy' is also the --data input", "would destroy it"]),
-    "log-json is the token file by another name": (["train", *LM, "--data", "t.npy", "--log-json", "./sub/../t.npy"],
-                                                   ["is also the --data input"]),
-    "log-json is the layout file": (["train", *MLP, "--layout", "l.toml", "--log-json", "l.toml"], ["is also the --layout input"]),
-    "log-json is /dev/full": (["train", *MLP, "--log-json", "/dev/full"], ["--log-json '/dev/full' cannot be written: No space left on device"]),
-    "log-json under /proc": (["train", *MLP, "--log-json", "/proc/nonexistent/x"], ["--log-json '/proc/nonexistent/x'", "directory '/proc'"]),
-    "checkpoint dir under /proc": (["train", *MLP, "--checkpoint-dir", "/proc/nonexistent/ck"],
-                                   ["--checkpoint-dir '/proc/nonexistent/ck': no file can be created in directory '/proc'"]),
-    "bench out under /proc": (["bench", *MLP, "--rounds", "1", "--out", "/proc/nonexistent/x"], ["--out '/proc/nonexistent/x'", "'/proc'"]),
-    "search out under /proc": ([*SEARCH, "--out", "/proc/nonexistent/x.toml"], ["--out '/proc/nonexistent/x.toml'", "'/proc'"]),
-    "search out is its profile": ([*SEARCH[:-1], "p.json", "--out", "p.json"], ["--out 'p.json' is also the --profile input"]),
-    "calibrate out is /dev/full": (["calibrate", "--out", "/dev/full"], ["--out '/dev/full' cannot be written: No space left on device"]),
+    "log-json is the token file": (
+        ["train", *LM, "--data", "t.npy", "--log-json", "t.npy"],
+        ["--log-json 't.npy' is also the --data input", "would destroy it"],
+    ),
+    "log-json is the token file by another name": (
+        ["train", *LM, "--data", "t.npy", "--log-json", "./sub/../t.npy"],
+        ["is also the --data input"],
+    ),
+    "log-json is the layout file": (
+        ["train", *MLP, "--layout", "l.toml", "--log-json", "l.toml"],
+        ["is also the --layout input"],
+    ),
+    "log-json is /dev/full": (
+        ["train", *MLP, "--log-json", "/dev/full"],
+        ["--log-json '/dev/full' cannot be written: No space left on device"],
+    ),
+    "log-json under /proc": (
+        ["train", *MLP, "--log-json", "/proc/nonexistent/x"],
+        ["--log-json '/proc/nonexistent/x'", "directory '/proc'"],
+    ),
+    "checkpoint dir under /proc": (
+        ["train", *MLP, "--checkpoint-dir", "/proc/nonexistent/ck"],
+        ["--checkpoint-dir '/proc/nonexistent/ck': no file can be created in directory '/proc'"],
+    ),
+    "bench out under /proc": (
+        ["bench", *MLP, "--rounds", "1", "--out", "/proc/nonexistent/x"],
+        ["--out '/proc/nonexistent/x'", "'/proc'"],
+    ),
+    "search out under /proc": (
+        [*SEARCH, "--out", "/proc/nonexistent/x.toml"],
+        ["--out '/proc/nonexistent/x.toml'", "'/proc'"],
+    ),
+    "search out is its profile": (
+        [*SEARCH[:-1], "p.json", "--out", "p.json"],
+        ["--out 'p.json' is also the --profile input"],
+    ),
+    "calibrate out is /dev/full": (
+        ["calibrate", "--out", "/dev/full"],
+        ["--out '/dev/full' cannot be written: No space left on device"],
+    ),
 }
 
 
@@ -262,7 +327,9 @@ def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.mark.parametrize("argv, expected", list(OUTPUT_CASES.values()), ids=list(OUTPUT_CASES))
-def test_an_output_that_cannot_be_written_or_is_an_input_is_refused_before_the_work(argv, expected, workspace, capsys) -> None:
+def test_an_output_that_cannot_be_written_or_is_an_input_is_refused_before_the_work(
+    argv, expected, workspace, capsys
+) -> None:
     before = snapshot(workspace)
     code = cli.main(argv)
     out, err = capsys.readouterr()
@@ -275,10 +342,27 @@ def test_an_output_that_cannot_be_written_or_is_an_input_is_refused_before_the_w
 def test_a_log_that_stops_growing_mid_run_is_one_line_naming_the_step(tmp_path: Path) -> None:
     """The log file reaches the file size limit after a few steps: one line names the file, the step
     and the cause; the steps before it are in the log, whole."""
-    limited = [sys.executable, "-c", LIMITED, "300", "-m", "meshdsl.cli", "train", *MLP, "--steps", "30", "--log-json", "log.jsonl"]
-    done = subprocess.run(limited, cwd=tmp_path, env=_cli_env(), capture_output=True, text=True, timeout=HANG_GUARD_S, check=False)
+    limited = [
+        sys.executable,
+        "-c",
+        LIMITED,
+        "300",
+        "-m",
+        "meshdsl.cli",
+        "train",
+        *MLP,
+        "--steps",
+        "30",
+        "--log-json",
+        "log.jsonl",
+    ]
+    done = subprocess.run(
+        limited, cwd=tmp_path, env=_cli_env(), capture_output=True, text=True, timeout=HANG_GUARD_S, check=False
+    )
     assert done.returncode == 2, done.stderr
-    line = one_error_line(done.stderr, "--log-json 'log.jsonl' at step", "could not be written: File too large", "steps before it")
+    line = one_error_line(
+        done.stderr, "--log-json 'log.jsonl' at step", "could not be written: File too large", "steps before it"
+    )
     failed = int(re.search(r"at step (\d+)", line).group(1))
     logged = (tmp_path / "log.jsonl").read_text().splitlines()
     assert [json.loads(text)["step"] for text in logged[: failed - 1]] == list(range(1, failed))
@@ -287,14 +371,22 @@ def test_a_log_that_stops_growing_mid_run_is_one_line_naming_the_step(tmp_path: 
 # ---- processes: refused before any starts --------------------------------------------------------------------------
 
 LAUNCH_CASES = {
-    "3 processes for a 2-way tensor parallel layout": (["launch", "--local", "3", "--", "train", *MLP, "--layout", "dp_tp"],
-                                                       ["--local 3 x 2 devices per process = 6 devices do not fit", "not divisible by 3"]),
-    "9 processes for the mlp": (["launch", "--local", "9", "--", "train", *MLP],
-                                ["--local 9 x 1 devices per process = 9 devices do not fit", "dim batch (size 16)", "mesh axis data (size 9)"]),
-    "a fixed mesh of 8 on 4 devices": (["launch", "--local", "2", "--devices-per-process", "2", "--", "train", *MLP, "--layout", "fixed.toml"],
-                                       ["= 4 devices do not fit", "needs 8 devices, but only 4"]),
-    "coordinator given to launch": (["--coordinator", "127.0.0.1:1234", "launch", "--local", "2", "--", "train", *MLP],
-                                    ["--coordinator: meshdsl launch starts its own processes and coordinator"]),
+    "3 processes for a 2-way tensor parallel layout": (
+        ["launch", "--local", "3", "--", "train", *MLP, "--layout", "dp_tp"],
+        ["--local 3 x 2 devices per process = 6 devices do not fit", "not divisible by 3"],
+    ),
+    "9 processes for the mlp": (
+        ["launch", "--local", "9", "--", "train", *MLP],
+        ["--local 9 x 1 devices per process = 9 devices do not fit", "dim batch (size 16)", "mesh axis data (size 9)"],
+    ),
+    "a fixed mesh of 8 on 4 devices": (
+        ["launch", "--local", "2", "--devices-per-process", "2", "--", "train", *MLP, "--layout", "fixed.toml"],
+        ["= 4 devices do not fit", "needs 8 devices, but only 4"],
+    ),
+    "coordinator given to launch": (
+        ["--coordinator", "127.0.0.1:1234", "launch", "--local", "2", "--", "train", *MLP],
+        ["--coordinator: meshdsl launch starts its own processes and coordinator"],
+    ),
 }
 
 
@@ -312,14 +404,26 @@ def test_a_launch_that_cannot_work_starts_no_process(argv, expected, tmp_path, m
 # ---- flags and environment: one line, not a traceback nor silence --------------------------------------------------
 
 FLAG_CASES = {
-    "seed beyond 64 bits": (["train", *MLP, "--seed", str(10**23)], ["--seed 100000000000000000000000: a seed is a 64-bit integer"]),
-    "compute dtype fp32": (["train", "--model", "transformer", "--preset", "tiny", "--set", "compute_dtype=fp32"],
-                           ["--set compute_dtype=fp32: the compute dtype is one of float32, bfloat16"]),
-    "schedule without a pipeline": (["train", *MLP, "--schedule", "gpipe"], ["--schedule gpipe: layout 'data_parallel' has no pipeline"]),
-    "grad reduce dtype under gspmd": (["train", *MLP, "--backend", "gspmd", "--grad-reduce-dtype", "bfloat16"],
-                                      ["--grad-reduce-dtype bfloat16 is for --backend spmd", "under gspmd XLA chooses"]),
-    "launch a schedule without a pipeline": (["launch", "--local", "2", "--", "train", *MLP, "--schedule", "1f1b"],
-                                             ["meshdsl train: error: --schedule 1f1b: layout 'data_parallel' has no pipeline"]),
+    "seed beyond 64 bits": (
+        ["train", *MLP, "--seed", str(10**23)],
+        ["--seed 100000000000000000000000: a seed is a 64-bit integer"],
+    ),
+    "compute dtype fp32": (
+        ["train", "--model", "transformer", "--preset", "tiny", "--set", "compute_dtype=fp32"],
+        ["--set compute_dtype=fp32: the compute dtype is one of float32, bfloat16"],
+    ),
+    "schedule without a pipeline": (
+        ["train", *MLP, "--schedule", "gpipe"],
+        ["--schedule gpipe: layout 'data_parallel' has no pipeline"],
+    ),
+    "grad reduce dtype under gspmd": (
+        ["train", *MLP, "--backend", "gspmd", "--grad-reduce-dtype", "bfloat16"],
+        ["--grad-reduce-dtype bfloat16 is for --backend spmd", "under gspmd XLA chooses"],
+    ),
+    "launch a schedule without a pipeline": (
+        ["launch", "--local", "2", "--", "train", *MLP, "--schedule", "1f1b"],
+        ["meshdsl train: error: --schedule 1f1b: layout 'data_parallel' has no pipeline"],
+    ),
 }
 
 

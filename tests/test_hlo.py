@@ -12,18 +12,20 @@ if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
 
 import functools  # noqa: E402
 
+import harness  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from hypothesis import given, settings, strategies as st  # noqa: E402
+import strategies as S  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st
 from jax import lax  # noqa: E402
 from jax.ad_checkpoint import checkpoint_name  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
-import harness  # noqa: E402
 import meshdsl as md  # noqa: E402
-import strategies as S  # noqa: E402
 from meshdsl.explain import Source, report_of_jaxpr  # noqa: E402
 from meshdsl.hlo import HloCollective, collectives, summary  # noqa: E402
 from meshdsl.jaxpr_walk import CSE_AFTER_BARRIERS  # noqa: E402
@@ -63,15 +65,17 @@ def test_shard_map_program_collectives_match_hand_count():
     program = jax.jit(jax.shard_map(f, mesh=_mesh(), in_specs=P("a", "b"), out_specs=P("a", "b")))
     text = program.lower(jnp.ones((8, 16), jnp.float32)).compile().as_text()
 
-    assert sorted(map(_key, collectives(text))) == sorted([
-        ("all-reduce", 64, 4, 1),  # psum over a
-        ("all-gather", 128, 2, 1),  # gathered f32[2,16]
-        ("reduce-scatter", 64, 4, 1),  # input f32[2,8] (output f32[2,2] x 4)
-        ("all-to-all", 64, 4, 1),  # printed as a 4-tuple of f32[2,2]
-        ("collective-permute", 64, 8, 1),  # the pairs of both b columns: 8 devices
-        ("all-reduce", 64, 8, 1),  # pmax over a and b
-        ("all-reduce", 64, 2, 5),  # psum over b, 5 scan steps
-    ])
+    assert sorted(map(_key, collectives(text))) == sorted(
+        [
+            ("all-reduce", 64, 4, 1),  # psum over a
+            ("all-gather", 128, 2, 1),  # gathered f32[2,16]
+            ("reduce-scatter", 64, 4, 1),  # input f32[2,8] (output f32[2,2] x 4)
+            ("all-to-all", 64, 4, 1),  # printed as a 4-tuple of f32[2,2]
+            ("collective-permute", 64, 8, 1),  # the pairs of both b columns: 8 devices
+            ("all-reduce", 64, 8, 1),  # pmax over a and b
+            ("all-reduce", 64, 2, 5),  # psum over b, 5 scan steps
+        ]
+    )
     assert summary(text) == {
         "all-reduce": {"count": 7, "bytes": 2 * 3 / 4 * 64 + 2 * 7 / 8 * 64 + 5 * (2 * 1 / 2 * 64)},
         "all-gather": {"count": 1, "bytes": 1 / 2 * 128},
@@ -158,8 +162,7 @@ def test_combined_collectives_count_per_buffer_but_all_to_all_once():
     text = _module(
         "%a2a = (f32[2,2]{1,0}, f32[2,2]{1,0}, /*index=2*/bf16[4]{0}) all-to-all(%p, %p, %p), "
         "channel_id=1, replica_groups={{0,2,4,6},{1,3,5,7}}",
-        "%ar = (f32[], bf16[4,4]{1,0}) all-reduce(%p, %p), replica_groups={{0,1},{2,3},{4,5},{6,7}}, "
-        "to_apply=%add",
+        "%ar = (f32[], bf16[4,4]{1,0}) all-reduce(%p, %p), replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add",
         "%rs = (f32[2]{0}, f32[4]{0}) reduce-scatter(%p, %p), replica_groups={{0,1,2,3},{4,5,6,7}}, "
         "dimensions={0}, to_apply=%add",
     )
@@ -173,12 +176,15 @@ def test_combined_collectives_count_per_buffer_but_all_to_all_once():
 
 
 def test_async_pairs_count_once_at_their_output():
-    wrapped = _ADD + """
+    wrapped = (
+        _ADD
+        + """
 %wrapped_a2a (w: f32[8]) -> f32[8] {
   %w = f32[8]{0} parameter(0)
   ROOT %a2a = f32[8]{0} all-to-all(%w), replica_groups={{0,1}}, dimensions={0}
 }
 """
+    )
     text = _module(
         "%ags = (f32[8]{0}, f32[32]{0}) all-gather-start(%p), replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}",
         "%agd = f32[32]{0} all-gather-done(%ags)",
@@ -202,7 +208,9 @@ def test_async_pairs_count_once_at_their_output():
     ]
 
 
-_LOOPS = _ADD + """
+_LOOPS = (
+    _ADD
+    + """
 %inner_body (ib: (s32[], f32[8])) -> (s32[], f32[8]) {
   %ib = (s32[], f32[8]{0}) parameter(0)
   %iv = f32[8]{0} get-tuple-element(%ib), index=1
@@ -234,6 +242,7 @@ _LOOPS = _ADD + """
   ROOT %cp_b = f32[8]{0} collective-permute(%called), source_target_pairs={{0,1},{1,0}}
 }
 """
+)
 
 
 def test_loops_multiply_trip_counts_and_branches_count_once():
@@ -261,16 +270,21 @@ def test_while_without_trip_count_is_an_error_only_when_it_holds_collectives():
 
     with pytest.raises(ValueError, match="%loop"):
         collectives(program("inner_body", _LOOPS))
-    quiet = _LOOPS + """
+    quiet = (
+        _LOOPS
+        + """
 %quiet_body (qb: (s32[], f32[8])) -> (s32[], f32[8]) {
   ROOT %qb = (s32[], f32[8]{0}) parameter(0)
 }
 """
+    )
     assert collectives(program("quiet_body", quiet)) == []
 
 
 def test_loop_condition_runs_once_more_than_the_body():
-    checked = _ADD + """
+    checked = (
+        _ADD
+        + """
 %checked_cond (c: f32[8]) -> pred[] {
   %c = f32[8]{0} parameter(0)
   %any = f32[8]{0} all-reduce(%c), replica_groups={{0,1}}, to_apply=%add
@@ -281,6 +295,7 @@ def test_loop_condition_runs_once_more_than_the_body():
   ROOT %b = f32[8]{0} parameter(0)
 }
 """
+    )
     text = _module(
         '%loop = f32[8]{0} while(%p), condition=%checked_cond, body=%body, backend_config={"known_trip_count":{"n":"2"}}',
         computations=checked,
@@ -323,7 +338,14 @@ def _block(x: md.Tensor, w: md.Tensor, w2: md.Tensor) -> md.Tensor:
 
 
 def _explained_and_run(
-    mesh_: md.Mesh, layout: md.Layout, args: list[md.Tensor], place: str, prevent_cse: bool, policy: str, scanned: bool, value: bool,
+    mesh_: md.Mesh,
+    layout: md.Layout,
+    args: list[md.Tensor],
+    place: str,
+    prevent_cse: bool,
+    policy: str,
+    scanned: bool,
+    value: bool,
     stored: md.Layout | None = None,
 ) -> tuple[dict, dict]:
     """(md.explain's summary, the compiled HLO's) of the gradient of ``sum(block)`` (``scanned``: a
@@ -341,6 +363,7 @@ def _explained_and_run(
 
     differentiate = functools.partial(jax.value_and_grad if value else jax.grad, argnums=(0, 1, 2))
     if place == PLACES[0]:
+
         def program(x, w, w2):
             return differentiate(lambda *a: forward(*a).array)(x, w, w2)
 
@@ -362,7 +385,10 @@ def _explained_and_run(
 @pytest.mark.parametrize("place", PLACES)
 @settings(max_examples=S.examples(5))
 @given(
-    axes=st.sampled_from(CHECKPOINT_MESHES), data=st.data(), policy=st.sampled_from(list(POLICIES)), scanned=st.booleans(),
+    axes=st.sampled_from(CHECKPOINT_MESHES),
+    data=st.data(),
+    policy=st.sampled_from(list(POLICIES)),
+    scanned=st.booleans(),
     value=st.sampled_from([True, True, False]),  # mostly with the loss, which keeps the forward pass live
 )
 def test_explain_equals_hlo_under_user_checkpoints(place, prevent_cse, axes, data, policy, scanned, value):
@@ -373,7 +399,11 @@ def test_explain_equals_hlo_under_user_checkpoints(place, prevent_cse, axes, dat
     # repeats; or the weights stored with d_model split (FSDP), gathered again by the recomputation.
     layout = data.draw(S.layouts_splitting(mesh_, pool, "d_model", risk=0.0), label="layout")
     taken = {a for name in ("d_ff", "layers") for a in layout.rules.get(name, ())}
-    free = [axes for axes in S.axis_choices(mesh_) if axes and not taken & set(axes) and 8 % S.group_size(mesh_, md.Layout({"d": axes}), "d") == 0]
+    free = [
+        axes
+        for axes in S.axis_choices(mesh_)
+        if axes and not taken & set(axes) and 8 % S.group_size(mesh_, md.Layout({"d": axes}), "d") == 0
+    ]
     stored_axes = data.draw(st.sampled_from([None, *free]), label="weights stored with d_model over")
     stored = None if stored_axes is None else md.Layout({**layout.rules, "d_model": stored_axes})
     rng = np.random.default_rng(0)
@@ -394,7 +424,11 @@ def test_checkpointed_recomputation_is_kept_apart_unless_cse_is_allowed():
     # default), merged with the forward's with prevent_cse=False.
     mesh_, layout = md.Mesh({"data": 2, "model": 4}), md.Layout("d_model:model; batch:data")
     rng = np.random.default_rng(0)
-    args = [harness.rand(rng, {"batch": 16, "d_model": 16}), harness.rand(rng, {"d_model": 16, "d_ff": 16}), harness.rand(rng, {"d_ff": 16, "d_model": 16})]
+    args = [
+        harness.rand(rng, {"batch": 16, "d_model": 16}),
+        harness.rand(rng, {"d_model": 16, "d_ff": 16}),
+        harness.rand(rng, {"d_ff": 16, "d_model": 16}),
+    ]
     kept = _explained_and_run(mesh_, layout, args, PLACES[0], True, "recompute all", False, True)
     merged = _explained_and_run(mesh_, layout, args, PLACES[0], False, "recompute all", False, True)
     assert kept[0] == kept[1] and merged[0] == merged[1]
@@ -448,12 +482,16 @@ def test_explain_refuses_collectives_in_a_while_loop():
 
 def test_permute_pairs_and_op_names_are_read():
     text = _module(
-        '%cp = f32[8]{0} collective-permute(%p), channel_id=1, source_target_pairs={{0,2},{2,0},{1,3},{3,1}}, '
+        "%cp = f32[8]{0} collective-permute(%p), channel_id=1, source_target_pairs={{0,2},{2,0},{1,3},{3,1}}, "
         'metadata={op_name="jit(f)/transpose(jvp(md.shift))/ppermute" source_file="x.py" source_line=3}',
         "%ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add",
     )
     permute, reduce = collectives(text)
-    assert (permute.group, permute.pairs, permute.op_name) == ((0, 1, 2, 3), ((0, 2), (2, 0), (1, 3), (3, 1)), "jit(f)/transpose(jvp(md.shift))/ppermute")
+    assert (permute.group, permute.pairs, permute.op_name) == (
+        (0, 1, 2, 3),
+        ((0, 2), (2, 0), (1, 3), (3, 1)),
+        "jit(f)/transpose(jvp(md.shift))/ppermute",
+    )
     assert (reduce.group, reduce.pairs, reduce.op_name) == ((0, 1), (), "")
 
 
@@ -483,7 +521,9 @@ def test_explain_gspmd_reports_the_collectives_xla_chose(layout, axes, expected)
     mesh = md.Mesh("data=2 model=4")
     report = md.explain(grad, mesh, layout, x, w, backend="gspmd")
     assert report.source is Source.COMPILED and str(report).startswith("measured:")
-    assert [(r.op, r.collective.value, r.axes) for r in report.rows] == ([("einsum (grad)", "all-reduce", axes)] if axes else [])
+    assert [(r.op, r.collective.value, r.axes) for r in report.rows] == (
+        [("einsum (grad)", "all-reduce", axes)] if axes else []
+    )
     assert report.total_bytes == expected
     text = md.compile(grad, mesh, layout, "gspmd").lower(x, w).compile().as_text()
     assert report.summary() == summary(text)
@@ -500,7 +540,9 @@ def test_trainer_explain_follows_its_backend():
     from meshdsl.train import optim
     from meshdsl.train.step import Trainer
 
-    trainer = Trainer(build_model("mlp", "tiny"), optim.make("sgd"), md.Mesh("data=8"), md.Layout("batch:data"), backend="gspmd")
+    trainer = Trainer(
+        build_model("mlp", "tiny"), optim.make("sgd"), md.Mesh("data=8"), md.Layout("batch:data"), backend="gspmd"
+    )
     step = compile_step(trainer, 0)
     report = trainer.explain(step.state, step.data)
     assert report.source is Source.COMPILED

@@ -18,14 +18,15 @@ is differentiable, shardings, md.explain == compiled HLO):
 Unit tests pin down docs/design.md's table case by case.
 """
 
+import harness
 import numpy as np
 import pytest
-from hypothesis import assume, event, given, settings, strategies as st
-
-import harness
-import meshdsl as md
 import reference as R
 import strategies as S
+from hypothesis import assume, event, given, settings
+from hypothesis import strategies as st
+
+import meshdsl as md
 
 D = md.Dim
 
@@ -74,12 +75,15 @@ def test_one_hot_and_range(mesh, pool, classes, data, rng):
     event(f"classes split over {len(layout.rules.get('classes', ()))} axes")
 
 
-@pytest.mark.parametrize(("mesh", "layout"), [
-    ("x8", {"classes": "x"}),
-    ("data4_model2", {"classes": ("model", "data")}),
-    ("data4_model2", {"classes": "model", "batch": "data"}),
-    ("a2_b2_c2", {"classes": ("c", "a"), "batch": "b"}),
-])
+@pytest.mark.parametrize(
+    ("mesh", "layout"),
+    [
+        ("x8", {"classes": "x"}),
+        ("data4_model2", {"classes": ("model", "data")}),
+        ("data4_model2", {"classes": "model", "batch": "data"}),
+        ("a2_b2_c2", {"classes": ("c", "a"), "batch": "b"}),
+    ],
+)
 def test_one_hot_and_range_into_split_dim_communicate_nothing(mesh, layout):
     m = harness.mesh(mesh)
     c = D("classes", 16)
@@ -104,34 +108,55 @@ def test_gather(mesh, pool, vocab, data, rng):
     w_dims = [(n, pool[n]) for n in rest]
     w_dims.insert(at, ("vocab", vocab))
     free = [n for n in names if n not in rest]
-    idx_names = data.draw(st.permutations(free).flatmap(lambda p: st.integers(1, min(2, len(p))).map(lambda k: p[:k])), label="index dims")
+    idx_names = data.draw(
+        st.permutations(free).flatmap(lambda p: st.integers(1, min(2, len(p))).map(lambda k: p[:k])), label="index dims"
+    )
     idx_dims = {n: pool[n] for n in idx_names}
     # risk: some dims take axes another dim holds, e.g. an index dim and vocab (never in one
     # tensor, so legal): the gather must pick which keeps the axis.
     layout = data.draw(S.layouts_splitting(mesh, {**pool, "vocab": vocab}, "vocab", risk=0.3), label="layout")
 
     def fn(w, i, w1, i1, w2):
-        return {"gather": md.gather(w, i, "vocab"), "sum of two gathers": md.gather(w1, i1, "vocab") + 0.5 * md.gather(w2, i1, "vocab")}
+        return {
+            "gather": md.gather(w, i, "vocab"),
+            "sum of two gathers": md.gather(w1, i1, "vocab") + 0.5 * md.gather(w2, i1, "vocab"),
+        }
 
     def ref(w, i, w1, i1, w2):
-        return {"gather": R.gather(w, i, "vocab"), "sum of two gathers": R.gather(w1, i1, "vocab") + 0.5 * R.gather(w2, i1, "vocab")}
+        return {
+            "gather": R.gather(w, i, "vocab"),
+            "sum of two gathers": R.gather(w1, i1, "vocab") + 0.5 * R.gather(w2, i1, "vocab"),
+        }
 
-    args = [harness.rand(rng, w_dims), ints(rng, idx_dims, -3, vocab + 3), harness.rand(rng, w_dims), ints(rng, idx_dims, -3, vocab + 3), harness.rand(rng, w_dims)]
+    args = [
+        harness.rand(rng, w_dims),
+        ints(rng, idx_dims, -3, vocab + 3),
+        harness.rand(rng, w_dims),
+        ints(rng, idx_dims, -3, vocab + 3),
+        harness.rand(rng, w_dims),
+    ]
     assume(harness.check(fn, args, ref, mesh, layout))
     clash = set(layout.rules.get("vocab", ())) & {a for n in idx_names for a in layout.rules.get(n, ())}
-    event("vocab split" + (", clashing with an index dim" if clash else "") if layout.rules.get("vocab") else "vocab unsplit")
+    event(
+        "vocab split" + (", clashing with an index dim" if clash else "")
+        if layout.rules.get("vocab")
+        else "vocab unsplit"
+    )
 
 
 GATHER_INDICES = np.array([0, 5, 15, 16, -1, -16, 100, 8], np.int32)
 """In range, at both ends of the blocks, and out of range: 16 (one past), -1, -16 (negative), 100."""
 
 
-@pytest.mark.parametrize(("mesh", "layout", "axes"), [
-    ("data4_model2", {"vocab": "model"}, ("model",)),
-    ("data4_model2", {"vocab": ("data", "model")}, ("data", "model")),
-    ("x8", {"vocab": "x"}, ("x",)),
-    ("a2_b2_c2", {"vocab": ("b", "c"), "batch": "a"}, ("b", "c")),
-])
+@pytest.mark.parametrize(
+    ("mesh", "layout", "axes"),
+    [
+        ("data4_model2", {"vocab": "model"}, ("model",)),
+        ("data4_model2", {"vocab": ("data", "model")}, ("data", "model")),
+        ("x8", {"vocab": "x"}, ("x",)),
+        ("a2_b2_c2", {"vocab": ("b", "c"), "batch": "a"}, ("b", "c")),
+    ],
+)
 def test_vocab_parallel_gather_is_a_pending_psum(mesh, layout, axes):
     # Each device looks up the indices in its block of vocab and zeros the rest: a partial sum
     # over vocab's axes, still pending on the result (added by one all-reduce at the end).
@@ -148,7 +173,9 @@ def test_vocab_parallel_gather_is_a_pending_psum(mesh, layout, axes):
 
     got = md.compile(fn, m, layout)(w, idx).numpy()
     assert pending[-1] == axes  # traced once for shapes (on global arrays), then in shard_map
-    want = np.where(((GATHER_INDICES >= 0) & (GATHER_INDICES < 16))[:, None], w.numpy()[np.clip(GATHER_INDICES, 0, 15)], 0)
+    want = np.where(
+        ((GATHER_INDICES >= 0) & (GATHER_INDICES < 16))[:, None], w.numpy()[np.clip(GATHER_INDICES, 0, 15)], 0
+    )
     np.testing.assert_array_equal(got, want)  # a sum of one value and zeros: exact
     assert np.all(got[[3, 4, 5, 6]] == 0)
     assert harness.check(fn, [w, idx], lambda w, i: R.gather(w, i, "vocab"), m, layout)
@@ -165,21 +192,26 @@ def test_two_gathers_added_cost_one_all_reduce():
     def fn(w1, w2, i):
         return md.gather(w1, i, "vocab") - md.gather(w2, i, "vocab") * 2.0
 
-    assert harness.check(fn, [w1, w2, idx], lambda w1, w2, i: R.gather(w1, i, "vocab") - R.gather(w2, i, "vocab") * 2.0, m, layout)
+    assert harness.check(
+        fn, [w1, w2, idx], lambda w1, w2, i: R.gather(w1, i, "vocab") - R.gather(w2, i, "vocab") * 2.0, m, layout
+    )
     # one all-reduce over model of the local [batch=2, d=4] result: 2 * 1/2 * 32 bytes.
     assert summary(fn, m, layout, w1, w2, idx) == {"all-reduce": {"count": 1, "bytes": 32.0}}
 
 
-@pytest.mark.parametrize(("mesh", "layout"), [
-    # indices' batch and weights' vocab both split over model: one must give the axis up.
-    ("data4_model2", {"vocab": "model", "batch": "model"}),
-    ("data4_model2", {"vocab": "model", "batch": ("model", "data")}),
-    ("x8", {"vocab": "x", "batch": "x"}),
-    # a pair of axes in both orders, plus d on the third axis.
-    ("a2_b2_c2", {"vocab": ("a", "b"), "batch": ("b", "a"), "d": "c"}),
-    # two index dims each clash with one of vocab's two axes.
-    ("a2_b2_c2", {"vocab": ("a", "c"), "seq": "c", "batch": "a", "d": "b"}),
-])
+@pytest.mark.parametrize(
+    ("mesh", "layout"),
+    [
+        # indices' batch and weights' vocab both split over model: one must give the axis up.
+        ("data4_model2", {"vocab": "model", "batch": "model"}),
+        ("data4_model2", {"vocab": "model", "batch": ("model", "data")}),
+        ("x8", {"vocab": "x", "batch": "x"}),
+        # a pair of axes in both orders, plus d on the third axis.
+        ("a2_b2_c2", {"vocab": ("a", "b"), "batch": ("b", "a"), "d": "c"}),
+        # two index dims each clash with one of vocab's two axes.
+        ("a2_b2_c2", {"vocab": ("a", "c"), "seq": "c", "batch": "a", "d": "b"}),
+    ],
+)
 def test_gather_clashing_splits(mesh, layout):
     m = harness.mesh(mesh)
     rng = np.random.default_rng(2)
@@ -218,10 +250,25 @@ def _name_clash_cases():
     x = harness.rand(rng, {"d": 4, "H": 8})
     return [
         # the indices' H is another dim than the weights' H (spmd split both over x: [0, 1, 0, 1])
-        ("gather, index dim named like the gathered dim", lambda w, i: md.gather(w, i, "H"), (w, ints(rng, {"H": 4}, 0, 8)), "H"),
+        (
+            "gather, index dim named like the gathered dim",
+            lambda w, i: md.gather(w, i, "H"),
+            (w, ints(rng, {"H": 4}, 0, 8)),
+            "H",
+        ),
         ("gather, same sizes", lambda w, i: md.gather(w, i, "H"), (w, ints(rng, {"H": 8}, 0, 8)), "H"),
-        ("gather, index dim named like a kept weights dim", lambda w, i: md.gather(w, i, "H"), (wd, ints(rng, {"d": 4}, 0, 8)), "d"),
-        ("take_along, index dim named like the looked-up dim", lambda x, i: md.take_along(x, i, "H"), (x, ints(rng, {"d": 4, "H": 8}, 0, 8)), "H"),
+        (
+            "gather, index dim named like a kept weights dim",
+            lambda w, i: md.gather(w, i, "H"),
+            (wd, ints(rng, {"d": 4}, 0, 8)),
+            "d",
+        ),
+        (
+            "take_along, index dim named like the looked-up dim",
+            lambda x, i: md.take_along(x, i, "H"),
+            (x, ints(rng, {"d": 4, "H": 8}, 0, 8)),
+            "H",
+        ),
         ("take_along, index dim x lacks", lambda x, i: md.take_along(x, i, "H"), (x, ints(rng, {"e": 2}, 0, 8)), "e"),
         ("one_hot into a dim the indices have", lambda i: md.one_hot(i, D("H", 8)), (ints(rng, {"H": 8}, 0, 8),), "H"),
         ("top_k, k_dim named like a kept dim", lambda x: md.top_k(x, "H", D("d", 2))[0], (x,), "d"),
@@ -238,10 +285,14 @@ def test_one_name_for_two_dims_is_a_shape_error(backend, layout):
         message = str(info.value)
         op = case.split(",")[0].split()[0]
         assert message.startswith(f"{op}:") and "\n" not in message, f"{case}: not one line naming the op: {message}"
-        assert f"{name}=" in message or f"{name!r}" in message or f" {name} " in message, f"{case}: the message does not name {name}: {message}"
+        assert f"{name}=" in message or f"{name!r}" in message or f" {name} " in message, (
+            f"{case}: the message does not name {name}: {message}"
+        )
 
 
-@pytest.mark.parametrize("layout", [{}, {"vocab": "x"}, {"vocab": ("x", "y"), "batch": "z"}, {"batch": "x", "vocab": "y"}])
+@pytest.mark.parametrize(
+    "layout", [{}, {"vocab": "x"}, {"vocab": ("x", "y"), "batch": "z"}, {"batch": "x", "vocab": "y"}]
+)
 def test_top_k_with_k_dim_named_like_the_reduced_dim(layout):
     # The result's vocab (size k) replaces the reduced vocab: a new dim under the same rule.
     rng = np.random.default_rng(5)
@@ -274,7 +325,9 @@ def test_top_k_and_argmax(mesh, pool, data, rng):
     args = [harness.rand(rng, shape, kind), harness.rand(rng, shape, kind)]
     assume(harness.check(fn, args, ref, mesh, layout))
     g = S.group_size(mesh, layout, dim)
-    event("reduced dim unsplit" if g == 1 else "k within the block" if shape[dim] // g >= k else "k larger than a block")
+    event(
+        "reduced dim unsplit" if g == 1 else "k within the block" if shape[dim] // g >= k else "k larger than a block"
+    )
 
 
 def test_top_k_over_split_dim_two_all_gathers_ties_to_lower_index():
@@ -304,12 +357,15 @@ def test_top_k_over_split_dim_two_all_gathers_ties_to_lower_index():
     assert list(summary(top3, m, layout, x)) == ["all-gather"]
 
 
-@pytest.mark.parametrize(("mesh", "layout"), [
-    ("x8", {"vocab": "x"}),
-    ("data4_model2", {"vocab": ("model", "data")}),
-    ("data4_model2", {"vocab": "data", "batch": "model"}),
-    ("a2_b2_c2", {"vocab": ("c", "b"), "batch": "a"}),
-])
+@pytest.mark.parametrize(
+    ("mesh", "layout"),
+    [
+        ("x8", {"vocab": "x"}),
+        ("data4_model2", {"vocab": ("model", "data")}),
+        ("data4_model2", {"vocab": "data", "batch": "model"}),
+        ("a2_b2_c2", {"vocab": ("c", "b"), "batch": "a"}),
+    ],
+)
 def test_argmax_over_split_dim_ties_to_lowest_index(mesh, layout):
     # Ties spread over devices: row 0's maximum 2 at 13 and 6 (-> 6); row 1 all equal (-> 0);
     # row 2's at the last entry only (-> 15).
@@ -335,7 +391,9 @@ def test_argmax_over_split_dim_ties_to_lowest_index(mesh, layout):
 def shift_offsets(n, block):
     """Offsets that exercise every case of a split shift: none, within a block, whole blocks,
     more than a block, negative, the whole dim and beyond."""
-    return sorted({0, 1, block - 1, block, block + 1, 2 * block, -1, -block, -block - 1, n - 1, n, n + 3, -n, -n - 2, 3 * n + 1})
+    return sorted(
+        {0, 1, block - 1, block, block + 1, 2 * block, -1, -block, -block - 1, n - 1, n, n + 3, -n, -n - 2, 3 * n + 1}
+    )
 
 
 @settings(max_examples=S.examples(15))
@@ -348,7 +406,9 @@ def test_cumsum_and_shift(mesh, pool, data, rng):
     layout = data.draw(S.layouts_splitting(mesh, pool, dim), label="layout")
     n = shape[dim]
     block = max(n // S.group_size(mesh, layout, dim), 1)
-    offsets = data.draw(st.lists(st.sampled_from(shift_offsets(n, block)), min_size=2, max_size=3, unique=True), label="offsets")
+    offsets = data.draw(
+        st.lists(st.sampled_from(shift_offsets(n, block)), min_size=2, max_size=3, unique=True), label="offsets"
+    )
     wraps = [data.draw(st.booleans(), label=f"wrap {o}") for o in offsets]
 
     def shifts(*xs):
@@ -369,13 +429,16 @@ def test_cumsum_and_shift(mesh, pool, data, rng):
     event("dim split" if block < n else "dim unsplit")
 
 
-@pytest.mark.parametrize(("mesh", "layout"), [
-    ("x8", {"n": "x"}),
-    ("data4_model2", {"n": ("data", "model")}),
-    ("data4_model2", {"n": "data", "b": "model"}),
-    ("a2_b2_c2", {"n": ("c", "a"), "b": "b"}),
-    ("a2_b2_c2", {"b": ("a", "b", "c")}),
-])
+@pytest.mark.parametrize(
+    ("mesh", "layout"),
+    [
+        ("x8", {"n": "x"}),
+        ("data4_model2", {"n": ("data", "model")}),
+        ("data4_model2", {"n": "data", "b": "model"}),
+        ("a2_b2_c2", {"n": ("c", "a"), "b": "b"}),
+        ("a2_b2_c2", {"b": ("a", "b", "c")}),
+    ],
+)
 def test_cumsum_along_split_dim_is_one_all_gather(mesh, layout):
     m = harness.mesh(mesh)
     rng = np.random.default_rng(4)
@@ -393,15 +456,31 @@ def test_cumsum_along_split_dim_is_one_all_gather(mesh, layout):
 # stay within a device's range move by whole blocks (one permute unless that is 0 blocks); rows
 # that spill over the block boundary take a second one; shifts out of the dim need none.
 SHIFTS = [
-    (0, False, 0), (0, True, 0),
-    (1, False, 1), (1, True, 1),  # within a block: the staying rows do not move, the spill does
-    (2, False, 1), (2, True, 1),  # exactly one block
-    (3, False, 2), (3, True, 2),  # one block and a spill
-    (5, True, 2), (4, False, 1),  # several blocks
-    (-1, False, 1), (-2, True, 1), (-3, False, 2), (-5, True, 2),
-    (15, False, 1), (15, True, 1),  # the last row only (wrap: one step back round the ring)
-    (16, False, 0), (16, True, 0), (-16, True, 0),  # the whole dim: zeros, or the identity
-    (17, False, 0), (17, True, 1), (-17, True, 1), (100, False, 0), (100, True, 1), (-100, False, 0),
+    (0, False, 0),
+    (0, True, 0),
+    (1, False, 1),
+    (1, True, 1),  # within a block: the staying rows do not move, the spill does
+    (2, False, 1),
+    (2, True, 1),  # exactly one block
+    (3, False, 2),
+    (3, True, 2),  # one block and a spill
+    (5, True, 2),
+    (4, False, 1),  # several blocks
+    (-1, False, 1),
+    (-2, True, 1),
+    (-3, False, 2),
+    (-5, True, 2),
+    (15, False, 1),
+    (15, True, 1),  # the last row only (wrap: one step back round the ring)
+    (16, False, 0),
+    (16, True, 0),
+    (-16, True, 0),  # the whole dim: zeros, or the identity
+    (17, False, 0),
+    (17, True, 1),
+    (-17, True, 1),
+    (100, False, 0),
+    (100, True, 1),
+    (-100, False, 0),
 ]
 
 
@@ -424,7 +503,9 @@ def test_shift_along_split_dim_values():
     assert harness.check(fn, xs, lambda *ts: [R.shift(t, o, "n", w) for t, (o, w, _) in zip(ts, SHIFTS)], m, layout)
 
 
-@pytest.mark.parametrize(("offset", "wrap", "permutes"), SHIFTS, ids=[f"{o}{'-wrap' if w else ''}" for o, w, _ in SHIFTS])
+@pytest.mark.parametrize(
+    ("offset", "wrap", "permutes"), SHIFTS, ids=[f"{o}{'-wrap' if w else ''}" for o, w, _ in SHIFTS]
+)
 def test_shift_along_split_dim_collective_permutes(offset, wrap, permutes):
     # md.explain equals the compiled HLO for all of these at once (the test above); here each
     # shift's own count: collective-permutes only, as many as the table says.
@@ -435,19 +516,20 @@ def test_shift_along_split_dim_collective_permutes(offset, wrap, permutes):
     assert s.get("collective-permute", {"count": 0})["count"] == permutes
 
 
-
-
-@pytest.mark.parametrize(("mesh", "layout"), [
-    ("data4_model2", {"n": ("data", "model")}),
-    ("data4_model2", {"n": "data", "b": "model"}),
-    ("a2_b2_c2", {"n": ("a", "c"), "b": "b"}),
-    ("a2_b2_c2", {"n": ("a", "b", "c")}),
-    ("a2_b2_c2", {"b": "a"}),
-    # axes out of the mesh's order
-    ("data4_model2", {"n": ("model", "data")}),
-    ("a2_b2_c2", {"n": ("c", "a"), "b": "b"}),
-    ("a2_b2_c2", {"n": ("b", "c", "a")}),
-])
+@pytest.mark.parametrize(
+    ("mesh", "layout"),
+    [
+        ("data4_model2", {"n": ("data", "model")}),
+        ("data4_model2", {"n": "data", "b": "model"}),
+        ("a2_b2_c2", {"n": ("a", "c"), "b": "b"}),
+        ("a2_b2_c2", {"n": ("a", "b", "c")}),
+        ("a2_b2_c2", {"b": "a"}),
+        # axes out of the mesh's order
+        ("data4_model2", {"n": ("model", "data")}),
+        ("a2_b2_c2", {"n": ("c", "a"), "b": "b"}),
+        ("a2_b2_c2", {"n": ("b", "c", "a")}),
+    ],
+)
 def test_shift_over_axis_tuples(mesh, layout):
     m = harness.mesh(mesh)
     cases = [(o, w) for w in (False, True) for o in (1, -3, 4, 13)]

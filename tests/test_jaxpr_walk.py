@@ -52,7 +52,7 @@ def test_scan_constants_and_carries() -> None:
     assert [scan.invars[i] for i in jaxpr_walk.loop_carries("scan", scan.params, len(scan.invars))] == [a, b]
     assert scan.invars[-1] is xs and jaxpr_walk.trip_count(scan) == 5
     step = next(s for s in block(closed.jaxpr).steps if s.name == "scan")
-    assert [init for _, init in carried(step)] == step.ins[consts:consts + 2]
+    assert [init for _, init in carried(step)] == step.ins[consts : consts + 2]
 
 
 def test_one_trip_scan_is_inlined() -> None:
@@ -110,7 +110,9 @@ def test_checkpoint_barrier(prevent_cse) -> None:
 def test_custom_jvp_is_inlined() -> None:
     closed = jax.make_jaxpr(jax.nn.relu)(jnp.ones(3))
     call = _eqn(closed.jaxpr, "custom_jvp_call")
-    assert "max" in [e.primitive.name for e, _ in jaxpr_walk.walk(jaxpr_walk.called("custom_jvp_call", call.params).jaxpr)]
+    assert "max" in [
+        e.primitive.name for e, _ in jaxpr_walk.walk(jaxpr_walk.called("custom_jvp_call", call.params).jaxpr)
+    ]
     assert "custom_jvp_call" not in _names(jaxpr_walk.as_compiled(closed.jaxpr))
     _same_value(jax.nn.relu, jnp.array([-1.0, 0.5, 2.0]))
 
@@ -134,7 +136,9 @@ def test_shard_map_specs_and_markers() -> None:
     closed = jax.make_jaxpr(f)(jnp.ones((4, 4)))
     sm = _eqn(closed.jaxpr, "shard_map")
     got_mesh, in_specs, out_specs = jaxpr_walk.shard_map_specs(sm.params)
-    assert dict(got_mesh.shape) == {"a": 2, "b": 2} and tuple(in_specs) == (P("a", "b"),) and tuple(out_specs) == (P("a"),)
+    assert (
+        dict(got_mesh.shape) == {"a": 2, "b": 2} and tuple(in_specs) == (P("a", "b"),) and tuple(out_specs) == (P("a"),)
+    )
     psum = [e.primitive.name for e in jaxpr_walk.called("shard_map", sm.params).eqns]
     assert len(psum) == 1 and psum[0].startswith("psum")
     rewritten = jaxpr_walk.as_compiled(closed.jaxpr)
@@ -143,15 +147,38 @@ def test_shard_map_specs_and_markers() -> None:
     assert [e.params["spec"] for e in rewritten.eqns if e.primitive.name.endswith("shard_map")] == [P("a", "b"), P("a")]
 
 
-@pytest.mark.parametrize("name, dropped", [("scan", ("num_consts", "num_carry", "ft_in")), ("while", ("body_nconsts",)),
-                                           ("cond", ("branches",)), ("shard_map", ("in_specs",))])
+@pytest.mark.parametrize(
+    "name, dropped",
+    [
+        ("scan", ("num_consts", "num_carry", "ft_in")),
+        ("while", ("body_nconsts",)),
+        ("cond", ("branches",)),
+        ("shard_map", ("in_specs",)),
+    ],
+)
 def test_unknown_params_are_a_clear_error(name, dropped) -> None:
-    params = {"length": 3, "num_consts": 0, "num_carry": 1, "ft_in": None, "cond_nconsts": 0, "body_nconsts": 0,
-              "branches": (), "mesh": None, "in_specs": (), "out_specs": ()}
+    params = {
+        "length": 3,
+        "num_consts": 0,
+        "num_carry": 1,
+        "ft_in": None,
+        "cond_nconsts": 0,
+        "body_nconsts": 0,
+        "branches": (),
+        "mesh": None,
+        "in_specs": (),
+        "out_specs": (),
+    }
     params = {k: v for k, v in params.items() if k not in dropped}
-    read = {"scan": jaxpr_walk.scan_counts, "while": jaxpr_walk.while_counts, "cond": jaxpr_walk.cond_branches,
-            "shard_map": jaxpr_walk.shard_map_specs}[name]
-    with pytest.raises(md.UnsupportedJaxError, match=rf"'{name}' equation on JAX {jax.__version__}.*meshdsl reads JAX 0.10 to 0.12"):
+    read = {
+        "scan": jaxpr_walk.scan_counts,
+        "while": jaxpr_walk.while_counts,
+        "cond": jaxpr_walk.cond_branches,
+        "shard_map": jaxpr_walk.shard_map_specs,
+    }[name]
+    with pytest.raises(
+        md.UnsupportedJaxError, match=rf"'{name}' equation on JAX {jax.__version__}.*meshdsl reads JAX 0.10 to 0.12"
+    ):
         read(params)
 
 
@@ -176,7 +203,11 @@ def test_report_of_an_optax_step_around_a_compiled_function_with_a_number() -> N
 
     mesh = md.Mesh({"data": 4, "model": 2})
     batch, d, f = md.Dim("batch", 8), md.Dim("d", 4), md.Dim("f", 6)
-    loss = md.compile(lambda w, x, k: md.reduce_mean(md.square(md.einsum(x, w, out=[batch, f]) * k)).array, mesh, "batch:data; f:model")
+    loss = md.compile(
+        lambda w, x, k: md.reduce_mean(md.square(md.einsum(x, w, out=[batch, f]) * k)).array,
+        mesh,
+        "batch:data; f:model",
+    )
     rng = np.random.default_rng(0)
     w = md.tensor(rng.standard_normal((4, 6)).astype(np.float32), [d, f])
     x = md.tensor(rng.standard_normal((8, 4)).astype(np.float32), [batch, d])

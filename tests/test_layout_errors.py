@@ -5,12 +5,12 @@ what is needed to fix the mistake (tensor, dim, size, mesh axis, axis size, file
 
 import re
 
+import harness
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-import harness
 import meshdsl as md
 
 
@@ -71,13 +71,16 @@ def test_layout_load_invalid_toml_names_the_path(tmp_path):
         md.Layout.load(path)
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("d_ff;heads", r"malformed layout rule 'd_ff'"),
-    ("d:(data, data)", r"repeats a mesh axis"),
-    ("d:data; d:model", r"two rules for dim 'd'"),
-    ("1d:data", r"dim name '1d' is not an identifier"),
-    ("d:", r"mesh axis names must be identifiers"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("d_ff;heads", r"malformed layout rule 'd_ff'"),
+        ("d:(data, data)", r"repeats a mesh axis"),
+        ("d:data; d:model", r"two rules for dim 'd'"),
+        ("1d:data", r"dim name '1d' is not an identifier"),
+        ("d:", r"mesh axis names must be identifiers"),
+    ],
+)
 def test_malformed_rule_is_a_layout_error_when_built(text, message):
     with pytest.raises(md.LayoutError, match=message):
         md.Layout(text)
@@ -130,7 +133,9 @@ def test_two_dims_of_one_tensor_on_one_axis(mesh, backend):
 def test_two_dims_on_one_axis_in_an_intermediate(mesh, backend):
     # x[a] and y[b] are legal alone; their product [a, b] is not.
     x, y = _x({"a": 4}), _x({"b": 4})
-    with pytest.raises(md.LayoutError, match=r"\[a=4, b=4\]: dims a and b are both split over mesh axis model \(size 2\)"):
+    with pytest.raises(
+        md.LayoutError, match=r"\[a=4, b=4\]: dims a and b are both split over mesh axis model \(size 2\)"
+    ):
         md.compile(lambda x, y: md.reduce_sum(x * y), mesh, {"a": "model", "b": "model"}, backend=backend)(x, y)
 
 

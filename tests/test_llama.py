@@ -11,20 +11,21 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from meshdsl.models import llama
 from safetensors.numpy import save_file
 
-import harness
 import meshdsl as md
-from meshdsl.models import llama
 from meshdsl.train import optim
 from meshdsl.train.step import Trainer
 
-CONFIG = llama.Config(batch=4, length=8, d_model=16, heads=4, kv_heads=2, d_kv=4, d_ff=24, vocab=32, layers=2,
-                      rope_theta=10000.0)
+CONFIG = llama.Config(
+    batch=4, length=8, d_model=16, heads=4, kv_heads=2, d_kv=4, d_ff=24, vocab=32, layers=2, rope_theta=10000.0
+)
 LAYOUTS = Path(__file__).resolve().parents[1] / "layouts"
 
 
@@ -35,8 +36,11 @@ def hf_weights(c: llama.Config, seed: int = 0) -> dict[str, np.ndarray]:
     def w(*shape: int, scale: float = 0.3) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-    out = {"model.embed_tokens.weight": w(c.vocab, c.d_model, scale=1.0),
-           "model.norm.weight": 1 + w(c.d_model, scale=0.1), "lm_head.weight": w(c.vocab, c.d_model)}
+    out = {
+        "model.embed_tokens.weight": w(c.vocab, c.d_model, scale=1.0),
+        "model.norm.weight": 1 + w(c.d_model, scale=0.1),
+        "lm_head.weight": w(c.vocab, c.d_model),
+    }
     for i in range(c.layers):
         p = f"model.layers.{i}."
         out |= {
@@ -63,7 +67,7 @@ def hf_logits(w: dict[str, np.ndarray], ids: np.ndarray, c: llama.Config) -> np.
         return g * (x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + c.norm_eps))
 
     def rotate_half(x):
-        return jnp.concatenate([-x[..., Dh // 2:], x[..., : Dh // 2]], -1)
+        return jnp.concatenate([-x[..., Dh // 2 :], x[..., : Dh // 2]], -1)
 
     inv_freq = 1.0 / (c.rope_theta ** (jnp.arange(0, Dh, 2, dtype=jnp.float32) / Dh))
     emb = jnp.concatenate([jnp.outer(jnp.arange(T), inv_freq)] * 2, -1)
@@ -174,8 +178,9 @@ def test_loading_converts_bf16(tmp_path):
     save_file(weights, str(tmp_path / "bf16.safetensors"))
     model = llama.Model(CONFIG)
     like = jax.eval_shape(model.init, jax.random.key(0))
-    params = md.checkpoint.load_safetensors(tmp_path / "bf16.safetensors", like=like, names=model.hf_names(),
-                                            mesh=md.Mesh({"x": 1}))
+    params = md.checkpoint.load_safetensors(
+        tmp_path / "bf16.safetensors", like=like, names=model.hf_names(), mesh=md.Mesh({"x": 1})
+    )
     assert params["embed"].dtype == jnp.float32
     np.testing.assert_array_equal(params["embed"].numpy(), weights["model.embed_tokens.weight"].astype(np.float32))
     up = weights["model.layers.1.mlp.up_proj.weight"].astype(np.float32)

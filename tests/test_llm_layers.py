@@ -13,17 +13,16 @@ every input inside and around ``md.compile``, and md.explain against the compile
 
 from __future__ import annotations
 
-
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import scipy.special
-
-import harness
-import meshdsl as md
 import reference as R
+import scipy.special
 from reference import Named
+
+import meshdsl as md
 
 D = md.Dim
 SIZES = dict(batch=4, length=8, d_model=8, kv_heads=2, heads=2, d_kv=8, d_ff=8, one_kv=1, qkv=3)
@@ -36,28 +35,76 @@ def dim(name: str) -> md.Dim:
 
 
 RMS = md.nn.RMSNorm(dim("d_model"))
-GQA = md.nn.MultiHeadAttention(dim("d_model"), dim("heads"), dim("d_kv"), kv_heads=dim("kv_heads"), causal=True,
-                               rotary=md.nn.Rotary(dim("d_kv"), theta=THETA))
+GQA = md.nn.MultiHeadAttention(
+    dim("d_model"),
+    dim("heads"),
+    dim("d_kv"),
+    kv_heads=dim("kv_heads"),
+    causal=True,
+    rotary=md.nn.Rotary(dim("d_kv"), theta=THETA),
+)
 SWIGLU = md.nn.GatedMLP(dim("d_model"), dim("d_ff"))
 POS = md.nn.PositionEmbedding(D("positions", 8), dim("d_model"))
-BIASED = md.nn.MultiHeadAttention(dim("d_model"), dim("heads"), dim("d_kv"), bias=True,
-                                  rotary=md.nn.Rotary(dim("d_kv"), theta=THETA, interleaved=True))
+BIASED = md.nn.MultiHeadAttention(
+    dim("d_model"),
+    dim("heads"),
+    dim("d_kv"),
+    bias=True,
+    rotary=md.nn.Rotary(dim("d_kv"), theta=THETA, interleaved=True),
+)
 GEGLU = md.nn.GatedMLP(dim("d_model"), dim("d_ff"), activation=md.gelu, bias=True)
 
 
 def ops(y, z):
-    return {"sin": md.sin(y), "cos": md.cos(y), "erf": md.erf(y), "silu": md.silu(y), "swish": md.swish(z),
-            "map": md.map(lambda a, b: a * jnp.cos(b) + 1.0, y, z)}
+    return {
+        "sin": md.sin(y),
+        "cos": md.cos(y),
+        "erf": md.erf(y),
+        "silu": md.silu(y),
+        "swish": md.swish(z),
+        "map": md.map(lambda a, b: a * jnp.cos(b) + 1.0, y, z),
+    }
 
 
-def program(y, z, x, pad, scale, wq, wkv, wo, w_gate, w_in, w_out, table, wqkv, bqkv, wo2, bo2,
-            g_gate, gb_gate, g_in, gb_in, g_out, gb_out, mq, mk, mv):
+def program(
+    y,
+    z,
+    x,
+    pad,
+    scale,
+    wq,
+    wkv,
+    wo,
+    w_gate,
+    w_in,
+    w_out,
+    table,
+    wqkv,
+    bqkv,
+    wo2,
+    bo2,
+    g_gate,
+    gb_gate,
+    g_in,
+    gb_in,
+    g_out,
+    gb_out,
+    mq,
+    mk,
+    mv,
+):
     h = x + GQA({"wq": wq, "wkv": wkv, "wo": wo}, RMS(scale, x))
     h = h + SWIGLU({"w_gate": w_gate, "w_in": w_in, "w_out": w_out}, RMS(scale, h))
     g = POS(table, x)
     g = g + BIASED({"wqkv": {"kernel": wqkv, "bias": bqkv}, "wo": {"kernel": wo2, "bias": bo2}}, g, mask=pad)
-    g = g + GEGLU({"w_gate": {"kernel": g_gate, "bias": gb_gate}, "w_in": {"kernel": g_in, "bias": gb_in},
-                   "w_out": {"kernel": g_out, "bias": gb_out}}, g)
+    g = g + GEGLU(
+        {
+            "w_gate": {"kernel": g_gate, "bias": gb_gate},
+            "w_in": {"kernel": g_in, "bias": gb_in},
+            "w_out": {"kernel": g_out, "bias": gb_out},
+        },
+        g,
+    )
     mqa = md.nn.dot_product_attention(mq, mk, mv, heads="one_kv", causal=True)
     return ops(y, z), h, g, mqa
 
@@ -77,7 +124,7 @@ def ref_rotary(x: Named, interleaved: bool) -> Named:
         first, second = a[..., 0::2], a[..., 1::2]
         out = xp.stack([first * c - second * s, second * c + first * s], axis=-1).reshape(a.shape)
     else:
-        first, second = a[..., : d // 2], a[..., d // 2:]
+        first, second = a[..., : d // 2], a[..., d // 2 :]
         out = xp.concatenate([first * c - second * s, second * c + first * s], axis=-1)
     return Named(out, names).to(x.names)
 
@@ -103,12 +150,43 @@ def silu(x: Named) -> Named:
 
 def ref_ops(y, z):
     erf = R.lift(lambda xp, a: jax.scipy.special.erf(a) if xp is jnp else scipy.special.erf(a))
-    return {"sin": R.lift(lambda xp, a: xp.sin(a))(y), "cos": R.lift(lambda xp, a: xp.cos(a))(y), "erf": erf(y),
-            "silu": silu(y), "swish": silu(z), "map": y * R.lift(lambda xp, a: xp.cos(a))(z) + 1.0}
+    return {
+        "sin": R.lift(lambda xp, a: xp.sin(a))(y),
+        "cos": R.lift(lambda xp, a: xp.cos(a))(y),
+        "erf": erf(y),
+        "silu": silu(y),
+        "swish": silu(z),
+        "map": y * R.lift(lambda xp, a: xp.cos(a))(z) + 1.0,
+    }
 
 
-def ref_program(y, z, x, pad, scale, wq, wkv, wo, w_gate, w_in, w_out, table, wqkv, bqkv, wo2, bo2,
-                g_gate, gb_gate, g_in, gb_in, g_out, gb_out, mq, mk, mv):
+def ref_program(
+    y,
+    z,
+    x,
+    pad,
+    scale,
+    wq,
+    wkv,
+    wo,
+    w_gate,
+    w_in,
+    w_out,
+    table,
+    wqkv,
+    bqkv,
+    wo2,
+    bo2,
+    g_gate,
+    gb_gate,
+    g_in,
+    gb_in,
+    g_out,
+    gb_out,
+    mq,
+    mk,
+    mv,
+):
     n = ref_rms(x, scale)
     q = ref_rotary(R.einsum("batch kv_heads heads length d_kv", n, wq), False)
     k, v = R.unstack(R.einsum("kv batch kv_heads length d_kv", n, wkv), "kv")
@@ -141,17 +219,28 @@ def _args() -> list[md.Tensor]:
     s = SIZES
     w = 0.4
     return [
-        r({"batch": 4, "d_ff": 8}), r({"d_ff": 8, "d_model": 8}),
-        r({"batch": 4, "length": 8, "d_model": 8}), md.tensor(pad, "batch memory"), r({"d_model": 8}) * 0.2 + 1.0,
+        r({"batch": 4, "d_ff": 8}),
+        r({"d_ff": 8, "d_model": 8}),
+        r({"batch": 4, "length": 8, "d_model": 8}),
+        md.tensor(pad, "batch memory"),
+        r({"d_model": 8}) * 0.2 + 1.0,
         r({"d_model": s["d_model"], "kv_heads": 2, "heads": 2, "d_kv": 8}, w),
         r({"d_model": 8, "kv": 2, "kv_heads": 2, "d_kv": 8}, w),
         r({"kv_heads": 2, "heads": 2, "d_kv": 8, "d_model": 8}, w),
-        r({"d_model": 8, "d_ff": 8}, w), r({"d_model": 8, "d_ff": 8}, w), r({"d_ff": 8, "d_model": 8}, w),
+        r({"d_model": 8, "d_ff": 8}, w),
+        r({"d_model": 8, "d_ff": 8}, w),
+        r({"d_ff": 8, "d_model": 8}, w),
         r({"positions": 8, "d_model": 8}, 0.3),
-        r({"d_model": 8, "qkv": 3, "heads": 2, "d_kv": 8}, w), r({"qkv": 3, "heads": 2, "d_kv": 8}, 0.1),
-        r({"heads": 2, "d_kv": 8, "d_model": 8}, w), r({"d_model": 8}, 0.1),
-        r({"d_model": 8, "d_ff": 8}, w), r({"d_ff": 8}, 0.1), r({"d_model": 8, "d_ff": 8}, w), r({"d_ff": 8}, 0.1),
-        r({"d_ff": 8, "d_model": 8}, w), r({"d_model": 8}, 0.1),
+        r({"d_model": 8, "qkv": 3, "heads": 2, "d_kv": 8}, w),
+        r({"qkv": 3, "heads": 2, "d_kv": 8}, 0.1),
+        r({"heads": 2, "d_kv": 8, "d_model": 8}, w),
+        r({"d_model": 8}, 0.1),
+        r({"d_model": 8, "d_ff": 8}, w),
+        r({"d_ff": 8}, 0.1),
+        r({"d_model": 8, "d_ff": 8}, w),
+        r({"d_ff": 8}, 0.1),
+        r({"d_ff": 8, "d_model": 8}, w),
+        r({"d_model": 8}, 0.1),
         r({"batch": 4, "one_kv": 1, "heads": 2, "length": 8, "d_kv": 8}),
         r({"batch": 4, "one_kv": 1, "memory": 8, "d_kv": 8}),
         r({"batch": 4, "one_kv": 1, "memory": 8, "d_kv": 8}),
@@ -190,6 +279,7 @@ def test_grouped_query_attention_runs_the_fused_kernel_with_fewer_kv_heads(monke
     monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
     args = _args()[-3:]
     q = md.concat([args[0]] * 4, "heads")  # [batch, one_kv=1, heads=8, length, d_kv]
+
     def fn(q, k, v):
         return md.nn.dot_product_attention(q, k, v, heads="one_kv", causal=True, implementation="xla")
 
@@ -246,8 +336,9 @@ def test_grouped_query_mask_over_query_groups():
     mask[..., 0] = True  # every query sees something
     kv = "batch kv_heads memory d_kv"
     queries = md.tensor(q, "batch kv_heads heads length d_kv")
-    got = md.nn.dot_product_attention(queries, md.tensor(k, kv), md.tensor(v, kv), heads="kv_heads",
-                                      mask=md.tensor(mask, "batch heads memory"))
+    got = md.nn.dot_product_attention(
+        queries, md.tensor(k, kv), md.tensor(v, kv), heads="kv_heads", mask=md.tensor(mask, "batch heads memory")
+    )
     scores = np.einsum("bkgtd,bksd->bkgts", q, k) / np.sqrt(8)
     scores = np.where(mask[:, None, :, None, :], scores, -np.inf)
     probs = np.exp(scores - scores.max(-1, keepdims=True))

@@ -79,7 +79,11 @@ def test_capacity_comes_from_the_variable_the_device_or_the_hosts_available_memo
 
 def test_readable_sizes_never_read_as_zero():
     assert [fits.readable(n) for n in (512, 1536, 3 * 2**20, 1000 * 2**30, 682_084 * 2**20)] == [
-        "512 B", "1.5 KiB", "3 MiB", "1,000 GiB", "666 GiB",
+        "512 B",
+        "1.5 KiB",
+        "3 MiB",
+        "1,000 GiB",
+        "666 GiB",
     ]
 
 
@@ -114,12 +118,21 @@ def test_bench_marks_the_entry_that_does_not_fit_and_measures_the_others(monkeyp
     assert small[0] < large[0]
     monkeypatch.setenv(fits.ENV, str((small[0] + large[0]) // 2))
     lines: list[str] = []
-    cfg = BenchConfig(models=["mlp"], preset="tiny", layouts=["data_parallel", "fsdp"], rounds=1, steps_per_round=1,
-                      out=str(tmp_path / "out"), gspmd=False)
+    cfg = BenchConfig(
+        models=["mlp"],
+        preset="tiny",
+        layouts=["data_parallel", "fsdp"],
+        rounds=1,
+        steps_per_round=1,
+        out=str(tmp_path / "out"),
+        gspmd=False,
+    )
     summaries = run(cfg, out=lines.append, warn=lines.append)
     assert [s["layout"] for s in summaries] == [small[1]]
     assert any(f"mlp x {large[1]}: skipped, the step does not fit" in line for line in lines), lines
-    assert f"- mlp x {large[1]}: skipped, the step does not fit: it needs" in (tmp_path / "out" / "results.md").read_text()
+    assert (
+        f"- mlp x {large[1]}: skipped, the step does not fit: it needs" in (tmp_path / "out" / "results.md").read_text()
+    )
 
 
 def test_an_out_of_memory_error_at_run_time_loses_only_that_entry():
@@ -144,8 +157,18 @@ def test_an_out_of_memory_error_at_run_time_loses_only_that_entry():
 
 def test_explain_warns_when_the_prediction_exceeds_the_profiles_memory(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    code, out, err = _main("explain", "--model", "transformer", "--preset", "tiny", "--profile", "h100", "--no-compile",
-                           "--set", "batch=8388608")
+    code, out, err = _main(
+        "explain",
+        "--model",
+        "transformer",
+        "--preset",
+        "tiny",
+        "--profile",
+        "h100",
+        "--no-compile",
+        "--set",
+        "batch=8388608",
+    )
     assert code == 0, err
     warning = [line for line in err.splitlines() if "exceeds profile h100" in line]
     assert len(warning) == 1 and "meshdsl search --memory-gb" in warning[0]

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 import model_figures as F
+import pytest
 
 RECORDED = json.loads(F.FIXTURE.read_text())
 CASES = [(m, name) for m, layouts in F.CASES.items() for name in layouts]

@@ -8,16 +8,16 @@ the tests (the ``runs`` fixture), and every layout starts from the single-device
 from pathlib import Path
 
 import jax
+import model_figures
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
+from meshdsl.models import moe
 
 import meshdsl as md
-import model_figures
 from meshdsl import hlo
 from meshdsl.train.optim import adamw
 from meshdsl.train.step import Trainer
-from meshdsl.models import moe
 
 LAYOUTS = Path(__file__).resolve().parent.parent / "layouts"
 STEPS = 5

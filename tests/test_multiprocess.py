@@ -41,7 +41,19 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _launch_cmd(*run: str, processes: int = 2, top: tuple[str, ...] = ()) -> list[str]:
     """``meshdsl [top flags] launch --local N --devices-per-process 4 -- <run>``."""
-    return [sys.executable, "-m", "meshdsl.cli", *top, "launch", "--local", str(processes), "--devices-per-process", "4", "--", *run]
+    return [
+        sys.executable,
+        "-m",
+        "meshdsl.cli",
+        *top,
+        "launch",
+        "--local",
+        str(processes),
+        "--devices-per-process",
+        "4",
+        "--",
+        *run,
+    ]
 
 
 def _pids(output: str) -> list[int]:
@@ -75,10 +87,28 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tup
     runs = {}
     for layout in LAYOUTS:
         folder = tmp_path_factory.mktemp(layout)
-        cmd = _launch_cmd("train", "--model", "transformer", "--preset", "tiny", "--layout", layout, "--steps", str(STEPS),
-                          "--log-json", str(folder / "losses.jsonl"), "--checkpoint-dir", str(folder / "ckpt"), "--save-every", "2")
+        cmd = _launch_cmd(
+            "train",
+            "--model",
+            "transformer",
+            "--preset",
+            "tiny",
+            "--layout",
+            layout,
+            "--steps",
+            str(STEPS),
+            "--log-json",
+            str(folder / "losses.jsonl"),
+            "--checkpoint-dir",
+            str(folder / "ckpt"),
+            "--save-every",
+            "2",
+        )
         with open(folder / "output.txt", "w") as output:
-            runs[layout] = (subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=output, stderr=subprocess.STDOUT), folder)
+            runs[layout] = (
+                subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=output, stderr=subprocess.STDOUT),
+                folder,
+            )
     yield runs
     for proc, folder in runs.values():
         if proc.poll() is None:
@@ -106,7 +136,9 @@ def test_two_processes_match_one(layout: str, launched: dict[str, tuple[subproce
     assert not re.search(r"\[p1\] (meshdsl train|step)", output), output
 
 
-def test_checkpoint_saved_by_two_processes_resumes_in_one(launched: dict[str, tuple[subprocess.Popen, Path]], tmp_path: Path) -> None:
+def test_checkpoint_saved_by_two_processes_resumes_in_one(
+    launched: dict[str, tuple[subprocess.Popen, Path]], tmp_path: Path
+) -> None:
     """Each of 2 processes wrote its own shards of step 2 (dp_tp); one process on 8 devices resumes it
     under fsdp (resharding) and its step 3 has the loss the 2-process run logged."""
     proc, folder = launched["dp_tp"]
@@ -116,7 +148,9 @@ def test_checkpoint_saved_by_two_processes_resumes_in_one(launched: dict[str, tu
     shutil.copytree(folder / "ckpt" / "step_2", resumed_dir / "step_2")
     manifest = json.loads((resumed_dir / "step_2" / "manifest.json").read_text())
     assert manifest["processes"] == 2
-    run = RunConfig(model="transformer", preset="tiny", layout="fsdp", steps=STEPS, checkpoint_dir=str(resumed_dir), resume=True)
+    run = RunConfig(
+        model="transformer", preset="tiny", layout="fsdp", steps=STEPS, checkpoint_dir=str(resumed_dir), resume=True
+    )
     resumed = train(run, out=io.StringIO())
     np.testing.assert_allclose(resumed, logged[2:], rtol=1e-5)
 
@@ -127,8 +161,18 @@ def test_killed_process_stops_the_run() -> None:
     by the launcher, and the launcher stops, naming process 1 as the cause. No wall-clock bound:
     the hang guard only keeps a broken run from hanging the suite."""
     timeout = distributed.HEARTBEAT_TIMEOUT_S
-    cmd = _launch_cmd("train", "--model", "mlp", "--preset", "tiny", "--layout", "data_parallel", "--steps", "100000",
-                      top=("--heartbeat-timeout", str(timeout), "--verbose"))  # --verbose: JAX's own words about process 1
+    cmd = _launch_cmd(
+        "train",
+        "--model",
+        "mlp",
+        "--preset",
+        "tiny",
+        "--layout",
+        "data_parallel",
+        "--steps",
+        "100000",
+        top=("--heartbeat-timeout", str(timeout), "--verbose"),
+    )  # --verbose: JAX's own words about process 1
     env = {k: v for k, v in _env().items() if k != distributed.HEARTBEAT_ENV}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     guard = threading.Timer(HANG_GUARD_S, proc.kill)
@@ -154,7 +198,10 @@ def test_killed_process_stops_the_run() -> None:
     assert killed and stopped, output
     assert code == 128 + signal.SIGKILL, output  # the first failure's status, not the hang guard's kill
     assert "meshdsl launch: process 1 was killed by SIGKILL; stopping the others" in output
-    assert re.search(r"meshdsl launch: process 1 was killed by SIGKILL first; then, because of it: process 0 was killed by SIGABRT", output), output
+    assert re.search(
+        r"meshdsl launch: process 1 was killed by SIGKILL first; then, because of it: process 0 was killed by SIGABRT",
+        output,
+    ), output
     # process 0 stops by itself, told either by JAX's coordinator (which names the task whose
     # heartbeats stopped) or, when a collective was in flight, by gloo's broken connection
     heartbeat = re.search(r"\[p0\] .*tasks are unhealthy \(stopped sending heartbeats\):\s*\n\[p0\] 1\n", output)
@@ -176,7 +223,10 @@ def test_heartbeat_timeout_from_flag_environment_or_default() -> None:
 @pytest.mark.parametrize(
     "flags, message",
     [
-        ({"coordinator": "127.0.0.1:1234", "num_processes": 2, "process_id": 3}, "--process-id 3 is outside 0..1 for --num-processes 2"),
+        (
+            {"coordinator": "127.0.0.1:1234", "num_processes": 2, "process_id": 3},
+            "--process-id 3 is outside 0..1 for --num-processes 2",
+        ),
         ({"coordinator": "127.0.0.1:1234", "num_processes": 2}, "needs --process-id"),
         ({"num_processes": 2, "process_id": 0}, "needs --coordinator HOST:PORT"),
         ({"coordinator": "127.0.0.1", "num_processes": 2, "process_id": 0}, "'127.0.0.1' is not HOST:PORT"),
@@ -214,7 +264,18 @@ def test_wait_for_coordinator() -> None:
 
 def test_bad_process_id_on_the_command_line() -> None:
     """The CLI prints the mistake as one line and exits with 2 before starting anything."""
-    cmd = [sys.executable, "-m", "meshdsl.cli", "--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "3", "train"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshdsl.cli",
+        "--coordinator",
+        "127.0.0.1:1234",
+        "--num-processes",
+        "2",
+        "--process-id",
+        "3",
+        "train",
+    ]
     done = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 2
     assert done.stderr.strip() == "meshdsl train: error: --process-id 3 is outside 0..1 for --num-processes 2"
@@ -286,15 +347,23 @@ def test_a_frozen_process_is_named_by_the_launcher() -> None:
 def test_runtime_chatter_is_counted_unless_verbose() -> None:
     """Gloo's connection lines and JAX's absl log lines (with the lines continuing them) are counted,
     not forwarded; the process's own lines around them are forwarded, and --verbose forwards all."""
-    stdout = [b"[Gloo] Rank 0 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n",
-              b"[Gloo] Rank [Gloo] Rank 1 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n",
-              b"2 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n",
-              b"step 1/9 [##..] loss 1.0\n"]
-    stderr = [b"E1126 06:40:00.123456   1234 coordination_service.cc:12] tasks are unhealthy (stopped sending heartbeats):\n",
-              b"1\n", b"RPC: /xla.coordination.CoordinationService/PollForError\n", b"\n",
-              b"meshdsl train: error: something of ours\n"]
-    for verbose, shown in ((False, ["[p0] step 1/9 [##..] loss 1.0", "[p0] meshdsl train: error: something of ours"]),
-                           (True, None)):
+    stdout = [
+        b"[Gloo] Rank 0 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n",
+        b"[Gloo] Rank [Gloo] Rank 1 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n",
+        b"2 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n",
+        b"step 1/9 [##..] loss 1.0\n",
+    ]
+    stderr = [
+        b"E1126 06:40:00.123456   1234 coordination_service.cc:12] tasks are unhealthy (stopped sending heartbeats):\n",
+        b"1\n",
+        b"RPC: /xla.coordination.CoordinationService/PollForError\n",
+        b"\n",
+        b"meshdsl train: error: something of ours\n",
+    ]
+    for verbose, shown in (
+        (False, ["[p0] step 1/9 [##..] loss 1.0", "[p0] meshdsl train: error: something of ours"]),
+        (True, None),
+    ):
         out, err = io.StringIO(), io.StringIO()
         forward = launch_module._Forwarder(out, err, verbose)
         forward.follow(0, io.BytesIO(b"".join(stdout)), out)

@@ -18,15 +18,15 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import harness
-import meshdsl as md
 import reference as R
 from reference import Named
+
+import meshdsl as md
 
 D = md.Dim
 SIZES = dict(batch=4, length=8, d_model=8, heads=4, d_kv=2, d_ff=8, vocab=16, experts=4)
@@ -51,7 +51,10 @@ PROJ = md.nn.Linear([dim("heads"), dim("d_kv")], [D("rows", 3), D("cols", 2)], b
 def block(ids, pad, table, scale, wqkv, wo, ln_scale, ln_bias, w_in, b_in, w_out, b_out, w2, b2):
     x = EMB(table, ids)
     x = x + MHA({"wqkv": wqkv, "wo": wo}, RMS(scale, x), mask=pad)
-    x = x + FFN({"w_in": {"kernel": w_in, "bias": b_in}, "w_out": {"kernel": w_out, "bias": b_out}}, LN({"scale": ln_scale, "bias": ln_bias}, x))
+    x = x + FFN(
+        {"w_in": {"kernel": w_in, "bias": b_in}, "w_out": {"kernel": w_out, "bias": b_out}},
+        LN({"scale": ln_scale, "bias": ln_bias}, x),
+    )
     proj = PROJ({"kernel": w2, "bias": b2}, md.reshape(x, [dim("batch"), dim("length"), dim("heads"), dim("d_kv")]))
     return EMB.unembed(table, x), proj, x
 
@@ -100,14 +103,26 @@ def test_attention_equals_jax_nn_dot_product_attention_on_global_arrays():
     @jax.jit
     def want(q, k, v):
         btnh = lambda a: jnp.transpose(a, (0, 2, 1, 3))  # noqa: E731
-        return [btnh(jax.nn.dot_product_attention(btnh(q), btnh(k), btnh(v), mask=None if m is None else m[:, None, None, :], is_causal=c)) for c, m in cases]
+        return [
+            btnh(
+                jax.nn.dot_product_attention(
+                    btnh(q), btnh(k), btnh(v), mask=None if m is None else m[:, None, None, :], is_causal=c
+                )
+            )
+            for c, m in cases
+        ]
 
     @jax.jit  # md ops on global arrays
     def got(q, k, v):
-        return [md.nn.dot_product_attention(q, k, v, causal=c, mask=None if m is None else md.tensor(m, "batch memory")) for c, m in cases]
+        return [
+            md.nn.dot_product_attention(q, k, v, causal=c, mask=None if m is None else md.tensor(m, "batch memory"))
+            for c, m in cases
+        ]
 
     kv = "batch heads memory d_kv"
-    for (c, m), w, g in zip(cases, want(q, k, v), got(md.tensor(q, "batch heads length d_kv"), md.tensor(k, kv), md.tensor(v, kv))):
+    for (c, m), w, g in zip(
+        cases, want(q, k, v), got(md.tensor(q, "batch heads length d_kv"), md.tensor(k, kv), md.tensor(v, kv))
+    ):
         assert g.names == ("batch", "heads", "length", "d_kv")
         harness.assert_values_close(g.numpy(), np.asarray(w), 1e-6, f"causal={c} mask={m is not None}")
 
@@ -122,20 +137,32 @@ def test_attention_runs_the_kernel_on_local_blocks(monkeypatch):
         return kernel(q, k, v, *args, **kwargs)
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
-    q, k, v = (md.tensor(a, n) for a, n in zip(_qkv(np.random.default_rng(2), b=4), ["batch heads length d_kv", *["batch heads memory d_kv"] * 2]))
+    q, k, v = (
+        md.tensor(a, n)
+        for a, n in zip(
+            _qkv(np.random.default_rng(2), b=4), ["batch heads length d_kv", *["batch heads memory d_kv"] * 2]
+        )
+    )
     fn = lambda q, k, v: md.nn.dot_product_attention(q, k, v, causal=True)  # noqa: E731
     report = md.explain(fn, harness.mesh("data4_model2"), "batch:data; heads:model", q, k, v)
     assert ((1, 6, 2, 8), (1, 6, 2, 8), True) in seen  # [B, T, N, H] of one device's block
     assert report.summary() == {}
     seen.clear()
     md.explain(fn, harness.mesh("data4_model2"), "batch:data; memory:model", q, k, v)
-    assert all(q == (4, 6, 4, 8) for q, _, _ in seen)  # keys split: the einsum formulation, the kernel only on global arrays
+    assert all(
+        q == (4, 6, 4, 8) for q, _, _ in seen
+    )  # keys split: the einsum formulation, the kernel only on global arrays
 
 
 def test_attention_errors():
-    q, k, v = (md.tensor(a, n) for a, n in zip(_qkv(np.random.default_rng(3)), ["batch heads length d_kv", *["batch heads memory d_kv"] * 2]))
+    q, k, v = (
+        md.tensor(a, n)
+        for a, n in zip(_qkv(np.random.default_rng(3)), ["batch heads length d_kv", *["batch heads memory d_kv"] * 2])
+    )
     with pytest.raises(md.ShapeError, match="distinct names"):
-        md.nn.dot_product_attention(q, md.rename(k, "memory", "length"), md.rename(v, "memory", "length"), memory="length")
+        md.nn.dot_product_attention(
+            q, md.rename(k, "memory", "length"), md.rename(v, "memory", "length"), memory="length"
+        )
     with pytest.raises(md.ShapeError, match="lacks dims"):
         md.nn.dot_product_attention(q, k, md.rename(v, "d_kv", "depth"))
     with pytest.raises(md.ShapeError, match="boolean"):
@@ -224,10 +251,16 @@ def ref_conv(x: Named, k: Named, stride: tuple[int, int], padding: str, out: str
     kh, kw = ka.shape[:2]
     (th, bh, mh), (tw, bw, mw) = (_same_pads(n, w, s, padding) for n, w, s in zip(a.shape[1:3], (kh, kw), stride))
     if R.xp_of(x, k) is jnp:
-        y = jax.lax.conv_general_dilated(a, ka, stride, [(th, bh), (tw, bw)], dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        y = jax.lax.conv_general_dilated(
+            a, ka, stride, [(th, bh), (tw, bw)], dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
     else:
         a = np.pad(a, ((0, 0), (th, bh), (tw, bw), (0, 0)))
-        y = sum(a[:, u : u + (mh - 1) * stride[0] + 1 : stride[0], v : v + (mw - 1) * stride[1] + 1 : stride[1]] @ ka[u, v] for u in range(kh) for v in range(kw))
+        y = sum(
+            a[:, u : u + (mh - 1) * stride[0] + 1 : stride[0], v : v + (mw - 1) * stride[1] + 1 : stride[1]] @ ka[u, v]
+            for u in range(kh)
+            for v in range(kw)
+        )
     return Named(y, ["batch", "height", "width", out])
 
 
@@ -244,7 +277,10 @@ def ref_pool(x: Named, window: dict, stride: dict, padding: str, kind: str) -> N
         def pool(a, f):
             a = np.pad(a, pads, constant_values=f)
             outs = [(a.shape[i] - d) // s + 1 for i, (d, s) in enumerate(zip(dims, steps))]
-            parts = [a[tuple(slice(o, o + (m - 1) * s + 1, s) for o, m, s in zip(offset, outs, steps))] for offset in np.ndindex(*dims)]
+            parts = [
+                a[tuple(slice(o, o + (m - 1) * s + 1, s) for o, m, s in zip(offset, outs, steps))]
+                for offset in np.ndindex(*dims)
+            ]
             return functools.reduce(np_op, parts)
 
     total = pool(x.array, fill)
@@ -261,12 +297,56 @@ def ref_convnet(x, k1, b1, k2):
 # ---- every layer, under several layouts ---------------------------------------------------------
 
 
-def every_layer(ids, pad, image, table, scale, wqkv, wo, ln_scale, ln_bias, w_in, b_in, w_out, b_out, w2, b2, w_gate, e_in, e_out, k1, b1, k2):
+def every_layer(
+    ids,
+    pad,
+    image,
+    table,
+    scale,
+    wqkv,
+    wo,
+    ln_scale,
+    ln_bias,
+    w_in,
+    b_in,
+    w_out,
+    b_out,
+    w2,
+    b2,
+    w_gate,
+    e_in,
+    e_out,
+    k1,
+    b1,
+    k2,
+):
     logits, proj, x = block(ids, pad, table, scale, wqkv, wo, ln_scale, ln_bias, w_in, b_in, w_out, b_out, w2, b2)
     return logits, proj, *moe_layer(x, w_gate, e_in, e_out), convnet(image, k1, b1, k2)
 
 
-def ref_every_layer(ids, pad, image, table, scale, wqkv, wo, ln_scale, ln_bias, w_in, b_in, w_out, b_out, w2, b2, w_gate, e_in, e_out, k1, b1, k2):
+def ref_every_layer(
+    ids,
+    pad,
+    image,
+    table,
+    scale,
+    wqkv,
+    wo,
+    ln_scale,
+    ln_bias,
+    w_in,
+    b_in,
+    w_out,
+    b_out,
+    w2,
+    b2,
+    w_gate,
+    e_in,
+    e_out,
+    k1,
+    b1,
+    k2,
+):
     logits, proj, x = ref_block(ids, pad, table, scale, wqkv, wo, ln_scale, ln_bias, w_in, b_in, w_out, b_out, w2, b2)
     return logits, proj, *ref_moe(x, w_gate, e_in, e_out), ref_convnet(image, k1, b1, k2)
 
@@ -279,17 +359,30 @@ def _args(seed: int = 0) -> list[md.Tensor]:
     pad = harness.from_numpy(np.arange(n)[None, :] < lengths[:, None], [dim("batch"), D("memory", n)])
     r = functools.partial(harness.rand, rng)
     return [
-        ids, pad, r({"batch": 4, "height": 16, "width": 8, "channels": 2}),
+        ids,
+        pad,
+        r({"batch": 4, "height": 16, "width": 8, "channels": 2}),
         # the Transformer block
-        r({"vocab": 16, "d_model": 8}), r({"d_model": 8}, "positive"),
-        r({"d_model": 8, "qkv": 3, "heads": 4, "d_kv": 2}) * 0.5, r({"heads": 4, "d_kv": 2, "d_model": 8}) * 0.4,
-        r({"d_model": 8}, "positive"), r({"d_model": 8}), r({"d_model": 8, "d_ff": 8}) * 0.4, r({"d_ff": 8}),
-        r({"d_ff": 8, "d_model": 8}) * 0.4, r({"d_model": 8}), r({"heads": 4, "d_kv": 2, "rows": 3, "cols": 2}) * 0.3,
+        r({"vocab": 16, "d_model": 8}),
+        r({"d_model": 8}, "positive"),
+        r({"d_model": 8, "qkv": 3, "heads": 4, "d_kv": 2}) * 0.5,
+        r({"heads": 4, "d_kv": 2, "d_model": 8}) * 0.4,
+        r({"d_model": 8}, "positive"),
+        r({"d_model": 8}),
+        r({"d_model": 8, "d_ff": 8}) * 0.4,
+        r({"d_ff": 8}),
+        r({"d_ff": 8, "d_model": 8}) * 0.4,
+        r({"d_model": 8}),
+        r({"heads": 4, "d_kv": 2, "rows": 3, "cols": 2}) * 0.3,
         r({"rows": 3, "cols": 2}),
         # the MoE layer
-        r({"d_model": 8, "experts_unsplit": 4}), r({"experts": 4, "d_model": 8, "d_ff": 8}) * 0.4, r({"experts": 4, "d_ff": 8, "d_model": 8}) * 0.4,
+        r({"d_model": 8, "experts_unsplit": 4}),
+        r({"experts": 4, "d_model": 8, "d_ff": 8}) * 0.4,
+        r({"experts": 4, "d_ff": 8, "d_model": 8}) * 0.4,
         # the convolutions
-        r({"kh": 3, "kw": 3, "channels": 2, "hidden": 4}) * 0.4, r({"hidden": 4}), r({"kh": 3, "kw": 3, "hidden": 4, "out": 2}) * 0.4,
+        r({"kh": 3, "kw": 3, "channels": 2, "hidden": 4}) * 0.4,
+        r({"hidden": 4}),
+        r({"kh": 3, "kw": 3, "hidden": 4, "out": 2}) * 0.4,
     ]
 
 
@@ -305,7 +398,10 @@ LAYOUTS = {
     # Keys split: the einsum formulation of attention; the vocab-parallel lookup over an axis
     # tuple; the router over split experts (softmax, top_k, one_hot into the split dim); a split
     # convolution input (pending psum) and output channels.
-    "memory_vocab_tuple_router_channels": ("data4_model2", "memory:model; vocab:(model, data); experts_unsplit:model; channels:model; out:model"),
+    "memory_vocab_tuple_router_channels": (
+        "data4_model2",
+        "memory:model; vocab:(model, data); experts_unsplit:model; channels:model; out:model",
+    ),
 }
 
 
@@ -322,15 +418,31 @@ def test_init_shapes_scales_and_stacks():
     """Parameters are named and stacked in front (shapes from jax.eval_shape), and scaled as documented."""
     key = jax.random.key(0)
     L = D("layers", 3)
-    shapes = jax.eval_shape(lambda k: {"mha": MHA.init(k, [L]), "moe": MOE.init(k, [L]), "ffn": FFN.init(k), "conv": CONV2.init(k, [L])}, key)
+    shapes = jax.eval_shape(
+        lambda k: {"mha": MHA.init(k, [L]), "moe": MOE.init(k, [L]), "ffn": FFN.init(k), "conv": CONV2.init(k, [L])},
+        key,
+    )
     names = jax.tree_util.tree_map(lambda t: t.names, shapes, is_leaf=lambda t: isinstance(t, md.Tensor))
     assert names == {
         "mha": {"wqkv": ("layers", "d_model", "qkv", "heads", "d_kv"), "wo": ("layers", "heads", "d_kv", "d_model")},
-        "moe": {"w_gate": ("layers", "d_model", "experts_unsplit"), "w_in": ("layers", "experts", "d_model", "d_ff"), "w_out": ("layers", "experts", "d_ff", "d_model")},
-        "ffn": {"w_in": {"kernel": ("d_model", "d_ff"), "bias": ("d_ff",)}, "w_out": {"kernel": ("d_ff", "d_model"), "bias": ("d_model",)}},
+        "moe": {
+            "w_gate": ("layers", "d_model", "experts_unsplit"),
+            "w_in": ("layers", "experts", "d_model", "d_ff"),
+            "w_out": ("layers", "experts", "d_ff", "d_model"),
+        },
+        "ffn": {
+            "w_in": {"kernel": ("d_model", "d_ff"), "bias": ("d_ff",)},
+            "w_out": {"kernel": ("d_ff", "d_model"), "bias": ("d_model",)},
+        },
         "conv": ("layers", "kh", "kw", "hidden", "out"),
     }
-    p = jax.jit(lambda k: (md.nn.Linear(D("a", 256), [D("b", 64), D("c", 4)], init_scale=2.0).init(k), LN.init(None), RMS.init(None)))(key)
+    p = jax.jit(
+        lambda k: (
+            md.nn.Linear(D("a", 256), [D("b", 64), D("c", 4)], init_scale=2.0).init(k),
+            LN.init(None),
+            RMS.init(None),
+        )
+    )(key)
     np.testing.assert_allclose(np.std(p[0].numpy()), 2.0 / 16, rtol=0.03)  # init_scale / sqrt(fan_in)
     assert p[1]["scale"].numpy().tolist() == [1.0] * 8 and not p[1]["bias"].numpy().any()
     assert isinstance(p[2], md.Tensor) and p[2].numpy().tolist() == [1.0] * 8

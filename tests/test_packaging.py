@@ -26,7 +26,19 @@ def _wheel(tmp_path: Path) -> zipfile.ZipFile:
         else:
             shutil.copy(ROOT / name, source / name)
     out = tmp_path / "dist"
-    command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", str(out), str(source)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "-q",
+        "-w",
+        str(out),
+        str(source),
+    ]
     built = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stdout + built.stderr
     (wheel,) = out.glob("meshdsl-*.whl")
@@ -39,7 +51,9 @@ def test_wheel_holds_the_package_models_and_layouts_and_no_top_level_models(tmp_
     expected = {f"{p.as_posix()}/__init__.py" for p in packages}
     expected |= {f"meshdsl/models/{p.name}" for p in (ROOT / "models").glob("*.py")}
     expected |= {f"meshdsl/layouts/{p.name}" for p in (ROOT / "layouts").glob("*.toml")}
-    expected |= {f"meshdsl/planner/profiles/{p.name}" for p in (ROOT / "meshdsl" / "planner" / "profiles").glob("*.json")}
+    expected |= {
+        f"meshdsl/planner/profiles/{p.name}" for p in (ROOT / "meshdsl" / "planner" / "profiles").glob("*.json")
+    }
     assert {"meshdsl/models/transformer.py", "meshdsl/layouts/dp_tp.toml", "meshdsl/model_loader.py"} <= names
     assert not expected - names, f"the wheel lacks {sorted(expected - names)}"
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}

@@ -9,18 +9,17 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 
+import harness
 import jax
 import numpy as np
 import pytest
-
-import harness
-import meshdsl as md
 from jax import lax
+from meshdsl.models import moe, transformer
 
+import meshdsl as md
 from meshdsl import hlo, hlo_flops, pipeline
 from meshdsl.train import optim
 from meshdsl.train.step import Trainer
-from meshdsl.models import moe, transformer
 
 LAYOUTS = Path(__file__).resolve().parents[1] / "layouts"
 RULES = {"layers": "stage", "batch": "data", "heads": "model", "d_ff": "model", "vocab": "model"}
@@ -114,7 +113,9 @@ def _temp_bytes(schedule: str, microbatches: int, rows: int = 2) -> int:
     model = _tiny(batch=rows * microbatches)
     params, batch = _shapes(model)
     config = pipeline.PipelineConfig(microbatches=microbatches, schedule=schedule)
-    compiled = md.compile(lambda p, b: pipeline.value_and_grad(model, p, b, config), md.Mesh({"stage": 2}), {"layers": "stage"})
+    compiled = md.compile(
+        lambda p, b: pipeline.value_and_grad(model, p, b, config), md.Mesh({"stage": 2}), {"layers": "stage"}
+    )
     return compiled.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
 
 
@@ -133,14 +134,23 @@ def test_errors_name_the_problem(tmp_path):
     params, batch = _shapes(model)
     mesh = md.Mesh({"stage": 2, "data": 4})
     with pytest.raises(md.ConfigError, match="3 microbatches do not divide the batch: batch is 8"):
-        md.compile(lambda p, b: pipeline.value_and_grad(model, p, b, pipeline.PipelineConfig(3)), mesh, {"layers": "stage"})(params, batch)
-    with pytest.raises(md.ConfigError, match="4 microbatches do not divide the rows one device holds: batch is 8, split over data into 2 rows"):
-        md.compile(lambda p, b: pipeline.value_and_grad(model, p, b, pipeline.PipelineConfig(4)), mesh, {"layers": "stage", "batch": "data"})(params, batch)
+        md.compile(
+            lambda p, b: pipeline.value_and_grad(model, p, b, pipeline.PipelineConfig(3)), mesh, {"layers": "stage"}
+        )(params, batch)
+    with pytest.raises(
+        md.ConfigError,
+        match="4 microbatches do not divide the rows one device holds: batch is 8, split over data into 2 rows",
+    ):
+        md.compile(
+            lambda p, b: pipeline.value_and_grad(model, p, b, pipeline.PipelineConfig(4)),
+            mesh,
+            {"layers": "stage", "batch": "data"},
+        )(params, batch)
     three = _tiny(layers=3)
     with pytest.raises(md.LayoutError, match="dim layers \\(size 3\\) is split over mesh axis stage \\(size 2\\)"):
-        md.compile(lambda p, b: pipeline.value_and_grad(three, p, b, pipeline.PipelineConfig(2)), mesh, {"layers": "stage"})(
-            *_shapes(three)
-        )
+        md.compile(
+            lambda p, b: pipeline.value_and_grad(three, p, b, pipeline.PipelineConfig(2)), mesh, {"layers": "stage"}
+        )(*_shapes(three))
     layout = md.Layout.load(LAYOUTS / "pipeline.toml")
     with pytest.raises(md.ConfigError, match="needs the spmd backend, not gspmd"):
         Trainer(model, optim.sgd(0.1), layout.mesh(), layout, backend="gspmd")
@@ -229,8 +239,17 @@ def test_1f1b_runs_no_more_flops_than_gpipe_and_its_ticks_give_gpipes_bubble(mic
 
 @pytest.mark.parametrize(
     "schedule,stages,microbatches,v",
-    [("1f1b", 1, 3, 1), ("1f1b", 2, 2, 1), ("1f1b", 4, 3, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 5, 1),
-     ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 3, 6, 3), ("interleaved", 1, 2, 2)],
+    [
+        ("1f1b", 1, 3, 1),
+        ("1f1b", 2, 2, 1),
+        ("1f1b", 4, 3, 1),
+        ("1f1b", 4, 8, 1),
+        ("1f1b", 3, 5, 1),
+        ("interleaved", 2, 4, 2),
+        ("interleaved", 4, 8, 2),
+        ("interleaved", 3, 6, 3),
+        ("interleaved", 1, 2, 2),
+    ],
 )
 def test_timetable_runs_each_microbatch_once_each_way_in_dependency_order(schedule, stages, microbatches, v):
     p = stages

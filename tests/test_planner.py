@@ -13,22 +13,21 @@ import re
 import jax
 import numpy as np
 import pytest
+import strategies as S
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import meshdsl as md
 from meshdsl.cli import main
+from meshdsl.model_loader import build_model
 from meshdsl.planner import commands, validate
 from meshdsl.planner.cost import predict, span
 from meshdsl.planner.memory import Lifetime, heap_bytes
 from meshdsl.planner.profile import DeviceProfile, load_profile, shipped
-from meshdsl.model_loader import build_model
 from meshdsl.planner.roles import roles
 from meshdsl.planner.search import Candidate, abstract_state, candidates, legal_candidates, search
 from meshdsl.planner.trace import abstract_batch
 from meshdsl.train import optim
-
-import strategies as S
 
 CPU = load_profile("cpu-sim")
 
@@ -46,20 +45,32 @@ def _pick(name: str, wanted: list[str]) -> list[Candidate]:
 
 
 CASES = (
-    [pytest.param("mlp", c, id=f"mlp-{c.name}") for c in _pick("mlp", [
-        "[data=8] batch:data",
-        "[data=8] batch:data | params d_io:data",
-        "[data=4 model=2] batch:data; d_ff:model",
-        "[data=4 model=2] batch:data; d_ff:model | params d_ff:model; d_io:data",
-        "[data=8] batch:data | params d_ff:data",
-        "[data=2 model=4] batch:data; d_ff:model",
-        "[data=2 model=4] batch:data; d_ff:model | params d_ff:model; d_io:data",
-        "[model=8] d_ff:model",
-    ])]
-    + [pytest.param("transformer", c, id=f"transformer-{c.name}") for c in _pick("transformer", [
-        "[data=4 model=2] batch:data; vocab:model; d_ff:model; heads:model",
-        "[stage=2 data=2 model=2] batch:data; vocab:model; d_ff:model; heads:model; layers:stage | 4 microbatches",
-    ])]
+    [
+        pytest.param("mlp", c, id=f"mlp-{c.name}")
+        for c in _pick(
+            "mlp",
+            [
+                "[data=8] batch:data",
+                "[data=8] batch:data | params d_io:data",
+                "[data=4 model=2] batch:data; d_ff:model",
+                "[data=4 model=2] batch:data; d_ff:model | params d_ff:model; d_io:data",
+                "[data=8] batch:data | params d_ff:data",
+                "[data=2 model=4] batch:data; d_ff:model",
+                "[data=2 model=4] batch:data; d_ff:model | params d_ff:model; d_io:data",
+                "[model=8] d_ff:model",
+            ],
+        )
+    ]
+    + [
+        pytest.param("transformer", c, id=f"transformer-{c.name}")
+        for c in _pick(
+            "transformer",
+            [
+                "[data=4 model=2] batch:data; vocab:model; d_ff:model; heads:model",
+                "[stage=2 data=2 model=2] batch:data; vocab:model; d_ff:model; heads:model; layers:stage | 4 microbatches",
+            ],
+        )
+    ]
     + [pytest.param("moe", c, id=f"moe-{c.name}") for c in _pick("moe", ["[data=8] batch:data; experts:data"])]
 )
 
@@ -89,7 +100,7 @@ def test_heap_lies_between_the_live_peak_and_the_sum(spans: list[tuple[int, int,
     buffers = [Lifetime(start, start + length, 64 * blocks) for start, length, blocks in spans]
     live = np.zeros(27, dtype=np.int64)
     for buf in buffers:
-        live[buf.start:buf.end + 1] += buf.size
+        live[buf.start : buf.end + 1] += buf.size
     assert live.max() <= heap_bytes(buffers) <= sum(buf.size for buf in buffers)
 
 
@@ -201,9 +212,19 @@ def test_a_candidate_meshdsl_fails_to_trace_is_left_out_and_reported(monkeypatch
     assert result.failures and all("d_io:model" in d.candidate.name for d in result.failures)
     assert {d.reason for d in result.failures} == {"RuntimeError: stand-in for a bug"}
     assert result.ranked and not any("d_io:model" in c.name for c, _ in result.ranked)
-    assert main(["search", "--model", "mlp", "--preset", "tiny", "--devices", "8", "--profile", "cpu-sim", "--no-pipeline"]) == 0
+    assert (
+        main(
+            ["search", "--model", "mlp", "--preset", "tiny", "--devices", "8", "--profile", "cpu-sim", "--no-pipeline"]
+        )
+        == 0
+    )
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"meshdsl search: warning: meshdsl failed to trace {len(result.failures)} candidate(s), left out") and "\n" not in err
+    assert (
+        err.startswith(
+            f"meshdsl search: warning: meshdsl failed to trace {len(result.failures)} candidate(s), left out"
+        )
+        and "\n" not in err
+    )
     assert "RuntimeError: stand-in for a bug" in err
 
 
@@ -218,8 +239,11 @@ def test_a_search_where_every_traced_candidate_crashes_says_so(monkeypatch) -> N
         raise KeyError("num_consts")
 
     monkeypatch.setattr(search_module, "trace_step", crashing)
-    with pytest.raises(search_module.SearchFailed, match=r"meshdsl failed to trace (\d+) of \1 traced candidates of mlp "
-                       r"\(a bug in meshdsl to report, not an illegal layout\), e.g. \[.*\].*: KeyError: 'num_consts'") as caught:
+    with pytest.raises(
+        search_module.SearchFailed,
+        match=r"meshdsl failed to trace (\d+) of \1 traced candidates of mlp "
+        r"\(a bug in meshdsl to report, not an illegal layout\), e.g. \[.*\].*: KeyError: 'num_consts'",
+    ) as caught:
         search(build_model("mlp", "tiny"), optim.make("adamw"), 8, CPU, None, pipeline=False, name="mlp")
     assert isinstance(caught.value.__cause__, KeyError)
 
@@ -245,6 +269,7 @@ def test_a_program_meshdsl_cannot_read_ends_the_search_with_one_line(monkeypatch
 
 def test_search_ranks_by_predicted_time_and_writes_a_loadable_layout(tmp_path, monkeypatch) -> None:
     """Search traces only (compiling is forbidden here), ranks fastest first, and --out round-trips."""
+
     def no_compile(*args, **kwargs):
         raise AssertionError("search compiled something")
 
@@ -282,14 +307,46 @@ def test_nothing_fits_names_the_closest_and_by_how_much() -> None:
 
 def test_search_cli_writes_a_layout_train_accepts(tmp_path, capsys) -> None:
     out = tmp_path / "best.toml"
-    assert main(["search", "--model", "mlp", "--preset", "tiny", "--devices", "8", "--profile", "cpu-sim", "--out", str(out), "--no-pipeline"]) == 0
+    assert (
+        main(
+            [
+                "search",
+                "--model",
+                "mlp",
+                "--preset",
+                "tiny",
+                "--devices",
+                "8",
+                "--profile",
+                "cpu-sim",
+                "--out",
+                str(out),
+                "--no-pipeline",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "nothing compiled" in printed and "wrote the best layout" in printed
     assert main(["train", "--model", "mlp", "--preset", "tiny", "--layout", str(out), "--steps", "2"]) == 0
 
 
 def test_search_cli_no_fit_is_one_clean_error(capsys) -> None:
-    code = main(["search", "--model", "mlp", "--preset", "tiny", "--devices", "8", "--profile", "cpu-sim", "--memory-gb", "0.000001"])
+    code = main(
+        [
+            "search",
+            "--model",
+            "mlp",
+            "--preset",
+            "tiny",
+            "--devices",
+            "8",
+            "--profile",
+            "cpu-sim",
+            "--memory-gb",
+            "0.000001",
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("meshdsl search: error: no layout of mlp fits") and "\n" not in err
@@ -298,13 +355,33 @@ def test_search_cli_no_fit_is_one_clean_error(capsys) -> None:
 def test_explain_cli_prints_communication_memory_and_time(capsys) -> None:
     assert main(["explain", "--model", "mlp", "--preset", "tiny", "--layout", "dp_tp", "--profile", "cpu-sim"]) == 0
     printed = capsys.readouterr().out
-    for text in ("all-reduce", "parameters", "optimizer state", "gradients", "peak activations", "total (compiled)", "FLOPs per device", "compute"):
+    for text in (
+        "all-reduce",
+        "parameters",
+        "optimizer state",
+        "gradients",
+        "peak activations",
+        "total (compiled)",
+        "FLOPs per device",
+        "compute",
+    ):
         assert text in printed
 
 
 def test_explain_cli_prices_bf16_compute_on_the_cpu_profile(capsys) -> None:
     """cpu-sim has a bf16 matmul rate of its own, so a bf16 model is explained, not refused."""
-    args = ["explain", "--model", "transformer", "--preset", "tiny", "--layout", "dp_tp", "--profile", "cpu-sim", "--no-compile"]
+    args = [
+        "explain",
+        "--model",
+        "transformer",
+        "--preset",
+        "tiny",
+        "--layout",
+        "dp_tp",
+        "--profile",
+        "cpu-sim",
+        "--no-compile",
+    ]
     assert main([*args, "--set", "compute_dtype=bfloat16"]) == 0
     assert "compute" in capsys.readouterr().out
     assert CPU.matmul_rate("bfloat16") == CPU.matmul_flops["bfloat16"] < CPU.matmul_rate("float32")
@@ -316,7 +393,24 @@ def test_explain_cli_gspmd_prints_xlas_collectives_measured(capsys) -> None:
     from meshdsl.train.loop import load_layout
     from meshdsl.train.step import Trainer
 
-    assert main(["explain", "--model", "mlp", "--preset", "tiny", "--layout", "dp_tp", "--profile", "cpu-sim", "--backend", "gspmd"]) == 0
+    assert (
+        main(
+            [
+                "explain",
+                "--model",
+                "mlp",
+                "--preset",
+                "tiny",
+                "--layout",
+                "dp_tp",
+                "--profile",
+                "cpu-sim",
+                "--backend",
+                "gspmd",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     layout = load_layout("dp_tp")
     trainer = Trainer(build_model("mlp", "tiny"), optim.make("adamw"), layout.mesh(), layout, backend="gspmd")
@@ -379,12 +473,33 @@ def test_calibrate_cli_writes_a_loadable_profile(tmp_path, monkeypatch) -> None:
 
 
 def test_search_cli_measure_prints_predicted_beside_measured(capsys) -> None:
-    assert main(["search", "--model", "mlp", "--preset", "tiny", "--profile", "cpu-sim", "--measure", "2", "--top", "2", "--no-pipeline"]) == 0
+    assert (
+        main(
+            [
+                "search",
+                "--model",
+                "mlp",
+                "--preset",
+                "tiny",
+                "--profile",
+                "cpu-sim",
+                "--measure",
+                "2",
+                "--top",
+                "2",
+                "--no-pipeline",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     rows = [line.split() for line in printed.splitlines() if line.strip()[:2] in ("1 ", "2 ")]
     assert len(rows) == 2 and all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)
     measured = [float(r[2]) for r in rows]
-    verdict = re.search(r"the chosen layout \(#1\) measured ([\d.]+) ms, ([+-][\d.]+)% against the fastest measured \(#\d, ([\d.]+) ms\)", printed)
+    verdict = re.search(
+        r"the chosen layout \(#1\) measured ([\d.]+) ms, ([+-][\d.]+)% against the fastest measured \(#\d, ([\d.]+) ms\)",
+        printed,
+    )
     assert verdict, printed
     chosen, over, fastest = (float(g) for g in verdict.groups())
     assert chosen == measured[0] and fastest == min(measured)
@@ -433,7 +548,11 @@ def test_the_transformers_model_flops_count_causal_attention_as_half():
     c = model.config
     params = abstract_state(model, optim.make("sgd"))["params"]
     leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, md.Tensor))[0]
-    matmul = sum(x.array.size for path, x in leaves if any(w in jax.tree_util.keystr(path) for w in ("wqkv", "wo", "w_in", "w_out", "unembed")))
+    matmul = sum(
+        x.array.size
+        for path, x in leaves
+        if any(w in jax.tree_util.keystr(path) for w in ("wqkv", "wo", "w_in", "w_out", "unembed"))
+    )
     full = 3 * 2 * 2 * c.batch * c.heads * c.length**2 * c.d_kv * c.layers
     assert model.flops_per_step() == 6 * matmul * c.batch * c.length + full / 2
 
@@ -457,9 +576,11 @@ def test_fused_attention_primitives_count_the_matmuls_cudnn_runs():
         aval = jax.ShapeDtypeStruct(shape, np.float16)
         return Step(name, {"layout": layout, "mask_type": mask}, [], [], [aval], [aval, aval, aval], [])
 
-    cases = [("dot_product_attention_fwd_wrapper", 0, MaskType.NO_MASK, 2 * one),
-             ("dot_product_attention_fwd_wrapper", 1, MaskType.CAUSAL, one),
-             ("dot_product_attention_bwd_wrapper", 0, MaskType.CAUSAL, 5 * one / 2)]
+    cases = [
+        ("dot_product_attention_fwd_wrapper", 0, MaskType.NO_MASK, 2 * one),
+        ("dot_product_attention_fwd_wrapper", 1, MaskType.CAUSAL, one),
+        ("dot_product_attention_bwd_wrapper", 0, MaskType.CAUSAL, 5 * one / 2),
+    ]
     for name, layout, mask, want in cases:
         assert work(Block([step(name, layout, mask)], [], [])).matmul_flops == want, (name, layout, mask)
 
@@ -475,7 +596,10 @@ def test_calibrate_grows_sizes_until_the_rate_stops_rising() -> None:
 
     assert saturated(curve, [1, 2, 4, 8, 16, 32]) == (4, 40.0) and tried == [1, 2, 4, 8]
     tried.clear()
-    assert saturated(lambda n: (tried.append(n), (float(n), 1.0))[1], [1, 2, 4], max_call_s=0.5) == (1, 1.0) and tried == [1]
+    assert saturated(lambda n: (tried.append(n), (float(n), 1.0))[1], [1, 2, 4], max_call_s=0.5) == (
+        1,
+        1.0,
+    ) and tried == [1]
 
     def too_big(n: int) -> tuple[float, float]:
         if n > 2:
@@ -516,7 +640,23 @@ def test_search_says_why_candidates_were_dropped_and_reads_small_memory(capsys) 
     limit = (totals[len(totals) // 2] + totals[len(totals) // 2 - 1]) / 2
     over = sum(t > limit for t in totals)
     assert 0 < over < len(totals)
-    assert main(["search", "--model", "mlp", "--preset", "tiny", "--profile", "h100", "--no-pipeline", "--memory-gb", str(limit / 1e9)]) == 0
+    assert (
+        main(
+            [
+                "search",
+                "--model",
+                "mlp",
+                "--preset",
+                "tiny",
+                "--profile",
+                "h100",
+                "--no-pipeline",
+                "--memory-gb",
+                str(limit / 1e9),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert f"{len(totals) - over} fit, {over + len(everything.dropped)} dropped ({over} over memory" in printed
     best = min(everything.ranked, key=lambda item: item[1].step_s if item[1].memory.total <= limit else float("inf"))

@@ -19,19 +19,20 @@ with ``pytest -rP``) and asserts it. Deeper runs: ``pytest tests/test_programs.p
 Every defect the generator found is a named regression test below.
 """
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-from hypothesis import event, given, note, reject, settings, strategies as st
-from hypothesis.errors import UnsatisfiedAssumption
-
-import harness
-import meshdsl as md
 import programs as P
+import pytest
 import reference as R
 import strategies as S
+from hypothesis import event, given, note, reject, settings
+from hypothesis import strategies as st
+from hypothesis.errors import UnsatisfiedAssumption
 from reference import Named
+
+import meshdsl as md
 
 CHAINS = 25
 EXAMPLES = 20
@@ -138,7 +139,9 @@ def _softmax_of_pending_sum():
         return jax.grad(lambda x: md.reduce_sum(md.softmax(md.reduce_sum(x, "d"), "b") * c).array)(x)
 
     def ref(x, c):
-        return jax.grad(lambda a: jnp.sum(R.softmax(R.reduce("sum", Named(a, x.names), "d"), "b").array * c.array))(x.array)
+        return jax.grad(lambda a: jnp.sum(R.softmax(R.reduce("sum", Named(a, x.names), "d"), "b").array * c.array))(
+            x.array
+        )
 
     return fn, ref, (x, c)
 
@@ -158,8 +161,20 @@ def test_conv2d_gspmd_kernel_gradient_with_height_split():
     def fn(x, k):
         return jax.grad(lambda k: md.reduce_sum(md.conv2d(x, k)).array)(k)
 
-    want = jax.grad(lambda a: jnp.sum(R.conv2d(Named(jnp.asarray(x.numpy()), x.names), Named(a, k.names), "height", "width", "channels",
-                                                "out_channels", "kh", "kw").array))(jnp.asarray(k.numpy()))
+    want = jax.grad(
+        lambda a: jnp.sum(
+            R.conv2d(
+                Named(jnp.asarray(x.numpy()), x.names),
+                Named(a, k.names),
+                "height",
+                "width",
+                "channels",
+                "out_channels",
+                "kh",
+                "kw",
+            ).array
+        )
+    )(jnp.asarray(k.numpy()))
     got = md.compile(fn, harness.mesh("data4_model2"), "height:data", backend="gspmd")(x, k)
     harness.assert_values_close(got.numpy(), np.asarray(want), what="gspmd d sum(conv2d(x, k)) / dk")
 
@@ -230,7 +245,10 @@ def test_max_gradient_when_xla_recomputes_its_operand(layout):
         def loss(x):
             h = x + md.random.normal(key, [seq]) * 0.5
             out = md.one_hot(md.argmax(h, "seq"), new) * md.reduce_max(h, "seq")
-            return md.reduce_sum(md.transpose(out, ["heads", "d", "n"]) * md.tensor(cot, [md.Dim("heads", 12), md.Dim("d", 6), new])).array
+            return md.reduce_sum(
+                md.transpose(out, ["heads", "d", "n"]) * md.tensor(cot, [md.Dim("heads", 12), md.Dim("d", 6), new])
+            ).array
+
         return jax.grad(loss)(x)
 
     def ref(a):
@@ -280,7 +298,13 @@ def test_max_gradient_of_a_remat_scans_outputs_seed_3067():
 
     checked = 0
     for seed in range(4):
-        args = [x, xs, w] if seed == 0 else [harness.rand(np.random.default_rng([3067, seed]), dict(zip(t.names, t.shape.sizes))) for t in (x, xs, w)]
+        args = (
+            [x, xs, w]
+            if seed == 0
+            else [
+                harness.rand(np.random.default_rng([3067, seed]), dict(zip(t.names, t.shape.sizes))) for t in (x, xs, w)
+            ]
+        )
         try:
             with P.margins():
                 checked += harness.check(fn, args, ref, harness.mesh("a2_b2_c2"), "", around=True)

@@ -2,9 +2,9 @@
 draws (hypothesis derives them from this test's own name), in a file of its own so that
 pytest-xdist, which runs one file on one worker, runs the two halves side by side."""
 
-from hypothesis import given, settings, strategies as st
-
 import strategies as S
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_programs import EXAMPLES, assert_programs_were_checked, check_random_program
 
 

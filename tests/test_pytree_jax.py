@@ -4,12 +4,12 @@ md.compile, gradients laid out like the parameters, and ``x.numpy()`` as the glo
 The model is a two-layer MLP; its reference is the same MLP in jax.numpy on one device.
 """
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import harness
 import meshdsl as md
 from meshdsl.tensor import Tensor
 

@@ -12,17 +12,18 @@
 * zeros / ones / full under drawn layouts: values, dtypes, shardings, no communication.
 """
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings, strategies as st
-
-import harness
-import meshdsl as md
 import strategies as S
-from meshdsl import hlo
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from reference import Named
+
+import meshdsl as md
+from meshdsl import hlo
 
 
 def _key(seed: int, typed: bool):
@@ -57,8 +58,12 @@ def md_random(shape, minval, maxval):
 
 @settings(max_examples=S.examples(10))
 @given(
-    mesh=S.meshes(), pool=S.dim_pool(3), data=st.data(),
-    seed=st.integers(0, 2**31 - 1), typed=st.booleans(), bounds=st.sampled_from([(-2.0, 3.0), (0.5, 0.75), (-1e3, 1e3)]),
+    mesh=S.meshes(),
+    pool=S.dim_pool(3),
+    data=st.data(),
+    seed=st.integers(0, 2**31 - 1),
+    typed=st.booleans(),
+    bounds=st.sampled_from([(-2.0, 3.0), (0.5, 0.75), (-1e3, 1e3)]),
 )
 def test_random_equals_jax_random_under_every_layout(mesh, pool, data, seed, typed, bounds):
     shape = data.draw(S.sub_shape(pool), label="shape")
@@ -82,11 +87,14 @@ def test_random_equals_jax_random_under_every_layout(mesh, pool, data, seed, typ
     assert np.all((want[2] >= lo) & (want[2] < hi))
 
 
-@pytest.mark.parametrize(("mesh", "layout"), [
-    ("x8", {"a": "x"}),
-    ("data4_model2", {"a": ("model", "data")}),
-    ("a2_b2_c2", {"a": ("c", "a"), "b": "b"}),
-])
+@pytest.mark.parametrize(
+    ("mesh", "layout"),
+    [
+        ("x8", {"a": "x"}),
+        ("data4_model2", {"a": ("model", "data")}),
+        ("a2_b2_c2", {"a": ("c", "a"), "b": "b"}),
+    ],
+)
 @pytest.mark.parametrize("backend", harness.BACKENDS)
 def test_random_under_split_layout_compiles_no_collective(mesh, layout, backend):
     m = harness.mesh(mesh)
@@ -96,7 +104,9 @@ def test_random_under_split_layout_compiles_no_collective(mesh, layout, backend)
         # random values feeding a computation with a split input: still nothing to exchange.
         return md.random.normal(key, dims) * x + md.random.uniform(key, dims), md.random.bits(key, dims)
 
-    x = harness.from_numpy(np.ones((8, 6, 4), np.float32), dims, harness.expected_sharding(md.Layout(layout), m, ["a", "b", "c"]))
+    x = harness.from_numpy(
+        np.ones((8, 6, 4), np.float32), dims, harness.expected_sharding(md.Layout(layout), m, ["a", "b", "c"])
+    )
     compiled = md.compile(fn, m, layout, backend=backend)
     key = jax.random.key(7)
     text = compiled.lower(key, x).compile().as_text()
@@ -137,12 +147,18 @@ def dropout_ref(x: Named, rate: float, keep: Named) -> Named:
 
 @settings(max_examples=S.examples(10))
 @given(
-    mesh=S.meshes(), pool=S.dim_pool(3), data=st.data(), rng=S.rngs(), seed=st.integers(0, 2**31 - 1),
+    mesh=S.meshes(),
+    pool=S.dim_pool(3),
+    data=st.data(),
+    rng=S.rngs(),
+    seed=st.integers(0, 2**31 - 1),
     rate=st.sampled_from([0.0, 0.1, 0.5, 0.9]),
 )
 def test_dropout_and_constants(mesh, pool, data, rng, seed, rate):
     shape = data.draw(S.sub_shape(pool), label="x dims")
-    kept = data.draw(st.permutations(list(shape)).flatmap(lambda p: st.integers(1, len(p)).map(lambda k: p[:k])), label="noise dims")
+    kept = data.draw(
+        st.permutations(list(shape)).flatmap(lambda p: st.integers(1, len(p)).map(lambda k: p[:k])), label="noise dims"
+    )
     noise = data.draw(st.sampled_from([None, {n: shape[n] for n in kept}]), label="noise shape")
     layout = data.draw(S.layouts_any_order(mesh, pool), label="layout")
     key = jax.random.key(seed)
@@ -176,15 +192,24 @@ def test_dropout_and_constants(mesh, pool, data, rng, seed, rate):
 
 def _ones_x(mesh, layout, spec):
     ds = harness.dims(spec)
-    return harness.from_numpy(np.ones([d.size for d in ds], np.float32), ds, harness.expected_sharding(md.Layout(layout), mesh, [d.name for d in ds]))
+    return harness.from_numpy(
+        np.ones([d.size for d in ds], np.float32),
+        ds,
+        harness.expected_sharding(md.Layout(layout), mesh, [d.name for d in ds]),
+    )
 
 
 RATES = (0.25, 0.75)
 
 
-@pytest.mark.parametrize(("mesh", "layout"), [
-    ("x8", {"d": "x"}), ("data4_model2", {"batch": "data", "d": "model"}), ("a2_b2_c2", {"batch": ("b", "a"), "seq": "c"}),
-])
+@pytest.mark.parametrize(
+    ("mesh", "layout"),
+    [
+        ("x8", {"d": "x"}),
+        ("data4_model2", {"batch": "data", "d": "model"}),
+        ("a2_b2_c2", {"batch": ("b", "a"), "seq": "c"}),
+    ],
+)
 def test_dropout_mask_and_scale_are_the_same_under_every_layout(mesh, layout):
     # x = 1: the result is 1 / (1 - rate) exactly where uniform(key) >= rate, else 0.
     key = jax.random.key(11)
@@ -195,7 +220,9 @@ def test_dropout_mask_and_scale_are_the_same_under_every_layout(mesh, layout):
         got = md.compile(lambda x: [md.dropout(key, x, r) for r in RATES], m, layout, backend=backend)(x)
         for rate, g in zip(RATES, got):
             scale = np.float32(1 / (1 - rate))
-            np.testing.assert_allclose(g.numpy(), np.where(u >= rate, scale, 0), rtol=1e-6, err_msg=f"{backend} rate {rate}")
+            np.testing.assert_allclose(
+                g.numpy(), np.where(u >= rate, scale, 0), rtol=1e-6, err_msg=f"{backend} rate {rate}"
+            )
             assert set(np.unique(g.numpy())) <= {0.0, scale}
             assert abs(float(np.mean(g.numpy() == 0)) - rate) < 0.1  # roughly the rate dropped (512 draws)
 
@@ -222,11 +249,14 @@ def test_dropout_rate_zero_is_the_identity_and_bad_rates_raise():
             md.dropout(key, x, rate)
 
 
-@pytest.mark.parametrize(("mesh", "layout"), [
-    ("x8", {"a": "x"}),
-    ("data4_model2", {"a": ("data", "model")}),
-    ("a2_b2_c2", {"a": ("c", "b"), "b": "a"}),
-])
+@pytest.mark.parametrize(
+    ("mesh", "layout"),
+    [
+        ("x8", {"a": "x"}),
+        ("data4_model2", {"a": ("data", "model")}),
+        ("a2_b2_c2", {"a": ("c", "b"), "b": "a"}),
+    ],
+)
 def test_constants_build_their_blocks_without_communication(mesh, layout):
     m = harness.mesh(mesh)
     dims = harness.dims({"a": 8, "b": 2})

@@ -11,17 +11,18 @@ reduce_max is the one-hot of the argmax.
 import functools
 import operator
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings, strategies as st
-
-import harness
-import meshdsl as md
-from meshdsl import hlo
 import reference as R
 import strategies as S
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import meshdsl as md
+from meshdsl import hlo
 
 MD_REDUCE = {"sum": md.reduce_sum, "mean": md.reduce_mean, "max": md.reduce_max, "min": md.reduce_min}
 
@@ -37,12 +38,19 @@ def dims_arg(names, form, shape):
 
 def _cases(arg, names):
     """(name, md function, reference) for each result of the drawn test; each takes one input but "sum + sum"."""
-    cases = [(kind, lambda x, op=op: op(x, arg), lambda x, kind=kind: R.reduce(kind, x, names)) for kind, op in MD_REDUCE.items()]
+    cases = [
+        (kind, lambda x, op=op: op(x, arg), lambda x, kind=kind: R.reduce(kind, x, names))
+        for kind, op in MD_REDUCE.items()
+    ]
     return cases + [
         ("sum all", lambda x: md.reduce_sum(x), lambda x: R.reduce("sum", x)),
         ("max all", lambda x: md.reduce_max(x), lambda x: R.reduce("max", x)),
         # Two partial sums added before the collective.
-        ("sum + sum", lambda x, y: md.reduce_sum(x, arg) + md.reduce_sum(y, arg), lambda x, y: R.reduce("sum", x, names) + R.reduce("sum", y, names)),
+        (
+            "sum + sum",
+            lambda x, y: md.reduce_sum(x, arg) + md.reduce_sum(y, arg),
+            lambda x, y: R.reduce("sum", x, names) + R.reduce("sum", y, names),
+        ),
         ("logsumexp", lambda x: md.logsumexp(x, arg), lambda x: R.logsumexp(x, names)),
         ("softmax", lambda x: md.softmax(x, arg), lambda x: R.softmax(x, names)),
         ("log_softmax", lambda x: md.log_softmax(x, arg), lambda x: R.log_softmax(x, names)),
@@ -56,7 +64,9 @@ def test_reductions(mesh, pool, data, rng):
     # one collective after XLA's CSE, which md.explain counts twice (a known bug, see
     # test_einsum.py), so sharing inputs would hide the exact comparison behind it.
     shape = data.draw(S.sub_shape(pool), label="shape")
-    names = data.draw(st.lists(st.sampled_from(list(shape)), min_size=1, max_size=len(shape), unique=True), label="reduced")
+    names = data.draw(
+        st.lists(st.sampled_from(list(shape)), min_size=1, max_size=len(shape), unique=True), label="reduced"
+    )
     form = data.draw(st.sampled_from(["names", "string", "dims"]), label="dims form")
     layout = data.draw(S.layouts(mesh, pool), label="layout")
     cases = _cases(dims_arg(names, form, shape), names)
@@ -234,7 +244,9 @@ def test_grad_around_compile_of_ops_with_custom_derivatives(backend, layout):
         harness.assert_laid_out(g, md.Layout(layout), mesh, f"{backend} gradient of {name}")
 
 
-@pytest.mark.parametrize("layout, stored", [("rows:a", "cols:a"), ("rows:(a b)", "cols:(a b)"), ("rows:a; cols:b", "cols:(b c)")])
+@pytest.mark.parametrize(
+    "layout, stored", [("rows:a", "cols:a"), ("rows:(a b)", "cols:(a b)"), ("rows:a; cols:b", "cols:(b c)")]
+)
 def test_grad_around_compile_with_narrow_gradient_sums(layout, stored):
     # The other custom rules: with grad_reduce_dtype, a replicated operand met by a split one
     # (u) and a stored split parameter gathered beside split operands (w, FSDP) sum their
@@ -298,7 +310,11 @@ def test_softmax_family_of_fully_masked_rows_equals_jax_nn(name, backend):
         return fn(a, "vocab"), jax.grad(md_loss)(a)
 
     t = md.tensor(x, dims)
-    got = both(t) if backend == "eager" else md.compile(both, harness.mesh(MESH), "batch:data; vocab:model", backend=backend)(t)
+    got = (
+        both(t)
+        if backend == "eager"
+        else md.compile(both, harness.mesh(MESH), "batch:data; vocab:model", backend=backend)(t)
+    )
     np.testing.assert_allclose(got[0].numpy(), ref(x, axis=1), rtol=1e-6, atol=1e-6, equal_nan=True)
     want = jax.grad(ref_loss)(np.where(mask, 0.0, x).astype(np.float32))
     assert np.isfinite(want).all()

@@ -10,12 +10,11 @@ them).
 
 from decimal import MAX_EMAX, MIN_EMIN, Decimal, getcontext
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import harness
 import reference as R
 from reference import Named
 
@@ -73,7 +72,9 @@ def test_elementwise_reference_is_finite_and_right_on_extreme_inputs(name):
     # Inputs float32 can hold; the derivative as the harness takes it: jax.grad in float32.
     small = np.array([a for a in EXTREME if abs(a) < 3e38], np.float32)
     grad = jax.grad(lambda a: jnp.sum(ref(Named(a, "n")).array))(jnp.asarray(small))
-    _close(np.asarray(grad), [derivative(Decimal(float(a))) for a in small], 1e-5, 1e-6, f"{name} derivative (jax float32)")
+    _close(
+        np.asarray(grad), [derivative(Decimal(float(a))) for a in small], 1e-5, 1e-6, f"{name} derivative (jax float32)"
+    )
 
 
 ROWS = [
@@ -104,7 +105,13 @@ def test_softmax_family_reference_is_finite_and_right_on_extreme_inputs(row):
     scale = 1e-12 * max(1.0, *map(abs, row))  # the harness's tolerance is relative to the largest value too
     _close(R.logsumexp(x, "n").array.ravel(), [_logsumexp(row)], 1e-12, scale, "logsumexp forward")
     _close(R.softmax(x, "n").array.ravel(), probs, 1e-12, 1e-15, "softmax forward")
-    _close(R.log_softmax(x, "n").array.ravel(), [Decimal(v) - _logsumexp(row) for v in row], 1e-12, scale, "log_softmax forward")
+    _close(
+        R.log_softmax(x, "n").array.ravel(),
+        [Decimal(v) - _logsumexp(row) for v in row],
+        1e-12,
+        scale,
+        "log_softmax forward",
+    )
 
     # d logsumexp / dx = softmax; d sum(c * softmax) / dx = s * (c - sum(s c)).
     c = [1.0, -2.0, 0.5]
@@ -113,7 +120,13 @@ def test_softmax_family_reference_is_finite_and_right_on_extreme_inputs(row):
     _close(np.asarray(g_lse).ravel(), probs, 1e-5, 1e-6, "logsumexp derivative")
     g_sm = jax.grad(lambda v: jnp.sum(R.softmax(Named(v, "b n"), "n").array * jnp.asarray(c)))(a)
     weighted = sum(p * Decimal(ci) for p, ci in zip(probs, c))
-    _close(np.asarray(g_sm).ravel(), [p * (Decimal(ci) - weighted) for p, ci in zip(probs, c)], 1e-5, 1e-6, "softmax derivative")
+    _close(
+        np.asarray(g_sm).ravel(),
+        [p * (Decimal(ci) - weighted) for p, ci in zip(probs, c)],
+        1e-5,
+        1e-6,
+        "softmax derivative",
+    )
 
 
 def test_softmax_family_reference_of_masked_rows_is_jax_nn():

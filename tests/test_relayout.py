@@ -29,17 +29,24 @@ from fractions import Fraction
 import jax
 import numpy as np
 import pytest
-from hypothesis import event, given, settings, strategies as st
+import strategies as S
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 import meshdsl as md
-import strategies as S
 from meshdsl import hlo, relayout
 from meshdsl.collectives import Collective
 from meshdsl.relayout import State, Step, StepKind
 
-AG, A2A, PSUM, PS, SLICE = StepKind.ALL_GATHER, StepKind.ALL_TO_ALL, StepKind.PSUM, StepKind.PSUM_SCATTER, StepKind.SLICE
+AG, A2A, PSUM, PS, SLICE = (
+    StepKind.ALL_GATHER,
+    StepKind.ALL_TO_ALL,
+    StepKind.PSUM,
+    StepKind.PSUM_SCATTER,
+    StepKind.SLICE,
+)
 
 AXES = {"data": 4, "model": 2}
 SHAPE = (8, 16)
@@ -51,21 +58,47 @@ PLANS = [
     ("move between dims", (("model",), ()), ((), ("model",)), (), (Step(A2A, ("model",), 1, 0),)),
     ("pending into a dim that wants the axis", ((), ()), ((), ("data",)), ("data",), (Step(PS, ("data",), 1),)),
     ("pending no dim wants", ((), ()), ((), ()), ("data", "model"), (Step(PSUM, ("data", "model")),)),
-    ("pending: one scattered, one summed", ((), ()), ((), ("data",)), ("data", "model"), (Step(PS, ("data",), 1), Step(PSUM, ("model",)))),
+    (
+        "pending: one scattered, one summed",
+        ((), ()),
+        ((), ("data",)),
+        ("data", "model"),
+        (Step(PS, ("data",), 1), Step(PSUM, ("model",))),
+    ),
     ("no change", (("data",), ("model",)), (("data",), ("model",)), (), ()),
     ("two axes gathered at once", (("data", "model"), ()), ((), ()), (), (Step(AG, ("data", "model"), 0),)),
     ("innermost axis gathered", (("data", "model"), ()), (("data",), ()), (), (Step(AG, ("model",), 0),)),
     ("inner axis added", (("data",), ()), (("data", "model"), ()), (), (Step(SLICE, ("model",), 0),)),
     # the issue's first reproduction: slice first, then reduce-scatter (not all-reduce, then slice)
-    ("pending wanted minor: slice, then scatter", ((), ()), (("model", "data"), ()), ("data",), (Step(SLICE, ("model",), 0), Step(PS, ("data",), 0))),
+    (
+        "pending wanted minor: slice, then scatter",
+        ((), ()),
+        (("model", "data"), ()),
+        ("data",),
+        (Step(SLICE, ("model",), 0), Step(PS, ("data",), 0)),
+    ),
     # the second (the module docstring's example): data leaves dim 0 and comes back behind model
     (
         "axis added in front",
-        (("data",), ()), (("model", "data"), ()), (),
+        (("data",), ()),
+        (("model", "data"), ()),
+        (),
         (Step(SLICE, ("model",), 1), Step(A2A, ("data",), 1, 0), Step(A2A, ("model", "data"), 0, 1)),
     ),
-    ("two axes moved, order reversed", (("data", "model"), ()), ((), ("model", "data")), (), (Step(A2A, ("model", "data"), 1, 0, ("data", "model")),)),
-    ("scatter into an unsplit dim, then move", (("model",), ()), ((), ("data", "model")), ("data",), (Step(PS, ("data",), 1), Step(A2A, ("model",), 1, 0))),
+    (
+        "two axes moved, order reversed",
+        (("data", "model"), ()),
+        ((), ("model", "data")),
+        (),
+        (Step(A2A, ("model", "data"), 1, 0, ("data", "model")),),
+    ),
+    (
+        "scatter into an unsplit dim, then move",
+        (("model",), ()),
+        ((), ("data", "model")),
+        ("data",),
+        (Step(PS, ("data",), 1), Step(A2A, ("model",), 1, 0)),
+    ),
 ]
 
 
@@ -135,7 +168,9 @@ def _layouts(axis_items, shape):
         for dims, pending in out:
             grown += [(dims, pending), (dims, pending | {a})]
             for d, have in enumerate(dims):
-                grown += [(dims[:d] + (have[:k] + (a,) + have[k:],) + dims[d + 1 :], pending) for k in range(len(have) + 1)]
+                grown += [
+                    (dims[:d] + (have[:k] + (a,) + have[k:],) + dims[d + 1 :], pending) for k in range(len(have) + 1)
+                ]
         out = grown
     return tuple((dims, p) for dims, p in out if all(_fits(s, d, axis_sizes) for s, d in zip(shape, dims)))
 
@@ -165,7 +200,11 @@ def _one_step(s, t, axis_items, shape):
         summed = sp - tp
         if not changed:
             return PSUM, 2 * frac(summed) * local(sd)
-        if len(changed) == 1 and grows(sd[changed[0]], td[changed[0]]) and set(td[changed[0]][len(sd[changed[0]]) :]) == summed:
+        if (
+            len(changed) == 1
+            and grows(sd[changed[0]], td[changed[0]])
+            and set(td[changed[0]][len(sd[changed[0]]) :]) == summed
+        ):
             return PS, frac(summed) * local(sd)
         return None
     if tp != sp:
@@ -178,7 +217,11 @@ def _one_step(s, t, axis_items, shape):
             return SLICE, Fraction(0)
     if len(changed) == 2:
         for i, j in (changed, changed[::-1]):
-            if grows(td[i], sd[i]) and grows(sd[j], td[j]) and sorted(sd[i][len(td[i]) :]) == sorted(td[j][len(sd[j]) :]):
+            if (
+                grows(td[i], sd[i])
+                and grows(sd[j], td[j])
+                and sorted(sd[i][len(td[i]) :]) == sorted(td[j][len(sd[j]) :])
+            ):
                 return A2A, frac(td[j][len(sd[j]) :]) * local(sd)
     return None
 
@@ -263,7 +306,9 @@ EXHAUSTIVE = [
 ]
 
 
-@pytest.mark.parametrize(("axis_sizes", "shape"), EXHAUSTIVE, ids=[f"{'x'.join(map(str, m.values()))}-{s}" for m, s in EXHAUSTIVE])
+@pytest.mark.parametrize(
+    ("axis_sizes", "shape"), EXHAUSTIVE, ids=[f"{'x'.join(map(str, m.values()))}-{s}" for m, s in EXHAUSTIVE]
+)
 def test_plan_is_the_cheapest(axis_sizes, shape):
     names = list(axis_sizes)
     checked = 0
@@ -277,7 +322,10 @@ def test_plan_is_the_cheapest(axis_sizes, shape):
                 if dst_pending or _touched(src, dst, pending) != set(touched):
                     continue
                 steps = relayout.plan(src, dst, tuple(pending), shape, axis_sizes)
-                state, priced = (src, pending), relayout.step_bytes(steps, State(src, tuple(pending)), shape, ITEMSIZE, axis_sizes)
+                state, priced = (
+                    (src, pending),
+                    relayout.step_bytes(steps, State(src, tuple(pending)), shape, ITEMSIZE, axis_sizes),
+                )
                 for step, b in zip(steps, priced):
                     after = _after(state, step, sub, shape)
                     kind, price = _one_step(state, after, tuple(sub.items()), shape)
@@ -324,10 +372,21 @@ def _cover(axis_sizes, shape):
     return sorted(set(first.values()))
 
 
-APPLY = [({"a": 2}, (4, 2)), ({"a": 3}, (3, 6)), ({"a": 4}, (4, 4)), ({"a": 2, "b": 2}, (4, 4)), ({"a": 2, "b": 3}, (6, 6)), ({"a": 2, "b": 4}, (8, 8)), ({"a": 4, "b": 2}, (8, 4)), ({"a": 2, "b": 2, "c": 2}, (8, 8))]
+APPLY = [
+    ({"a": 2}, (4, 2)),
+    ({"a": 3}, (3, 6)),
+    ({"a": 4}, (4, 4)),
+    ({"a": 2, "b": 2}, (4, 4)),
+    ({"a": 2, "b": 3}, (6, 6)),
+    ({"a": 2, "b": 4}, (8, 8)),
+    ({"a": 4, "b": 2}, (8, 4)),
+    ({"a": 2, "b": 2, "c": 2}, (8, 8)),
+]
 
 
-@pytest.mark.parametrize(("axis_sizes", "shape"), APPLY, ids=[f"{'x'.join(map(str, m.values()))}-{s}" for m, s in APPLY])
+@pytest.mark.parametrize(
+    ("axis_sizes", "shape"), APPLY, ids=[f"{'x'.join(map(str, m.values()))}-{s}" for m, s in APPLY]
+)
 def test_apply_every_step(axis_sizes, shape):
     names = tuple(axis_sizes)
     devices = math.prod(axis_sizes.values())
@@ -357,7 +416,9 @@ def test_apply_every_step(axis_sizes, shape):
         return tuple(out)
 
     spec = PartitionSpec(names)  # one row per device, in mesh order
-    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * len(cases), out_specs=(spec,) * len(cases), check_vma=False))
+    program = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(spec,) * len(cases), out_specs=(spec,) * len(cases), check_vma=False)
+    )
     compiled = program.lower(*inputs).compile()
     for (src, pending, dst), got, want in zip(cases, compiled(*inputs), wanted):
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{src} -> {dst} with pending {pending}")
@@ -400,9 +461,9 @@ def test_plan_reaches_the_destination(case):
     state = State(src, pending)
     for step in relayout.plan(src, dst, pending, shape, mesh.axis_sizes):
         if step.kind is AG:  # only innermost axes can be gathered
-            assert state.axes[step.dim][-len(step.axes):] == step.axes
+            assert state.axes[step.dim][-len(step.axes) :] == step.axes
         if step.kind is A2A:
-            assert state.axes[step.from_dim][-len(step.axes):] == (step.from_axes or step.axes)
+            assert state.axes[step.from_dim][-len(step.axes) :] == (step.from_axes or step.axes)
         state = state.after(step)
     assert state == State(dst, ())
 
@@ -430,7 +491,13 @@ def test_apply_keeps_the_value(mesh, data, rng):
     def case():
         shape = tuple(data.draw(st.lists(S.sizes(), min_size=1, max_size=3)))
         pending = tuple(data.draw(st.lists(st.sampled_from(mesh.axis_names), unique=True, max_size=2)))
-        return mesh, shape, data.draw(S.legal_axes(mesh, shape, exclude=pending)), data.draw(S.legal_axes(mesh, shape)), pending
+        return (
+            mesh,
+            shape,
+            data.draw(S.legal_axes(mesh, shape, exclude=pending)),
+            data.draw(S.legal_axes(mesh, shape)),
+            pending,
+        )
 
     cases = [data.draw(st.builds(case), label=f"case {k}") for k in range(CASES_PER_PROGRAM)]
     sizes = mesh.axis_sizes
@@ -488,7 +555,9 @@ OUT_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize(("fn", "layout", "in_layouts", "src", "pending"), [c[1:] for c in OUT_LAYOUTS], ids=[c[0] for c in OUT_LAYOUTS])
+@pytest.mark.parametrize(
+    ("fn", "layout", "in_layouts", "src", "pending"), [c[1:] for c in OUT_LAYOUTS], ids=[c[0] for c in OUT_LAYOUTS]
+)
 def test_out_layouts_move_the_least_bytes(fn, layout, in_layouts, src, pending):
     mesh = md.Mesh(AXES)
     rng = np.random.default_rng(3)
@@ -509,7 +578,9 @@ def test_out_layouts_move_the_least_bytes(fn, layout, in_layouts, src, pending):
 # ---- the gradient of a relayout is the cheapest relayout back ----
 
 
-@pytest.mark.parametrize(("axis_sizes", "shape"), APPLY, ids=[f"{'x'.join(map(str, m.values()))}-{s}" for m, s in APPLY])
+@pytest.mark.parametrize(
+    ("axis_sizes", "shape"), APPLY, ids=[f"{'x'.join(map(str, m.values()))}-{s}" for m, s in APPLY]
+)
 def test_gradient_moves_the_least_bytes_back(axis_sizes, shape):
     """The gradient of relayout ``src -> dst`` is the cotangent moved ``dst -> src``: its values are
     the cotangent's blocks (numpy), and its bytes the brute-force minimum of that relayout. A free
@@ -532,7 +603,9 @@ def test_gradient_moves_the_least_bytes_back(axis_sizes, shape):
         return tuple(out)
 
     in_specs = tuple(_spec(src) for src, _ in cases) + tuple(_spec(dst) for _, dst in cases)
-    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=tuple(_spec(src) for src, _ in cases)))
+    program = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=tuple(_spec(src) for src, _ in cases))
+    )
     args = [np.zeros(shape, np.float32) for _ in cases] + cts
     compiled = program.lower(*args).compile()
     for (src, dst), got, ct in zip(cases, compiled(*args), cts):

@@ -12,15 +12,16 @@ another dim one all-to-all, merging or cutting dims whose leading dims are split
 and a transpose nothing.
 """
 
+import harness
 import numpy as np
 import pytest
-from hypothesis import assume, event, given, settings, strategies as st
-
-import harness
-import meshdsl as md
 import reference as R
 import strategies as S
+from hypothesis import assume, event, given, settings
+from hypothesis import strategies as st
 from reference import Named
+
+import meshdsl as md
 
 D = md.Dim
 NEW = ("renamed", "merged", "hi", "lo", "c1", "c2", "h", "l", "g")
@@ -130,25 +131,61 @@ TRANSPOSE = (lambda t: md.transpose(t, ["b", "a"]), lambda t: t.to("b a"))
 CASES = [
     # split -> unsplit: all-gather of the [8, 4] result: (n-1)/n * 128 bytes.
     ("rename split -> unsplit", "data4_model2", RENAME, {"a": "data"}, {"all-gather": (1, 96.0)}),
-    ("rename split over axis pair -> unsplit", "data4_model2", RENAME, {"a": ("data", "model")}, {"all-gather": (1, 112.0)}),
+    (
+        "rename split over axis pair -> unsplit",
+        "data4_model2",
+        RENAME,
+        {"a": ("data", "model")},
+        {"all-gather": (1, 112.0)},
+    ),
     ("rename split -> unsplit on x8", "x8", RENAME, {"a": "x"}, {"all-gather": (1, 112.0)}),
     ("rename unsplit -> split", "data4_model2", RENAME, {"c": "data"}, {}),
     ("rename unsplit -> split over axis pair", "a2_b2_c2", RENAME, {"c": ("c", "a"), "b": "b"}, {}),
     ("rename split stays", "data4_model2", RENAME, {"a": "data", "c": "data", "b": "model"}, {}),
     # a different axis on the same position: slice model locally, one all-to-all (24 bytes) puts the
     # blocks in (model, data) order, then gather data (48 bytes): 72 bytes, where gathering first moves 96.
-    ("rename to another axis", "data4_model2", RENAME, {"a": "data", "c": "model"}, {"all-to-all": (1, 24.0), "all-gather": (1, 48.0)}),
+    (
+        "rename to another axis",
+        "data4_model2",
+        RENAME,
+        {"a": "data", "c": "model"},
+        {"all-to-all": (1, 24.0), "all-gather": (1, 48.0)},
+    ),
     # The split moves from position 0 to position 1: one all-to-all of the local [4, 4] block.
-    ("reshape keeping positions moves the split", "data4_model2", KEEP_POSITIONS, {"a": "model"}, {"all-to-all": (1, 32.0)}),
-    ("replace_dimensions moves the split", "data4_model2", REPLACE, {"a": "model", "d": "model"}, {"all-to-all": (1, 32.0)}),
+    (
+        "reshape keeping positions moves the split",
+        "data4_model2",
+        KEEP_POSITIONS,
+        {"a": "model"},
+        {"all-to-all": (1, 32.0)},
+    ),
+    (
+        "replace_dimensions moves the split",
+        "data4_model2",
+        REPLACE,
+        {"a": "model", "d": "model"},
+        {"all-to-all": (1, 32.0)},
+    ),
     ("replace_dimensions moves the split on x8", "x8", REPLACE_8x8, {"a": "x", "d": "x"}, {"all-to-all": (1, 28.0)}),
     # Merging [a, b] -> [m] with a and m split alike: each device holds one contiguous block.
     ("merge, leading dims split alike", "data4_model2", MERGE, {"a": "data", "m": "data"}, {}),
-    ("merge, split alike over an axis pair", "data4_model2", MERGE, {"a": ("data", "model"), "m": ("data", "model")}, {}),
+    (
+        "merge, split alike over an axis pair",
+        "data4_model2",
+        MERGE,
+        {"a": ("data", "model"), "m": ("data", "model")},
+        {},
+    ),
     ("merge, split alike over x", "x8", MERGE, {"a": "x", "m": "x"}, {}),
     ("regroup [8, 4] -> [2, 16], leading split alike", "a2_b2_c2", REGROUP, {"a": "a", "p": "a"}, {}),
     # Not alike: the input's split is gathered ((n-1)/n of the whole 128 bytes), the output's sliced.
-    ("merge, leading dims split differently", "data4_model2", MERGE, {"a": "data", "m": "model"}, {"all-gather": (1, 96.0)}),
+    (
+        "merge, leading dims split differently",
+        "data4_model2",
+        MERGE,
+        {"a": "data", "m": "model"},
+        {"all-gather": (1, 96.0)},
+    ),
     ("merge, trailing dim split", "data4_model2", MERGE, {"b": "data", "m": "data"}, {"all-gather": (1, 96.0)}),
     ("merge, split -> unsplit", "a2_b2_c2", MERGE, {"a": ("a", "b")}, {"all-gather": (1, 96.0)}),
     ("transpose", "data4_model2", TRANSPOSE, {"a": "data", "b": "model"}, {}),
@@ -186,14 +223,18 @@ def test_two_renames_gather_then_slice():
     assert md.explain(fn, m, layout, x).summary() == {"all-gather": {"count": 1, "bytes": 64.0}}
 
 
-@pytest.mark.parametrize(("mesh", "layout", "want"), [
-    ("data4_model2", {"a": "data", "m": "data"}, {}),
-    ("data4_model2", {"a": "data", "m": "data", "b2": "model"}, {}),
-    ("a2_b2_c2", {"a": ("b", "c"), "m": ("b", "c"), "b2": "a"}, {}),
-    ("x8", {}, {}),
-    # b cut into (b1 b2) while split: gathered first (f32[4, 6] local -> [4, 12]: 96 bytes).
-    ("data4_model2", {"b": "model"}, {"all-gather": (1, 96.0)}),
-], ids=["alike", "alike + b2 split", "axis pairs", "replicated", "cut dim split"])
+@pytest.mark.parametrize(
+    ("mesh", "layout", "want"),
+    [
+        ("data4_model2", {"a": "data", "m": "data"}, {}),
+        ("data4_model2", {"a": "data", "m": "data", "b2": "model"}, {}),
+        ("a2_b2_c2", {"a": ("b", "c"), "m": ("b", "c"), "b2": "a"}, {}),
+        ("x8", {}, {}),
+        # b cut into (b1 b2) while split: gathered first (f32[4, 6] local -> [4, 12]: 96 bytes).
+        ("data4_model2", {"b": "model"}, {"all-gather": (1, 96.0)}),
+    ],
+    ids=["alike", "alike + b2 split", "axis pairs", "replicated", "cut dim split"],
+)
 def test_rearrange_against_numpy(mesh, layout, want):
     # "a (b1 b2) -> b2 (m: a b1)": numpy's reshape to [a, b1, b2], transpose to [b2, a, b1],
     # reshape to [b2, a * b1], written out here on the array itself.

@@ -13,17 +13,18 @@ compute layout leaves alone) give the same values and gradients, gathered one la
 inside the loop, the gradients leaving reduce-scattered into the stored layout.
 """
 
+import harness
 import jax
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings, strategies as st
-
-import harness
-import meshdsl as md
 import reference as R
 import strategies as S
-from meshdsl import hlo
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from reference import Named
+
+import meshdsl as md
+from meshdsl import hlo
 
 D = md.Dim
 
@@ -63,8 +64,12 @@ def params(rng, sizes, orders=("layers d d_ff", "layers d_ff d", "layers d")):
 
 @settings(max_examples=S.examples(6))
 @given(
-    mesh=S.meshes(), data=st.data(), rng=S.rngs(), remat=st.booleans(),
-    layers=st.sampled_from([2, 4, 8]), sizes=st.fixed_dictionaries({"batch": S.sizes(), "d": S.sizes(), "d_ff": S.sizes()}),
+    mesh=S.meshes(),
+    data=st.data(),
+    rng=S.rngs(),
+    remat=st.booleans(),
+    layers=st.sampled_from([2, 4, 8]),
+    sizes=st.fixed_dictionaries({"batch": S.sizes(), "d": S.sizes(), "d_ff": S.sizes()}),
 )
 def test_scan_matches_a_loop(mesh, data, rng, remat, layers, sizes):
     sizes = {**sizes, "layers": layers}
@@ -79,11 +84,14 @@ def test_scan_matches_a_loop(mesh, data, rng, remat, layers, sizes):
 SIZES = {"batch": 8, "d": 16, "d_ff": 8, "layers": 4}
 
 
-@pytest.mark.parametrize(("mesh", "layout"), [
-    ("x8", {"layers": ("x",)}),
-    ("data4_model2", {"layers": ("data",), "batch": ("model",)}),
-    ("a2_b2_c2", {"layers": ("c", "a"), "d_ff": ("b",)}),
-])
+@pytest.mark.parametrize(
+    ("mesh", "layout"),
+    [
+        ("x8", {"layers": ("x",)}),
+        ("data4_model2", {"layers": ("data",), "batch": ("model",)}),
+        ("a2_b2_c2", {"layers": ("c", "a"), "d_ff": ("b",)}),
+    ],
+)
 def test_split_layers_gathered_once_before_the_loop(mesh, layout):
     # layers over A: w, v and s are each all-gathered along layers once (3 all-gathers, not one
     # per layer); the layer body then needs nothing but d_ff's reduction, if d_ff is split.
@@ -141,14 +149,21 @@ def _grad_ref(args, cot_h, cot_y):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*(jax.device_put(a.numpy(), dev) for a in args))
 
 
-@pytest.mark.parametrize(("mesh", "layout", "stored", "scattered", "gathers"), STORED, ids=lambda v: str(v) if isinstance(v, (str, dict)) else None)
+@pytest.mark.parametrize(
+    ("mesh", "layout", "stored", "scattered", "gathers"),
+    STORED,
+    ids=lambda v: str(v) if isinstance(v, (str, dict)) else None,
+)
 def test_stored_parameter_layout(mesh, layout, stored, scattered, gathers):
     m = harness.mesh(mesh)
     compute, stored = md.Layout(layout), md.Layout({**layout, **stored})
     rng = np.random.default_rng(2)
     args = params(rng, SIZES)
     in_layouts = (None, stored, stored, stored)
-    args = [harness.from_numpy(a.numpy(), a.shape.dims, harness.expected_sharding(lay or compute, m, a.names)) for a, lay in zip(args, in_layouts)]
+    args = [
+        harness.from_numpy(a.numpy(), a.shape.dims, harness.expected_sharding(lay or compute, m, a.names))
+        for a, lay in zip(args, in_layouts)
+    ]
     want_h, want_ys = scan_ref(*(Named(a.numpy().astype(np.float64), a.names) for a in args))
     fn = scan_fn(remat=False)
 
@@ -164,7 +179,10 @@ def test_stored_parameter_layout(mesh, layout, stored, scattered, gathers):
     cot_h = rng.standard_normal((SIZES["batch"], SIZES["d"])).astype(np.float32)
     cot_y = rng.standard_normal((SIZES["layers"], SIZES["batch"])).astype(np.float32)
     want = _grad_ref(args, cot_h, cot_y)
-    cots = (md.tensor(cot_h, harness.dims({"batch": 8, "d": 16})), md.tensor(cot_y, harness.dims({"layers": 4, "batch": 8})))
+    cots = (
+        md.tensor(cot_h, harness.dims({"batch": 8, "d": 16})),
+        md.tensor(cot_y, harness.dims({"layers": 4, "batch": 8})),
+    )
     grad = _grad_fn(fn, *cots)
     # gradients leave in the layout their parameters are stored in (FSDP's reduce-scatter).
     out_layouts = (compute, stored, stored, stored)
@@ -190,13 +208,22 @@ def _explain_equals_hlo(fn, m, layout, args, in_layouts, out_layouts):
 def test_pending_sum_times_a_stored_tensor():
     m = harness.mesh("data4_model2")
     rng = np.random.default_rng(5)
-    u, v, s = harness.rand(rng, {"batch": 2, "d_ff": 4}), harness.rand(rng, {"d_ff": 4, "d": 8}), harness.rand(rng, {"d": 8})
+    u, v, s = (
+        harness.rand(rng, {"batch": 2, "d_ff": 4}),
+        harness.rand(rng, {"d_ff": 4, "d": 8}),
+        harness.rand(rng, {"d": 8}),
+    )
 
     def fn(u, v, s):
         return md.einsum(u, v, out=["batch", "d"]) * s
 
     got = md.compile(fn, m, {"d_ff": "model"}, in_layouts=(None, None, {"d": "data"}))(u, v, s)
-    harness.assert_close(got, R.einsum("batch d", Named(u.numpy(), u.names), Named(v.numpy(), v.names)) * Named(s.numpy(), ["d"]), 1e-5, "spmd")
+    harness.assert_close(
+        got,
+        R.einsum("batch d", Named(u.numpy(), u.names), Named(v.numpy(), v.names)) * Named(s.numpy(), ["d"]),
+        1e-5,
+        "spmd",
+    )
 
 
 def test_explain_of_a_one_layer_scan_gradient():
@@ -310,16 +337,22 @@ def _fsdp_temporaries(layers: int, stored_axis: str, sizes: dict[str, int]) -> i
     v = harness.rand(rng, {"layers": layers, "d_ff": sizes["d_ff"], "d_model": sizes["d_model"]})
 
     def step(h, p):
-        return h + md.einsum(md.tanh(md.einsum(h, p["w"], out=["batch", "d_ff"])), p["v"], out=["batch", "d_model"]), None
+        return h + md.einsum(
+            md.tanh(md.einsum(h, p["w"], out=["batch", "d_ff"])), p["v"], out=["batch", "d_model"]
+        ), None
 
     def grad(h0, w, v):
-        return jax.grad(lambda w, v: md.reduce_sum(md.scan(step, h0, {"w": w, "v": v}, "layers")[0]).array, argnums=(0, 1))(w, v)
+        return jax.grad(
+            lambda w, v: md.reduce_sum(md.scan(step, h0, {"w": w, "v": v}, "layers")[0]).array, argnums=(0, 1)
+        )(w, v)
 
     compiled = md.compile(grad, m, compute, in_layouts=(None, stored, stored), out_layouts=stored)
     return compiled.lower(h0, w, v).compile().memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("stored_axis", ["data", "model"], ids=["activations-vary-along-storage", "activations-invariant-along-storage"])
+@pytest.mark.parametrize(
+    "stored_axis", ["data", "model"], ids=["activations-vary-along-storage", "activations-invariant-along-storage"]
+)
 def test_fsdp_layer_loop_holds_one_layers_gathered_weights(stored_axis):
     # ZeRO-3: each layer's weights are gathered again for its backward step, not saved, so adding
     # layers adds only their saved activations: the layer's input h [batch, d_model] and its two

@@ -13,17 +13,16 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import meshdsl.models.mlp as mlp
 import numpy as np
 import pytest
 
 import meshdsl as md
-import meshdsl.models.mlp as mlp
 from meshdsl.cli import main
 from meshdsl.train import optim
 from meshdsl.train.loop import RunConfig, train
 from meshdsl.train.progress import Progress, Step
 from meshdsl.train.step import Trainer
-
 
 # ---- schedules ---------------------------------------------------------------------------------
 

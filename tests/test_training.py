@@ -10,16 +10,16 @@ mesh with no rules, where nothing is split and no collective runs.
 import re
 from pathlib import Path
 
+import harness
 import jax
+import meshdsl.models.mlp as mlp
+import meshdsl.models.transformer as transformer
+import model_figures
 import numpy as np
 import pytest
 
-import harness
-import model_figures
 import meshdsl as md
 from meshdsl import hlo
-import meshdsl.models.mlp as mlp
-import meshdsl.models.transformer as transformer
 from meshdsl.train import optim
 from meshdsl.train.step import Trainer
 
@@ -56,7 +56,10 @@ def test_loss_falls_on_the_synthetic_task(name):
 
 
 def _params(state):
-    return {k: v.numpy() for k, v in jax.tree_util.tree_leaves_with_path(state["params"], is_leaf=lambda x: isinstance(x, md.Tensor))}
+    return {
+        k: v.numpy()
+        for k, v in jax.tree_util.tree_leaves_with_path(state["params"], is_leaf=lambda x: isinstance(x, md.Tensor))
+    }
 
 
 @pytest.mark.parametrize(
@@ -72,7 +75,9 @@ def test_statistics_over_split_dims_give_the_same_update(optimizer):
     """Factored moments (over d_io, d_ff) and global norms, with those dims split over the mesh."""
     model = mlp.Model(mlp.Config.preset("tiny"))
     ref_losses, ref_state = _losses(model, optimizer, *SINGLE, steps=3)
-    assert optimizer.__class__ is not optim.Adafactor or optimizer.factored_dims(model.init(jax.random.key(0))["w1"].shape)
+    assert optimizer.__class__ is not optim.Adafactor or optimizer.factored_dims(
+        model.init(jax.random.key(0))["w1"].shape
+    )
     for rules in ["d_io:data; d_ff:model", "batch:data; d_ff:model", "d_ff:(data, model)"]:
         layout = md.Layout(rules, params="d_io:(data, model)")
         losses, state = _losses(model, optimizer, md.Mesh({"data": 4, "model": 2}), layout, steps=3)
@@ -113,7 +118,10 @@ def test_fsdp_stores_parameters_split_and_reduce_scatters_gradients():
     assert summary["reduce-scatter"]["count"] == model.config.layers + outside
     assert summary["all-gather"]["count"] == 2 * model.config.layers + outside
     # Only scalars are all-reduced: the loss and the global norm that AdamW clips by.
-    assert {(r.op, r.buffer_bytes) for r in report.rows if r.collective.value == "all-reduce"} == {("array", 4), ("sqrt", 4)}
+    assert {(r.op, r.buffer_bytes) for r in report.rows if r.collective.value == "all-reduce"} == {
+        ("array", 4),
+        ("sqrt", 4),
+    }
 
 
 def test_fsdp_reduce_scatters_gradients_in_bf16():
@@ -131,10 +139,16 @@ def test_fsdp_reduce_scatters_gradients_in_bf16():
     assert bf16["reduce-scatter"]["bytes"] == f32["reduce-scatter"]["bytes"] / 2
     assert bf16["all-gather"] == f32["all-gather"]
     jaxpr = str(jax.make_jaxpr(narrow.step.spmd_function)(state, key))
-    assert len(re.findall(r"bf16\[[\d,]*\](?:{[^}]*})? = reduce_scatter", jaxpr)) == f32["reduce-scatter"]["count"] - model.config.layers + 1
+    assert (
+        len(re.findall(r"bf16\[[\d,]*\](?:{[^}]*})? = reduce_scatter", jaxpr))
+        == f32["reduce-scatter"]["count"] - model.config.layers + 1
+    )
     assert not re.findall(r"f32\[[\d,]*\](?:{[^}]*})? = reduce_scatter", jaxpr)
     # on CPU, explain's figures (16-bit sums priced as the f32 XLA's CPU backend runs) are the HLO's
-    assert hlo.summary(narrow.step.lower(state, key).compile().as_text(), num_devices=8) == narrow.explain(state, key).summary()
+    assert (
+        hlo.summary(narrow.step.lower(state, key).compile().as_text(), num_devices=8)
+        == narrow.explain(state, key).summary()
+    )
     reference, _ = _losses(model, optim.adamw(1e-2), layout.mesh(), layout)
     losses, _ = harness.train(narrow, 5)
     np.testing.assert_allclose(losses, reference, rtol=2e-2)

@@ -76,11 +76,19 @@ def test_the_tutorial_runs_as_written(tmp_path: Path, monkeypatch, capsys) -> No
         assert missing is None, f"$ {command}\nprints no line like the tutorial's {missing!r}; it printed:\n{printed}"
     best = md.Layout.load(tmp_path / "best.toml")
     split = set(best.rules) | set(best.params.rules if best.params else {})
-    assert split and split <= {"rows", "features", "hidden"}, f"search's best layout splits {split}, not the model's dims"
+    assert split and split <= {"rows", "features", "hidden"}, (
+        f"search's best layout splits {split}, not the model's dims"
+    )
 
 
 def test_the_placeholder_reading_catches_a_changed_word() -> None:
     printed = "step  1/20 [#...] loss 1.4880  step 11464.6 ms  3 examples/s\nwrote best.toml"
-    assert _holds_in_order(printed, ["step 1/20 [#...] loss 0.9  step 2.0 ms  12,000 examples/s", "wrote best.toml"]) is None
+    assert (
+        _holds_in_order(printed, ["step 1/20 [#...] loss 0.9  step 2.0 ms  12,000 examples/s", "wrote best.toml"])
+        is None
+    )
     assert _holds_in_order(printed, ["step 1/20 [#...] loss 0.9  step 2.0 ms  12,000 tokens/s"]) is not None
-    assert _holds_in_order(printed, ["wrote best.toml", "step 1/20 [#...] loss 0.9  step 2.0 ms  3 examples/s"]) is not None
+    assert (
+        _holds_in_order(printed, ["wrote best.toml", "step 1/20 [#...] loss 0.9  step 2.0 ms  3 examples/s"])
+        is not None
+    )

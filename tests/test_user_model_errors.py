@@ -8,11 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import harness
 import pytest
 
-import harness
-
-GOOD = '''import dataclasses
+GOOD = """import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -43,51 +42,116 @@ class Model:
     def loss(self, params, batch):
         err = batch["x"] * params["w"] - batch["y"]
         return md.reduce_mean(md.square(err))
-'''
+"""
 
 LOSS_RETURN = "        return md.reduce_mean(md.square(err))"
 LOSS_DEF = "    def loss(self, params, batch):"
 
 # name: (replace this, with that, the line the message names (a snippet of it), texts the message holds)
 MISTAKES = {
-    "loss returns a vector": (LOSS_RETURN, "        return md.reduce_mean(md.square(err), 'cols')", LOSS_DEF,
-                              ["Model.loss(params, batch) returned an md tensor [batch=16]", "a scalar float md tensor"]),
-    "loss returns a jnp scalar": (LOSS_RETURN, "        return jnp.mean(md.square(err).array)", LOSS_DEF,
-                                  ["Model.loss(params, batch) returned an array float32[]", "a scalar float md tensor"]),
-    "loss returns a float": (LOSS_RETURN, "        return 1.5", LOSS_DEF,
-                             ["Model.loss(params, batch) returned float 1.5", "a scalar float md tensor"]),
+    "loss returns a vector": (
+        LOSS_RETURN,
+        "        return md.reduce_mean(md.square(err), 'cols')",
+        LOSS_DEF,
+        ["Model.loss(params, batch) returned an md tensor [batch=16]", "a scalar float md tensor"],
+    ),
+    "loss returns a jnp scalar": (
+        LOSS_RETURN,
+        "        return jnp.mean(md.square(err).array)",
+        LOSS_DEF,
+        ["Model.loss(params, batch) returned an array float32[]", "a scalar float md tensor"],
+    ),
+    "loss returns a float": (
+        LOSS_RETURN,
+        "        return 1.5",
+        LOSS_DEF,
+        ["Model.loss(params, batch) returned float 1.5", "a scalar float md tensor"],
+    ),
     "loss returns an int": (LOSS_RETURN, "        return 3", LOSS_DEF, ["returned int 3", "a scalar float md tensor"]),
-    "loss returns an int tensor": (LOSS_RETURN, "        return md.cast(md.reduce_mean(md.square(err)), 'int32')", LOSS_DEF,
-                                   ["returned an md tensor [] of int32", "a scalar float md tensor"]),
-    "loss reads a missing key": ('err = batch["x"]', 'err = batch["z"]', 'err = batch["z"]',
-                                 ["Model.loss(params, batch) failed", "KeyError: 'z'"]),
-    "loss has the wrong signature": (LOSS_DEF, "    def loss(self, params):", "    def loss(self, params):",
-                                     ["Model.loss takes (self, params)", "loss(params, batch)"]),
-    "loss makes a shape mistake": ('err = batch["x"]', 'err = md.reduce_sum(batch["x"], "rows") + batch["x"]', 'md.reduce_sum(batch["x"], "rows")',
-                                   ["reduce_sum", "'rows'"]),
-    "init raises": ('        return {"w": md.random.normal(key, [self.cols])}', '        raise RuntimeError("no weights file")',
-                    'raise RuntimeError("no weights file")', ["Model.init(key) failed", "RuntimeError: no weights file"]),
-    "init returns arrays": ('        return {"w": md.random.normal(key, [self.cols])}', '        return {"w": jnp.zeros(8)}',
-                            "    def init(self, key):", ["Model.init(key) returned", "float32[8]", "md tensors"]),
-    "Model(config) raises": ("        self.config = config", "        self.config = config.missing_field", "config.missing_field",
-                             ["Model(config) failed", "AttributeError", "missing_field"]),
-    "batch raises": ('        x = md.random.normal(key, [self.rows, self.cols])', '        x = 1 / 0',
-                     "x = 1 / 0", ["Model.batch(key) failed", "ZeroDivisionError"]),
-    "batch returns a list": ('        return {"x": x, "y": md.square(x)}', '        return [x, md.square(x)]', 'err = batch["x"]',
-                             ["Model.loss(params, batch) failed", "TypeError: list indices"]),
-    "batch returns arrays": ('        return {"x": x, "y": md.square(x)}', '        return {"x": x, "y": x.array}',
-                             "    def batch(self, key):", ["Model.batch(key) returned an array float32[16, 8]", "['y']", "md tensors"]),
-    "Config rejects its values": ('    PRESETS = {"tiny": {}}',
-                                  '    PRESETS = {"tiny": {}}\n\n    def __post_init__(self):\n        raise RuntimeError("cols must be odd")',
-                                  'raise RuntimeError("cols must be odd")', ["Config(", "RuntimeError: cols must be odd"]),
-    "exit at import": ("import dataclasses\n", "import dataclasses\nimport sys\nsys.exit(0)\n", "sys.exit(0)",
-                       ["importing it", "sys.exit(0)"]),
+    "loss returns an int tensor": (
+        LOSS_RETURN,
+        "        return md.cast(md.reduce_mean(md.square(err)), 'int32')",
+        LOSS_DEF,
+        ["returned an md tensor [] of int32", "a scalar float md tensor"],
+    ),
+    "loss reads a missing key": (
+        'err = batch["x"]',
+        'err = batch["z"]',
+        'err = batch["z"]',
+        ["Model.loss(params, batch) failed", "KeyError: 'z'"],
+    ),
+    "loss has the wrong signature": (
+        LOSS_DEF,
+        "    def loss(self, params):",
+        "    def loss(self, params):",
+        ["Model.loss takes (self, params)", "loss(params, batch)"],
+    ),
+    "loss makes a shape mistake": (
+        'err = batch["x"]',
+        'err = md.reduce_sum(batch["x"], "rows") + batch["x"]',
+        'md.reduce_sum(batch["x"], "rows")',
+        ["reduce_sum", "'rows'"],
+    ),
+    "init raises": (
+        '        return {"w": md.random.normal(key, [self.cols])}',
+        '        raise RuntimeError("no weights file")',
+        'raise RuntimeError("no weights file")',
+        ["Model.init(key) failed", "RuntimeError: no weights file"],
+    ),
+    "init returns arrays": (
+        '        return {"w": md.random.normal(key, [self.cols])}',
+        '        return {"w": jnp.zeros(8)}',
+        "    def init(self, key):",
+        ["Model.init(key) returned", "float32[8]", "md tensors"],
+    ),
+    "Model(config) raises": (
+        "        self.config = config",
+        "        self.config = config.missing_field",
+        "config.missing_field",
+        ["Model(config) failed", "AttributeError", "missing_field"],
+    ),
+    "batch raises": (
+        "        x = md.random.normal(key, [self.rows, self.cols])",
+        "        x = 1 / 0",
+        "x = 1 / 0",
+        ["Model.batch(key) failed", "ZeroDivisionError"],
+    ),
+    "batch returns a list": (
+        '        return {"x": x, "y": md.square(x)}',
+        "        return [x, md.square(x)]",
+        'err = batch["x"]',
+        ["Model.loss(params, batch) failed", "TypeError: list indices"],
+    ),
+    "batch returns arrays": (
+        '        return {"x": x, "y": md.square(x)}',
+        '        return {"x": x, "y": x.array}',
+        "    def batch(self, key):",
+        ["Model.batch(key) returned an array float32[16, 8]", "['y']", "md tensors"],
+    ),
+    "Config rejects its values": (
+        '    PRESETS = {"tiny": {}}',
+        '    PRESETS = {"tiny": {}}\n\n    def __post_init__(self):\n        raise RuntimeError("cols must be odd")',
+        'raise RuntimeError("cols must be odd")',
+        ["Config(", "RuntimeError: cols must be odd"],
+    ),
+    "exit at import": (
+        "import dataclasses\n",
+        "import dataclasses\nimport sys\nsys.exit(0)\n",
+        "sys.exit(0)",
+        ["importing it", "sys.exit(0)"],
+    ),
 }
 
 
 def _meshdsl(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshdsl.cli", *args], cwd=tmp_path, env=harness.subprocess_env(),
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "meshdsl.cli", *args],
+        cwd=tmp_path,
+        env=harness.subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _line_of(text: str, snippet: str) -> int:
@@ -100,7 +164,9 @@ def test_a_mistake_in_the_users_model_is_one_line_naming_file_and_line(case: str
     assert old in GOOD, case
     text = GOOD.replace(old, new, 1)
     (tmp_path / "my_model.py").write_text(text)
-    done = _meshdsl(tmp_path, "train", "--model", "my_model.py", "--preset", "tiny", "--steps", "1", "--layout", "batch:data")
+    done = _meshdsl(
+        tmp_path, "train", "--model", "my_model.py", "--preset", "tiny", "--steps", "1", "--layout", "batch:data"
+    )
     assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
     assert "Traceback" not in done.stderr, done.stderr
     lines = done.stderr.strip().splitlines()
@@ -116,21 +182,37 @@ def test_a_mistake_in_the_users_model_is_one_line_naming_file_and_line(case: str
 def test_the_good_model_trains(tmp_path: Path) -> None:
     """The model every mistake above starts from trains (so each failure is the mistake's)."""
     (tmp_path / "my_model.py").write_text(GOOD)
-    done = _meshdsl(tmp_path, "train", "--model", "my_model.py", "--preset", "tiny", "--steps", "1", "--layout", "batch:data")
+    done = _meshdsl(
+        tmp_path, "train", "--model", "my_model.py", "--preset", "tiny", "--steps", "1", "--layout", "batch:data"
+    )
     assert done.returncode == 0, done.stderr
 
 
 def test_errors_name_the_users_file_not_an_internal_module(tmp_path: Path) -> None:
     """A model that cannot be pipelined is named by its file (llama.py), not by the name meshdsl imported it under."""
     (tmp_path / "llama.py").write_text(GOOD)
-    done = _meshdsl(tmp_path, "train", "--model", "llama.py", "--preset", "tiny", "--steps", "1", "--layout", "batch:data",
-                    "--microbatches", "2")
+    done = _meshdsl(
+        tmp_path,
+        "train",
+        "--model",
+        "llama.py",
+        "--preset",
+        "tiny",
+        "--steps",
+        "1",
+        "--layout",
+        "batch:data",
+        "--microbatches",
+        "2",
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "cannot be pipelined" in done.stderr and "llama.py" in done.stderr, done.stderr
     assert "meshdsl_user_model" not in done.stderr, done.stderr
 
 
-def test_a_good_model_through_the_loader_trains_like_the_raw_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_good_model_through_the_loader_trains_like_the_raw_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The checks around the user's model change no number: its loss through build_model equals the raw Model's."""
     import jax
     import numpy as np
@@ -153,7 +235,9 @@ def test_a_good_model_through_the_loader_trains_like_the_raw_one(tmp_path: Path,
 def test_a_preset_with_a_zero_size_is_refused(tmp_path: Path) -> None:
     """A preset's own values are checked like --set's: a size of 0 would train on empty tensors, printing zeros."""
     (tmp_path / "my_model.py").write_text(GOOD.replace('PRESETS = {"tiny": {}}', 'PRESETS = {"tiny": {"cols": 0}}'))
-    done = _meshdsl(tmp_path, "train", "--model", "my_model.py", "--preset", "tiny", "--steps", "1", "--layout", "batch:data")
+    done = _meshdsl(
+        tmp_path, "train", "--model", "my_model.py", "--preset", "tiny", "--steps", "1", "--layout", "batch:data"
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip() == (
         "meshdsl train: error: model my_model.py preset tiny: cols=0, but cols takes an integer of at least 1"
@@ -161,7 +245,18 @@ def test_a_preset_with_a_zero_size_is_refused(tmp_path: Path) -> None:
 
 
 COMMANDS = {
-    "bench": ["bench", "--layouts", "batch:data", "--rounds", "1", "--steps-per-round", "1", "--no-gspmd", "--out", "results"],
+    "bench": [
+        "bench",
+        "--layouts",
+        "batch:data",
+        "--rounds",
+        "1",
+        "--steps-per-round",
+        "1",
+        "--no-gspmd",
+        "--out",
+        "results",
+    ],
     "explain": ["explain", "--layout", "batch:data", "--no-compile", "--profile", "cpu-sim"],
     "search": ["search", "--profile", "cpu-sim", "--out", "best.toml"],
 }
@@ -174,7 +269,9 @@ def test_every_command_reports_a_model_mistake_the_same_way(command: str, tmp_pa
     old, new, where, needles = MISTAKES["loss returns a vector"]
     text = GOOD.replace(old, new, 1)
     (tmp_path / "my_model.py").write_text(text)
-    done = _meshdsl(tmp_path, *COMMANDS[command][:1], "--model", "my_model.py", "--preset", "tiny", *COMMANDS[command][1:])
+    done = _meshdsl(
+        tmp_path, *COMMANDS[command][:1], "--model", "my_model.py", "--preset", "tiny", *COMMANDS[command][1:]
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr, (done.returncode, done.stdout, done.stderr)
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith(f"meshdsl {command}: error: my_model.py:{_line_of(text, where)}"), line

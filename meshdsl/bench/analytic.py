@@ -97,7 +97,9 @@ def _activations(kind: str, config: Any, layout: md.Layout, mesh: md.Mesh, grad_
     return {"activations": config.layers * layer + vocab, "loss": 3 * _ar(4 * tokens, sizes["vocab"])}
 
 
-def terms(model: Any, params: Any, mesh: md.Mesh, layout: md.Layout, optimizer: Any, grad_reduce_dtype: Any = None) -> dict[str, float] | None:
+def terms(
+    model: Any, params: Any, mesh: md.Mesh, layout: md.Layout, optimizer: Any, grad_reduce_dtype: Any = None
+) -> dict[str, float] | None:
     """Least bytes per device of one training step under ``layout``'s rules, term by term
     (parameter gathers, gradient sums, activations, loss, clipping); None where there is no formula."""
     kind = shipped_name(model)
@@ -105,7 +107,11 @@ def terms(model: Any, params: Any, mesh: md.Mesh, layout: md.Layout, optimizer: 
         return None
     if any(layout.axes_of(d) for d in model_dims(model) - _MODELLED[kind]):
         return None
-    tensors = [t for t in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, md.Tensor)) if isinstance(t, md.Tensor)]
+    tensors = [
+        t
+        for t in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, md.Tensor))
+        if isinstance(t, md.Tensor)
+    ]
     per_parameter = [_parameter(t, layout, mesh, grad_reduce_dtype) for t in tensors]
     if None in per_parameter:
         return None
@@ -117,7 +123,9 @@ def terms(model: Any, params: Any, mesh: md.Mesh, layout: md.Layout, optimizer: 
     return out
 
 
-def minimum_bytes(model: Any, params: Any, mesh: md.Mesh, layout: md.Layout, optimizer: Any, grad_reduce_dtype: Any = None) -> float | None:
+def minimum_bytes(
+    model: Any, params: Any, mesh: md.Mesh, layout: md.Layout, optimizer: Any, grad_reduce_dtype: Any = None
+) -> float | None:
     """The sum of :func:`terms`: least bytes per device one step moves under these rules; None if no formula."""
     parts = terms(model, params, mesh, layout, optimizer, grad_reduce_dtype)
     return None if parts is None else sum(parts.values())

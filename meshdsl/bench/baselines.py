@@ -19,19 +19,20 @@ plain-JAX version exists, none is timed and a one-line note says why.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 import meshdsl as md
-from meshdsl.tensor import is_tensor
 from meshdsl import relayout
 from meshdsl.bench import fits
 from meshdsl.bench.timing import CompiledStep, losses_from, memory_bytes
 from meshdsl.model_loader import shipped_name
 from meshdsl.nn.attention_impl import implementation_here
+from meshdsl.tensor import is_tensor
 from meshdsl.train.optim import Optimizer
 from meshdsl.train.rules import model_dims
 from meshdsl.train.step import Trainer
@@ -52,7 +53,9 @@ Constrain = Callable[[jax.Array, str], jax.Array]
 def _sharding(mesh: md.Mesh, layout: md.Layout, names: str) -> NamedSharding:
     """The sharding the layout's rules give an array whose axes are called ``names``."""
     entries = [layout.axes_of(n) for n in names.split()]
-    return NamedSharding(mesh.jax_mesh, PartitionSpec(*[None if not a else a[0] if len(a) == 1 else a for a in entries]))
+    return NamedSharding(
+        mesh.jax_mesh, PartitionSpec(*[None if not a else a[0] if len(a) == 1 else a for a in entries])
+    )
 
 
 def _mlp_batch(key: jax.Array, c: Any) -> dict[str, jax.Array]:
@@ -70,7 +73,9 @@ def _mlp_loss(p: dict, batch: dict[str, jax.Array], c: Any, constrain: Constrain
 def _transformer_batch(key: jax.Array, c: Any) -> dict[str, jax.Array]:
     start = (jax.random.bits(key, (c.batch,)) % c.vocab).astype(jnp.int32)
     powers = jnp.asarray([pow(5, k, c.vocab) for k in range(c.length + 1)], jnp.int32)
-    offsets = jnp.asarray([3 * sum(pow(5, j, c.vocab) for j in range(k)) % c.vocab for k in range(c.length + 1)], jnp.int32)
+    offsets = jnp.asarray(
+        [3 * sum(pow(5, j, c.vocab) for j in range(k)) % c.vocab for k in range(c.length + 1)], jnp.int32
+    )
     tokens = (start[:, None] * powers[None, :] + offsets[None, :]) % c.vocab
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
@@ -118,7 +123,10 @@ def _uncast(p: dict, c: Any) -> dict:
     return p
 
 
-_MODELS = {"mlp": (_mlp_batch, _uncast, _mlp_loss), "transformer": (_transformer_batch, _transformer_head, _transformer_loss)}
+_MODELS = {
+    "mlp": (_mlp_batch, _uncast, _mlp_loss),
+    "transformer": (_transformer_batch, _transformer_head, _transformer_loss),
+}
 """Per model: its batch from a key, the casts of weights made once before use, and the loss of the cast weights."""
 
 
@@ -138,12 +146,16 @@ def unfaithful(trainer: Trainer) -> str | None:
         return f"pipelined ({p.schedule}, {p.microbatches} microbatches): plain JAX has no version of the schedule"
     split = sorted(d for d in model_dims(trainer.model) - {"batch"} if trainer.layout.axes_of(d))
     if split and relayout.narrower(jnp.float32, trainer.grad_reduce_dtype):
-        return (f"gradients summed in {trainer.grad_reduce_dtype} with {', '.join(split)} split: meshdsl sums activation "
-                "gradients in it too, in collectives XLA chooses in plain JAX")
+        return (
+            f"gradients summed in {trainer.grad_reduce_dtype} with {', '.join(split)} split: meshdsl sums activation "
+            "gradients in it too, in collectives XLA chooses in plain JAX"
+        )
     return None
 
 
-def _shard_grads(loss: Callable, params: dict, batch: dict, axes: tuple[str, ...], n: int, grad_dtype: Any) -> tuple[jax.Array, dict]:
+def _shard_grads(
+    loss: Callable, params: dict, batch: dict, axes: tuple[str, ...], n: int, grad_dtype: Any
+) -> tuple[jax.Array, dict]:
     """Loss and gradients with the ``n`` batch shards' gradients summed across them as meshdsl sums
     them: each in ``grad_dtype`` where narrower than its own dtype, else in its own. The shards are
     a leading axis split over the batch's mesh ``axes`` (``vmap``'s ``spmd_axis_name``), each
@@ -159,7 +171,9 @@ def _shard_grads(loss: Callable, params: dict, batch: dict, axes: tuple[str, ...
     return jnp.sum(losses), jax.tree_util.tree_map(total, grads)
 
 
-def _loss_and_grads(kind: str, config: Any, mesh: md.Mesh, layout: md.Layout, grad_dtype: Any) -> Callable[[dict, dict], tuple[jax.Array, dict]]:
+def _loss_and_grads(
+    kind: str, config: Any, mesh: md.Mesh, layout: md.Layout, grad_dtype: Any
+) -> Callable[[dict, dict], tuple[jax.Array, dict]]:
     """``(params, batch) -> (loss, grads)`` of the model ``kind``.
 
     ``jax.value_and_grad``, where XLA's partitioner sums gradients over the batch's devices as
@@ -172,9 +186,13 @@ def _loss_and_grads(kind: str, config: Any, mesh: md.Mesh, layout: md.Layout, gr
     axes = layout.axes_of("batch")
 
     def loss(rules: md.Layout) -> Callable[[dict, dict], jax.Array]:
-        return lambda p, b: loss_fn(p, b, config, lambda x, names: jax.lax.with_sharding_constraint(x, _sharding(mesh, rules, names)))
+        return lambda p, b: loss_fn(
+            p, b, config, lambda x, names: jax.lax.with_sharding_constraint(x, _sharding(mesh, rules, names))
+        )
 
-    narrow = relayout.narrower(jnp.float32, grad_dtype) or relayout.narrower(jnp.float32, getattr(config, "compute_dtype", "float32"))
+    narrow = relayout.narrower(jnp.float32, grad_dtype) or relayout.narrower(
+        jnp.float32, getattr(config, "compute_dtype", "float32")
+    )
     if not axes or not narrow:
         return jax.value_and_grad(lambda p, b: loss(layout)(head(p, config), b))
     within = md.Layout({d: a for d, a in layout.rules.items() if d != "batch"})  # inside a shard: its rows whole
@@ -198,7 +216,9 @@ def _state_shardings(tree: Any, mesh: md.Mesh, stored: md.Layout) -> Any:
     """Shardings of the parameters and optimizer state: each md tensor split by its dims under the
     stored rules, as meshdsl stores it (a prefix of the pytree); the rest (step counts) replicated."""
     scalar = NamedSharding(mesh.jax_mesh, PartitionSpec())
-    return jax.tree_util.tree_map(lambda t: _sharding(mesh, stored, " ".join(t.names)) if is_tensor(t) else scalar, tree, is_leaf=is_tensor)
+    return jax.tree_util.tree_map(
+        lambda t: _sharding(mesh, stored, " ".join(t.names)) if is_tensor(t) else scalar, tree, is_leaf=is_tensor
+    )
 
 
 @dataclasses.dataclass
@@ -217,8 +237,15 @@ class PlainStep:
         return losses_from(self.state, self.compiled, steps)
 
 
-def make_step(model: Any, layout: md.Layout, mesh: md.Mesh, state: dict, data: jax.Array, optimizer: Optimizer,
-              grad_reduce_dtype: Any = None) -> PlainStep | None:
+def make_step(
+    model: Any,
+    layout: md.Layout,
+    mesh: md.Mesh,
+    state: dict,
+    data: jax.Array,
+    optimizer: Optimizer,
+    grad_reduce_dtype: Any = None,
+) -> PlainStep | None:
     """The plain-JAX step of ``model`` (None for a model without one), starting from ``state``'s
     parameters with ``optimizer`` freshly initialised, its batches drawn from the key ``data``."""
     kind = shipped_name(model)
@@ -244,7 +271,11 @@ def make_step(model: Any, layout: md.Layout, mesh: md.Mesh, state: dict, data: j
         return (_whole(params), _whole(opt), count + 1), loss
 
     scalar = NamedSharding(mesh.jax_mesh, PartitionSpec())
-    compiled = jax.jit(step, in_shardings=(shardings,), out_shardings=(shardings, scalar), donate_argnums=0).lower(start).compile()
+    compiled = (
+        jax.jit(step, in_shardings=(shardings,), out_shardings=(shardings, scalar), donate_argnums=0)
+        .lower(start)
+        .compile()
+    )
     fits.check("the plain-JAX step", memory_bytes(compiled))
     return PlainStep(compiled, start)
 

@@ -23,8 +23,10 @@ import dataclasses
 import datetime
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
 
 @dataclasses.dataclass(frozen=True)
 class Sizes:
@@ -44,8 +46,17 @@ class Sizes:
 
 
 FULL = Sizes("transformer", "small", None, "1b", (8, 16), 3, 2, (4, 16, 2048, 128), None)
-DRY = Sizes("mlp", "tiny", ["data_parallel"], "tiny", (8,), 1, 1, (2, 2, 16, 8),
-            {"matmul_sizes": (64, 128), "bandwidth_sizes": (2**16, 2**18), "collective_sizes": (2**12, 2**14)})
+DRY = Sizes(
+    "mlp",
+    "tiny",
+    ["data_parallel"],
+    "tiny",
+    (8,),
+    1,
+    1,
+    (2, 2, 16, 8),
+    {"matmul_sizes": (64, 128), "bandwidth_sizes": (2**16, 2**18), "collective_sizes": (2**12, 2**14)},
+)
 
 
 def add_parser(sub: Any) -> None:
@@ -106,8 +117,9 @@ def _environment() -> dict[str, Any]:
 
     device = jax.devices()[0]
     return {
-        "device": f"{jax.device_count()} x {device.device_kind} ({device.platform})", "jax": jax.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": f"{jax.device_count()} x {device.device_kind} ({device.platform})",
+        "jax": jax.__version__,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
 
@@ -131,8 +143,11 @@ def _attention(sizes: Sizes) -> dict[str, Any]:
         return np.asarray(fn(q, k, v).array, np.float32)
 
     fused, formula = run(None), run("xla")
-    return {"shape": [b, n, t, h], "max_abs_difference": float(np.max(np.abs(fused - formula))),
-            "within_bf16_tolerance": bool(np.allclose(fused, formula, atol=2e-2, rtol=2e-2))}
+    return {
+        "shape": [b, n, t, h],
+        "max_abs_difference": float(np.max(np.abs(fused - formula))),
+        "within_bf16_tolerance": bool(np.allclose(fused, formula, atol=2e-2, rtol=2e-2)),
+    }
 
 
 def _bench(cfg: Any) -> list[dict[str, Any]]:
@@ -140,8 +155,18 @@ def _bench(cfg: Any) -> list[dict[str, Any]]:
 
     lines: list[str] = []
     summaries = run(cfg, out=lines.append, warn=lines.append)
-    keep = ("layout", "mesh", "step_s_median", "mfu", "memory_bytes_per_device", "baseline_jax_step_s",
-            "overhead_vs_jax", "baseline_note", "compile_s", "flops_per_step")
+    keep = (
+        "layout",
+        "mesh",
+        "step_s_median",
+        "mfu",
+        "memory_bytes_per_device",
+        "baseline_jax_step_s",
+        "overhead_vs_jax",
+        "baseline_note",
+        "compile_s",
+        "flops_per_step",
+    )
     notes = [line for line in lines if "skipped" in line or "dropped" in line]
     return [{"lines": notes}] + [{k: s.get(k) for k in keep} for s in summaries]
 
@@ -169,19 +194,31 @@ def gpu_check(out_path: str | Path, dry: bool, out: Callable[[str], None] = prin
     folder = report.path.with_suffix("")
     report.step("environment", _environment, out)
     report.step("fused attention vs XLA", lambda: {"attention": _attention(sizes)}, out)
-    main = BenchConfig(models=[sizes.main_model], preset=sizes.main_preset, layouts=sizes.main_layouts,
-                       rounds=sizes.rounds, steps_per_round=sizes.steps_per_round, out=str(folder / "main"),
-                       gspmd=not dry)
+    main = BenchConfig(
+        models=[sizes.main_model],
+        preset=sizes.main_preset,
+        layouts=sizes.main_layouts,
+        rounds=sizes.rounds,
+        steps_per_round=sizes.steps_per_round,
+        out=str(folder / "main"),
+        gspmd=not dry,
+    )
     title = f"main job: meshdsl bench --model {sizes.main_model} --preset {sizes.main_preset}"
     report.step(title, lambda: {"entries": _bench(main)}, out)
     calibrated = report.step("calibrate", lambda: {"profile": _calibrate(sizes, folder / "calibrated.json", out)}, out)
     profiles = [lambda: load_profile(folder / "calibrated.json")] if calibrated is not None else []
     profiles.append(default_profile)
     for batch in sizes.batches:
-        big = BenchConfig(preset=sizes.big_preset, layouts=["data_parallel"], rounds=sizes.rounds,
-                          steps_per_round=sizes.steps_per_round, baseline="jax", out=str(folder / f"batch{batch}"),
-                          gspmd=False,
-                          overrides={"batch": batch, "compute_dtype": "bfloat16"})
+        big = BenchConfig(
+            preset=sizes.big_preset,
+            layouts=["data_parallel"],
+            rounds=sizes.rounds,
+            steps_per_round=sizes.steps_per_round,
+            baseline="jax",
+            out=str(folder / f"batch{batch}"),
+            gspmd=False,
+            overrides={"batch": batch, "compute_dtype": "bfloat16"},
+        )
 
         def measured_and_predicted(big: Any = big, batch: int = batch) -> dict[str, Any]:
             entries = _bench(big)
@@ -231,9 +268,14 @@ def markdown(steps: list[dict[str, Any]], dry: bool) -> str:
             lines += ["", f"## {s['step']}", "", "| " + " | ".join(head) + " |", "|" + "---|" * columns]
             for e in result["entries"][1:]:
                 memory = (e.get("memory_bytes_per_device") or {}).get("total")
-                cells = [e["layout"], _cell(e["step_s_median"], 1e3), _cell(e["mfu"], 100, ".1f", "%"),
-                         "-" if memory is None else readable(memory), _cell(e["baseline_jax_step_s"], 1e3),
-                         _cell(e["overhead_vs_jax"], 1, ".3f")]
+                cells = [
+                    e["layout"],
+                    _cell(e["step_s_median"], 1e3),
+                    _cell(e["mfu"], 100, ".1f", "%"),
+                    "-" if memory is None else readable(memory),
+                    _cell(e["baseline_jax_step_s"], 1e3),
+                    _cell(e["overhead_vs_jax"], 1, ".3f"),
+                ]
                 cells += [f"{p['step_s'] * 1e3:.1f} | {readable(p['memory_bytes'])}" for p in predictions]
                 lines.append("| " + " | ".join([*cells, e["baseline_note"] or ""]) + " |")
             lines += [f"- {line.strip()}" for line in result["entries"][0]["lines"]]

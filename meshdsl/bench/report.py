@@ -30,7 +30,9 @@ def _bubbles(p: dict[str, Any] | None) -> str:
     """Pipelined entries: the bubble fraction in theory, of the schedule's ticks, and measured."""
     if p is None:
         return "-"
-    return "/".join("-" if p[k] is None else f"{p[k]:.2f}" for k in ("bubble_theoretical", "bubble_schedule", "bubble_measured"))
+    return "/".join(
+        "-" if p[k] is None else f"{p[k]:.2f}" for k in ("bubble_theoretical", "bubble_schedule", "bubble_measured")
+    )
 
 
 def _accelerator(s: dict[str, Any]) -> str:
@@ -51,7 +53,14 @@ COLUMNS = [
     ("mem/device", lambda s: _fmt_bytes(s["memory_bytes_per_device"]["total"])),
     ("collectives", lambda s: str(s["collective_count"])),
     ("bytes/device", lambda s: _fmt_bytes(s["collective_bytes_per_device"])),
-    ("explain", lambda s: _fmt_bytes(s["predicted_bytes_per_device"]) + ("" if s["bytes_match_prediction"] else " (differs)") + _accelerator(s)),
+    (
+        "explain",
+        lambda s: (
+            _fmt_bytes(s["predicted_bytes_per_device"])
+            + ("" if s["bytes_match_prediction"] else " (differs)")
+            + _accelerator(s)
+        ),
+    ),
     ("÷ minimum", lambda s: _ratio(s["bytes_over_minimum"])),
     ("÷ gspmd", lambda s: _ratio(s.get("bytes_over_gspmd"))),
     ("÷ jax", lambda s: _ratio(s["overhead_vs_jax"])),
@@ -76,7 +85,11 @@ def frontier(points: list[tuple[float, float]]) -> list[int]:
     """Indices of the (memory, time) points no other point beats on both: none has less or equal
     memory and time with one of them strictly less. In order of memory."""
     return sorted(
-        (i for i, (m, t) in enumerate(points) if not any(m2 <= m and t2 <= t and (m2, t2) != (m, t) for m2, t2 in points)),
+        (
+            i
+            for i, (m, t) in enumerate(points)
+            if not any(m2 <= m and t2 <= t and (m2, t2) != (m, t) for m2, t2 in points)
+        ),
         key=lambda i: points[i],
     )
 
@@ -96,8 +109,18 @@ def _bars(plt: Any, summaries: list[dict[str, Any]], labels: list[str], out: Pat
     """Step time (with its interquartile range) and bytes per device, one bar per entry."""
     paths = []
     for name, values, errors, ylabel in [
-        ("step_time.png", [s["step_s_median"] * 1e3 for s in summaries], [s["step_s_spread"] * 1e3 / 2 for s in summaries], "step time (ms, median; bar: interquartile range)"),
-        ("bytes.png", [s["collective_bytes_per_device"] / 2**20 for s in summaries], None, "collective bytes per device per step (MiB)"),
+        (
+            "step_time.png",
+            [s["step_s_median"] * 1e3 for s in summaries],
+            [s["step_s_spread"] * 1e3 / 2 for s in summaries],
+            "step time (ms, median; bar: interquartile range)",
+        ),
+        (
+            "bytes.png",
+            [s["collective_bytes_per_device"] / 2**20 for s in summaries],
+            None,
+            "collective bytes per device per step (MiB)",
+        ),
     ]:
         fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(summaries)), 4))
         ax.bar(range(len(values)), values, yerr=errors, color="#4c72b0", capsize=4)
@@ -169,19 +192,29 @@ def _charts(summaries: list[dict[str, Any]], out: Path) -> list[Path]:
 
     labels = [f"{s['model']}\n{s['layout']}" for s in summaries]
     return [
-        *_bars(plt, summaries, labels, out), _time_against_memory(plt, summaries, out),
-        _bytes_by_kind(plt, summaries, labels, out), *_bubbles_chart(plt, summaries, out),
+        *_bars(plt, summaries, labels, out),
+        _time_against_memory(plt, summaries, out),
+        _bytes_by_kind(plt, summaries, labels, out),
+        *_bubbles_chart(plt, summaries, out),
     ]
 
 
 def notes(summaries: list[dict[str, Any]]) -> str:
     """Lines under the table: why each baseline asked for was not timed, what the gspmd column lacks, and the timing order's seed."""
-    lines = [f"{s['model']} x {s['layout']}: plain-JAX baseline not timed: {s['baseline_note']}" for s in summaries if s["baseline_note"]]
+    lines = [
+        f"{s['model']} x {s['layout']}: plain-JAX baseline not timed: {s['baseline_note']}"
+        for s in summaries
+        if s["baseline_note"]
+    ]
     lines += [f"{s['model']} x {s['layout']}: gspmd: {s['gspmd_note']}" for s in summaries if s.get("gspmd_note")]
     if summaries and summaries[0].get("device_peak_bytes_in_use") is not None:
-        lines.append(f"device memory: {_fmt_bytes(summaries[0]['device_peak_bytes_in_use'])} at most in use on the first device over the whole run (memory_stats)")
+        lines.append(
+            f"device memory: {_fmt_bytes(summaries[0]['device_peak_bytes_in_use'])} at most in use on the first device over the whole run (memory_stats)"
+        )
     if summaries:
-        lines.append(f"timing: {len(summaries[0]['round_orders'])} rounds, each in an order shuffled from seed {summaries[0]['timing_seed']} (results.json: round_orders)")
+        lines.append(
+            f"timing: {len(summaries[0]['round_orders'])} rounds, each in an order shuffled from seed {summaries[0]['timing_seed']} (results.json: round_orders)"
+        )
     return "\n".join(lines)
 
 

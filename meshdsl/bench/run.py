@@ -13,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +27,10 @@ from meshdsl.bench import analytic, baselines, fits
 from meshdsl.bench.peaks import peak_flops
 from meshdsl.bench.report import write_reports
 from meshdsl.bench.timing import CompiledStep, compile_step, interleaved_rounds, memory_bytes, round_orders
-from meshdsl.pipeline import PipelineConfig, bubble, schedule_bubble, stages
-from meshdsl.train import optim
 from meshdsl.errors import ConfigError
 from meshdsl.model_loader import build_model
+from meshdsl.pipeline import PipelineConfig, bubble, schedule_bubble, stages
+from meshdsl.train import optim
 from meshdsl.train.loop import layout_path, load_layout
 from meshdsl.train.rules import is_shipped, unused_rules
 from meshdsl.train.step import Trainer
@@ -154,26 +155,45 @@ class Entry:
         flops_per_s = None if self.flops_per_step is None else self.flops_per_step / self.step_s
         baseline = statistics.median(self.baseline_step_times) if self.baseline_step_times else None
         return {
-            "model": self.model, "preset": self.preset, "layout": self.layout, "mesh": self.mesh, "devices": self.devices,
-            "compile_s": self.compile_s, "step_s_median": self.step_s, "step_s_spread": self.spread_s,
+            "model": self.model,
+            "preset": self.preset,
+            "layout": self.layout,
+            "mesh": self.mesh,
+            "devices": self.devices,
+            "compile_s": self.compile_s,
+            "step_s_median": self.step_s,
+            "step_s_spread": self.spread_s,
             "step_times_s": self.step_times,
-            f"{self.example_unit}_per_s": None if self.examples_per_step is None else self.examples_per_step / self.step_s,
-            "flops_per_step": self.flops_per_step, "flops_per_s": flops_per_s,
-            "mfu": None if self.peak_flops is None or flops_per_s is None else flops_per_s / (self.peak_flops * self.devices),
+            f"{self.example_unit}_per_s": None
+            if self.examples_per_step is None
+            else self.examples_per_step / self.step_s,
+            "flops_per_step": self.flops_per_step,
+            "flops_per_s": flops_per_s,
+            "mfu": None
+            if self.peak_flops is None or flops_per_s is None
+            else flops_per_s / (self.peak_flops * self.devices),
             "memory_bytes_per_device": self.memory_bytes,
-            "collectives_measured": self.measured, "collectives_predicted": self.predicted,
-            "collective_count": self.collectives, "collective_bytes_per_device": self.measured_bytes,
+            "collectives_measured": self.measured,
+            "collectives_predicted": self.predicted,
+            "collective_count": self.collectives,
+            "collective_bytes_per_device": self.measured_bytes,
             "predicted_bytes_per_device": self.predicted_bytes,
             "predicted_bytes_per_device_on_accelerator": self.accelerator_bytes,
             "bytes_match_prediction": self.measured == self.predicted,
             "analytic_minimum_bytes": self.minimum_bytes,
             "bytes_over_minimum": None if not self.minimum_bytes else self.moved_bytes / self.minimum_bytes,
-            "collectives_gspmd": self.gspmd, "gspmd_bytes_per_device": self.gspmd_bytes,
-            "bytes_over_gspmd": self.bytes_over_gspmd, "gspmd_note": self.gspmd_note,
-            "baseline_jax_step_s": baseline, "baseline_jax_step_times_s": self.baseline_step_times,
-            "baseline_losses_match": self.baseline_losses_match, "baseline_note": self.baseline_note,
-            "overhead_vs_jax": None if baseline is None else self.step_s / baseline, "overhead_vs_jax_spread": self.overhead_spread,
-            "timing_seed": self.timing_seed, "round_orders": self.round_orders,
+            "collectives_gspmd": self.gspmd,
+            "gspmd_bytes_per_device": self.gspmd_bytes,
+            "bytes_over_gspmd": self.bytes_over_gspmd,
+            "gspmd_note": self.gspmd_note,
+            "baseline_jax_step_s": baseline,
+            "baseline_jax_step_times_s": self.baseline_step_times,
+            "baseline_losses_match": self.baseline_losses_match,
+            "baseline_note": self.baseline_note,
+            "overhead_vs_jax": None if baseline is None else self.step_s / baseline,
+            "overhead_vs_jax_spread": self.overhead_spread,
+            "timing_seed": self.timing_seed,
+            "round_orders": self.round_orders,
             "pipeline": self.pipeline,
         }
 
@@ -184,7 +204,9 @@ def _layout_specs(names: list[str] | None, model: Any, model_name: str) -> list[
     if names:
         return list(names)
     if not hasattr(model, "LAYOUTS"):
-        raise ConfigError(f"model {model_name} lists no LAYOUTS (the layouts bench runs by default); name them, e.g. --layouts data_parallel fsdp my_layout.toml")
+        raise ConfigError(
+            f"model {model_name} lists no LAYOUTS (the layouts bench runs by default); name them, e.g. --layouts data_parallel fsdp my_layout.toml"
+        )
     return list(model.LAYOUTS)
 
 
@@ -205,7 +227,9 @@ def check(cfg: BenchConfig) -> None:
     models, presets, overrides, optimizer, every layout file, and the report folder."""
     for flag, value in (("--rounds", cfg.rounds), ("--steps-per-round", cfg.steps_per_round)):
         if value < 1:
-            raise ConfigError(f"{flag} {value}: it must be at least 1 (every entry is timed rounds x steps-per-round steps)")
+            raise ConfigError(
+                f"{flag} {value}: it must be at least 1 (every entry is timed rounds x steps-per-round steps)"
+            )
     for m in cfg.microbatches or []:
         PipelineConfig(m)
     if cfg.virtual_stages is not None:
@@ -234,7 +258,11 @@ def _pipeline_variants(cfg: BenchConfig, spec: str, model_name: str) -> list[tup
 
 
 def _prepare(
-    model_name: str, cfg: BenchConfig, spec: str, out: Callable[[str], None], variant: tuple[PipelineConfig, int] | None = None
+    model_name: str,
+    cfg: BenchConfig,
+    spec: str,
+    out: Callable[[str], None],
+    variant: tuple[PipelineConfig, int] | None = None,
 ) -> tuple[Entry, Callable, Callable | None] | None:
     """Compile one model x layout (x pipeline variant); None (with a note) when the layout does not fit the model."""
     layout = load_layout(spec)
@@ -261,11 +289,17 @@ def _prepare(
     narrow_on_cpu = device.platform == "cpu" and (cfg.grad_reduce_dtype is not None or jnp.dtype(dtype).itemsize < 4)
     predicted = trainer.explain(state, data).summary()
     entry = Entry(
-        model=model_name, preset=cfg.preset, layout=label, mesh=str(mesh), devices=mesh.size, compile_s=step.compile_s,
+        model=model_name,
+        preset=cfg.preset,
+        layout=label,
+        mesh=str(mesh),
+        devices=mesh.size,
+        compile_s=step.compile_s,
         flops_per_step=model.flops_per_step() if hasattr(model, "flops_per_step") else None,
         examples_per_step=model.examples_per_step() if hasattr(model, "examples_per_step") else None,
         example_unit="tokens" if hasattr(model.config, "length") else "examples",
-        memory_bytes=memory_bytes(step.compiled), measured=hlo.summary(text, num_devices=mesh.size),
+        memory_bytes=memory_bytes(step.compiled),
+        measured=hlo.summary(text, num_devices=mesh.size),
         predicted=predicted,
         predicted_on_accelerator=trainer.explain(state, data, platform="gpu").summary() if narrow_on_cpu else predicted,
         minimum_bytes=analytic.minimum_bytes(model, state["params"], mesh, layout, optimizer, cfg.grad_reduce_dtype),
@@ -291,7 +325,11 @@ def _gspmd(step: CompiledStep, grad_reduce_dtype: str | None) -> tuple[dict[str,
         return None, "XLA's partitioner does not pipeline, so there is no gspmd figure for a pipelined step"
     gspmd = Trainer(trainer.model, trainer.optimizer, trainer.mesh, trainer.layout, backend="gspmd", donate=False)
     text = gspmd.step.lower(step.state, step.data).compile().as_text()
-    note = None if grad_reduce_dtype is None else f"the gspmd step sums gradients in their own dtype, not {grad_reduce_dtype}"
+    note = (
+        None
+        if grad_reduce_dtype is None
+        else f"the gspmd step sums gradients in their own dtype, not {grad_reduce_dtype}"
+    )
     return hlo.summary(text, num_devices=trainer.mesh.size), note
 
 
@@ -308,8 +346,14 @@ def _pipeline_fields(pipe: PipelineConfig, trainer: Trainer, model: Any, hlo_tex
     p = stages(SpmdLowering(trainer.mesh, trainer.layout), model.layers)[1]
     m, v = pipe.microbatches, pipe.virtual_stages
     return {
-        "schedule": pipe.schedule, "virtual_stages": v, "stages": p, "microbatches": m, "microbatch_rows": model.config.batch // m,
-        "bubble_theoretical": bubble(p, m, v), "bubble_schedule": schedule_bubble(pipe.schedule, p, m, v), "bubble_measured": None,
+        "schedule": pipe.schedule,
+        "virtual_stages": v,
+        "stages": p,
+        "microbatches": m,
+        "microbatch_rows": model.config.batch // m,
+        "bubble_theoretical": bubble(p, m, v),
+        "bubble_schedule": schedule_bubble(pipe.schedule, p, m, v),
+        "bubble_measured": None,
         "matmul_flops_per_device": hlo_flops.matmul_flops(hlo_text),
     }
 
@@ -332,14 +376,20 @@ def _measure_bubbles(entries: list[Entry]) -> None:
             e.pipeline["bubble_measured"] = 1 - slope * m / e.step_s
 
 
-def _time(prepared: list[tuple[Entry, Callable, Callable | None]], cfg: BenchConfig, out: Callable[[str], None] = print) -> list[str]:
+def _time(
+    prepared: list[tuple[Entry, Callable, Callable | None]], cfg: BenchConfig, out: Callable[[str], None] = print
+) -> list[str]:
     """Time every entry's step and baseline in interleaved rounds; record each round's order on every entry.
 
     A step that runs out of device memory at run time is reported (``out``) and left out of the
     later rounds; the labels of the entries that lost their own step that way are returned (their
     baselines lose only the baseline's timing, with a note)."""
     timed = [(entry.step_times, step, _name(entry)) for entry, step, _ in prepared]
-    timed += [(entry.baseline_step_times, plain, f"{_name(entry)} (plain JAX)") for entry, _, plain in prepared if plain is not None]
+    timed += [
+        (entry.baseline_step_times, plain, f"{_name(entry)} (plain JAX)")
+        for entry, _, plain in prepared
+        if plain is not None
+    ]
     orders = round_orders(len(timed), cfg.rounds, cfg.seed)
     failed: dict[int, BaseException] = {}
     samples = interleaved_rounds([step for _, step, _ in timed], orders, cfg.steps_per_round, failed)
@@ -372,7 +422,9 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def run(cfg: BenchConfig, out: Callable[[str], None] = print, warn: Callable[[str], None] = _stderr) -> list[dict[str, Any]]:
+def run(
+    cfg: BenchConfig, out: Callable[[str], None] = print, warn: Callable[[str], None] = _stderr
+) -> list[dict[str, Any]]:
     """Benchmark as ``cfg`` says; print the table, write reports to ``cfg.out``; return the summaries.
 
     Mistakes in ``cfg`` raise before anything is compiled (:func:`check`); rules of a user's layout
@@ -405,11 +457,15 @@ def run(cfg: BenchConfig, out: Callable[[str], None] = print, warn: Callable[[st
                     out(f"  compiled {model_name} x {item[0].layout} in {item[0].compile_s:.1f} s")
     if not prepared:
         names = ", ".join(dict.fromkeys(skipped))
-        raise ConfigError(f"nothing to measure: every layout was skipped as not fitting the model or the device's memory ({names}; see why above)")
+        raise ConfigError(
+            f"nothing to measure: every layout was skipped as not fitting the model or the device's memory ({names}; see why above)"
+        )
     lost = _time(prepared, cfg, out_and_keep)
     prepared = [item for item in prepared if _name(item[0]) not in lost]
     if not prepared:
-        raise ConfigError(f"nothing measured: every entry ran out of device memory at run time ({', '.join(lost)}; see above)")
+        raise ConfigError(
+            f"nothing measured: every entry ran out of device memory at run time ({', '.join(lost)}; see above)"
+        )
     _measure_bubbles([entry for entry, _, _ in prepared])
     peak = device_peak_bytes()
     summaries = [{**entry.summary(), "device_peak_bytes_in_use": peak} for entry, _, _ in prepared]

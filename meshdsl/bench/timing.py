@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -92,8 +93,9 @@ def compile_abstract(trainer: Trainer, data: Any) -> Any:
     return trainer.step.lower(abstract_state(trainer), abstract_like(data)).compile()
 
 
-def compile_step(trainer: Trainer, seed: int, what: str = "the step",
-                 capacity: fits.Capacity | None = None) -> CompiledStep:
+def compile_step(
+    trainer: Trainer, seed: int, what: str = "the step", capacity: fits.Capacity | None = None
+) -> CompiledStep:
     """Compile one step of ``trainer``, check that it fits the device (:mod:`meshdsl.bench.fits`),
     then init its state from ``seed`` (data key: ``fold_in(seed, 1)``).
 
@@ -115,8 +117,10 @@ def memory_bytes(compiled: Any) -> dict[str, int]:
     total, arguments + outputs + temporaries - aliased."""
     m = compiled.memory_analysis()
     fields = {
-        "arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
-        "temporaries": m.temp_size_in_bytes, "aliased": m.alias_size_in_bytes,
+        "arguments": m.argument_size_in_bytes,
+        "outputs": m.output_size_in_bytes,
+        "temporaries": m.temp_size_in_bytes,
+        "aliased": m.alias_size_in_bytes,
     }
     fields["total"] = fields["arguments"] + fields["outputs"] + fields["temporaries"] - fields["aliased"]
     return {k: int(v) for k, v in fields.items()}
@@ -134,8 +138,12 @@ def round_orders(count: int, rounds: int, seed: int) -> list[list[int]]:
     return orders
 
 
-def interleaved_rounds(steps: Sequence[Callable[[], None]], orders: Sequence[Sequence[int]], steps_per_round: int,
-                       failed: dict[int, BaseException] | None = None) -> list[list[float]]:
+def interleaved_rounds(
+    steps: Sequence[Callable[[], None]],
+    orders: Sequence[Sequence[int]],
+    steps_per_round: int,
+    failed: dict[int, BaseException] | None = None,
+) -> list[list[float]]:
     """Seconds per step of each of ``steps``, one sample per round: after one warm-up call each,
     every round runs each step ``steps_per_round`` times, in that round's order (:func:`round_orders`).
 

@@ -15,7 +15,8 @@ gspmd backend runs. ``SpmdLowering`` gives the same calls their real, per-shard 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -49,8 +50,16 @@ def max_and_index(x: jax.Array, positions: tuple[int, ...]) -> tuple[jax.Array, 
     flat = moved.reshape(moved.shape[: x.ndim - k] + (-1,))
     last = flat.ndim - 1
     iota = lax.broadcasted_iota(jnp.int32, flat.shape, last)
-    lowest = -jnp.inf if jnp.issubdtype(flat.dtype, jnp.floating) else jnp.iinfo(flat.dtype).min if jnp.issubdtype(flat.dtype, jnp.integer) else False
-    return lax.reduce((flat, iota), (jnp.array(lowest, flat.dtype), jnp.array(NO_INDEX, jnp.int32)), _larger_first, (last,))
+    lowest = (
+        -jnp.inf
+        if jnp.issubdtype(flat.dtype, jnp.floating)
+        else jnp.iinfo(flat.dtype).min
+        if jnp.issubdtype(flat.dtype, jnp.integer)
+        else False
+    )
+    return lax.reduce(
+        (flat, iota), (jnp.array(lowest, flat.dtype), jnp.array(NO_INDEX, jnp.int32)), _larger_first, (last,)
+    )
 
 
 def _larger_first(a: tuple, b: tuple) -> tuple:
@@ -109,18 +118,18 @@ def _exact_max_jvp(positions: tuple[int, ...], axes: tuple[str, ...], primals: t
 class Lowering:
     """Global arrays, nothing split: the eager lowering."""
 
-    mesh: "Mesh | None" = None
+    mesh: Mesh | None = None
     axis_sizes: dict[str, int] = {}
 
     def axes(self, shape: Shape, tensor: str = "tensor") -> Axes:
         """Per-dim mesh axes that split a tensor of ``shape`` in this lowering's local view."""
         return ((),) * shape.rank
 
-    def layout_of(self, t: "Tensor") -> Axes:
+    def layout_of(self, t: Tensor) -> Axes:
         """How ``t``'s local array is split now (a tensor built outside the lowering is whole)."""
         return t.layout if t.layout is not None else ((),) * t.shape.rank
 
-    def prepare(self, t: "Tensor", axes: Axes | None = None, beside: Sequence["Tensor"] = ()) -> jax.Array:
+    def prepare(self, t: Tensor, axes: Axes | None = None, beside: Sequence[Tensor] = ()) -> jax.Array:
         """``t``'s local array, laid out as ``axes`` (default: ``t``'s own layout), pending sums added.
 
         ``beside`` are the op's other operands: splits of ``t`` that are gathered over axes along
@@ -134,7 +143,9 @@ class Lowering:
         all-gather along ``dim``; else None."""
         return None
 
-    def gather_stored(self, arrays: list[jax.Array], gathers: Sequence[tuple[int, Axes] | None], *others: jax.Array) -> list[jax.Array]:
+    def gather_stored(
+        self, arrays: list[jax.Array], gathers: Sequence[tuple[int, Axes] | None], *others: jax.Array
+    ) -> list[jax.Array]:
         """``arrays`` with each one that has an entry in ``gathers`` gathered as it says, all those over
         the same mesh axes in one collective; ``others``: arrays the results will meet (their
         varying axes make the gradient a reduce-scatter)."""
@@ -148,7 +159,7 @@ class Lowering:
         pending: Sequence[str] = (),
         lazy: bool = False,
         tensor: str = "output",
-    ) -> "Tensor":
+    ) -> Tensor:
         """A Tensor of ``shape`` from a local ``array`` laid out as ``axes`` with ``pending`` sums.
 
         It is brought to the layout the rules give ``shape``. With ``lazy``, pending sums are kept
@@ -158,7 +169,7 @@ class Lowering:
 
         return Tensor(array, shape)
 
-    def keep(self, array: jax.Array, shape: Shape, axes: Axes) -> "Tensor":
+    def keep(self, array: jax.Array, shape: Shape, axes: Axes) -> Tensor:
         """A Tensor of ``shape`` from a local ``array`` left laid out as ``axes`` (no relayout)."""
         from meshdsl.tensor import Tensor
 
@@ -171,7 +182,7 @@ class Lowering:
         dims; docs/design.md, gspmd). Elsewhere ``array`` itself."""
         return array
 
-    def with_layout(self, layout: "Layout") -> "Lowering":
+    def with_layout(self, layout: Layout) -> Lowering:
         """This lowering under other layout rules (on global arrays: itself)."""
         return self
 

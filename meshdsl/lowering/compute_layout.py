@@ -11,7 +11,7 @@ its own layout) move the fewest bytes, priced by :mod:`meshdsl.relayout`.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from meshdsl import relayout
 from meshdsl.dims import Shape
@@ -49,7 +49,9 @@ def choose(lowering: Lowering, operands: Sequence[Tensor], out: Shape, result: R
         keep = dict(zip(clashes, owners))
         layout = {n: tuple(a for a in axes if keep.get(a, n) == n) for n, axes in own.items()}
         cost = sum(
-            _moved(lowering, t.shape, lowering.layout_of(t), tuple(layout[n] for n in t.shape.names), t.pending, itemsize)
+            _moved(
+                lowering, t.shape, lowering.layout_of(t), tuple(layout[n] for n in t.shape.names), t.pending, itemsize
+            )
             for t in operands
         )
         out_axes, pending = result(layout)

@@ -7,7 +7,8 @@ import functools
 import inspect
 import re
 import threading
-from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, TypeVar
 
 import jax
 
@@ -43,7 +44,7 @@ def use(lowering: Lowering) -> Iterator[Lowering]:
 
 
 @contextlib.contextmanager
-def use_layout(layout: "Layout | str | dict") -> Iterator[Lowering]:
+def use_layout(layout: Layout | str | dict) -> Iterator[Lowering]:
     """Inside ``md.compile``, run the ops in the block under other layout rules.
 
     Tensors keep their own layout and are moved only when an op needs them elsewhere. Training
@@ -64,7 +65,9 @@ def op(name: str) -> Callable[[F], F]:
     def wrap(fn: F) -> F:
         signature = inspect.signature(fn)
         tensors = [
-            p for p, param in signature.parameters.items() if param.annotation in ("Tensor", Tensor) and param.kind is not param.VAR_POSITIONAL
+            p
+            for p, param in signature.parameters.items()
+            if param.annotation in ("Tensor", Tensor) and param.kind is not param.VAR_POSITIONAL
         ]
 
         @functools.wraps(fn)
@@ -73,7 +76,9 @@ def op(name: str) -> Callable[[F], F]:
                 bound = signature.bind_partial(*args, **kwargs).arguments
                 for p in tensors:
                     if p in bound and not isinstance(bound[p], Tensor):
-                        raise ShapeError(f"{name}: {p} must be an md tensor, got {describe(bound[p])}; wrap an array with md.tensor(array, dims)")
+                        raise ShapeError(
+                            f"{name}: {p} must be an md tensor, got {describe(bound[p])}; wrap an array with md.tensor(array, dims)"
+                        )
             try:
                 with jax.named_scope(f"md.{name}"):
                     return fn(*args, **kwargs)

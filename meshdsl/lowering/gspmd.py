@@ -6,7 +6,7 @@ XLA's SPMD partitioner then chooses the collectives. It is the cross-check of th
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 from jax.sharding import PartitionSpec
@@ -38,7 +38,9 @@ class GspmdLowering(Lowering):
         if not any(self.layout.axes_of(n) for n in names):
             return array
         spec = [None if d in names else entry for d, entry in zip(shape.names, self.layout.spec(shape))]
-        return jax.lax.with_sharding_constraint(array, jax.sharding.NamedSharding(self.mesh.jax_mesh, PartitionSpec(*spec)))
+        return jax.lax.with_sharding_constraint(
+            array, jax.sharding.NamedSharding(self.mesh.jax_mesh, PartitionSpec(*spec))
+        )
 
-    def with_layout(self, layout: Layout) -> "GspmdLowering":
+    def with_layout(self, layout: Layout) -> GspmdLowering:
         return GspmdLowering(self.mesh, layout)

@@ -8,7 +8,8 @@ what each dim can be split for).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 

@@ -8,7 +8,8 @@ with :mod:`meshdsl.relayout`; reductions over split dims end in ``psum``/``pmax`
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,8 @@ from meshdsl.dims import Shape
 from meshdsl.layout import Layout
 from meshdsl.lowering.base import Lowering, exact_max
 from meshdsl.mesh import Mesh
-from meshdsl.relayout import Axes, varying_axes as _varying_axes
+from meshdsl.relayout import Axes
+from meshdsl.relayout import varying_axes as _varying_axes
 from meshdsl.tensor import Tensor
 
 
@@ -79,7 +81,13 @@ class SpmdLowering(Lowering):
         return self.layout.axes(shape, self.mesh, tensor)
 
     def _relayout(
-        self, array: jax.Array, shape: Shape, src: Axes, dst: Axes, pending: Sequence[str], varying: frozenset[str] = frozenset()
+        self,
+        array: jax.Array,
+        shape: Shape,
+        src: Axes,
+        dst: Axes,
+        pending: Sequence[str],
+        varying: frozenset[str] = frozenset(),
     ) -> jax.Array:
         steps = relayout.plan(src, dst, pending, shape.sizes, self.axis_sizes)
         if not steps:
@@ -93,7 +101,11 @@ class SpmdLowering(Lowering):
         varying = frozenset().union(*(self._varying_when_prepared(o) for o in beside if o is not t))
         x = self._relayout(t._data, t.shape, src, own if axes is None else axes, t.pending, varying)
         missing = tuple(sorted(varying - _varying_axes(x)))
-        return _vary_summing_grads_in(x, missing, jnp.dtype(self.grad_reduce_dtype)) if self._narrow_grads(x, missing) else x
+        return (
+            _vary_summing_grads_in(x, missing, jnp.dtype(self.grad_reduce_dtype))
+            if self._narrow_grads(x, missing)
+            else x
+        )
 
     def _varying_when_prepared(self, t: Tensor) -> frozenset[str]:
         """Axes an operand will vary along when an op has prepared it: those it varies along now,
@@ -109,7 +121,9 @@ class SpmdLowering(Lowering):
             return steps[0].dim, steps[0].axes
         return None
 
-    def gather_stored(self, arrays: list[jax.Array], gathers: Sequence[tuple[int, Axes] | None], *others: jax.Array) -> list[jax.Array]:
+    def gather_stored(
+        self, arrays: list[jax.Array], gathers: Sequence[tuple[int, Axes] | None], *others: jax.Array
+    ) -> list[jax.Array]:
         varying = frozenset().union(*(_varying_axes(o) for o in others))
         # One group per gather axes, dtype and manual-axis type: concatenating shards that vary along
         # different axes would make every part vary along them all.
@@ -122,7 +136,12 @@ class SpmdLowering(Lowering):
             to = "varying" if varying.issuperset(axes) else "invarying"
             with jax.named_scope(f"[{len(members)} stored tensors]"):
                 gathered = relayout.gather_together(
-                    [arrays[i] for i in members], [gathers[i][0] for i in members], axes, self.group_size(axes), to, self.grad_reduce_dtype
+                    [arrays[i] for i in members],
+                    [gathers[i][0] for i in members],
+                    axes,
+                    self.group_size(axes),
+                    to,
+                    self.grad_reduce_dtype,
                 )
             for i, a in zip(members, gathered):
                 out[i] = a
@@ -134,7 +153,11 @@ class SpmdLowering(Lowering):
 
     def _vary(self, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
         """``x`` marked varying along ``axes``; its gradient summed over them (in ``grad_reduce_dtype`` where narrower)."""
-        return _vary_summing_grads_in(x, axes, jnp.dtype(self.grad_reduce_dtype)) if self._narrow_grads(x, axes) else _pvary(x, axes)
+        return (
+            _vary_summing_grads_in(x, axes, jnp.dtype(self.grad_reduce_dtype))
+            if self._narrow_grads(x, axes)
+            else _pvary(x, axes)
+        )
 
     def finish(self, array, shape, axes=None, pending=(), lazy=False, tensor="output") -> Tensor:
         own = self.axes(shape, tensor)
@@ -146,7 +169,7 @@ class SpmdLowering(Lowering):
     def keep(self, array: jax.Array, shape: Shape, axes: Axes) -> Tensor:
         return Tensor(array, shape, (), axes)
 
-    def with_layout(self, layout: Layout) -> "SpmdLowering":
+    def with_layout(self, layout: Layout) -> SpmdLowering:
         return SpmdLowering(self.mesh, layout, self.grad_reduce_dtype)
 
     def zeros_traced(self, like: Any) -> jax.Array:

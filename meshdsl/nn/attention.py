@@ -77,8 +77,10 @@ class MultiHeadAttention:
         if self.kv_heads is not None:
             check_sizes("MultiHeadAttention", [self.kv_heads])
         if self.rotary is not None and (self.rotary.depth != self.d_kv or self.rotary.length != self.length):
-            raise ShapeError(f"MultiHeadAttention: rotary over {self.rotary.depth} and {self.rotary.length!r} "
-                             f"must be over this layer's d_kv {self.d_kv} and length {self.length!r}")
+            raise ShapeError(
+                f"MultiHeadAttention: rotary over {self.rotary.depth} and {self.rotary.length!r} "
+                f"must be over this layer's d_kv {self.d_kv} and length {self.length!r}"
+            )
 
     @property
     def query_heads(self) -> list[Dim]:
@@ -110,8 +112,11 @@ class MultiHeadAttention:
             k_qkv, k_out = jax.random.split(key)
             return {"wqkv": self.qkv_projection.init(k_qkv, stack), "wo": self.output_projection.init(k_out, stack)}
         k_q, k_kv, k_out = jax.random.split(key, 3)
-        return {"wq": self.query_projection.init(k_q, stack), "wkv": self.kv_projection.init(k_kv, stack),
-                "wo": self.output_projection.init(k_out, stack)}
+        return {
+            "wq": self.query_projection.init(k_q, stack),
+            "wkv": self.kv_projection.init(k_kv, stack),
+            "wo": self.output_projection.init(k_out, stack),
+        }
 
     def _project(self, params: Any, x: Tensor, out: list[Dim]) -> Tensor:
         """``x`` through a projection's weight (and bias), with dims ordered ``out``."""
@@ -138,7 +143,15 @@ class MultiHeadAttention:
             q, k = self.rotary(q), self.rotary(k)
         k, v = rename(k, self.length, self.memory), rename(v, self.length, self.memory)
         attended = dot_product_attention(
-            q, k, v, heads=self.query_heads[0], length=self.length, memory=self.memory, depth=self.d_kv,
-            causal=self.causal, mask=mask, implementation=self.implementation,
+            q,
+            k,
+            v,
+            heads=self.query_heads[0],
+            length=self.length,
+            memory=self.memory,
+            depth=self.d_kv,
+            causal=self.causal,
+            mask=mask,
+            implementation=self.implementation,
         )
         return self.output_projection(params["wo"], attended)

@@ -70,7 +70,9 @@ def _check(
 ) -> tuple[list[str], list[str]]:
     """The batch dims and the query-group dims, in ``q``'s order; ShapeError when the operands do not fit together."""
     if t == s:
-        raise ShapeError(f"dot_product_attention: the query length and memory dims need distinct names, got {t!r} twice")
+        raise ShapeError(
+            f"dot_product_attention: the query length and memory dims need distinct names, got {t!r} twice"
+        )
     for x, role, need in ((q, "query", (h, t, d)), (k, "key", (h, s, d)), (v, "value", (h, s, d))):
         missing = [n for n in need if n not in x.shape]
         if missing:
@@ -81,12 +83,15 @@ def _check(
     groups = [n for n in q.names if n not in (h, t, d) and n not in k.shape]
     if {x for x in q.shape if x.name in batch} | {q.shape[h], q.shape[d]} != {x for x in k.shape if x.name != s}:
         also = f" (and the query groups {groups})" if groups else ""
-        raise ShapeError(f"dot_product_attention: queries {q.shape} and keys {k.shape} "
-                         f"differ in dims other than {t} and {s}{also}")
+        raise ShapeError(
+            f"dot_product_attention: queries {q.shape} and keys {k.shape} differ in dims other than {t} and {s}{also}"
+        )
     if mask is not None:
         allowed = {*batch, *groups, h, t, s}
         if mask.dtype != jnp.bool_ or not set(mask.names) <= allowed:
-            raise ShapeError(f"dot_product_attention: mask {mask.shape} ({mask.dtype}) must be boolean over dims of {sorted(allowed)}")
+            raise ShapeError(
+                f"dot_product_attention: mask {mask.shape} ({mask.dtype}) must be boolean over dims of {sorted(allowed)}"
+            )
     return batch, groups
 
 
@@ -130,7 +135,7 @@ def dot_product_attention(
         """``x``'s local block as ``[B, position, N, d_kv]``, ``N`` the ``heads`` dims flattened (kv head major)."""
         a = lowering.prepare(x, tuple(own[n] for n in x.names), beside=others)
         a = jnp.transpose(a, [x.shape.index(n) for n in (*batch, position, *heads, d)])
-        return jnp.reshape(a, (math.prod(a.shape[:len(batch)]), a.shape[len(batch)], -1, a.shape[-1]))
+        return jnp.reshape(a, (math.prod(a.shape[: len(batch)]), a.shape[len(batch)], -1, a.shape[-1]))
 
     qa, ka, va = local(q, t, [h, *groups], [k, v]), local(k, s, [h], [q, v]), local(v, s, [h], [q, k])
     qa, ka, va = (lowering.vary_like(a, qa, ka, va) for a in (qa, ka, va))
@@ -141,7 +146,7 @@ def dot_product_attention(
     if mask is not None:
         full = Shape([*(q.shape[n] for n in batch), q.shape[h], *(q.shape[n] for n in groups), q.shape[t], k.shape[s]])
         m = elementwise.align(lowering.prepare(mask, tuple(own[n] for n in mask.names)), mask.shape, full)
-        head_sizes = m.shape[len(batch):-2]
+        head_sizes = m.shape[len(batch) : -2]
         if math.prod(head_sizes) > 1:  # a mask over some of the head dims: over all of them, as the kernel's N
             head_sizes = [local_of[n] for n in (h, *groups)]
         m = jnp.broadcast_to(m, (*local_batch, *head_sizes, *m.shape[-2:]))
@@ -155,7 +160,13 @@ def dot_product_attention(
     kind = "tensor" if allowed is not None else "causal" if whole_causal else "none"
     chosen = implementation_here(qa.dtype, qa.shape[-1], kind, implementation)
     out = jax.nn.dot_product_attention(
-        qa, ka, va, mask=allowed, scale=scale, is_causal=whole_causal, implementation=chosen,
+        qa,
+        ka,
+        va,
+        mask=allowed,
+        scale=scale,
+        is_causal=whole_causal,
+        implementation=chosen,
     )
     out = jnp.reshape(out, (*local_batch, out.shape[1], *(local_of[n] for n in (h, *groups)), out.shape[-1]))
     order = [*batch, t, h, *groups, d]

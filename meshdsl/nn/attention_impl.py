@@ -39,8 +39,9 @@ def max_head_dim(device: Any = None) -> int:
     return 256 if major >= 9 else 128
 
 
-def choose_implementation(platform: str, dtype: Any, head_dim: int, mask_kind: str, explicit: str | None = None,
-                          head_dim_limit: int = 128) -> str:
+def choose_implementation(
+    platform: str, dtype: Any, head_dim: int, mask_kind: str, explicit: str | None = None, head_dim_limit: int = 128
+) -> str:
     """``"cudnn"`` or ``"xla"`` for attention on ``platform`` ("cpu", "gpu", "tpu") of ``dtype``
     inputs with heads of ``head_dim`` and mask ``mask_kind`` (:data:`MASKS`); ``explicit`` (not
     None) is returned as given. ``head_dim_limit``: :func:`max_head_dim` of the device."""
@@ -52,8 +53,11 @@ def choose_implementation(platform: str, dtype: Any, head_dim: int, mask_kind: s
     if mask_kind not in MASKS:
         raise ConfigError(f"attention mask kind {mask_kind!r} is not one of {', '.join(MASKS)}")
     fused = (
-        platform in GPU_PLATFORMS and jnp.dtype(dtype) in FUSED_DTYPES
-        and head_dim % 8 == 0 and head_dim <= head_dim_limit and mask_kind != "tensor"
+        platform in GPU_PLATFORMS
+        and jnp.dtype(dtype) in FUSED_DTYPES
+        and head_dim % 8 == 0
+        and head_dim <= head_dim_limit
+        and mask_kind != "tensor"
     )
     return "cudnn" if fused else "xla"
 

@@ -50,13 +50,25 @@ class Conv2d:
                 raise ShapeError(f"Conv2d: {what} must be a pair of positive ints (height, width), got {pair!r}")
             object.__setattr__(self, what, tuple(int(n) for n in pair))
         check_scale("Conv2d", self.init_scale)
-        names = [self.in_channels.name, self.out_channels.name, self.height, self.width, self.kernel_height, self.kernel_width]
+        names = [
+            self.in_channels.name,
+            self.out_channels.name,
+            self.height,
+            self.width,
+            self.kernel_height,
+            self.kernel_width,
+        ]
         if len(set(names)) != len(names):
             raise ShapeError(f"Conv2d: dim names {names} must be distinct")
 
     @property
     def kernel_dims(self) -> list[Dim]:
-        return [Dim(self.kernel_height, self.kernel[0]), Dim(self.kernel_width, self.kernel[1]), self.in_channels, self.out_channels]
+        return [
+            Dim(self.kernel_height, self.kernel[0]),
+            Dim(self.kernel_width, self.kernel[1]),
+            self.in_channels,
+            self.out_channels,
+        ]
 
     def init(self, key: jax.Array, stack: Stack = ()) -> Any:
         fan_in = self.kernel[0] * self.kernel[1] * self.in_channels.size
@@ -67,8 +79,16 @@ class Conv2d:
         check_float("Conv2d", x)
         kernel = params["kernel"] if self.bias else params
         y = conv2d(
-            x, cast_like(kernel, x), self.height, self.width, self.in_channels, self.out_channels,
-            self.kernel_height, self.kernel_width, padding=self.padding, stride=self.stride,
+            x,
+            cast_like(kernel, x),
+            self.height,
+            self.width,
+            self.in_channels,
+            self.out_channels,
+            self.kernel_height,
+            self.kernel_width,
+            padding=self.padding,
+            stride=self.stride,
         )
         return y + cast_like(params["bias"], x) if self.bias else y
 

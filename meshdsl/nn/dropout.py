@@ -5,11 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from meshdsl.dims import ShapeLike
-from meshdsl.random import check_rate, dropout as _dropout
+from meshdsl.random import check_rate
+from meshdsl.random import dropout as _dropout
 from meshdsl.tensor import Tensor
 
 
-def dropout(key: Any, x: Tensor, rate: float, *, deterministic: bool = False, noise_shape: ShapeLike | None = None) -> Tensor:
+def dropout(
+    key: Any, x: Tensor, rate: float, *, deterministic: bool = False, noise_shape: ShapeLike | None = None
+) -> Tensor:
     """``x`` with each entry zeroed with probability ``rate`` and the rest scaled by ``1 / (1 - rate)``;
     ``x`` itself when ``deterministic`` (evaluation) or ``rate`` is 0 (``key`` may then be None).
 

@@ -39,7 +39,9 @@ class Linear:
         check_scale("Linear", self.init_scale)
         names = [d.name for d in (*ins, *outs)]
         if len(set(names)) != len(names):
-            raise ShapeError(f"Linear: inputs {list(map(str, ins))} and outputs {list(map(str, outs))} must have distinct names")
+            raise ShapeError(
+                f"Linear: inputs {list(map(str, ins))} and outputs {list(map(str, outs))} must have distinct names"
+            )
         object.__setattr__(self, "inputs", ins)
         object.__setattr__(self, "outputs", outs)
 
@@ -54,7 +56,9 @@ class Linear:
         check_has("Linear", x, self.inputs, "input")
         extra = [n for n in w.names if n not in x.shape and n not in {d.name for d in self.outputs}]
         if extra:
-            raise ShapeError(f"Linear: weight {w.shape} has dims {extra} that are neither outputs nor dims of the input {x.shape}")
+            raise ShapeError(
+                f"Linear: weight {w.shape} has dims {extra} that are neither outputs nor dims of the input {x.shape}"
+            )
         inputs = {d.name for d in self.inputs}
         out = [d for d in x.shape if d.name not in inputs] + list(self.outputs)
         y = einsum(x, cast_like(w, x), out=out)

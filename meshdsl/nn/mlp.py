@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -38,7 +39,9 @@ class MLP:
             )
         object.__setattr__(self, "inputs", as_dims(self.inputs, "MLP inputs"))
         object.__setattr__(self, "hidden", as_dims(self.hidden, "MLP hidden"))
-        object.__setattr__(self, "outputs", self.inputs if self.outputs is None else as_dims(self.outputs, "MLP outputs"))
+        object.__setattr__(
+            self, "outputs", self.inputs if self.outputs is None else as_dims(self.outputs, "MLP outputs")
+        )
 
     @property
     def input_projection(self) -> Linear:

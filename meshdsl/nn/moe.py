@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,8 @@ from meshdsl.nn.linear import Linear
 from meshdsl.nn.params import Stack, check_float, check_sizes
 from meshdsl.ops.einsum import einsum
 from meshdsl.ops.elementwise import cast, equal, gelu
-from meshdsl.ops.indexing import cumsum, one_hot, range as md_range, top_k
+from meshdsl.ops.indexing import cumsum, one_hot, top_k
+from meshdsl.ops.indexing import range as md_range
 from meshdsl.ops.reduction import reduce_mean, reduce_sum, softmax
 from meshdsl.ops.reshape import reshape
 from meshdsl.tensor import Tensor
@@ -79,7 +81,17 @@ class MoE:
             raise ConfigError(
                 f"MoE: activation must be a function of an md tensor (e.g. md.gelu), got {self.activation!r}"
             )
-        names = [self.model.name, self.hidden.name, self.experts.name, self.group, self.tokens, self.experts_unsplit, self.groups, self.capacity, self.choices]
+        names = [
+            self.model.name,
+            self.hidden.name,
+            self.experts.name,
+            self.group,
+            self.tokens,
+            self.experts_unsplit,
+            self.groups,
+            self.capacity,
+            self.choices,
+        ]
         if len(set(names)) != len(names):
             raise ShapeError(f"MoE: dim names {names} must be distinct")
 
@@ -135,8 +147,13 @@ class MoE:
 
     def __call__(self, params: dict[str, Any], x: Tensor) -> tuple[Tensor, Tensor]:
         check_float("MoE", x)
-        if sorted(x.names) != sorted([self.group, self.tokens, self.model.name]) or x.shape[self.model.name] != self.model:
-            raise ShapeError(f"MoE: input {x.shape} must have exactly the dims {self.group}, {self.tokens} and {self.model}")
+        if (
+            sorted(x.names) != sorted([self.group, self.tokens, self.model.name])
+            or x.shape[self.model.name] != self.model
+        ):
+            raise ShapeError(
+                f"MoE: input {x.shape} must have exactly the dims {self.group}, {self.tokens} and {self.model}"
+            )
         b, dm, E = x.shape[self.group], self.model, self.experts
         Eu, G = Dim(self.experts_unsplit, E.size), Dim(self.groups, b.size)
         C = Dim(self.capacity, self.capacity_size(x.shape[self.tokens].size))

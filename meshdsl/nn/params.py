@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence, Union
+from collections.abc import Sequence
+from typing import Union
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,9 @@ def as_dims(dims: Dims, what: str) -> tuple[Dim, ...]:
     """``dims`` as a tuple of Dims (one Dim, or a sequence of them); ShapeError naming ``what`` otherwise."""
     out = (dims,) if isinstance(dims, Dim) else tuple(dims) if isinstance(dims, (list, tuple)) else ()
     if not out or not all(isinstance(d, Dim) for d in out):
-        raise ShapeError(f"{what}: expected an md.Dim or a non-empty sequence of md.Dims (sizes are needed), got {dims!r}")
+        raise ShapeError(
+            f"{what}: expected an md.Dim or a non-empty sequence of md.Dims (sizes are needed), got {dims!r}"
+        )
     check_sizes(what, out)
     return out
 

@@ -47,8 +47,10 @@ class PositionEmbedding:
             raise ShapeError(f"PositionEmbedding: input {x.shape} has no length dim {self.length!r}")
         n = x.shape[self.length].size
         if offset < 0 or offset + n > self.positions.size:
-            raise ShapeError(f"PositionEmbedding: positions {offset}..{offset + n - 1} of {x.shape} "
-                             f"are outside the table's {self.positions}")
+            raise ShapeError(
+                f"PositionEmbedding: positions {offset}..{offset + n - 1} of {x.shape} "
+                f"are outside the table's {self.positions}"
+            )
         rows = table if offset == 0 and n == self.positions.size else md_slice(table, offset, n, self.positions.name)
         if self.positions.name != self.length:
             rows = rename(rows, self.positions.name, self.length)

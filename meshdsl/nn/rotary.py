@@ -60,7 +60,7 @@ class Rotary:
         c, s = cos(angles), sin(angles)
         grouped = [half, pair] if self.interleaved else [pair, half]
         at = x.shape.index(d.name)
-        shape = [*x.shape.dims[:at], *grouped, *x.shape.dims[at + 1:]]
+        shape = [*x.shape.dims[:at], *grouped, *x.shape.dims[at + 1 :]]
         first, second = unstack(cast(reshape(x, shape), jnp.float32), pair.name)
         rotated = stack([first * c - second * s, second * c + first * s], pair.name, axis=shape.index(pair))
         return cast(reshape(rotated, x.shape), x.dtype)

@@ -7,7 +7,7 @@ their splits and cost nothing.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -102,7 +102,11 @@ def slice(x: Tensor, begin: int, size: int, dim: DimLike) -> Tensor:  # noqa: A0
 @op("pad")
 def pad(x: Tensor, paddings: Sequence[int], dim: DimLike, value: float = 0) -> Tensor:
     """``x`` with ``paddings = [before, after]`` entries of ``value`` added along ``dim``."""
-    if not isinstance(paddings, (list, tuple)) or len(paddings) != 2 or not all(isinstance(p, int) and p >= 0 for p in paddings):
+    if (
+        not isinstance(paddings, (list, tuple))
+        or len(paddings) != 2
+        or not all(isinstance(p, int) and p >= 0 for p in paddings)
+    ):
         raise ShapeError(f"pad: paddings must be [before, after], two non-negative ints, got {paddings!r}")
     before, after = paddings
     lowering, position, array, axes = _along(x, dim)

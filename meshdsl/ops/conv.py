@@ -72,9 +72,13 @@ def conv2d(
     if len(strides) != 2:
         raise ShapeError(f"conv2d: stride {stride!r} is one int or (height, width)")
     if len({h, w, c}) != 3:
-        raise ShapeError(f"conv2d: height {h!r}, width {w!r} and in_dim {c!r} must be three different dims of the input {x.shape}")
+        raise ShapeError(
+            f"conv2d: height {h!r}, width {w!r} and in_dim {c!r} must be three different dims of the input {x.shape}"
+        )
     if len({kh, kw, c, o}) != 4:
-        raise ShapeError(f"conv2d: kernel_height {kh!r}, kernel_width {kw!r}, in_dim {c!r} and out_dim {o!r} must be four different names")
+        raise ShapeError(
+            f"conv2d: kernel_height {kh!r}, kernel_width {kw!r}, in_dim {c!r} and out_dim {o!r} must be four different names"
+        )
     if sorted(kernel.shape.names) != sorted({kh, kw, c, o}):
         raise ShapeError(f"conv2d: kernel {kernel.shape} must have exactly the dims {kh}, {kw}, {c}, {o}")
     for name in (h, w, c):
@@ -84,12 +88,17 @@ def conv2d(
         raise ShapeError(f"conv2d: {c} is {x.shape[c]} in the input but {kernel.shape[c]} in the kernel")
     for role, name in (("out_dim", o), ("kernel_height", kh), ("kernel_width", kw)):
         if name in x.shape:
-            raise ShapeError(f"conv2d: {role} {name!r} is also a dim of the input {x.shape}; name the kernel's dims differently")
+            raise ShapeError(
+                f"conv2d: {role} {name!r} is also a dim of the input {x.shape}; name the kernel's dims differently"
+            )
     sizes = {h: kernel.shape[kh].size, w: kernel.shape[kw].size}
     windows = {n: Window.checked("conv2d", n, x.shape[n].size, sizes[n], s, padding) for n, s in zip((h, w), strides)}
 
     lowering = current()
-    out = Shape(kernel.shape[o] if d.name == c else Dim(d.name, windows[d.name].out) if d.name in windows else d for d in x.shape)
+    out = Shape(
+        kernel.shape[o] if d.name == c else Dim(d.name, windows[d.name].out) if d.name in windows else d
+        for d in x.shape
+    )
     lowering.axes(out, "conv2d result")  # a clear LayoutError if the layout cannot hold the result
     batch = [n for n in x.shape.names if n not in (h, w, c)]
 
@@ -106,13 +115,15 @@ def conv2d(
     # Where XLA partitions the program (gspmd), its partitioner miscomputes convolutions split
     # along a windowed dim (docs/design.md, gspmd): there the convolution holds those dims whole.
     windowed = [n for n in (h, w) if sizes[n] > 1 or windows[n].stride > 1]
-    xa = lowering.hold_whole(lowering.prepare(x, tuple(layout[n] for n in x.shape.names), beside=[kernel]), x.shape, windowed)
+    xa = lowering.hold_whole(
+        lowering.prepare(x, tuple(layout[n] for n in x.shape.names), beside=[kernel]), x.shape, windowed
+    )
     ka = lowering.prepare(kernel, tuple(layout[n] for n in kernel.shape.names), beside=[x])
     # Local NHWC / HWIO arrays: the batch dims flattened into one.
     order = [*batch, h, w, c]
     xa = jnp.transpose(xa, [x.shape.index(n) for n in order])
     local_batch = xa.shape[: len(batch)]
-    xa = jnp.reshape(xa, (int(np.prod(local_batch)), *xa.shape[len(batch):]))
+    xa = jnp.reshape(xa, (int(np.prod(local_batch)), *xa.shape[len(batch) :]))
     ka = jnp.transpose(ka, [kernel.shape.index(n) for n in (kh, kw, c, o)])
     pads = []
     for axis, name in ((1, h), (2, w)):

@@ -17,7 +17,9 @@ from meshdsl.tensor import Tensor, describe, dtype_of
 def full(shape: ShapeLike, value: Any, dtype: Any = jnp.float32) -> Tensor:
     """A tensor of ``shape`` filled with ``value``."""
     dtype = dtype_of(dtype, "full")
-    if not isinstance(value, (bool, int, float, complex, np.number, np.bool_)) and not (hasattr(value, "shape") and value.shape == ()):
+    if not isinstance(value, (bool, int, float, complex, np.number, np.bool_)) and not (
+        hasattr(value, "shape") and value.shape == ()
+    ):
         raise ShapeError(f"full: value must be a number, got {describe(value)}")
     with jax.named_scope("md.full"):
         lowering = current()

@@ -9,7 +9,7 @@ through additions of such results.
 from __future__ import annotations
 
 import string
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -28,13 +28,17 @@ def _output_shape(tensors: Sequence[Tensor], out: Sequence[DimLike] | Shape | st
         for d in t.shape:
             if d.name in dims and dims[d.name].size != d.size:
                 shapes = ", ".join(str(x.shape) for x in tensors)
-                raise ShapeError(f"einsum: dim {d.name} has size {dims[d.name].size} in one input and {d.size} in another ({shapes})")
+                raise ShapeError(
+                    f"einsum: dim {d.name} has size {dims[d.name].size} in one input and {d.size} in another ({shapes})"
+                )
             dims.setdefault(d.name, d)
             count[d.name] = count.get(d.name, 0) + 1
     if out is None:
         return Shape(d for n, d in dims.items() if count[n] == 1)
     if not isinstance(out, (str, Dim, Shape, list, tuple)):
-        raise ShapeError(f"einsum: out must be dims (names, md.Dims, a Shape or a string of names), got {describe(out)}")
+        raise ShapeError(
+            f"einsum: out must be dims (names, md.Dims, a Shape or a string of names), got {describe(out)}"
+        )
     items = out.split() if isinstance(out, str) else [out] if isinstance(out, Dim) else list(out)
     names = [item.name if isinstance(item, Dim) else item for item in items]
     repeated = sorted({n for n in names if names.count(n) > 1})
@@ -75,7 +79,9 @@ def einsum(*tensors: Tensor, out: Sequence[DimLike] | Shape | str | None = None)
 
     itemsize = np.dtype(jnp.result_type(*(t.dtype for t in tensors))).itemsize
     layout = compute_layout.choose(lowering, tensors, out_shape, result, itemsize)
-    letters = {n: string.ascii_letters[i] for i, n in enumerate(dict.fromkeys(n for t in tensors for n in t.shape.names))}
+    letters = {
+        n: string.ascii_letters[i] for i, n in enumerate(dict.fromkeys(n for t in tensors for n in t.shape.names))
+    }
     spec = ",".join("".join(letters[n] for n in t.shape.names) for t in tensors)
     spec += "->" + "".join(letters[n] for n in out_shape.names)
     arrays = [lowering.prepare(t, tuple(layout[n] for n in t.shape.names), beside=tensors) for t in tensors]

@@ -12,7 +12,8 @@ those axes), so ``einsum(a, b) + einsum(c, d)`` over a split dim costs one ``psu
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +33,14 @@ def _check_operand(x: Any, name: str) -> None:
         return
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         if len(x.shape):
-            raise ShapeError(f"{name}: operand of shape {tuple(x.shape)} has no dim names; wrap it with md.tensor(array, dims)")
-        if np.issubdtype(np.dtype(x.dtype), np.number) or np.dtype(x.dtype) == np.bool_ or jnp.issubdtype(x.dtype, jnp.floating):
+            raise ShapeError(
+                f"{name}: operand of shape {tuple(x.shape)} has no dim names; wrap it with md.tensor(array, dims)"
+            )
+        if (
+            np.issubdtype(np.dtype(x.dtype), np.number)
+            or np.dtype(x.dtype) == np.bool_
+            or jnp.issubdtype(x.dtype, jnp.floating)
+        ):
             return
     raise ShapeError(f"{name}: operand {describe(x)} is neither an md tensor nor a number")
 
@@ -47,7 +54,9 @@ def broadcast_shape(operands: Sequence[Any], name: str) -> Shape:
             for d in x.shape:
                 if d.name in dims and dims[d.name].size != d.size:
                     shapes = ", ".join(str(t.shape) for t in operands if isinstance(t, Tensor))
-                    raise ShapeError(f"{name}: dim {d.name} has size {dims[d.name].size} in one operand and {d.size} in another ({shapes})")
+                    raise ShapeError(
+                        f"{name}: dim {d.name} has size {dims[d.name].size} in one operand and {d.size} in another ({shapes})"
+                    )
                 dims.setdefault(d.name, d)
     return Shape(dims.values())
 
@@ -135,6 +144,8 @@ negative = _unary("negative", jnp.negative, "-x.")
 logical_not = _unary("logical_not", jnp.logical_not, "Boolean not.")
 sin = _unary("sin", jnp.sin, "Sine (radians).")
 cos = _unary("cos", jnp.cos, "Cosine (radians).")
+
+
 @jax.custom_jvp
 def _erf(a: jax.Array) -> jax.Array:
     """``lax.erf`` with its derivative written out: JAX 0.12's own derivative of erf builds constants
@@ -195,8 +206,9 @@ def map(fn: Callable[..., jax.Array], *operands: Any) -> Tensor:  # noqa: A001  
         result = jnp.asarray(fn(*arrays))
         want = jnp.broadcast_shapes(*(jnp.shape(a) for a in arrays))
         if result.shape != want:
-            raise ShapeError(f"map: {label} turned blocks of shape {want} into {result.shape}; "
-                             "it must work element by element")
+            raise ShapeError(
+                f"map: {label} turned blocks of shape {want} into {result.shape}; it must work element by element"
+            )
         return result
 
     return _map("map", checked, *operands)
@@ -228,9 +240,45 @@ def stop_gradient(x: Tensor) -> Tensor:
 
 
 __all__ = [
-    "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "softplus", "log_sigmoid", "relu", "gelu", "square", "abs", "negative",
-    "logical_not", "sin", "cos", "erf", "silu", "swish", "map",
-    "add", "subtract", "multiply", "divide", "power", "mod", "maximum", "minimum", "equal",
-    "not_equal", "less", "less_equal", "greater", "greater_equal", "logical_and", "logical_or", "cast",
-    "where", "stop_gradient", "broadcast_shape", "align",
+    "exp",
+    "log",
+    "sqrt",
+    "rsqrt",
+    "tanh",
+    "sigmoid",
+    "softplus",
+    "log_sigmoid",
+    "relu",
+    "gelu",
+    "square",
+    "abs",
+    "negative",
+    "logical_not",
+    "sin",
+    "cos",
+    "erf",
+    "silu",
+    "swish",
+    "map",
+    "add",
+    "subtract",
+    "multiply",
+    "divide",
+    "power",
+    "mod",
+    "maximum",
+    "minimum",
+    "equal",
+    "not_equal",
+    "less",
+    "less_equal",
+    "greater",
+    "greater_equal",
+    "logical_and",
+    "logical_or",
+    "cast",
+    "where",
+    "stop_gradient",
+    "broadcast_shape",
+    "align",
 ]

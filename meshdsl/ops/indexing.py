@@ -41,7 +41,9 @@ def _local_iota(lowering, dim: Dim, axes: tuple[str, ...], dtype: Any) -> jax.Ar
 
 
 @op("one_hot")
-def one_hot(indices: Tensor, output_dim: Dim, on_value: float = 1.0, off_value: float = 0.0, dtype: Any = jnp.float32) -> Tensor:
+def one_hot(
+    indices: Tensor, output_dim: Dim, on_value: float = 1.0, off_value: float = 0.0, dtype: Any = jnp.float32
+) -> Tensor:
     """``on_value`` where ``indices`` equals the position along the new dim ``output_dim``, else ``off_value``."""
     if not jnp.issubdtype(indices.dtype, jnp.integer):
         raise ShapeError(f"one_hot: indices must be integers, got {describe(indices)}")
@@ -49,7 +51,9 @@ def one_hot(indices: Tensor, output_dim: Dim, on_value: float = 1.0, off_value: 
         raise ShapeError(f"one_hot: output_dim must be an md.Dim (name and size), got {describe(output_dim)}")
     dtype = dtype_of(dtype, "one_hot")
     if output_dim.name in indices.shape:
-        raise ShapeError(f"one_hot: output_dim {output_dim} is already a dim of the indices {indices.shape}; name the new dim differently")
+        raise ShapeError(
+            f"one_hot: output_dim {output_dim} is already a dim of the indices {indices.shape}; name the new dim differently"
+        )
     lowering = current()
     out = indices.shape + [output_dim]
     axes = lowering.axes(out)
@@ -94,7 +98,11 @@ def gather(weights: Tensor, indices: Tensor, dim: DimLike) -> Tensor:
     local = jnp.where(local < 0, size, local)  # 'fill' mode would wrap a negative index
     taken = jnp.take(w, local, axis=position, mode="fill", fill_value=0)
     k = indices.shape.rank
-    perm = [*builtins.range(position, position + k), *builtins.range(position), *builtins.range(position + k, taken.ndim)]
+    perm = [
+        *builtins.range(position, position + k),
+        *builtins.range(position),
+        *builtins.range(position + k, taken.ndim),
+    ]
     out_axes, pending = result(layout)
     return lowering.finish(jnp.transpose(taken, perm), out, out_axes, pending, lazy=True)
 
@@ -112,18 +120,30 @@ def take_along(x: Tensor, indices: Tensor, dim: DimLike) -> Tensor:
     if not jnp.issubdtype(indices.dtype, jnp.integer):
         raise ShapeError(f"take_along: indices {indices.shape} must be integers, got {indices.dtype}")
     if d.name in indices.shape:
-        raise ShapeError(f"take_along: the indices {indices.shape} have the looked-up dim {d.name}; they index along it, over dims of x {x.shape} other than {d.name}")
+        raise ShapeError(
+            f"take_along: the indices {indices.shape} have the looked-up dim {d.name}; they index along it, over dims of x {x.shape} other than {d.name}"
+        )
     extra = [n for n in indices.shape.names if n not in x.shape]
     if extra:
-        raise ShapeError(f"take_along: the indices {indices.shape} have dim(s) {', '.join(extra)} that x {x.shape} lacks; they index over dims of x other than {d.name}")
+        raise ShapeError(
+            f"take_along: the indices {indices.shape} have dim(s) {', '.join(extra)} that x {x.shape} lacks; they index over dims of x other than {d.name}"
+        )
     out = x.shape.without([d.name])
     axes = lowering.axes(x.shape)
     position = x.shape.index(d.name)
     size, offset = lowering.shard(d.size, axes[position])
     local = elementwise.align(lowering.prepare(indices, beside=[x]), indices.shape, out) - offset
     local = jnp.where(local < 0, size, local)  # 'fill' mode would wrap a negative index
-    taken = jnp.take_along_axis(lowering.prepare(x, beside=[indices]), jnp.expand_dims(local, position), axis=position, mode="fill", fill_value=0)
-    return lowering.finish(jnp.squeeze(taken, position), out, axes[:position] + axes[position + 1 :], axes[position], lazy=True)
+    taken = jnp.take_along_axis(
+        lowering.prepare(x, beside=[indices]),
+        jnp.expand_dims(local, position),
+        axis=position,
+        mode="fill",
+        fill_value=0,
+    )
+    return lowering.finish(
+        jnp.squeeze(taken, position), out, axes[:position] + axes[position + 1 :], axes[position], lazy=True
+    )
 
 
 @op("top_k")
@@ -140,7 +160,9 @@ def top_k(x: Tensor, reduced_dim: DimLike, k_dim: Dim) -> tuple[Tensor, Tensor]:
     if k > d.size:
         raise ShapeError(f"top_k: k_dim {k_dim} is larger than {d}")
     if k_dim.name != d.name and k_dim.name in x.shape:
-        raise ShapeError(f"top_k: k_dim {k_dim} is named like the dim {x.shape[k_dim.name]} of x {x.shape}, which the result keeps")
+        raise ShapeError(
+            f"top_k: k_dim {k_dim} is named like the dim {x.shape[k_dim.name]} of x {x.shape}, which the result keeps"
+        )
     out = x.shape.without([d.name]) + [k_dim]
     axes = list(lowering.axes(x.shape))
     split = axes[position]
@@ -188,7 +210,9 @@ def cumsum(x: Tensor, dim: DimLike, exclusive: bool = False) -> Tensor:
     if split:
         blocks = lowering.all_gather(jnp.sum(array, axis=position, keepdims=True), split, position)
         n = lowering.group_size(split)
-        before = (jnp.arange(n) < lowering.axis_index(split)).reshape((1,) * position + (n,) + (1,) * (array.ndim - position - 1))
+        before = (jnp.arange(n) < lowering.axis_index(split)).reshape(
+            (1,) * position + (n,) + (1,) * (array.ndim - position - 1)
+        )
         total = total + jnp.sum(jnp.where(before, blocks, 0), axis=position, keepdims=True)
     return lowering.finish(total, x.shape)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +41,9 @@ def _windows(name: str, x: Tensor, window: WindowSpec, stride: WindowSpec | None
     if not sizes:
         raise ShapeError(f"{name}: no dims to pool; window maps dim names to window sizes")
     if set(steps) != set(sizes):
-        raise ShapeError(f"{name}: stride names {sorted(steps)}, window names {sorted(sizes)}; they must be the same dims")
+        raise ShapeError(
+            f"{name}: stride names {sorted(steps)}, window names {sorted(sizes)}; they must be the same dims"
+        )
     for n in sizes:
         if n not in x.shape:
             raise ShapeError(f"{name}: input {x.shape} has no dim {n!r}")
@@ -70,7 +72,9 @@ def _pool(name: str, x: Tensor, windows: dict[str, Window], init: float, reducer
             pads[i] = (windows[n].lo, windows[n].hi)
     dims = [windows[n].window if n in windows else 1 for n in x.shape.names]
     strides = [windows[n].stride if n in windows else 1 for n in x.shape.names]
-    y = lax.reduce_window(a, np.asarray(init, a.dtype), reducer, dims, strides, pads)  # concrete: the differentiable max or sum
+    y = lax.reduce_window(
+        a, np.asarray(init, a.dtype), reducer, dims, strides, pads
+    )  # concrete: the differentiable max or sum
     return lowering.finish(lowering.hold_whole(y, out, list(windows)), out, tuple(axes))
 
 
@@ -99,4 +103,3 @@ def _covered(w: Window) -> np.ndarray:
     """Per output row, how many of its window's rows are input rows (not padding)."""
     start = np.arange(w.out) * w.stride - w.lo
     return (np.minimum(start + w.window, w.size) - np.maximum(start, 0)).astype(np.float64)
-

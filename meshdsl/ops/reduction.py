@@ -9,7 +9,7 @@ over a split ``vocab`` with one ``pmax`` and one ``psum``.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +18,8 @@ from meshdsl.dims import Dim, Shape, resolve
 from meshdsl.errors import ShapeError
 from meshdsl.lowering.base import Lowering
 from meshdsl.lowering.context import current, op, use
-from meshdsl.relayout import Axes
 from meshdsl.ops import elementwise as ew
+from meshdsl.relayout import Axes
 from meshdsl.tensor import Tensor
 
 Dims = str | Dim | Iterable[str | Dim] | None
@@ -46,7 +46,11 @@ def _reduce(x: Tensor, dims: Dims, combine: str) -> Tensor:
         local = jnp.sum(x._data if x.pending else lowering.prepare(x), axis=positions)
         return lowering.finish(local, out, out_axes, pending=x.pending + split, lazy=True)
     array = lowering.prepare(x)
-    local = lowering.reduce_max(array, positions, split) if combine == "max" else -lowering.reduce_max(-array, positions, split)
+    local = (
+        lowering.reduce_max(array, positions, split)
+        if combine == "max"
+        else -lowering.reduce_max(-array, positions, split)
+    )
     return lowering.finish(local, out, out_axes)
 
 
@@ -132,7 +136,9 @@ def _softmax(array: jax.Array, lowering: Lowering, shape: Shape, axes: Axes, nam
 
 
 @_softmax.defjvp
-def _softmax_jvp(lowering: Lowering, shape: Shape, axes: Axes, names: tuple[str, ...], primals: tuple, tangents: tuple) -> tuple:
+def _softmax_jvp(
+    lowering: Lowering, shape: Shape, axes: Axes, names: tuple[str, ...], primals: tuple, tangents: tuple
+) -> tuple:
     (x,), (t,) = primals, tangents
     y = _softmax(x, lowering, shape, axes, names)
     return y, _on_local(lowering, shape, axes, lambda y, t: y * (t - reduce_sum(y * t, names)), y, t)
@@ -142,5 +148,3 @@ def _softmax_jvp(lowering: Lowering, shape: Shape, axes: Axes, names: tuple[str,
 def log_softmax(x: Tensor, dims: Dims) -> Tensor:
     """log(softmax(x)) over ``dims``, computed stably."""
     return x - logsumexp(x, dims)
-
-

@@ -16,7 +16,7 @@ multiply to the same number (``[a=4, b=6] -> [c=24]`` is one group). Inside a gr
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 from einops import EinopsError
@@ -147,7 +147,9 @@ def rearrange(x: Tensor, pattern: str, /, **sizes: int | Dim) -> Tensor:
     left_text, right_text = pattern.split("->")
     left, right = _side(left_text), _side(right_text)
     if len(left) != x.shape.rank:
-        raise ShapeError(f"rearrange: left side {left_text.strip()!r} has {len(left)} entries but {x.shape} has {x.shape.rank} dims")
+        raise ShapeError(
+            f"rearrange: left side {left_text.strip()!r} has {len(left)} entries but {x.shape} has {x.shape.rank} dims"
+        )
     atoms: dict[str, Dim] = {}
     for (name, names, grouped), d in zip(left, x.shape):
         if (name or (names[0] if not grouped else d.name)) != d.name:

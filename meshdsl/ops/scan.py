@@ -17,7 +17,8 @@ layer instead of one per parameter.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -26,7 +27,6 @@ from meshdsl.dims import DimLike, Shape
 from meshdsl.errors import ShapeError
 from meshdsl.lowering.context import current
 from meshdsl.tensor import Tensor, describe, is_tensor
-
 
 _DATA_MOVEMENT = frozenset(
     "all_gather all_gather_invariant reshape transpose slice dynamic_slice concatenate squeeze expand_dims "
@@ -87,13 +87,19 @@ def _check_carry(init: Any, out: Any) -> None:
     ins = jax.tree_util.tree_flatten_with_path(init, is_leaf=is_tensor)
     outs = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_tensor)
     if ins[1] != outs[1]:
-        raise ShapeError(f"md.scan: fn returns a carry shaped {outs[1]} for one shaped {ins[1]}: the carry keeps its structure")
+        raise ShapeError(
+            f"md.scan: fn returns a carry shaped {outs[1]} for one shaped {ins[1]}: the carry keeps its structure"
+        )
     for (path, t), (_, u) in zip(ins[0], outs[0]):
         if _leaf_type(t) != _leaf_type(u):
-            raise ShapeError(f"md.scan: fn returns the carry{jax.tree_util.keystr(path)} as {_leaf_type(u)}, but it came in as {_leaf_type(t)}: the carry keeps its dims and dtypes")
+            raise ShapeError(
+                f"md.scan: fn returns the carry{jax.tree_util.keystr(path)} as {_leaf_type(u)}, but it came in as {_leaf_type(t)}: the carry keeps its dims and dtypes"
+            )
 
 
-def scan(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: DimLike, *, remat: bool = False) -> tuple[Any, Any]:
+def scan(
+    fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: DimLike, *, remat: bool = False
+) -> tuple[Any, Any]:
     """``fn(carry, x) -> (carry, y)`` over ``dim`` of every tensor in ``xs``; returns ``(carry, ys)``.
 
     ``x`` holds the slices of ``xs`` (without ``dim``); ``ys`` stacks the ``y``\\ s along ``dim``
@@ -115,14 +121,18 @@ def scan(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: Dim
         def settle(carry: Any) -> Any:
             """The carry in its own layout with no pending sums, so every step's carry has one type."""
             return jax.tree_util.tree_map(
-                lambda t: lowering.finish(lowering.prepare(t), t.shape) if isinstance(t, Tensor) else t, carry, is_leaf=is_tensor
+                lambda t: lowering.finish(lowering.prepare(t), t.shape) if isinstance(t, Tensor) else t,
+                carry,
+                is_leaf=is_tensor,
             )
 
         init = settle(init)
         prepared, slices = [], []
         for x in leaves:
             if not isinstance(x, Tensor) or name not in x.shape or x.shape[name].size != length:
-                raise ShapeError(f"md.scan over {name}={length}: every tensor in xs needs that dim, got {getattr(x, 'shape', x)}")
+                raise ShapeError(
+                    f"md.scan over {name}={length}: every tensor in xs needs that dim, got {getattr(x, 'shape', x)}"
+                )
             position = x.shape.index(name)
             axes = tuple(() if i == position else a for i, a in enumerate(lowering.layout_of(x)))
             prepared.append(jax.numpy.moveaxis(lowering.prepare(x, axes), position, 0))
@@ -142,7 +152,9 @@ def scan(fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: Dim
 
         def step(carry: Any, local: list) -> tuple[Any, Any]:
             local = lowering.gather_stored(list(local), gathers, *_arrays(init))
-            x = jax.tree_util.tree_unflatten(treedef, [lowering.keep(a, shape, axes) for a, (shape, axes) in zip(local, held)])
+            x = jax.tree_util.tree_unflatten(
+                treedef, [lowering.keep(a, shape, axes) for a, (shape, axes) in zip(local, held)]
+            )
             out = fn(carry, x)
             if not isinstance(out, (tuple, list)) or len(out) != 2:
                 raise ShapeError(f"md.scan: fn(carry, x) must return (carry, y), got {describe(out)}")

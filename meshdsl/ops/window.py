@@ -42,14 +42,16 @@ class Window:
     padding: str
 
     @classmethod
-    def checked(cls, op: str, dim: str, size: int, window: int, stride: int, padding: str) -> "Window":
+    def checked(cls, op: str, dim: str, size: int, window: int, stride: int, padding: str) -> Window:
         """The window, or a ShapeError naming ``op`` and ``dim`` when it cannot slide over ``size`` rows."""
         if padding not in PADDINGS:
             raise ShapeError(f"{op}: padding {padding!r} is not one of {', '.join(PADDINGS)}")
         if window < 1 or stride < 1:
             raise ShapeError(f"{op}: window {window} and stride {stride} along {dim} must be at least 1")
         if padding == "VALID" and window > size:
-            raise ShapeError(f"{op}: window {window} is longer than {dim}={size}; 'VALID' needs at least one whole window")
+            raise ShapeError(
+                f"{op}: window {window} is longer than {dim}={size}; 'VALID' needs at least one whole window"
+            )
         return cls(size, window, stride, padding)
 
     @property
@@ -80,7 +82,9 @@ class Window:
         return (before, after) if before <= block and after <= block else None
 
 
-def extend(lowering: Any, a: jax.Array, axes: tuple[str, ...], axis: int, before: int, after: int, fill: float) -> jax.Array:
+def extend(
+    lowering: Any, a: jax.Array, axes: tuple[str, ...], axis: int, before: int, after: int, fill: float
+) -> jax.Array:
     """``a`` (a block of a dim split over ``axes`` at position ``axis``) with ``before`` rows of the
     previous block and ``after`` rows of the next added; ``fill`` beyond the first and last blocks."""
     n = a.shape[axis]

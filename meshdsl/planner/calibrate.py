@@ -19,13 +19,15 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshdsl.bench import fits
 from meshdsl.collectives import Collective, bytes_moved
@@ -71,8 +73,12 @@ def _per_device(mesh: jax.sharding.Mesh, body: Callable, local_shape: tuple[int,
     return functools.partial(fn, x)
 
 
-def saturated(measure: Callable[[int], tuple[float, float]], sizes: Sequence[int], rise: float = RISE,
-              max_call_s: float = MAX_CALL_S) -> tuple[int, float]:
+def saturated(
+    measure: Callable[[int], tuple[float, float]],
+    sizes: Sequence[int],
+    rise: float = RISE,
+    max_call_s: float = MAX_CALL_S,
+) -> tuple[int, float]:
     """The best (size, rate) of ``measure(size) -> (rate, seconds per call)`` over ``sizes``, tried
     smallest first until the rate rises by less than ``rise`` over the previous size, or a call
     takes over ``max_call_s``, or a size would not fit the device (:func:`meshdsl.bench.fits`
@@ -146,7 +152,9 @@ def _buffer(kind: str, nbytes: int, n: int) -> int:
     return nbytes * n if kind == Collective.ALL_GATHER.value else nbytes
 
 
-def collective_times(mesh: jax.sharding.Mesh, axis: str, kind: str, sizes: tuple[int, ...] = SIZES) -> list[tuple[float, float]]:
+def collective_times(
+    mesh: jax.sharding.Mesh, axis: str, kind: str, sizes: tuple[int, ...] = SIZES
+) -> list[tuple[float, float]]:
     """(bytes moved per device, seconds) of ``kind`` over ``axis`` of ``mesh`` at each local input size."""
     n = mesh.shape[axis]
     out = []
@@ -155,7 +163,9 @@ def collective_times(mesh: jax.sharding.Mesh, axis: str, kind: str, sizes: tuple
         names = mesh.axis_names
         spec = P(names)
         x = jax.device_put(jnp.ones((local[0] * mesh.size,), jnp.float32), NamedSharding(mesh, spec))
-        fn = jax.jit(jax.shard_map(_collective(kind, axis), mesh=mesh, in_specs=spec, out_specs=P(names), check_vma=False))
+        fn = jax.jit(
+            jax.shard_map(_collective(kind, axis), mesh=mesh, in_specs=spec, out_specs=P(names), check_vma=False)
+        )
         seconds = _time(functools.partial(fn, x))
         out.append((bytes_moved(Collective(kind), _buffer(kind, local[0] * 4, n), n), seconds))
     return out
@@ -180,9 +190,13 @@ def _meshes(count: int) -> list[jax.sharding.Mesh]:
     return meshes
 
 
-def calibrate(name: str, out: Callable[[str], None] = print, matmul_sizes: Sequence[int] | None = None,
-              bandwidth_sizes: Sequence[int] | None = None, collective_sizes: Sequence[int] | None = None,
-              ) -> tuple[DeviceProfile, list[dict[str, Any]]]:
+def calibrate(
+    name: str,
+    out: Callable[[str], None] = print,
+    matmul_sizes: Sequence[int] | None = None,
+    bandwidth_sizes: Sequence[int] | None = None,
+    collective_sizes: Sequence[int] | None = None,
+) -> tuple[DeviceProfile, list[dict[str, Any]]]:
     """Measure the devices at hand; the profile and every raw measurement. The sizes tried (None:
     :data:`MATMUL_SIZES`, :data:`BANDWIDTH_SIZES`, :data:`SIZES`; smaller ones make a quick,
     unsaturated run, as ``meshdsl gpu-check --dry`` does)."""
@@ -206,15 +220,23 @@ def calibrate(name: str, out: Callable[[str], None] = print, matmul_sizes: Seque
     else:
         links = _measure_links(meshes, raw, out, collective_sizes)
     profile = DeviceProfile(
-        name=name, source=source, platform=device.platform, device_kind=device.device_kind,
-        memory_bytes=_memory_bytes(device), memory_bandwidth=bandwidth, node_size=count, intra=links, inter=links,
+        name=name,
+        source=source,
+        platform=device.platform,
+        device_kind=device.device_kind,
+        memory_bytes=_memory_bytes(device),
+        memory_bandwidth=bandwidth,
+        node_size=count,
+        intra=links,
+        inter=links,
         matmul_flops=rates,
     )
     return profile, raw
 
 
-def _measure_links(meshes: list[jax.sharding.Mesh], raw: list[dict[str, Any]], out: Callable[[str], None],
-                   sizes: Sequence[int]) -> dict[str, Link]:
+def _measure_links(
+    meshes: list[jax.sharding.Mesh], raw: list[dict[str, Any]], out: Callable[[str], None], sizes: Sequence[int]
+) -> dict[str, Link]:
     """Each collective kind's fitted link over every axis of ``meshes``; appends the raw points to ``raw``."""
     links = {}
     for kind in KINDS:
@@ -223,9 +245,19 @@ def _measure_links(meshes: list[jax.sharding.Mesh], raw: list[dict[str, Any]], o
             for axis in mesh.axis_names:
                 for moved, seconds in collective_times(mesh, axis, kind, tuple(sizes)):
                     points.append((moved, seconds))
-                    raw.append({"collective": kind, "mesh": dict(mesh.shape), "axis": axis, "bytes_moved": moved, "seconds": seconds})
+                    raw.append(
+                        {
+                            "collective": kind,
+                            "mesh": dict(mesh.shape),
+                            "axis": axis,
+                            "bytes_moved": moved,
+                            "seconds": seconds,
+                        }
+                    )
         links[kind] = fit(points)
-        out(f"  {kind}: latency {links[kind].latency_s * 1e6:.1f} us, {links[kind].bandwidth / 1e9:.2f} GB/s per device")
+        out(
+            f"  {kind}: latency {links[kind].latency_s * 1e6:.1f} us, {links[kind].bandwidth / 1e9:.2f} GB/s per device"
+        )
     return links
 
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 COMMANDS = ("explain", "calibrate", "search")
 
@@ -20,12 +21,18 @@ def add_parsers(sub: Any) -> None:
     explain = sub.add_parser("explain", help="predict one layout: communication per op, memory, FLOPs, step time")
     explain.add_argument("--model", default="transformer", help=MODEL_HELP)
     explain.add_argument("--preset", default="small", help=PRESET_HELP)
-    explain.add_argument("--layout", default="data_parallel", help="a layout TOML file, a shipped layout name, or rules")
+    explain.add_argument(
+        "--layout", default="data_parallel", help="a layout TOML file, a shipped layout name, or rules"
+    )
     explain.add_argument("--optimizer", default="adamw")
-    explain.add_argument("--profile", default=None, help="device profile (shipped name or JSON file; default: the devices at hand)")
+    explain.add_argument(
+        "--profile", default=None, help="device profile (shipped name or JSON file; default: the devices at hand)"
+    )
     explain.add_argument("--no-compile", action="store_true", help="skip compiling the step for its own memory figure")
     explain.add_argument(
-        "--backend", default="spmd", choices=["spmd", "gspmd"],
+        "--backend",
+        default="spmd",
+        choices=["spmd", "gspmd"],
         help="spmd: meshdsl's plan, traced; gspmd: the collectives XLA's partitioner chose, measured from the compiled step",
     )
     explain.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help=SET_HELP)
@@ -37,14 +44,24 @@ def add_parsers(sub: Any) -> None:
     search = sub.add_parser("search", help="rank meshes and layouts of a model by predicted step time")
     search.add_argument("--model", default="transformer", help=MODEL_HELP)
     search.add_argument("--preset", default="small", help=PRESET_HELP)
-    search.add_argument("--devices", dest="plan_devices", type=int, default=None, help="devices to plan for (default: those at hand)")
-    search.add_argument("--memory-gb", type=float, default=None, help="memory per device in GB (default: the profile's)")
-    search.add_argument("--profile", default=None, help="device profile (shipped name or JSON file; default: the devices at hand)")
+    search.add_argument(
+        "--devices", dest="plan_devices", type=int, default=None, help="devices to plan for (default: those at hand)"
+    )
+    search.add_argument(
+        "--memory-gb", type=float, default=None, help="memory per device in GB (default: the profile's)"
+    )
+    search.add_argument(
+        "--profile", default=None, help="device profile (shipped name or JSON file; default: the devices at hand)"
+    )
     search.add_argument("--optimizer", default="adamw")
     search.add_argument("--top", type=int, default=5, help="candidates to print")
     search.add_argument("--out", default=None, metavar="FILE", help="write the best layout as a TOML file")
-    search.add_argument("--measure", type=int, default=0, metavar="K", help="compile and time the top K on the devices at hand")
-    search.add_argument("--rounds", type=int, default=5, help="with --measure: interleaved timing rounds (2 steps each)")
+    search.add_argument(
+        "--measure", type=int, default=0, metavar="K", help="compile and time the top K on the devices at hand"
+    )
+    search.add_argument(
+        "--rounds", type=int, default=5, help="with --measure: interleaved timing rounds (2 steps each)"
+    )
     search.add_argument("--no-pipeline", action="store_true", help="leave out pipelined (layers: stage) candidates")
     search.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help=SET_HELP)
 
@@ -62,9 +79,9 @@ def check(args: argparse.Namespace, overrides: dict[str, object]) -> None:
 
     from meshdsl import outputs
     from meshdsl.errors import ConfigError
+    from meshdsl.model_loader import build_model
     from meshdsl.planner.profile import load_profile
     from meshdsl.train import optim
-    from meshdsl.model_loader import build_model
     from meshdsl.train.loop import load_layout
 
     if args.command == "calibrate":
@@ -72,7 +89,12 @@ def check(args: argparse.Namespace, overrides: dict[str, object]) -> None:
             outputs.check_file(args.out, "--out")
         return
     if args.command == "search":
-        limits = [("--devices", args.plan_devices, 1), ("--top", args.top, 1), ("--rounds", args.rounds, 1), ("--measure", args.measure, 0)]
+        limits = [
+            ("--devices", args.plan_devices, 1),
+            ("--top", args.top, 1),
+            ("--rounds", args.rounds, 1),
+            ("--measure", args.measure, 0),
+        ]
         for flag, value, least in limits:
             if value is not None and value < least:
                 raise ConfigError(f"{flag} {value}: it must be at least {least}")
@@ -87,7 +109,9 @@ def check(args: argparse.Namespace, overrides: dict[str, object]) -> None:
     if args.command == "explain":
         load_layout(args.layout)
         if args.backend == "gspmd" and args.no_compile:
-            raise ConfigError("explain --backend gspmd reads XLA's collectives from the compiled step; it cannot be given --no-compile")
+            raise ConfigError(
+                "explain --backend gspmd reads XLA's collectives from the compiled step; it cannot be given --no-compile"
+            )
     if args.profile is not None:
         load_profile(args.profile)
 
@@ -99,16 +123,16 @@ def _profile(spec: str | None) -> Any:
 
 
 def _explain(args: argparse.Namespace, overrides: dict[str, object], out: Callable[[str], None]) -> None:
-    from meshdsl.planner.cost import predict
     import jax
 
     from meshdsl.bench import fits
     from meshdsl.bench.timing import compile_abstract, memory_bytes
     from meshdsl.explain import report_of_hlo
-    from meshdsl.train import optim
-    from meshdsl.train.step import Trainer
     from meshdsl.model_loader import build_model
+    from meshdsl.planner.cost import predict
+    from meshdsl.train import optim
     from meshdsl.train.loop import load_layout, rule_warnings
+    from meshdsl.train.step import Trainer
 
     model = build_model(args.model, args.preset, **overrides)
     layout = load_layout(args.layout)
@@ -131,26 +155,31 @@ def _explain(args: argparse.Namespace, overrides: dict[str, object], out: Callab
             print(f"meshdsl explain: warning: {e}", file=sys.stderr)
         if args.backend == "gspmd":
             report = report_of_hlo(step.as_text(), mesh)
-    out(f"meshdsl explain: {args.model} {args.preset} on mesh {mesh} under {layout}" + (f" | params {layout.params}" if layout.params else ""))
+    out(
+        f"meshdsl explain: {args.model} {args.preset} on mesh {mesh} under {layout}"
+        + (f" | params {layout.params}" if layout.params else "")
+    )
     out(f"profile {profile.name} ({profile.source})\n")
     out(str(report) + "\n")
     if args.backend == "gspmd":
-        out(f"meshdsl's spmd plan moves {prediction.total_bytes:,.0f} bytes per device; below, the planner's predictions for it beside the gspmd step's compiled memory")
+        out(
+            f"meshdsl's spmd plan moves {prediction.total_bytes:,.0f} bytes per device; below, the planner's predictions for it beside the gspmd step's compiled memory"
+        )
     out(prediction.table(compiled))
     if prediction.memory.total > profile.memory_bytes:
         print(
             f"meshdsl explain: warning: the predicted memory, {fits.readable(prediction.memory.total)} per device, exceeds "
             f"profile {profile.name}'s {fits.readable(profile.memory_bytes)}; "
-            f"{fits.remedies(fits.Capacity(int(profile.memory_bytes), profile.name))}", file=sys.stderr,
+            f"{fits.remedies(fits.Capacity(int(profile.memory_bytes), profile.name))}",
+            file=sys.stderr,
         )
 
 
 def _calibrate(args: argparse.Namespace, overrides: dict[str, object], out: Callable[[str], None]) -> None:
     import jax
 
-    from meshdsl.planner.calibrate import calibrate
-
     from meshdsl import outputs
+    from meshdsl.planner.calibrate import calibrate
 
     device = jax.devices()[0]
     name = args.name or ("cpu-sim" if device.platform == "cpu" else device.device_kind.lower().replace(" ", "-"))
@@ -172,10 +201,10 @@ def _search(args: argparse.Namespace, overrides: dict[str, object], out: Callabl
     from meshdsl import outputs
     from meshdsl.bench.fits import readable
     from meshdsl.errors import ConfigError
+    from meshdsl.model_loader import build_model
     from meshdsl.planner.measure import measure, verdict
     from meshdsl.planner.search import search, write_layout
     from meshdsl.train import optim
-    from meshdsl.model_loader import build_model
 
     devices = args.plan_devices or jax.device_count()
     profile = _profile(args.profile)
@@ -196,13 +225,16 @@ def _search(args: argparse.Namespace, overrides: dict[str, object], out: Callabl
         first = result.failures[0]
         print(
             f"meshdsl search: warning: meshdsl failed to trace {len(result.failures)} candidate(s), left out; a bug to report, "
-            f"e.g. {first.candidate.name}: {first.reason}", file=sys.stderr,
+            f"e.g. {first.candidate.name}: {first.reason}",
+            file=sys.stderr,
         )
     top = result.ranked[: args.top]
     measured: list[float | None] = [None] * len(top)
     if args.measure:
         if devices != jax.device_count():
-            raise ConfigError(f"--measure times layouts on the devices at hand ({jax.device_count()}), but the search planned for {devices}")
+            raise ConfigError(
+                f"--measure times layouts on the devices at hand ({jax.device_count()}), but the search planned for {devices}"
+            )
         k = min(args.measure, len(result.ranked))
         times = measure(model, optimizer, [c for c, _ in result.ranked[:k]], rounds=args.rounds)
         top = result.ranked[: max(k, len(top))]

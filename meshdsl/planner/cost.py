@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import meshdsl as md
 from meshdsl.explain import Report, report_of_jaxpr
@@ -63,7 +64,9 @@ class Prediction:
             f"  total (predicted)   {m.total / mib:12.3f}",
         ]
         if compiled_memory is not None:
-            lines.append(f"  total (compiled)    {compiled_memory / mib:12.3f}   ({m.total / compiled_memory - 1:+.1%})")
+            lines.append(
+                f"  total (compiled)    {compiled_memory / mib:12.3f}   ({m.total / compiled_memory - 1:+.1%})"
+            )
         lines += [
             f"FLOPs per device      {self.work.matmul_flops:14.4g}",
             "predicted step time (ms)",
@@ -77,7 +80,7 @@ class Prediction:
 def span(axes: tuple[str, ...], axis_sizes: Mapping[str, int]) -> int:
     """How many consecutive devices a group over ``axes`` spans (the last mesh axis varies fastest)."""
     names = list(axis_sizes)
-    stride = {a: math.prod(axis_sizes[b] for b in names[i + 1:]) for i, a in enumerate(names)}
+    stride = {a: math.prod(axis_sizes[b] for b in names[i + 1 :]) for i, a in enumerate(names)}
     return max((stride[a] * axis_sizes[a] for a in axes), default=1)
 
 
@@ -100,6 +103,13 @@ def price(traced: Traced, model: Any, profile: DeviceProfile) -> Prediction:
     return Prediction(dict(sizes), traced.layout, report, mem, done, compute, comm)
 
 
-def predict(model: Any, optimizer: Any, axis_sizes: Mapping[str, int], layout: md.Layout, profile: DeviceProfile, grad_reduce_dtype: str | None = None) -> Prediction:
+def predict(
+    model: Any,
+    optimizer: Any,
+    axis_sizes: Mapping[str, int],
+    layout: md.Layout,
+    profile: DeviceProfile,
+    grad_reduce_dtype: str | None = None,
+) -> Prediction:
     """Trace one training step of ``model`` on a mesh of ``axis_sizes`` under ``layout`` and price it."""
     return price(trace_step(model, optimizer, axis_sizes, layout, grad_reduce_dtype), model, profile)

@@ -30,10 +30,10 @@ class Work:
     matmul_flops: float
     memory_bytes: float
 
-    def __add__(self, other: "Work") -> "Work":
+    def __add__(self, other: Work) -> Work:
         return Work(self.matmul_flops + other.matmul_flops, self.memory_bytes + other.memory_bytes)
 
-    def __mul__(self, k: float) -> "Work":
+    def __mul__(self, k: float) -> Work:
         return Work(self.matmul_flops * k, self.memory_bytes * k)
 
 
@@ -50,7 +50,9 @@ def _conv_flops(step: Step) -> float:
     return 2.0 * math.prod(step.out_avals[0].shape) * kernel
 
 
-def attention_flops(batch: int, heads: int, length: int, memory: int, d_kv: int, causal: bool, passes: int = 3) -> float:
+def attention_flops(
+    batch: int, heads: int, length: int, memory: int, d_kv: int, causal: bool, passes: int = 3
+) -> float:
     """Model FLOPs of attention's two matmuls (scores ``q k`` and ``p v``: ``2 x 2 B N T S H``) times
     ``passes`` (3: a training step's forward and backward, 1: a forward pass); causal: half."""
     full = 2 * 2 * batch * heads * length * memory * d_kv * passes

@@ -8,7 +8,8 @@ rounds, so slow drifts of a shared machine hit every candidate alike.
 from __future__ import annotations
 
 import statistics
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import scipy.stats
 
@@ -18,12 +19,18 @@ from meshdsl.planner.search import Candidate
 from meshdsl.train.step import Trainer
 
 
-def measure(model: Any, optimizer: Any, candidates: Sequence[Candidate], rounds: int = 5, steps: int = 2, seed: int = 0) -> list[float]:
+def measure(
+    model: Any, optimizer: Any, candidates: Sequence[Candidate], rounds: int = 5, steps: int = 2, seed: int = 0
+) -> list[float]:
     """Median seconds per step of each candidate, timed in ``rounds`` interleaved rounds of ``steps``
     steps, the candidates in a fresh shuffled order each round (:func:`meshdsl.bench.timing.interleaved_rounds`)."""
     trainers = [(Trainer(model, optimizer, md.Mesh(c.axis_sizes), c.layout), c.name) for c in candidates]
-    compiled = [compile_step(trainer, seed, what=f"candidate {name}") for trainer, name in trainers]  # each checked to fit first
-    return [statistics.median(s) for s in interleaved_rounds(compiled, round_orders(len(compiled), rounds, seed), steps)]
+    compiled = [
+        compile_step(trainer, seed, what=f"candidate {name}") for trainer, name in trainers
+    ]  # each checked to fit first
+    return [
+        statistics.median(s) for s in interleaved_rounds(compiled, round_orders(len(compiled), rounds, seed), steps)
+    ]
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:

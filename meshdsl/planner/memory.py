@@ -26,14 +26,16 @@ counter, :func:`loop_overhead`), which decide the peak of the tiniest programs.
 from __future__ import annotations
 
 import dataclasses
-from typing import AbstractSet as Set, Any, Mapping
+from collections.abc import Mapping
+from typing import AbstractSet as Set
+from typing import Any
 
 import jax
 
 import meshdsl as md
 from meshdsl.jaxpr_walk import loop_carries, scan_counts
-from meshdsl.tensor import is_tensor
 from meshdsl.planner.program import Block, Step, nbytes
+from meshdsl.tensor import is_tensor
 
 FUSIBLE = frozenset(
     "abs add add_any and broadcast_in_dim clamp convert_element_type cos copy div eq erf erf_inv exp exp2 expand_dims "
@@ -139,7 +141,7 @@ def sliced(step: Step, body: Block) -> dict[int, int]:
     start = sum(scan_counts(step.params))
     apart = computed(body)
     sizes = {v: nbytes(a) for s in body.steps for v, a in zip(s.ins, s.in_avals)}
-    return {v: sizes[v] for v in body.inputs[start:len(step.ins)] if v in apart}
+    return {v: sizes[v] for v in body.inputs[start : len(step.ins)] if v in apart}
 
 
 def scheduled(block: Block) -> list[Step]:
@@ -178,7 +180,9 @@ def loop_overhead(step: Step) -> list[int]:
         slots = len(step.outs) + (step.name == "scan")  # a scan's counter is carried too
         return [_aligned(LOOP_TUPLE_SLOT * slots), _aligned(4)]
     if step.name == "threefry2x32":
-        return [_aligned(LOOP_TUPLE_SLOT * (3 + len(THREEFRY_STATE))), _aligned(4)] + [_aligned(b) for b in THREEFRY_STATE]
+        return [_aligned(LOOP_TUPLE_SLOT * (3 + len(THREEFRY_STATE))), _aligned(4)] + [
+            _aligned(b) for b in THREEFRY_STATE
+        ]
     return []
 
 
@@ -194,7 +198,10 @@ class _Clock:
 
 
 def lifetimes(
-    block: Block, elsewhere: Set[int] = frozenset(), copied_in: Mapping[int, int] | None = None, clock: _Clock | None = None
+    block: Block,
+    elsewhere: Set[int] = frozenset(),
+    copied_in: Mapping[int, int] | None = None,
+    clock: _Clock | None = None,
 ) -> list[Lifetime]:
     """The buffers of values made inside ``block`` (its inputs belong to the caller), on one clock.
 
@@ -238,7 +245,11 @@ def _best_fit(buffers: list[Lifetime]) -> int:
     placed: list[tuple[Lifetime, int]] = []
     top = 0
     for buf in buffers:
-        taken = sorted((offset, offset + other.size) for other, offset in placed if other.start <= buf.end and buf.start <= other.end)
+        taken = sorted(
+            (offset, offset + other.size)
+            for other, offset in placed
+            if other.start <= buf.end and buf.start <= other.end
+        )
         best: tuple[int, int] | None = None  # (gap size, offset)
         cursor = 0
         for low, high in taken:

@@ -15,9 +15,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from meshdsl import outputs
 from meshdsl.bench.peaks import peak_flops
@@ -59,7 +60,9 @@ class DeviceProfile:
             return self.matmul_flops[dtype]
         peak = peak_flops(self.device_kind, dtype)
         if peak is None:
-            raise ConfigError(f"device profile {self.name!r} has no matmul rate for {dtype} and bench.peaks knows no peak for {self.device_kind!r}")
+            raise ConfigError(
+                f"device profile {self.name!r} has no matmul rate for {dtype} and bench.peaks knows no peak for {self.device_kind!r}"
+            )
         return peak
 
     def link(self, kind: str, span: int) -> Link:
@@ -73,20 +76,27 @@ class DeviceProfile:
         return data
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any], where: str) -> "DeviceProfile":
+    def from_json(cls, data: Mapping[str, Any], where: str) -> DeviceProfile:
         """The profile a JSON object describes; ConfigError naming the field that is missing, or not a positive number where one is needed."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"device profile {where} holds a JSON {type(data).__name__}, not an object")
         try:
             links = {side: {k: Link(**data[side][k]) for k in KINDS} for side in ("intra", "inter")}
-            fields = {k: data[k] for k in ("name", "source", "platform", "device_kind", "memory_bytes", "memory_bandwidth", "node_size")}
+            fields = {
+                k: data[k]
+                for k in ("name", "source", "platform", "device_kind", "memory_bytes", "memory_bandwidth", "node_size")
+            }
             rates = dict(data.get("matmul_flops", {}))
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"device profile {where}: missing or malformed field {e}") from None
         positive = {k: fields[k] for k in ("memory_bytes", "memory_bandwidth", "node_size")}
-        positive |= {f"{side}.{k}.bandwidth": link.bandwidth for side, kinds in links.items() for k, link in kinds.items()}
+        positive |= {
+            f"{side}.{k}.bandwidth": link.bandwidth for side, kinds in links.items() for k, link in kinds.items()
+        }
         positive |= {f"matmul_flops.{k}": v for k, v in rates.items()}
-        latencies = {f"{side}.{k}.latency_s": link.latency_s for side, kinds in links.items() for k, link in kinds.items()}
+        latencies = {
+            f"{side}.{k}.latency_s": link.latency_s for side, kinds in links.items() for k, link in kinds.items()
+        }
         for name, value in (positive | latencies).items():
             number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if not number or value < 0 or (value == 0 and name in positive):
@@ -102,7 +112,11 @@ class DeviceProfile:
 
 def shipped() -> list[str]:
     """Names of the shipped profiles."""
-    return sorted(p.name[:-5] for p in resources.files("meshdsl.planner").joinpath("profiles").iterdir() if p.name.endswith(".json"))
+    return sorted(
+        p.name[:-5]
+        for p in resources.files("meshdsl.planner").joinpath("profiles").iterdir()
+        if p.name.endswith(".json")
+    )
 
 
 def load_profile(spec: str | Path) -> DeviceProfile:
@@ -113,13 +127,22 @@ def load_profile(spec: str | Path) -> DeviceProfile:
         try:
             text = path.read_text()
         except UnicodeDecodeError:
-            raise ConfigError(f"device profile {where} is not a JSON text file (it is binary: byte {path.read_bytes()[:1]!r} first)") from None
+            raise ConfigError(
+                f"device profile {where} is not a JSON text file (it is binary: byte {path.read_bytes()[:1]!r} first)"
+            ) from None
     elif path.is_dir():
-        raise ConfigError(f"device profile {str(spec)!r} is a directory; give a JSON file or a shipped profile ({', '.join(shipped())})")
+        raise ConfigError(
+            f"device profile {str(spec)!r} is a directory; give a JSON file or a shipped profile ({', '.join(shipped())})"
+        )
     elif str(spec) in shipped():
-        text, where = resources.files("meshdsl.planner").joinpath("profiles", f"{spec}.json").read_text(), repr(str(spec))
+        text, where = (
+            resources.files("meshdsl.planner").joinpath("profiles", f"{spec}.json").read_text(),
+            repr(str(spec)),
+        )
     else:
-        raise ConfigError(f"device profile {str(spec)!r} is neither a file nor a shipped profile ({', '.join(shipped())})")
+        raise ConfigError(
+            f"device profile {str(spec)!r} is neither a file nor a shipped profile ({', '.join(shipped())})"
+        )
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -136,6 +159,11 @@ def default_profile() -> DeviceProfile:
         return load_profile("cpu-sim")
     for name in shipped():
         profile = load_profile(name)
-        if profile.device_kind.lower() in device.device_kind.lower() or device.device_kind.lower() in profile.device_kind.lower():
+        if (
+            profile.device_kind.lower() in device.device_kind.lower()
+            or device.device_kind.lower() in profile.device_kind.lower()
+        ):
             return profile
-    raise ConfigError(f"no shipped device profile matches {device.device_kind!r}; run meshdsl calibrate and pass --profile FILE")
+    raise ConfigError(
+        f"no shipped device profile matches {device.device_kind!r}; run meshdsl calibrate and pass --profile FILE"
+    )

@@ -39,7 +39,7 @@ class Step:
     outs: list[tuple[int, int]]
     out_avals: list[Any]
     in_avals: list[Any]
-    bodies: list[tuple["Block", int]]
+    bodies: list[tuple[Block, int]]
 
 
 @dataclasses.dataclass
@@ -104,7 +104,11 @@ def _block(jaxpr: Any, ids: _Ids) -> Block:
     env.update({v: ids.new() for v in jaxpr.constvars})
     steps: list[Step] = []
     _flatten(jaxpr, env, ids, steps)
-    return Block(steps, [env[v] for v in jaxpr.invars] + [env[v] for v in jaxpr.constvars], [ids.get(env, v) for v in jaxpr.outvars])
+    return Block(
+        steps,
+        [env[v] for v in jaxpr.invars] + [env[v] for v in jaxpr.constvars],
+        [ids.get(env, v) for v in jaxpr.outvars],
+    )
 
 
 def block(jaxpr: Any) -> Block:

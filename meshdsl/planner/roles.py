@@ -34,7 +34,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import jax
 
@@ -135,7 +136,9 @@ def roles(model: Any, params: Any, batch: Any) -> DimRoles:
     )
 
 
-def _inferred(shapes: list[set[str]], weight_dims: set[str], inputs: list[md.Shape], sizes: Mapping[str, int]) -> tuple[list[str], list[str]]:
+def _inferred(
+    shapes: list[set[str]], weight_dims: set[str], inputs: list[md.Shape], sizes: Mapping[str, int]
+) -> tuple[list[str], list[str]]:
     """The batch and tensor dims, inferred as the module docstring says."""
     every_input = set.intersection(*(set(s.names) for s in inputs)) if inputs else set()
     candidates = [d for d in sizes if d in every_input and d not in weight_dims]
@@ -145,9 +148,13 @@ def _inferred(shapes: list[set[str]], weight_dims: set[str], inputs: list[md.Sha
         batch = [max(candidates, key=lambda d: sum(d in s for s in activations))]
     in_inputs = {n for s in inputs for n in s.names}
     renamed = [
-        d for d in sizes
-        if d not in weight_dims and d not in in_inputs and any(sizes[d] == sizes[b] for b in batch)
-        and any(d in s and s & weight_dims for s in shapes) and not any(d in s and s & set(batch) for s in shapes)
+        d
+        for d in sizes
+        if d not in weight_dims
+        and d not in in_inputs
+        and any(sizes[d] == sizes[b] for b in batch)
+        and any(d in s and s & weight_dims for s in shapes)
+        and not any(d in s and s & set(batch) for s in shapes)
     ]
     tensor = [d for d in sizes if d in weight_dims and any(d in s and s - weight_dims for s in shapes)]
     return batch + renamed, tensor
@@ -171,15 +178,21 @@ def _declared(model: Any, sizes: Mapping[str, int]) -> dict[str, tuple[str, ...]
     if table is None:
         return None
     if not isinstance(table, Mapping):
-        raise ConfigError(f"DIM_ROLES must be a dict of dim name -> role or tuple of roles ({', '.join(ROLES)}), got {table!r}")
+        raise ConfigError(
+            f"DIM_ROLES must be a dict of dim name -> role or tuple of roles ({', '.join(ROLES)}), got {table!r}"
+        )
     out = {}
     for dim, given in table.items():
         given = (given,) if isinstance(given, str) else tuple(given)
         unknown = [r for r in given if r not in ROLES]
         if unknown:
-            raise ConfigError(f"DIM_ROLES[{dim!r}]: unknown role {', '.join(map(repr, unknown))}; the roles are {', '.join(ROLES)}")
+            raise ConfigError(
+                f"DIM_ROLES[{dim!r}]: unknown role {', '.join(map(repr, unknown))}; the roles are {', '.join(ROLES)}"
+            )
         if dim not in sizes:
-            raise ConfigError(f"DIM_ROLES names {dim!r}, which no tensor of the model has (its dims: {', '.join(sorted(sizes))})")
+            raise ConfigError(
+                f"DIM_ROLES names {dim!r}, which no tensor of the model has (its dims: {', '.join(sorted(sizes))})"
+            )
         out[dim] = given
     return out
 

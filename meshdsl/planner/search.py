@@ -34,8 +34,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import meshdsl as md
 from meshdsl.errors import ConfigError, UnsupportedJaxError
@@ -65,11 +66,19 @@ class Candidate:
 
     def toml(self, description: str) -> str:
         """This candidate as a layout file ``md.Layout.load`` and ``meshdsl train --layout`` read."""
+
         def table(name: str, rules: Mapping[str, tuple[str, ...]]) -> list[str]:
-            body = [f'{d} = "{a[0]}"' if len(a) == 1 else f"{d} = {list(a)!r}".replace("'", '"') for d, a in rules.items()]
+            body = [
+                f'{d} = "{a[0]}"' if len(a) == 1 else f"{d} = {list(a)!r}".replace("'", '"') for d, a in rules.items()
+            ]
             return ["", f"[{name}]", *body]
 
-        lines = [f"description = {description!r}".replace("'", '"'), "", "[mesh]", *(f"{a} = {n}" for a, n in self.axis_sizes.items())]
+        lines = [
+            f"description = {description!r}".replace("'", '"'),
+            "",
+            "[mesh]",
+            *(f"{a} = {n}" for a, n in self.axis_sizes.items()),
+        ]
         lines += table("rules", self.layout.rules)
         if self.layout.params is not None:
             lines += table("params", self.layout.params.rules)
@@ -169,9 +178,14 @@ def candidates(model: Any, r: DimRoles, devices: int, pipeline: bool = True) -> 
             pipe = None
             if "stage" in sizes:
                 rules[r.stage] = "stage"
-                pipe = {"microbatches": _microbatches(model.batch_dim.size // sizes.get("data", 1), sizes["stage"]), "schedule": "1f1b"}
+                pipe = {
+                    "microbatches": _microbatches(model.batch_dim.size // sizes.get("data", 1), sizes["stage"]),
+                    "schedule": "1f1b",
+                }
             elif sizes.get("data", 1) > 1:
-                param_choices += [{d: "model" for d in on_model} | {f: "data"} for f in r.best_fsdp(on_model, sizes["data"])]
+                param_choices += [
+                    {d: "model" for d in on_model} | {f: "data"} for f in r.best_fsdp(on_model, sizes["data"])
+                ]
             for params in param_choices:
                 out.append(Candidate(dict(sizes), md.Layout(rules, params=params, mesh_axes=sizes, pipeline=pipe)))
     return out
@@ -228,7 +242,9 @@ def search(
             continue
         mesh = md.Mesh.abstract(cand.axis_sizes)
         try:
-            stored = memory_model.local_bytes({"params": state["params"], "opt": state["opt"]}, cand.layout.param_layout, mesh)
+            stored = memory_model.local_bytes(
+                {"params": state["params"], "opt": state["opt"]}, cand.layout.param_layout, mesh
+            )
         except md.LayoutError as e:
             dropped.append(Dropped(cand, str(e)))
             continue

@@ -9,7 +9,8 @@ nothing is compiled or computed: tracing costs the same for a tiny model and a 1
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +52,12 @@ def abstract_batch(model: Any) -> Batch:
 
 
 def trace_step(
-    model: Any, optimizer: Any, axis_sizes: Mapping[str, int], layout: md.Layout, grad_reduce_dtype: str | None = None, batch: Batch | None = None
+    model: Any,
+    optimizer: Any,
+    axis_sizes: Mapping[str, int],
+    layout: md.Layout,
+    grad_reduce_dtype: str | None = None,
+    batch: Batch | None = None,
 ) -> Traced:
     """Trace one step of ``model`` under ``layout`` on a mesh of ``axis_sizes``; LayoutError if illegal.
 

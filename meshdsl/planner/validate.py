@@ -20,7 +20,8 @@ import argparse
 import dataclasses
 import os
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from meshdsl.cli import simulate_devices
 from meshdsl.errors import ConfigError
@@ -71,10 +72,10 @@ def check(name: str, model: Any, optimizer: Any, candidate: Any, devices: int) -
     None when tracing it raises a layout or shape error (the search drops it as illegal)."""
     import meshdsl as md
     from meshdsl import hlo
-    from meshdsl.planner.cost import predict
     from meshdsl.bench.timing import compile_step, memory_bytes
-    from meshdsl.train.step import Trainer
+    from meshdsl.planner.cost import predict
     from meshdsl.planner.profile import load_profile
+    from meshdsl.train.step import Trainer
 
     try:
         prediction = predict(model, optimizer, candidate.axis_sizes, candidate.layout, load_profile("cpu-sim"))
@@ -82,14 +83,16 @@ def check(name: str, model: Any, optimizer: Any, candidate: Any, devices: int) -
         return None
     compiled = compile_step(Trainer(model, optimizer, md.Mesh(candidate.axis_sizes), candidate.layout), 0).compiled
     equal = prediction.report.summary() == hlo.summary(compiled.as_text(), num_devices=devices)
-    return Check(name, candidate.name, prediction.total_bytes, equal, prediction.memory.total, memory_bytes(compiled)["total"])
+    return Check(
+        name, candidate.name, prediction.total_bytes, equal, prediction.memory.total, memory_bytes(compiled)["total"]
+    )
 
 
 def validate(models: Sequence[str], preset: str, devices: int, out: Callable[[str], None] = print) -> list[Check]:
     """Check every legal layout of ``models`` on ``devices`` devices, printing a table row for each."""
+    from meshdsl.model_loader import build_model
     from meshdsl.planner.search import legal_candidates
     from meshdsl.train import optim
-    from meshdsl.model_loader import build_model
 
     optimizer = optim.make("adamw")
     out(HEADER)
@@ -116,7 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m meshdsl.planner.validate", description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["mlp", "transformer", "moe"])
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--devices", type=int, default=None, help="simulated CPU devices (default: XLA_FLAGS' count, else 8)")
+    parser.add_argument(
+        "--devices", type=int, default=None, help="simulated CPU devices (default: XLA_FLAGS' count, else 8)"
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:

@@ -16,7 +16,8 @@ and the microbatches are the same size, which is why ``n`` must divide the rows 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

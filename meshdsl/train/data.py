@@ -54,8 +54,16 @@ class TokenFile:
     its low 32 bits count). ``eval_fraction``: the tail held out for :meth:`eval_batch_at`.
     """
 
-    def __init__(self, path: str | Path, spec: TokenBatch, vocab: int, dtype: Any = None, *, seed: int = 0,
-                 eval_fraction: float = EVAL_FRACTION):
+    def __init__(
+        self,
+        path: str | Path,
+        spec: TokenBatch,
+        vocab: int,
+        dtype: Any = None,
+        *,
+        seed: int = 0,
+        eval_fraction: float = EVAL_FRACTION,
+    ):
         self.path, self.spec, self.vocab = Path(path), spec, vocab
         self.batch, self.length = spec.rows.size, spec.positions.size
         if not 0 <= eval_fraction < 1:
@@ -70,8 +78,10 @@ class TokenFile:
         self.eval_windows = (n - self.train_tokens - 1) // self.length if n > self.train_tokens else 0
         """Held-out windows (0 when the tail is shorter than one window)."""
         if self.windows < 1:
-            raise DataError(f"{self._where} has {n} tokens; a window needs at least {self.length + 1} before the "
-                            f"held-out tail ({n - self.train_tokens} tokens, --eval-fraction {eval_fraction})")
+            raise DataError(
+                f"{self._where} has {n} tokens; a window needs at least {self.length + 1} before the "
+                f"held-out tail ({n - self.train_tokens} tokens, --eval-fraction {eval_fraction})"
+            )
         self.crc32 = _scan(self.path, self.tokens, vocab)
         self.seed = seed % 2**32
         self.order = grain.MapDataset.range(self.windows).shuffle(seed=self.seed)
@@ -93,8 +103,10 @@ class TokenFile:
         which no training batch reads. DataError when the tail holds no window."""
         if self.eval_windows < 1:
             held = len(self.tokens) - self.train_tokens
-            raise DataError(f"{self._where}: its held-out tail of {held} tokens holds no window of {self.length + 1}; "
-                            "pass a larger --eval-fraction")
+            raise DataError(
+                f"{self._where}: its held-out tail of {held} tokens holds no window of {self.length + 1}; "
+                "pass a larger --eval-fraction"
+            )
         first = index * self.batch
         return self._batch(lambda r: self.train_tokens + (first + r) % self.eval_windows * self.length, mesh, layout)
 
@@ -136,20 +148,31 @@ class TokenFile:
         """The data iterator's state before ``step``: where it is, what fixes its order, and the first windows
         it reads next (which a resume compares, so another shuffle, by another grain, cannot pass unseen). JSON."""
         first = step * self.batch
-        return {"next_step": step, "next_example": first, "seed": self.seed, "windows": self.windows,
-                "length": self.length, "batch": self.batch, "tokens": len(self.tokens), "crc32": self.crc32,
-                "eval_tokens": len(self.tokens) - self.train_tokens,
-                "order": f"grain {grain.__version__} MapDataset.shuffle",
-                "next_windows": [self.window_of(first + r) for r in range(min(self.batch, 8))]}
+        return {
+            "next_step": step,
+            "next_example": first,
+            "seed": self.seed,
+            "windows": self.windows,
+            "length": self.length,
+            "batch": self.batch,
+            "tokens": len(self.tokens),
+            "crc32": self.crc32,
+            "eval_tokens": len(self.tokens) - self.train_tokens,
+            "order": f"grain {grain.__version__} MapDataset.shuffle",
+            "next_windows": [self.window_of(first + r) for r in range(min(self.batch, 8))],
+        }
 
     def check_state(self, saved: dict[str, Any], step: int, where: str) -> None:
         """ConfigError unless ``saved`` (a checkpoint's :meth:`state`) continues with this file at ``step``."""
         mine = self.state(step)
-        diffs = [f"{k} {saved.get(k)!r} (this run: {v!r})" for k, v in mine.items()
-                 if k != "order" and saved.get(k) != v]
+        diffs = [
+            f"{k} {saved.get(k)!r} (this run: {v!r})" for k, v in mine.items() if k != "order" and saved.get(k) != v
+        ]
         if diffs:
-            raise ConfigError(f"checkpoint {where} was trained on other data than {self._where} gives this run: "
-                              f"{', '.join(diffs)}; resuming would not continue with its next unseen batch")
+            raise ConfigError(
+                f"checkpoint {where} was trained on other data than {self._where} gives this run: "
+                f"{', '.join(diffs)}; resuming would not continue with its next unseen batch"
+            )
 
 
 def _open(path: Path, dtype: Any, length: int) -> np.ndarray:
@@ -160,8 +183,9 @@ def _open(path: Path, dtype: Any, length: int) -> np.ndarray:
     if path.is_dir():
         raise DataError(f"{where} is a directory; give a token file ({KNOWN})")
     if not path.is_file():
-        raise DataError(f"{where} is not a regular file (a device or a pipe cannot be memory-mapped); "
-                        f"give a token file ({KNOWN})")
+        raise DataError(
+            f"{where} is not a regular file (a device or a pipe cannot be memory-mapped); give a token file ({KNOWN})"
+        )
     if path.suffix != ".npy" and dtype is None and path.suffix not in RAW_DTYPES:
         suffix = f"suffix {path.suffix!r}" if path.suffix else "no suffix"
         raise DataError(f"{where} has {suffix}, which says nothing of its format; known: {KNOWN}")
@@ -201,8 +225,10 @@ def _scan(path: Path, tokens: np.ndarray, vocab: int) -> int:
             i = int(bad[0])
             value = int(chunk[i])
             kind = f"negative id {value}" if value < 0 else f"id {value}"
-            raise DataError(f"token file {str(path)!r} holds {kind} at position {begin + i}, "
-                            f"outside the model's vocab of {vocab} (ids 0 to {vocab - 1})")
+            raise DataError(
+                f"token file {str(path)!r} holds {kind} at position {begin + i}, "
+                f"outside the model's vocab of {vocab} (ids 0 to {vocab - 1})"
+            )
         crc = zlib.crc32(np.ascontiguousarray(chunk), crc)
     _scanned[key] = crc
     return crc

@@ -102,7 +102,9 @@ class Logs:
     def close(self) -> Path | None:
         """Close the sinks and draw the loss curve (when there is a JSON log); the PNG's path, or None."""
         if self.json is not None:
-            with outputs.writing(f"--log-json {self.log_json!r} at the end", "the lines of the steps before it are in it"):
+            with outputs.writing(
+                f"--log-json {self.log_json!r} at the end", "the lines of the steps before it are in it"
+            ):
                 try:
                     self.json.close()
                 finally:

@@ -8,8 +8,9 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 import jax
 import jax.numpy as jnp
@@ -83,13 +84,17 @@ class RunConfig:
 def layout_path(spec: str) -> Path | None:
     """The TOML file a layout spec names (a path, or a shipped layout's name), or None for inline rules."""
     if not spec.strip():
-        raise md.LayoutError(f"layout {spec!r} is empty: give a layout TOML file, a shipped layout ({_shipped()}) or rules like 'batch:data'")
+        raise md.LayoutError(
+            f"layout {spec!r} is empty: give a layout TOML file, a shipped layout ({_shipped()}) or rules like 'batch:data'"
+        )
     if Path(spec).exists() or spec.endswith(".toml"):
         return Path(spec)
     if (LAYOUTS / f"{spec}.toml").exists():
         return LAYOUTS / f"{spec}.toml"
     if ":" not in spec:
-        raise md.LayoutError(f"layout {spec!r} is neither a file, a shipped layout ({_shipped()}) nor rules like 'batch:data'")
+        raise md.LayoutError(
+            f"layout {spec!r} is neither a file, a shipped layout ({_shipped()}) nor rules like 'batch:data'"
+        )
     return None
 
 
@@ -110,8 +115,10 @@ def _model(run: RunConfig) -> Any:
         if value is not None and field not in fields:
             flag = "--" + field.replace("_", "-")
             kind = "str" if field == "compute_dtype" else "bool"
-            raise ConfigError(f"{flag}: model {run.model} cannot take it: its Config has no {field} field; "
-                              f"a model takes {flag} by declaring {field}: {kind} in its Config and using it")
+            raise ConfigError(
+                f"{flag}: model {run.model} cannot take it: its Config has no {field} field; "
+                f"a model takes {flag} by declaring {field}: {kind} in its Config and using it"
+            )
     return build_model(run.model, run.preset, **run.overrides, **{k: v for k, v in flags.items() if v is not None})
 
 
@@ -138,8 +145,15 @@ def build_trainer(run: RunConfig, mesh: md.Mesh | None = None) -> Trainer:
     layout = load_layout(run.layout)
     pipeline = layout.pipeline.replace(run.microbatches, run.schedule, run.virtual_stages)
     return Trainer(
-        _model(run), _optimizer(run), mesh or layout.mesh(), layout, run.backend, run.grad_reduce_dtype,
-        pipeline=pipeline, accumulate=run.accumulate, metrics=True,
+        _model(run),
+        _optimizer(run),
+        mesh or layout.mesh(),
+        layout,
+        run.backend,
+        run.grad_reduce_dtype,
+        pipeline=pipeline,
+        accumulate=run.accumulate,
+        metrics=True,
     )
 
 
@@ -150,12 +164,18 @@ def token_file(run: RunConfig, model: Any) -> TokenFile:
     try:
         spec = token_batch_of(model, what)
     except ConfigError as e:
-        readers = [n for n in models.NAMES if {"length", "vocab"} <= {f.name for f in dataclasses.fields(load_module(n).Config)}]
+        readers = [
+            n
+            for n in models.NAMES
+            if {"length", "vocab"} <= {f.name for f in dataclasses.fields(load_module(n).Config)}
+        ]
         raise ConfigError(f"{e}; of the shipped models, --data is for {', '.join(readers)}") from None
     vocab = getattr(model.config, "vocab", None)
     if isinstance(vocab, bool) or not isinstance(vocab, int):
-        raise ConfigError(f"{what}: its Config has no integer vocab field (the number of token ids), "
-                          "which --data needs to check the file's ids")
+        raise ConfigError(
+            f"{what}: its Config has no integer vocab field (the number of token ids), "
+            "which --data needs to check the file's ids"
+        )
     return TokenFile(run.data, spec, vocab, seed=run.seed, eval_fraction=run.eval_fraction)
 
 
@@ -192,8 +212,11 @@ def check(run: RunConfig) -> None:
     logs.check(run.log_json, run.tensorboard)
     model_file = run.model if run.model.endswith(".py") else None
     inputs = {"--data": run.data, "--layout": layout_path(run.layout), "--model": model_file}
-    for flag, path in (("--log-json", run.log_json), ("--tensorboard", run.tensorboard),
-                       ("--checkpoint-dir", run.checkpoint_dir)):
+    for flag, path in (
+        ("--log-json", run.log_json),
+        ("--tensorboard", run.tensorboard),
+        ("--checkpoint-dir", run.checkpoint_dir),
+    ):
         outputs.check_not_input(path, flag, inputs)
     if run.profile_steps is not None:
         settings.profile_steps(run.profile_steps, run.steps)
@@ -215,32 +238,52 @@ def rule_warnings(spec: str, layout: md.Layout, name: str, model: Any) -> list[s
 def _run_metadata(run: RunConfig, model: Any) -> dict[str, Any]:
     """What a checkpoint records about the run beside its state: model, config, optimizer, seed, data."""
     config = json.loads(json.dumps(dataclasses.asdict(model.config)))
-    return {"model": run.model, "preset": run.preset, "config": config, "optimizer": run.optimizer,
-            "learning_rate": run.learning_rate, "seed": run.seed, "data": run.data, "layout": run.layout,
-            "lr_schedule": _schedule_of(run)}
+    return {
+        "model": run.model,
+        "preset": run.preset,
+        "config": config,
+        "optimizer": run.optimizer,
+        "learning_rate": run.learning_rate,
+        "seed": run.seed,
+        "data": run.data,
+        "layout": run.layout,
+        "lr_schedule": _schedule_of(run),
+    }
 
 
 def _schedule_of(run: RunConfig) -> dict[str, Any]:
     """What fixes the learning rate of every step: the schedule, its warmup, final ratio and (for a
     decaying one) length."""
     decays = run.lr_schedule != "constant"
-    return {"kind": run.lr_schedule, "warmup_steps": run.warmup_steps,
-            "min_lr_ratio": run.min_lr_ratio if decays else None, "steps": run.steps if decays else None}
+    return {
+        "kind": run.lr_schedule,
+        "warmup_steps": run.warmup_steps,
+        "min_lr_ratio": run.min_lr_ratio if decays else None,
+        "steps": run.steps if decays else None,
+    }
 
 
 def _check_resumable(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -> None:
     """ConfigError unless the checkpoint was saved by the same model and optimizer (``remat`` may differ)."""
     if not isinstance(saved.get("step"), int):
-        raise md.DataError(f"checkpoint {path} records no training step in its metadata; it was not saved by meshdsl train")
+        raise md.DataError(
+            f"checkpoint {path} records no training step in its metadata; it was not saved by meshdsl train"
+        )
     if path.name != f"step_{saved['step']}":
-        raise md.DataError(f"checkpoint {path} records step {saved['step']} in its manifest, not the {path.name} of its name; was step_{saved['step']} renamed? Rename it back or remove it")
+        raise md.DataError(
+            f"checkpoint {path} records step {saved['step']} in its manifest, not the {path.name} of its name; was step_{saved['step']} renamed? Rename it back or remove it"
+        )
     if saved.get("model") != mine["model"] or saved.get("optimizer") != mine["optimizer"]:
         raise ConfigError(
             f"checkpoint {path} holds model {saved.get('model')!r} with optimizer {saved.get('optimizer')!r}; "
             f"this run has model {mine['model']!r} with optimizer {mine['optimizer']!r}"
         )
     config = saved.get("config") or {}
-    diffs = [f"{k}={config.get(k)!r} (this run: {v!r})" for k, v in mine["config"].items() if k != "remat" and config.get(k) != v]
+    diffs = [
+        f"{k}={config.get(k)!r} (this run: {v!r})"
+        for k, v in mine["config"].items()
+        if k != "remat" and config.get(k) != v
+    ]
     if diffs:
         raise ConfigError(f"checkpoint {path} was saved with a different {mine['model']} config: {', '.join(diffs)}")
     theirs = saved.get("lr_schedule")
@@ -253,13 +296,17 @@ def _check_resumable(path: Path, saved: dict[str, Any], mine: dict[str, Any]) ->
         )
 
 
-def _start(run: RunConfig, trainer: Trainer, manager: md.checkpoint.CheckpointManager | None, out: TextIO) -> tuple[Any, jax.Array, int]:
+def _start(
+    run: RunConfig, trainer: Trainer, manager: md.checkpoint.CheckpointManager | None, out: TextIO
+) -> tuple[Any, jax.Array, int]:
     """State, data key and first step: fresh, or from the latest checkpoint when resuming."""
     key = jax.random.key(run.seed)
     data_key = jax.random.key_data(jax.random.fold_in(key, 1))
     found = manager.latest() if manager is not None else None
     if found is not None and not run.resume:
-        raise ConfigError(f"checkpoint dir {run.checkpoint_dir!r} already holds {found.name}; pass --resume to continue that run, or choose another dir")
+        raise ConfigError(
+            f"checkpoint dir {run.checkpoint_dir!r} already holds {found.name}; pass --resume to continue that run, or choose another dir"
+        )
     if found is None:
         if run.resume:
             out.write(f"no checkpoint in {run.checkpoint_dir}; starting from step 0\n")
@@ -267,7 +314,9 @@ def _start(run: RunConfig, trainer: Trainer, manager: md.checkpoint.CheckpointMa
     saved = md.checkpoint.read_manifest(found)["metadata"]
     _check_resumable(found, saved, _run_metadata(run, trainer.model))
     if saved["step"] > run.steps:
-        raise ConfigError(f"checkpoint {found} is at step {saved['step']}, past --steps {run.steps}; pass --steps {saved['step'] + 1} or more to continue")
+        raise ConfigError(
+            f"checkpoint {found} is at step {saved['step']}, past --steps {run.steps}; pass --steps {saved['step'] + 1} or more to continue"
+        )
     like = {**jax.eval_shape(trainer.init, jax.random.key_data(key)), "data_key": data_key}
     state, _ = md.checkpoint.restore(found, trainer.mesh, trainer.layout.param_layout, like=like)
     out.write(f"resuming from {found} at step {saved['step']}\n")
@@ -282,8 +331,10 @@ def _check_data(found: Path, tokens: TokenFile | None, step: int) -> None:
         raise ConfigError(f"checkpoint {found} was trained on a token file; pass --data to continue it")
     if tokens is not None:
         if saved is None:
-            raise ConfigError(f"checkpoint {found} records no token-file state (trained without --data, or by an "
-                              "older meshdsl); start a new --checkpoint-dir to train on this file")
+            raise ConfigError(
+                f"checkpoint {found} records no token-file state (trained without --data, or by an "
+                "older meshdsl); start a new --checkpoint-dir to train on this file"
+            )
         tokens.check_state(saved, step, str(found))
 
 
@@ -362,7 +413,9 @@ class _Profiler:
             self.on = False
 
 
-def train(run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None, err: TextIO = sys.stderr) -> list[float]:
+def train(
+    run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None, err: TextIO = sys.stderr
+) -> list[float]:
     """Train as ``run`` says and return the loss of every step it ran.
 
     In a multi-process run only process 0 writes to ``out``, ``run.log_json`` and ``run.tensorboard``.
@@ -465,11 +518,19 @@ def _train(
                 evals.append((step + 1, record.eval_loss))
             grad_norm = float(distributed.local_value(metrics["grad_norm"]))
             throughput = {f"{unit}_per_second": record.throughput}
-            sinks.write(step + 1, {
-                "loss": loss, "seconds": seconds, "learning_rate": record.learning_rate, "grad_norm": grad_norm,
-                **throughput, "mfu": record.mfu, "eval_loss": record.eval_loss,
-                "eval_perplexity": record.eval_perplexity,
-            })
+            sinks.write(
+                step + 1,
+                {
+                    "loss": loss,
+                    "seconds": seconds,
+                    "learning_rate": record.learning_rate,
+                    "grad_norm": grad_norm,
+                    **throughput,
+                    "mfu": record.mfu,
+                    "eval_loss": record.eval_loss,
+                    "eval_perplexity": record.eval_perplexity,
+                },
+            )
             progress.update(record)
             if traced:
                 progress.note(traced)
@@ -484,11 +545,19 @@ def _train(
     if run.tensorboard:
         written.append(f"TensorBoard: {run.tensorboard} (tensorboard --logdir {run.tensorboard})")
     summary = Summary(
-        steps=len(losses), seconds=time.perf_counter() - began, compile_seconds=compile_seconds, step_seconds=times,
-        unit=unit, per_step=examples, final_eval=evals[-1] if evals else None,
+        steps=len(losses),
+        seconds=time.perf_counter() - began,
+        compile_seconds=compile_seconds,
+        step_seconds=times,
+        unit=unit,
+        per_step=examples,
+        final_eval=evals[-1] if evals else None,
         best_eval=min(evals, key=lambda e: e[1]) if evals else None,
-        perplexity=language, peak_bytes=peak_bytes(device), platform=device.platform,
-        checkpoint=None if manager is None else f"{run.checkpoint_dir} (latest {manager.latest()})", logs=written,
+        perplexity=language,
+        peak_bytes=peak_bytes(device),
+        platform=device.platform,
+        checkpoint=None if manager is None else f"{run.checkpoint_dir} (latest {manager.latest()})",
+        logs=written,
     )
     out.write("\n".join(summary.lines()) + "\n")
     return losses

@@ -15,16 +15,17 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import optax
 
 import meshdsl as md
-from meshdsl.tensor import is_tensor
-from meshdsl.errors import ConfigError
 from meshdsl.dims import Dim
+from meshdsl.errors import ConfigError
+from meshdsl.tensor import is_tensor
 
 Params = Any
 LearningRate = float | Callable[[Any], Any]
@@ -139,8 +140,12 @@ def sgd(
 
 
 def adamw(
-    learning_rate: LearningRate = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-    weight_decay: float = 1e-4, clip_norm: float | None = 1.0,
+    learning_rate: LearningRate = 1e-3,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-4,
+    clip_norm: float | None = 1.0,
 ) -> OptaxOptimizer:
     """AdamW (optax.adamw), with global-norm clipping by default; ``learning_rate`` a number or a
     function of the step."""

@@ -58,7 +58,13 @@ class Progress:
             # the terminal's size, 80 x 24 where it reports none (a pty of size 0 x 0, where tqdm draws nothing)
             size = shutil.get_terminal_size()
             self.bar = tqdm(
-                total=total, initial=first, file=out, unit="step", ncols=size.columns or 80, nrows=size.lines or 24, leave=True
+                total=total,
+                initial=first,
+                file=out,
+                unit="step",
+                ncols=size.columns or 80,
+                nrows=size.lines or 24,
+                leave=True,
             )
 
     def note(self, line: str) -> None:

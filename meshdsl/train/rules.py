@@ -36,6 +36,7 @@ def model_dims(model: Any) -> set[str]:
 
     The loss is traced on global arrays (``jax.eval_shape``): nothing is compiled or computed.
     """
+
     def loss(key: jax.Array) -> jax.Array:
         return model.loss(model.init(key), model.batch(key)).array
 
@@ -58,7 +59,9 @@ def unused_rules(layout: md.Layout, model: Any, name: str) -> list[str]:
                 continue
             close = difflib.get_close_matches(dim, sorted(dims), n=1)
             guess = f"; did you mean {close[0]}?" if close else ""
-            out.append(f"layout {table} {dim}:{','.join(axes)} names no dim of model {name} (its dims: {shown}), so it splits nothing{guess}")
+            out.append(
+                f"layout {table} {dim}:{','.join(axes)} names no dim of model {name} (its dims: {shown}), so it splits nothing{guess}"
+            )
     return out
 
 
@@ -85,17 +88,25 @@ def split_warnings(layout: md.Layout, mesh: md.Mesh, model: Any, name: str, warn
     stored = layout.param_layout
     done = sorted(d for d in dims if split(layout, d) or split(stored, d))
     if not done:
-        return [] if warned else [f"layout {layout} splits no dim of model {name} (its dims: {', '.join(dims)}), "
-                                  f"so each of the {mesh.size} devices holds and computes everything"]
+        return (
+            []
+            if warned
+            else [
+                f"layout {layout} splits no dim of model {name} (its dims: {', '.join(dims)}), "
+                f"so each of the {mesh.size} devices holds and computes everything"
+            ]
+        )
     if any(split(layout, d) for d in batch_dims):
         return []
     sizes = [(t.shape.size, any(split(stored, d.name) for d in t.shape)) for t in params]
     share = sum(n for n, s in sizes if s) / max(1, sum(n for n, _ in sizes))
     if share >= 0.5:
         return []
-    return [f"layout {layout} splits only {', '.join(done)} of model {name}: {share:.0%} of its parameters and none of "
-            f"its batch's dims ({', '.join(batch_dims)}), so most of the step runs replicated on each of the "
-            f"{mesh.size} devices"]
+    return [
+        f"layout {layout} splits only {', '.join(done)} of model {name}: {share:.0%} of its parameters and none of "
+        f"its batch's dims ({', '.join(batch_dims)}), so most of the step runs replicated on each of the "
+        f"{mesh.size} devices"
+    ]
 
 
 def _traced(model: Any) -> tuple[list[str], list[md.Tensor], list[str]]:

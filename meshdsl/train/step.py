@@ -58,8 +58,14 @@ class Trainer:
         stored = self.layout.param_layout
         self.init = md.compile(self._init, self.mesh, self.layout, self.backend, out_layouts=stored)
         self.step = md.compile(
-            self._step, self.mesh, self.layout, self.backend, in_layouts=(stored, None), out_layouts=(stored, None),
-            grad_reduce_dtype=self.grad_reduce_dtype, donate_argnums=(0,) if self.donate else (),
+            self._step,
+            self.mesh,
+            self.layout,
+            self.backend,
+            in_layouts=(stored, None),
+            out_layouts=(stored, None),
+            grad_reduce_dtype=self.grad_reduce_dtype,
+            donate_argnums=(0,) if self.donate else (),
         )
         self.evaluate = md.compile(
             self._evaluate, self.mesh, self.layout, self.backend, in_layouts=(stored, None, None)
@@ -72,8 +78,16 @@ class Trainer:
         and optimizer (spmd: traced, priced as on ``platform``; gspmd: measured from XLA's compiled step)."""
         stored = self.layout.param_layout
         return md.explain(
-            self._step, self.mesh, self.layout, state, data, in_layouts=(stored, None), out_layouts=(stored, None),
-            grad_reduce_dtype=self.grad_reduce_dtype, platform=platform, backend=self.backend,
+            self._step,
+            self.mesh,
+            self.layout,
+            state,
+            data,
+            in_layouts=(stored, None),
+            out_layouts=(stored, None),
+            grad_reduce_dtype=self.grad_reduce_dtype,
+            platform=platform,
+            backend=self.backend,
         )
 
     def abstract_state(self) -> dict[str, Any]:
@@ -139,4 +153,6 @@ def pipelined(model: Any, layout: md.Layout, config: PipelineConfig, backend: st
 
 
 def _is_key(x: Any) -> bool:
-    return isinstance(x, jax.Array) and (jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) or (x.shape == (2,) and x.dtype == jnp.uint32))
+    return isinstance(x, jax.Array) and (
+        jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) or (x.shape == (2,) and x.dtype == jnp.uint32)
+    )

@@ -68,15 +68,21 @@ def token_batch_of(model: Any, what: str) -> TokenBatch:
     x, y = batch[inputs], batch[targets]
     for key, t in ((inputs, x), (targets, y)):
         if len(t.shape) != 2 or not jnp.issubdtype(t.dtype, jnp.integer):
-            raise ConfigError(f"{what} reads no token sequences: its batch key {key!r} is {t.shape} {t.dtype}, "
-                              f"not integer [rows, positions]; {NEEDS}")
+            raise ConfigError(
+                f"{what} reads no token sequences: its batch key {key!r} is {t.shape} {t.dtype}, "
+                f"not integer [rows, positions]; {NEEDS}"
+            )
     if x.shape != y.shape or x.dtype != y.dtype:
-        raise ConfigError(f"{what}: its inputs {inputs!r} ({x.shape} {x.dtype}) and targets {targets!r} "
-                          f"({y.shape} {y.dtype}) differ; {NEEDS}")
+        raise ConfigError(
+            f"{what}: its inputs {inputs!r} ({x.shape} {x.dtype}) and targets {targets!r} "
+            f"({y.shape} {y.dtype}) differ; {NEEDS}"
+        )
     others = [k for k in batch if k not in (inputs, targets)]
     if others:
-        raise ConfigError(f"{what}: its batch has keys {', '.join(map(repr, others))} besides the token windows "
-                          f"{inputs!r} and {targets!r}, which a token file cannot fill ({shown})")
+        raise ConfigError(
+            f"{what}: its batch has keys {', '.join(map(repr, others))} besides the token windows "
+            f"{inputs!r} and {targets!r}, which a token file cannot fill ({shown})"
+        )
     rows, positions = x.shape
     return TokenBatch(rows, positions, inputs, targets, np.dtype(x.dtype))
 
@@ -86,8 +92,10 @@ def _pair(model: Any, batch: dict[str, md.Tensor], what: str, shown: str) -> tup
     declared = getattr(model, "TOKEN_KEYS", None)
     if declared is not None:
         if not (isinstance(declared, (tuple, list)) and len(declared) == 2 and all(k in batch for k in declared)):
-            raise ConfigError(f"{what}: its TOKEN_KEYS = {declared!r} must be (inputs_key, targets_key), "
-                              f"two keys of its batch ({shown})")
+            raise ConfigError(
+                f"{what}: its TOKEN_KEYS = {declared!r} must be (inputs_key, targets_key), "
+                f"two keys of its batch ({shown})"
+            )
         return declared[0], declared[1]
     inputs = [k for k in batch if k in INPUT_NAMES]
     targets = [k for k in batch if k in TARGET_NAMES]
