@@ -139,7 +139,8 @@ def _describe(where: str, leaf: Any, index: int) -> dict[str, Any]:
         kind, array = "numpy", np.asarray(leaf)
     else:
         raise DataError(
-            f"checkpoint: leaf {where} is a {type(leaf).__name__}; a checkpoint holds md.Tensors, arrays and plain scalars"
+            f"checkpoint: leaf {where} is a {type(leaf).__name__}; a checkpoint holds md.Tensors, arrays and plain "
+            "scalars"
         )
     if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):
         raise DataError(f"checkpoint: leaf {where} is a typed PRNG key; save jax.random.key_data(key) instead")
@@ -223,7 +224,8 @@ def _check_target(path: Path) -> None:
     outputs.check_dir(path.parent, f"checkpoint {str(path)!r}: its directory")
     if path.is_dir() and not (path / MANIFEST).is_file() and any(path.iterdir()):
         raise ConfigError(
-            f"checkpoint {str(path)!r} is a directory that holds files but no {MANIFEST}; saving would replace it, so choose another path"
+            f"checkpoint {str(path)!r} is a directory that holds files but no {MANIFEST}; saving would replace it, so "
+            "choose another path"
         )
 
 
@@ -300,7 +302,8 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         )
     if manifest.get("version") not in (1, VERSION):
         raise DataError(
-            f"checkpoint {str(path)!r} has format version {manifest.get('version')!r}; this meshdsl reads versions 1 to {VERSION}"
+            f"checkpoint {str(path)!r} has format version {manifest.get('version')!r}; this meshdsl reads versions 1 "
+            f"to {VERSION}"
         )
     if not isinstance(manifest.get("leaves"), list) or not isinstance(manifest.get("metadata"), dict):
         raise DataError(f"checkpoint {str(path)!r} is corrupt: {MANIFEST} lacks its leaves or metadata")
@@ -359,7 +362,8 @@ def _check_like(path: Path, records: list[dict[str, Any]], like: Any) -> tuple[A
     extra = sorted(set(saved) - {w for w, _, _ in expected})
     if missing or extra:
         raise DataError(
-            f"checkpoint {str(path)!r} does not match the expected state: missing leaves {missing}, unexpected leaves {extra}"
+            f"checkpoint {str(path)!r} does not match the expected state: missing leaves {missing}, unexpected leaves "
+            f"{extra}"
         )
     for where, _, leaf in expected:
         record = saved[where]
@@ -375,12 +379,14 @@ def _check_like(path: Path, records: list[dict[str, Any]], like: Any) -> tuple[A
                 )
         elif tuple(record["shape"]) != tuple(np.shape(leaf)):
             raise DataError(
-                f"checkpoint {str(path)!r}: leaf {where} has shape {tuple(record['shape'])}, but the expected state has {tuple(np.shape(leaf))}"
+                f"checkpoint {str(path)!r}: leaf {where} has shape {tuple(record['shape'])}, but the expected state "
+                f"has {tuple(np.shape(leaf))}"
             )
         dtype = getattr(leaf, "dtype", None)
         if dtype is not None and np.dtype(dtype).name != record["dtype"]:
             raise DataError(
-                f"checkpoint {str(path)!r}: leaf {where} has dtype {record['dtype']}, but the expected state has {np.dtype(dtype).name}"
+                f"checkpoint {str(path)!r}: leaf {where} has dtype {record['dtype']}, but the expected state has "
+                f"{np.dtype(dtype).name}"
             )
     return jax.tree_util.tree_structure(like, is_leaf=_is_leaf), [saved[w] for w, _, _ in expected]
 
@@ -482,7 +488,8 @@ def restore(
         )
     if layout is not None and not isinstance(layout, (Layout, str)):
         raise ConfigError(
-            f"checkpoint.restore(path, mesh, layout): layout is a {type(layout).__name__}; give an md.Layout, rules or None"
+            f"checkpoint.restore(path, mesh, layout): layout is a {type(layout).__name__}; give an md.Layout, rules "
+            "or None"
         )
     manifest = read_manifest(path)
     layout = (layout if isinstance(layout, Layout) else Layout(layout)).param_layout
@@ -626,5 +633,3 @@ def _prune(path: Path) -> None:
     os.replace(path, tomb)
     _fsync(path.parent)
     shutil.rmtree(tomb)
-
-

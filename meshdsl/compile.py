@@ -57,7 +57,8 @@ def _as_layout(layout: LayoutLike | None, default: Layout, what: str = "layout")
 
 
 def _check_argument(name: str, leaf: Any) -> None:
-    """A compiled function takes md tensors, arrays and numbers (``lower`` also their shapes: ``jax.ShapeDtypeStruct``)."""
+    """A compiled function takes md tensors, arrays and numbers (``lower`` also their shapes:
+    ``jax.ShapeDtypeStruct``)."""
     if isinstance(leaf, (Tensor, jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, bool, int, float, complex)):
         return
     raise ShapeError(f"{name} is {describe(leaf)}; a compiled function takes md tensors, arrays and numbers")
@@ -157,7 +158,8 @@ class Compiled:
             )
         if self.in_layouts is not None and len(self.in_layouts) != len(args):
             raise LayoutError(
-                f"md.compile: {len(self.in_layouts)} in_layouts given for a call with {len(args)} argument(s); give one per positional argument"
+                f"md.compile: {len(self.in_layouts)} in_layouts given for a call with {len(args)} argument(s); give "
+                "one per positional argument"
             )
         for path, leaf in jax.tree_util.tree_flatten_with_path(args, is_leaf=is_tensor)[0]:
             _check_argument(f"argument {jax.tree_util.keystr(path)}", leaf)

@@ -11,7 +11,6 @@ import dataclasses
 import operator
 import re
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Union
 
 from meshdsl.errors import ShapeError
 
@@ -45,7 +44,7 @@ class Dim:
         return f"Dim({self.name!r}, {self.size})"
 
 
-DimLike = Union[Dim, str]
+DimLike = Dim | str
 
 
 class Shape:
@@ -136,7 +135,7 @@ class Shape:
         return f"Shape({self})"
 
 
-ShapeLike = Union[Shape, Sequence[Dim], Dim]
+ShapeLike = Shape | Sequence[Dim] | Dim
 
 
 def as_shape(shape: ShapeLike) -> Shape:

@@ -119,7 +119,8 @@ def resolve(
     if coordinator is None:
         if not environ.get("JAX_COORDINATOR_ADDRESS"):
             raise ConfigError(
-                f"--num-processes {num_processes} needs --coordinator HOST:PORT (or {COORDINATOR_ENV}): where process 0 listens"
+                f"--num-processes {num_processes} needs --coordinator HOST:PORT (or {COORDINATOR_ENV}): where process "
+                "0 listens"
             )
     else:
         _check_coordinator(coordinator)
@@ -140,7 +141,8 @@ def wait_for_coordinator(address: str, timeout: float) -> None:
         except OSError as e:
             if time.monotonic() > deadline:
                 raise ConfigError(
-                    f"no coordinator answers at {address} after {timeout:.0f} s ({e.strerror or e}); is process 0 running there?"
+                    f"no coordinator answers at {address} after {timeout:.0f} s ({e.strerror or e}); is process 0 "
+                    "running there?"
                 ) from None
             time.sleep(0.5)
 
@@ -171,7 +173,8 @@ def _options(heartbeat: int) -> dict[str, int]:
     accepted = inspect.signature(jax.distributed.initialize).parameters
     if "heartbeat_timeout_seconds" not in accepted:
         print(
-            f"meshdsl: note: JAX {jax.__version__} sets no heartbeat timeout; a dead process is noticed after JAX's own",
+            f"meshdsl: note: JAX {jax.__version__} sets no heartbeat timeout; a dead process is noticed after JAX's "
+            "own",
             file=sys.stderr,
         )
     return {k: v for k, v in wanted.items() if k in accepted}

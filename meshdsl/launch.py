@@ -119,12 +119,14 @@ class _Forwarder:
 
 
 def child_command(command: Sequence[str]) -> list[str]:
-    """The command each process runs (``train ...`` or ``bench ...``; a leading ``--`` dropped); ConfigError for others."""
+    """The command each process runs (``train ...`` or ``bench ...``; a leading ``--`` dropped); ConfigError for
+    others."""
     command = list(command[1:] if command and command[0] == "--" else command)
     if not command or command[0] not in COMMANDS:
         got = f"{command[0]!r}" if command else "nothing"
         raise ConfigError(
-            f"meshdsl launch runs {' or '.join(COMMANDS)}, e.g. 'meshdsl launch --local 2 -- train --preset tiny'; got {got}"
+            f"meshdsl launch runs {' or '.join(COMMANDS)}, e.g. 'meshdsl launch --local 2 -- train --preset tiny'; "
+            f"got {got}"
         )
     return command
 

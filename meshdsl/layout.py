@@ -130,7 +130,8 @@ class Layout:
 
     @classmethod
     def load(cls, path: str | Path) -> Layout:
-        """Read a TOML layout file: ``[mesh]`` axis sizes, ``[rules]``, optional ``[params]`` and ``[pipeline]`` (see ``layouts/``)."""
+        """Read a TOML layout file: ``[mesh]`` axis sizes, ``[rules]``, optional ``[params]`` and ``[pipeline]`` (see
+        ``layouts/``)."""
         path = Path(path)
         if path.is_dir():
             raise LayoutError(f"layout file {str(path)!r} is a directory; give a .toml file")
@@ -144,7 +145,8 @@ class Layout:
         unknown = set(data) - {"mesh", "rules", "params", "pipeline", "train", "description"}
         if unknown:
             raise LayoutError(
-                f"layout file {str(path)!r}: unknown table(s) {sorted(unknown)}; expected [mesh], [rules], [params], [pipeline], [train]"
+                f"layout file {str(path)!r}: unknown table(s) {sorted(unknown)}; expected [mesh], [rules], [params], "
+                "[pipeline], [train]"
             )
         for table in ("mesh", "rules", "params", "pipeline", "train"):
             if not isinstance(data.get(table, {}), dict):
@@ -152,11 +154,13 @@ class Layout:
         for axis, size in data.get("mesh", {}).items():
             if isinstance(size, bool) or not isinstance(size, int) or not (size >= 1 or size == -1):
                 raise LayoutError(
-                    f"layout file {str(path)!r}: [mesh] axis {axis} has size {size!r}; a size is a positive integer or -1 (the remaining devices)"
+                    f"layout file {str(path)!r}: [mesh] axis {axis} has size {size!r}; a size is a positive integer "
+                    "or -1 (the remaining devices)"
                 )
         if not data.get("mesh") and not data.get("rules"):
             raise LayoutError(
-                f"layout file {str(path)!r} has neither a [mesh] table nor [rules], so it lays nothing out (an empty file?)"
+                f"layout file {str(path)!r} has neither a [mesh] table nor [rules], so it lays nothing out (an empty "
+                "file?)"
             )
         try:
             return cls(data.get("rules", {}), data.get("params"), data.get("mesh"), data.get("pipeline"))

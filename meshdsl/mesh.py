@@ -33,7 +33,8 @@ def _parse(axes: Mapping[str, int] | str | Sequence[tuple[str, int]]) -> list[tu
     if isinstance(axes, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in axes):
         return [(str(k), v) for k, v in axes]
     raise LayoutError(
-        f"mesh axes must be a dict, a string like 'data=4 model=2' or (name, size) pairs, got {type(axes).__name__} {axes!r}"
+        f"mesh axes must be a dict, a string like 'data=4 model=2' or (name, size) pairs, got {type(axes).__name__} "
+        f"{axes!r}"
     )
 
 

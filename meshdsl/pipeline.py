@@ -124,7 +124,8 @@ class _Run:
         for t in leaves:
             if not isinstance(t, Tensor) or dim.name not in t.shape:
                 raise ConfigError(
-                    f"pipeline: every batch tensor needs dim {dim.name!r} to cut into microbatches, got {getattr(t, 'shape', t)}"
+                    f"pipeline: every batch tensor needs dim {dim.name!r} to cut into microbatches, got "
+                    f"{getattr(t, 'shape', t)}"
                 )
             axes = self.lowering.axes(t.shape)
             a = self.lowering.prepare(t, axes)
@@ -134,7 +135,8 @@ class _Run:
                 raise ConfigError(f"pipeline: {self.m} microbatches do not divide the batch: {dim.name} is {dim.size}")
             if local % self.m:
                 raise ConfigError(
-                    f"pipeline: {self.m} microbatches do not divide the rows one device holds: {dim.name} is {dim.size}, "
+                    f"pipeline: {self.m} microbatches do not divide the rows one device holds: {dim.name} is "
+                    f"{dim.size}, "
                     f"split over {', '.join(axes[i])} into {local} rows per device"
                 )
             a = jnp.moveaxis(a.reshape(a.shape[:i] + (local // self.m, self.m) + a.shape[i + 1 :]), i + 1, 0)

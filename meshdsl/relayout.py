@@ -427,10 +427,12 @@ def apply(
         if step.kind is StepKind.PSUM:
             x = lax.psum(x, step.axes)
         elif step.kind is StepKind.PSUM_SCATTER:
-            x = _leading(x, step.dim, lambda a: lax.psum_scatter(a, step.axes, scatter_dimension=0, tiled=True))
+            x = _leading(
+                x, step.dim, lambda a, step=step: lax.psum_scatter(a, step.axes, scatter_dimension=0, tiled=True)
+            )
         elif step.kind is StepKind.ALL_GATHER:
             to = "varying" if varying.issuperset(step.axes) else "invarying"
-            x = _leading(x, step.dim, lambda a: _gather(a, step.axes, to, grad_dtype))
+            x = _leading(x, step.dim, lambda a, step=step, to=to: _gather(a, step.axes, to, grad_dtype))
         elif step.kind is StepKind.ALL_TO_ALL:
             group = step.from_axes or step.axes
             x = _reorder_blocks(x, step.dim, step.axes, group, axis_sizes)

@@ -81,7 +81,8 @@ class Tensor:
         """The truth value of a 0-d tensor; for more dims, a ShapeError (as numpy, which also refuses)."""
         if self.shape.rank:
             raise ShapeError(
-                f"the truth value of an md tensor {self.shape} is ambiguous; reduce it first (md.reduce_max, md.reduce_min)"
+                f"the truth value of an md tensor {self.shape} is ambiguous; reduce it first (md.reduce_max, "
+                "md.reduce_min)"
             )
         return bool(self.array)
 
@@ -184,7 +185,8 @@ def tensor(array: Any, dims: ShapeLike | str | Sequence[str]) -> Tensor:
             raise ShapeError(f"a dim is an md.Dim or a name, got {d!r}")
         elif d.size != n:
             raise ShapeError(
-                f"dim {d} does not match the array, whose axis {len(resolved)} has size {n} (array shape {tuple(array.shape)})"
+                f"dim {d} does not match the array, whose axis {len(resolved)} has size {n} (array shape "
+                f"{tuple(array.shape)})"
             )
         resolved.append(d)
     return Tensor(array, as_shape(resolved))

@@ -237,7 +237,8 @@ def assert_tree_close(
 def assert_explain_matches_hlo(
     fn: Callable, mesh_: md.Mesh, layout: md.Layout | Any, args: Sequence[Any], compiled: md.Compiled | None = None
 ) -> dict:
-    """``md.explain`` predicts exactly the collectives (count and bytes per kind) of the compiled spmd program; returns them."""
+    """``md.explain`` predicts exactly the collectives (count and bytes per kind) of the compiled spmd program; returns
+    them."""
     compiled = compiled if compiled is not None else md.compile(fn, mesh_, layout)
     predicted = md.explain(fn, mesh_, layout, *args).summary()
     actual = hlo.summary(compiled.lower(*args).compile().as_text())
@@ -452,7 +453,7 @@ def _check_around(fn, args, want, want32, float_pos, cot_arrays, mesh_, layout, 
             tuple(want[k] for k in picks),
             tol,
             f"{b} gradient around md.compile",
-            lambda: tuple(want32()[k] for k in picks),
+            lambda picks=picks: tuple(want32()[k] for k in picks),
         )
 
 

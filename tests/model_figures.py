@@ -41,7 +41,8 @@ CASES: dict[str, tuple[str, ...]] = {
     "moe": ("moe_expert", "data_parallel", "dp_tp", "megatron", "fsdp"),
     "convnet": ("spatial", "data_parallel"),
 }
-"""Model -> the layouts it ships with (``Model.LAYOUTS``, plus the Transformer's pipelines and the convnet's layouts)."""
+"""Model -> the layouts it ships with (``Model.LAYOUTS``, plus the Transformer's pipelines and the convnet's
+layouts)."""
 
 
 def trainer(model_name: str, layout_name: str) -> Any:

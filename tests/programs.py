@@ -93,7 +93,8 @@ def apart(a: Named, b: Named | float = 0.0) -> None:
 
 
 def distinct_top(x: Named, dims: Sequence[str], k: int) -> None:
-    """Raise :class:`NearKink` unless the ``k + 1`` largest values over ``dims`` (of each slice) are ``MARGIN`` apart."""
+    """Raise :class:`NearKink` unless the ``k + 1`` largest values over ``dims`` (of each slice) are ``MARGIN``
+    apart."""
     if not _checking(x):
         return
     rest = [n for n in x.names if n not in dims]
@@ -985,7 +986,8 @@ def build_conv(ctx: Context, h: Value) -> Step | None:
     def ref_fn(h, k, *p):
         return R.conv2d(h * p[0] if p else h, k, height, width, channels, out, kh, kw) * scale
 
-    label = f"conv2d({'h * f[' + _s(pad_dims) + ']' if pad_dims else 'h'}, k[{_s(kernel)}], height={height}, width={width}, in={channels}, out={out}) * {scale:.3g}"
+    padded = "h * f[" + _s(pad_dims) + "]" if pad_dims else "h"
+    label = f"conv2d({padded}, k[{_s(kernel)}], height={height}, width={width}, in={channels}, out={out}) * {scale:.3g}"
     return Step(label, md_fn, ref_fn, (Input(_items(kernel)), *fresh))
 
 
@@ -1115,7 +1117,8 @@ def build_scan(ctx: Context, h: Value) -> Step | None:
 
     body = " -> ".join(map(repr, sub))
     source = f"h over {s}" if over_h else f"xs[{_s(fresh[0].dims and dict(fresh[0].dims))}] over {s}"
-    name = f"scan({source}, carry[{_s(c_dims)}]={init}, body: u -> {body}, remat={remat}){' -> (ys, carry)' if emit else ' -> carry'}"
+    returns = " -> (ys, carry)" if emit else " -> carry"
+    name = f"scan({source}, carry[{_s(c_dims)}]={init}, body: u -> {body}, remat={remat}){returns}"
     return _composite(name, md_fn, ref_fn, fresh, sub, tied=h.tied)
 
 

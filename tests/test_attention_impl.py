@@ -147,7 +147,7 @@ def test_xla_path_numbers(dtype, tol):
     """On a CPU the chosen kernel is XLA's formula; its numbers equal a float64 reference."""
     arrays, (q, k, v) = _qkv(dtype, seed=3)
     for causal in (False, True):
-        got = jax.jit(lambda q, k, v: md.nn.dot_product_attention(q, k, v, causal=causal))(q, k, v)
+        got = jax.jit(lambda q, k, v, causal=causal: md.nn.dot_product_attention(q, k, v, causal=causal))(q, k, v)
         want = _reference(*(np.asarray(jnp.asarray(a, dtype), np.float64) for a in arrays), causal)
         np.testing.assert_allclose(np.asarray(got.array, np.float64), want, atol=tol, rtol=tol)
 

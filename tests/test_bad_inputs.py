@@ -645,7 +645,8 @@ def test_a_rule_naming_no_dim_of_the_model_is_warned_about(workspace: Path, caps
     assert rule_warnings("batch:data; d_ff:data", load_layout("batch:data; d_ff:data"), "mlp", mlp) == []
     layout = md.Layout("batch:data", params="d_modle:data")
     assert rule_warnings("batch:data", layout, "transformer", build_model("transformer", "tiny")) == [
-        "layout [params] rule d_modle:data names no dim of model transformer (its dims: batch, d_ff, d_kv, d_model, heads, "
+        "layout [params] rule d_modle:data names no dim of model transformer (its dims: batch, d_ff, d_kv, d_model, "
+        "heads, "
         "layers, length, memory, position, qkv, vocab), so it splits nothing; did you mean d_model?"
     ]
 

@@ -123,7 +123,8 @@ def test_bf16_compute_halves_the_activation_terms() -> None:
 
 
 def test_no_minimum_where_the_formula_has_no_terms() -> None:
-    """Adafactor reduces over named dims (collectives of its own); a rule splitting d_model in compute is not modelled."""
+    """Adafactor reduces over named dims (collectives of its own); a rule splitting d_model in compute is not
+    modelled."""
     assert _minimum(load_layout(str(LAYOUTS / "data_parallel.toml")), optimizer="adafactor") is None
     assert _minimum(md.Layout("batch:data; d_model:model", mesh_axes={"data": 4, "model": 2})) is None
 

@@ -398,7 +398,8 @@ def test_the_command_reports_a_bad_checkpoint_in_one_line(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.splitlines() == [
         (
-            "meshdsl train: error: 'ckpt/step_3' is not a meshdsl checkpoint (foreign directory: manifest.json is not JSON: "
+            "meshdsl train: error: 'ckpt/step_3' is not a meshdsl checkpoint (foreign directory: manifest.json is not "
+            "JSON: "
             "Expecting value: line 1 column 1 (char 0))"
         )
     ]

@@ -305,7 +305,8 @@ BROKEN = {
     "needs.py": "import nonexistent_dependency_xyz\n",
     "no_config.py": "class Model:\n    pass\n",
     "not_dataclass.py": "class Config:\n    PRESETS = {'tiny': {}}\n\n\nclass Model:\n    pass\n",
-    "no_presets.py": "import dataclasses\n\n\n@dataclasses.dataclass\nclass Config:\n    rows: int = 4\n\n\nclass Model:\n    pass\n",
+    "no_presets.py": "import dataclasses\n\n\n@dataclasses.dataclass\nclass Config:\n    rows: int = 4\n\n\nclass "
+    "Model:\n    pass\n",
     "no_loss.py": MODEL.replace("    def loss(self, params, batch):", "    def lost(self, params, batch):"),
     "notes.txt": "not a model\n",
 }
@@ -345,7 +346,8 @@ MODEL_MISTAKES = {
     "missing dependency": (
         ["--model", "needs.py", *TINY],
         [
-            "needs.py:1 (`import nonexistent_dependency_xyz`): ModuleNotFoundError: No module named 'nonexistent_dependency_xyz'"
+            "needs.py:1 (`import nonexistent_dependency_xyz`): ModuleNotFoundError: No module named "
+            "'nonexistent_dependency_xyz'"
         ],
     ),
     "no Config": (["--model", "no_config.py", *TINY], ["model no_config.py has no Config:", "PRESETS"]),

@@ -27,7 +27,7 @@ from meshdsl.ops.conv import conv2d
 from meshdsl.train.optim import adamw
 from meshdsl.train.step import Trainer
 
-B, H, W, C, O = 4, 16, 8, 8, 6
+B, H, W, C, O = 4, 16, 8, 8, 6  # noqa: E741 (NHWC and HWIO letters)
 TOL, GRAD_TOL = 1e-5, 2e-5
 
 
@@ -438,7 +438,7 @@ def test_conv2d_one_name_for_two_dims_is_a_shape_error(backend):
     x, _, _ = _named(*_inputs(3, 3))
     for case, (kwargs, kernel_dims, named) in NAME_CLASHES.items():
         k = md.tensor(jnp.zeros((3, 3, C, O)), kernel_dims)
-        fn = lambda x, k: conv2d(x, k, **kwargs)  # noqa: E731
+        fn = lambda x, k, kwargs=kwargs: conv2d(x, k, **kwargs)  # noqa: E731
         with pytest.raises(md.ShapeError) as info:
             (fn if backend == "eager" else md.compile(fn, md.Mesh({"x": 2}), "batch:x", backend=backend))(x, k)
         assert str(info.value).startswith("conv2d: ") and named in str(info.value), f"{case}: {info.value}"

@@ -194,7 +194,8 @@ def test_two_trainers_on_one_directory_never_crash_or_overwrite(tmp_path: Path) 
 
 LIMITED = (
     "import os, resource, signal, sys; limit = int(sys.argv[1]); signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
-    "resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)); os.execv(sys.executable, [sys.executable, *sys.argv[2:]])"
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)); os.execv(sys.executable, [sys.executable, "
+    "*sys.argv[2:]])"
 )
 """Runs a command whose files cannot grow past ``argv[1]`` bytes (``ulimit -f``); writing past it is
 an error (EFBIG), not the SIGXFSZ that would kill the process."""

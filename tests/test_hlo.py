@@ -19,11 +19,11 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import strategies as S  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st
+from hypothesis import strategies as st  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.ad_checkpoint import checkpoint_name  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import meshdsl as md  # noqa: E402
 from meshdsl.explain import Source, report_of_jaxpr  # noqa: E402
@@ -117,7 +117,8 @@ _ADD = """%add (x: f32[], y: f32[]) -> f32[] {
 
 def _module(*entry: str, computations: str = _ADD, header: str = "HloModule m, num_partitions=8") -> str:
     body = "\n".join(f"  {line}" for line in entry)
-    return f"{header}\n\n{computations}\nENTRY %main (p: f32[8]) -> f32[8] {{\n  %p = f32[8]{{0}} parameter(0)\n{body}\n}}\n"
+    entry_header = "ENTRY %main (p: f32[8]) -> f32[8] {\n  %p = f32[8]{0} parameter(0)"
+    return f"{header}\n\n{computations}\n{entry_header}\n{body}\n}}\n"
 
 
 def _keys(text: str, **kwargs) -> list[tuple]:
@@ -192,7 +193,8 @@ def test_async_pairs_count_once_at_their_output():
         "%ard = f32[8]{0} all-reduce-done(%ars)",
         "%cps = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(%p), source_target_pairs={{0,1},{1,2}}",
         "%cpd = f32[8]{0} collective-permute-done(%cps)",
-        "%rss = ((f32[8]{0}), f32[2]{0}) reduce-scatter-start(%p), replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add",
+        "%rss = ((f32[8]{0}), f32[2]{0}) reduce-scatter-start(%p), replica_groups={{0,1,2,3}}, dimensions={0}, "
+        "to_apply=%add",
         "%rsu = ((f32[8]{0}), f32[2]{0}) reduce-scatter-update(%rss)",
         "%rsd = f32[2]{0} reduce-scatter-done(%rsu)",
         "%as = ((f32[8]{0}), f32[8]{0}, s32[]) async-start(%p), calls=%wrapped_a2a",
@@ -211,7 +213,7 @@ def test_async_pairs_count_once_at_their_output():
 _LOOPS = (
     _ADD
     + """
-%inner_body (ib: (s32[], f32[8])) -> (s32[], f32[8]) {
+%in_body (ib: (s32[], f32[8])) -> (s32[], f32[8]) {
   %ib = (s32[], f32[8]{0}) parameter(0)
   %iv = f32[8]{0} get-tuple-element(%ib), index=1
   %ar_inner = f32[8]{0} all-reduce(%iv), replica_groups={{0,1}}, to_apply=%add
@@ -225,7 +227,7 @@ _LOOPS = (
 
 %outer_body (ob: (s32[], f32[8])) -> (s32[], f32[8]) {
   %ob = (s32[], f32[8]{0}) parameter(0)
-  %inner = (s32[], f32[8]{0}) while(%ob), condition=%cond, body=%inner_body, backend_config={"known_trip_count":{"n":"4"}}
+  %inner = (s32[], f32[8]{0}) while(%ob), condition=%cond, body=%in_body, backend_config={"known_trip_count":{"n":"4"}}
   %ov = f32[8]{0} get-tuple-element(%inner), index=1
   %ag_outer = f32[16]{0} all-gather(%ov), replica_groups={{0,1}}, dimensions={0}
   ROOT %ot = (s32[], f32[8]{0}) tuple(%ob, %ov)
@@ -248,7 +250,8 @@ _LOOPS = (
 def test_loops_multiply_trip_counts_and_branches_count_once():
     text = _module(
         "%t = (s32[], f32[8]{0}) tuple(%p, %p)",
-        '%outer = (s32[], f32[8]{0}) while(%t), condition=%cond, body=%outer_body, backend_config={"known_trip_count":{"n":"3"}}',
+        "%outer = (s32[], f32[8]{0}) while(%t), condition=%cond, body=%outer_body, "
+        'backend_config={"known_trip_count":{"n":"3"}}',
         "%pred = pred[] constant(true)",
         "%branch = f32[8]{0} conditional(%pred, %p, %p), true_computation=%branch_a, false_computation=%branch_b",
         "%idx = s32[] constant(0)",
@@ -269,7 +272,7 @@ def test_while_without_trip_count_is_an_error_only_when_it_holds_collectives():
         )
 
     with pytest.raises(ValueError, match="%loop"):
-        collectives(program("inner_body", _LOOPS))
+        collectives(program("in_body", _LOOPS))
     quiet = (
         _LOOPS
         + """
@@ -297,7 +300,8 @@ def test_loop_condition_runs_once_more_than_the_body():
 """
     )
     text = _module(
-        '%loop = f32[8]{0} while(%p), condition=%checked_cond, body=%body, backend_config={"known_trip_count":{"n":"2"}}',
+        "%loop = f32[8]{0} while(%p), condition=%checked_cond, body=%body, "
+        'backend_config={"known_trip_count":{"n":"2"}}',
         computations=checked,
     )
     assert _keys(text) == [("all-reduce", 32, 2, 3)]
@@ -305,7 +309,8 @@ def test_loop_condition_runs_once_more_than_the_body():
 
 def test_element_sizes():
     text = _module(
-        "%ag0 = (pred[3]{0}, s8[2]{0}, bf16[2]{0}, f8e4m3fn[2]{0}) all-gather(%p), replica_groups={{0,1}}, dimensions={0}",
+        "%ag0 = (pred[3]{0}, s8[2]{0}, bf16[2]{0}, f8e4m3fn[2]{0}) all-gather(%p), replica_groups={{0,1}}, "
+        "dimensions={0}",
         "%ag1 = (c128[2]{0}, f64[], s4[2]{0}) all-gather(%p), replica_groups={{0,1}}, dimensions={0}",
     )
     assert [c.buffer_bytes for c in collectives(text)] == [3, 2, 4, 2, 32, 8, 2]

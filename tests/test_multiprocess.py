@@ -303,7 +303,8 @@ def test_launcher_stops_processes_that_outlive_a_failure(monkeypatch: pytest.Mon
     assert lines[0] == "meshdsl launch: process 0 exited with code 3; stopping the others (at most 1 s)"
     assert lines[1] == "meshdsl launch: sending SIGTERM to the processes still running"
     assert lines[-1] == (
-        "meshdsl launch: process 0 exited with code 3 first; then, because of it: process 1 was killed by SIGTERM, process 2 was killed by SIGKILL"
+        "meshdsl launch: process 0 exited with code 3 first; then, because of it: process 1 was killed by SIGTERM, "
+        "process 2 was killed by SIGKILL"
     )
 
 

@@ -172,7 +172,11 @@ def test_errors_name_the_problem(tmp_path):
         other = _tiny(layers=layers, batch=batch_size)
         config = pipeline.PipelineConfig(m, "interleaved", 2)
         with pytest.raises(md.ConfigError, match=message):
-            step = md.compile(lambda p, b: pipeline.value_and_grad(other, p, b, config), four, {"layers": "stage"})
+            step = md.compile(
+                lambda p, b, other=other, config=config: pipeline.value_and_grad(other, p, b, config),
+                four,
+                {"layers": "stage"},
+            )
             step(*_shapes(other))
     bad = tmp_path / "bad.toml"
     bad.write_text('[rules]\nlayers = "stage"\n[pipeline]\nmicro_batches = 4\n')

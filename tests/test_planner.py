@@ -67,7 +67,8 @@ CASES = (
             "transformer",
             [
                 "[data=4 model=2] batch:data; vocab:model; d_ff:model; heads:model",
-                "[stage=2 data=2 model=2] batch:data; vocab:model; d_ff:model; heads:model; layers:stage | 4 microbatches",
+                "[stage=2 data=2 model=2] batch:data; vocab:model; d_ff:model; heads:model; layers:stage | 4 "
+                "microbatches",
             ],
         )
     ]
@@ -497,7 +498,8 @@ def test_search_cli_measure_prints_predicted_beside_measured(capsys) -> None:
     assert len(rows) == 2 and all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)
     measured = [float(r[2]) for r in rows]
     verdict = re.search(
-        r"the chosen layout \(#1\) measured ([\d.]+) ms, ([+-][\d.]+)% against the fastest measured \(#\d, ([\d.]+) ms\)",
+        r"the chosen layout \(#1\) measured ([\d.]+) ms, ([+-][\d.]+)% against the fastest measured \(#\d, ([\d.]+) "
+        r"ms\)",
         printed,
     )
     assert verdict, printed

@@ -13,7 +13,8 @@ A CI run checks ``2 * CHAINS * EXAMPLES`` = 1,000 programs (a program: one drawn
 to end): half here, half in tests/test_programs_more.py (other draws of the same generator, in a
 file of its own so that pytest-xdist, one file a worker, runs the halves side by side: on JAX 0.12
 one half alone takes about 5 minutes); :func:`test_programs_were_checked` prints the count (shown
-with ``pytest -rP``) and asserts it. Deeper runs: ``pytest tests/test_programs.py --hypothesis-profile=fuzz`` (10x the programs, unseeded) and
+with ``pytest -rP``) and asserts it. Deeper runs: ``pytest tests/test_programs.py --hypothesis-profile=fuzz``
+(10x the programs, unseeded) and
 ``--hypothesis-profile=explore --hypothesis-seed=N`` (CI's count, other programs, reproducible).
 
 Every defect the generator found is a named regression test below.

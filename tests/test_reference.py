@@ -3,7 +3,8 @@
 A reference that overflows (``1 / (1 + exp(-a))`` at ``a = -100`` in float32 has a NaN gradient)
 fails the test that meets it, whatever meshdsl does, so the references are checked here against
 an oracle that cannot overflow: the same functions in Python's ``decimal`` at 60 digits, with
-exponents up to 10**18 (an ``exp`` is only taken of a non-positive number, so nothing overflows). Forward values are checked in numpy (float64, as the
+exponents up to 10**18 (an ``exp`` is only taken of a non-positive number, so nothing overflows). Forward
+values are checked in numpy (float64, as the
 harness runs them), derivatives in jax.numpy (float32, under ``jax.grad``, as the harness runs
 them).
 """

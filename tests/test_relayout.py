@@ -160,7 +160,8 @@ def _fits(size, axes, axis_sizes):
 
 @functools.cache
 def _layouts(axis_items, shape):
-    """Every (per-dim axes, frozenset of pending axes): each axis unused, pending, or inserted at any place of any dim."""
+    """Every (per-dim axes, frozenset of pending axes): each axis unused, pending, or inserted at any place of any
+    dim."""
     axis_sizes = dict(axis_items)
     out = [(((),) * len(shape), frozenset())]
     for a in axis_sizes:
@@ -233,7 +234,6 @@ def _cheapest(axis_sizes_items, shape):
     Prices are scaled to integers; a path's key is ``bytes * K + collectives`` with ``K`` above
     any path's number of collectives, so the least key is the least bytes, then collectives.
     """
-    axis_sizes = dict(axis_sizes_items)
     nodes = _layouts(axis_sizes_items, shape)
     edges = {}
     for i, s in enumerate(nodes):

@@ -223,7 +223,8 @@ def _state_shardings(tree: Any, mesh: md.Mesh, stored: md.Layout) -> Any:
 
 @dataclasses.dataclass
 class PlainStep:
-    """The plain-JAX step compiled for fixed shardings, with its state ``(params, opt, count)``; call it to run one step."""
+    """The plain-JAX step compiled for fixed shardings, with its state ``(params, opt, count)``; call it to run one
+    step."""
 
     compiled: Any
     state: Any

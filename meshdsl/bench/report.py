@@ -22,7 +22,8 @@ def _ratio(x: float | None) -> str:
 
 
 def _number(x: float | None, unit: float, spec: str) -> str:
-    """``x / unit`` formatted by ``spec``; ``-`` where the model gives no figure (no examples_per_step, flops_per_step)."""
+    """``x / unit`` formatted by ``spec``; ``-`` where the model gives no figure (no examples_per_step,
+    flops_per_step)."""
     return "-" if x is None else format(x / unit, spec)
 
 
@@ -164,7 +165,8 @@ def _bytes_by_kind(plt: Any, summaries: list[dict[str, Any]], labels: list[str],
 
 
 def _bubbles_chart(plt: Any, summaries: list[dict[str, Any]], out: Path) -> list[Path]:
-    """Pipelined entries: bubble fraction against microbatches, per model x layout x schedule (theory, ticks, measured)."""
+    """Pipelined entries: bubble fraction against microbatches, per model x layout x schedule (theory, ticks,
+    measured)."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for s in summaries:
         if s.get("pipeline"):
@@ -200,7 +202,8 @@ def _charts(summaries: list[dict[str, Any]], out: Path) -> list[Path]:
 
 
 def notes(summaries: list[dict[str, Any]]) -> str:
-    """Lines under the table: why each baseline asked for was not timed, what the gspmd column lacks, and the timing order's seed."""
+    """Lines under the table: why each baseline asked for was not timed, what the gspmd column lacks, and the timing
+    order's seed."""
     lines = [
         f"{s['model']} x {s['layout']}: plain-JAX baseline not timed: {s['baseline_note']}"
         for s in summaries
@@ -209,11 +212,13 @@ def notes(summaries: list[dict[str, Any]]) -> str:
     lines += [f"{s['model']} x {s['layout']}: gspmd: {s['gspmd_note']}" for s in summaries if s.get("gspmd_note")]
     if summaries and summaries[0].get("device_peak_bytes_in_use") is not None:
         lines.append(
-            f"device memory: {_fmt_bytes(summaries[0]['device_peak_bytes_in_use'])} at most in use on the first device over the whole run (memory_stats)"
+            f"device memory: {_fmt_bytes(summaries[0]['device_peak_bytes_in_use'])} at most in use on the first "
+            "device over the whole run (memory_stats)"
         )
     if summaries:
         lines.append(
-            f"timing: {len(summaries[0]['round_orders'])} rounds, each in an order shuffled from seed {summaries[0]['timing_seed']} (results.json: round_orders)"
+            f"timing: {len(summaries[0]['round_orders'])} rounds, each in an order shuffled from seed "
+            f"{summaries[0]['timing_seed']} (results.json: round_orders)"
         )
     return "\n".join(lines)
 

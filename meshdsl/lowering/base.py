@@ -211,7 +211,8 @@ class Lowering:
         return local, self.axis_index(axes) * local
 
     def reduce_max(self, x: jax.Array, positions: tuple[int, ...], axes: Sequence[str]) -> jax.Array:
-        """Maximum over ``positions`` of ``x``, whose dims there are split over ``axes`` (differentiable, as ``jnp.max``)."""
+        """Maximum over ``positions`` of ``x``, whose dims there are split over ``axes`` (differentiable, as
+        ``jnp.max``)."""
         return exact_max(x, 0, positions, ())
 
     def pmax(self, x: Any, axes: Sequence[str]) -> Any:

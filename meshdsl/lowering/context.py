@@ -77,7 +77,8 @@ def op(name: str) -> Callable[[F], F]:
                 for p in tensors:
                     if p in bound and not isinstance(bound[p], Tensor):
                         raise ShapeError(
-                            f"{name}: {p} must be an md tensor, got {describe(bound[p])}; wrap an array with md.tensor(array, dims)"
+                            f"{name}: {p} must be an md tensor, got {describe(bound[p])}; wrap an array with "
+                            "md.tensor(array, dims)"
                         )
             try:
                 with jax.named_scope(f"md.{name}"):

@@ -152,7 +152,8 @@ class SpmdLowering(Lowering):
         return bool(axes) and relayout.narrower(x.dtype, self.grad_reduce_dtype)
 
     def _vary(self, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-        """``x`` marked varying along ``axes``; its gradient summed over them (in ``grad_reduce_dtype`` where narrower)."""
+        """``x`` marked varying along ``axes``; its gradient summed over them (in ``grad_reduce_dtype`` where
+        narrower)."""
         return (
             _vary_summing_grads_in(x, axes, jnp.dtype(self.grad_reduce_dtype))
             if self._narrow_grads(x, axes)

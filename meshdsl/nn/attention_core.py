@@ -1,4 +1,5 @@
-"""``dot_product_attention``: softmax(q k / sqrt(d)) v by dim name, run by ``jax.nn.dot_product_attention`` on each shard.
+"""``dot_product_attention``: softmax(q k / sqrt(d)) v by dim name, run by ``jax.nn.dot_product_attention``
+on each shard.
 
 Queries ``q[*batch, heads, length, d_kv]`` (any order), keys and values ``[*batch, heads, memory,
 d_kv]``; the result has ``q``'s shape. ``batch`` is every other dim, shared by all three.
@@ -90,7 +91,8 @@ def _check(
         allowed = {*batch, *groups, h, t, s}
         if mask.dtype != jnp.bool_ or not set(mask.names) <= allowed:
             raise ShapeError(
-                f"dot_product_attention: mask {mask.shape} ({mask.dtype}) must be boolean over dims of {sorted(allowed)}"
+                f"dot_product_attention: mask {mask.shape} ({mask.dtype}) must be boolean over dims of "
+                f"{sorted(allowed)}"
             )
     return batch, groups
 

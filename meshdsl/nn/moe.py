@@ -124,15 +124,15 @@ class MoE:
         """``dispatch`` and ``combine`` ``[group, tokens, experts_unsplit, capacity]`` and ``aux[group]``
         from router probabilities ``probs[group, tokens, experts_unsplit]`` (float32)."""
         Eu, top = probs.shape[self.experts_unsplit], Dim(self.choices, self.top)
-        l = probs.shape[self.tokens]
-        C = Dim(self.capacity, self.capacity_size(l.size))
+        tokens = probs.shape[self.tokens]
+        C = Dim(self.capacity, self.capacity_size(tokens.size))
         rest = [d for d in probs.shape if d.name != Eu.name]
         gate, index = top_k(probs, Eu, top)  # first choice first
         choice = one_hot(index, Eu, dtype=jnp.int32)  # [.., top, experts_unsplit]
         # Slot in the expert's buffer: earlier tokens of this group with the same choice rank, plus
         # every token that chose the expert at a better rank (first choices fill buffers first).
-        within = cumsum(choice, l, exclusive=True)
-        before = cumsum(reduce_sum(choice, l), top, exclusive=True)
+        within = cumsum(choice, tokens, exclusive=True)
+        before = cumsum(reduce_sum(choice, tokens), top, exclusive=True)
         position = reduce_sum((within + before) * choice, Eu)
         slot = one_hot(position, C)  # all zeros past capacity: the choice is dropped
         if self.top > 1:
@@ -141,8 +141,8 @@ class MoE:
         dispatch = einsum(chosen, slot, out=[*rest, Eu, C])
         combine = einsum(chosen, slot, gate, out=[*rest, Eu, C])
         first = cast(equal(md_range(top), 0), jnp.float32)
-        fraction = reduce_mean(reduce_sum(chosen * first, top), l)  # first choices, before capacity
-        aux = reduce_sum(fraction * reduce_mean(probs, l), Eu) * float(Eu.size)
+        fraction = reduce_mean(reduce_sum(chosen * first, top), tokens)  # first choices, before capacity
+        aux = reduce_sum(fraction * reduce_mean(probs, tokens), Eu) * float(Eu.size)
         return dispatch, combine, aux
 
     def __call__(self, params: dict[str, Any], x: Tensor) -> tuple[Tensor, Tensor]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Union
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,7 @@ from meshdsl.errors import ShapeError
 from meshdsl.ops.elementwise import cast
 from meshdsl.tensor import Tensor, describe
 
-Dims = Union[Dim, Sequence[Dim]]
+Dims = Dim | Sequence[Dim]
 Stack = Sequence[Dim]
 """Dims put in front of every parameter a layer makes: a stack of identical layers that ``md.scan``
 runs one slice at a time (``[layers]``), or of experts (``[experts]``). One draw makes the whole
@@ -62,7 +61,8 @@ def check_scale(layer: str, init_scale: float) -> None:
 
 
 def scaled_normal(key: jax.Array, dims: Sequence[Dim], fan_in: int, scale: float) -> Tensor:
-    """Normal values with standard deviation ``scale / sqrt(fan_in)`` (LeCun normal at ``scale`` 1, He at ``sqrt(2)``)."""
+    """Normal values with standard deviation ``scale / sqrt(fan_in)`` (LeCun normal at ``scale`` 1, He at
+    ``sqrt(2)``)."""
     return random.normal(key, list(dims)) * (scale * fan_in**-0.5)
 
 

@@ -77,7 +77,8 @@ def conv2d(
         )
     if len({kh, kw, c, o}) != 4:
         raise ShapeError(
-            f"conv2d: kernel_height {kh!r}, kernel_width {kw!r}, in_dim {c!r} and out_dim {o!r} must be four different names"
+            f"conv2d: kernel_height {kh!r}, kernel_width {kw!r}, in_dim {c!r} and out_dim {o!r} must be four "
+            "different names"
         )
     if sorted(kernel.shape.names) != sorted({kh, kw, c, o}):
         raise ShapeError(f"conv2d: kernel {kernel.shape} must have exactly the dims {kh}, {kw}, {c}, {o}")

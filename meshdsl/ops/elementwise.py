@@ -55,7 +55,8 @@ def broadcast_shape(operands: Sequence[Any], name: str) -> Shape:
                 if d.name in dims and dims[d.name].size != d.size:
                     shapes = ", ".join(str(t.shape) for t in operands if isinstance(t, Tensor))
                     raise ShapeError(
-                        f"{name}: dim {d.name} has size {dims[d.name].size} in one operand and {d.size} in another ({shapes})"
+                        f"{name}: dim {d.name} has size {dims[d.name].size} in one operand and {d.size} in another "
+                        f"({shapes})"
                     )
                 dims.setdefault(d.name, d)
     return Shape(dims.values())

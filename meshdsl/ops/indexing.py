@@ -52,7 +52,8 @@ def one_hot(
     dtype = dtype_of(dtype, "one_hot")
     if output_dim.name in indices.shape:
         raise ShapeError(
-            f"one_hot: output_dim {output_dim} is already a dim of the indices {indices.shape}; name the new dim differently"
+            f"one_hot: output_dim {output_dim} is already a dim of the indices {indices.shape}; name the new dim "
+            "differently"
         )
     lowering = current()
     out = indices.shape + [output_dim]
@@ -75,13 +76,15 @@ def gather(weights: Tensor, indices: Tensor, dim: DimLike) -> Tensor:
     rest = weights.shape.without([d.name])
     if d.name in indices.shape:
         raise ShapeError(
-            f"gather: the indices {indices.shape} have a dim named {d.name}, like the dim {d} gathered from the weights "
+            f"gather: the indices {indices.shape} have a dim named {d.name}, like the dim {d} gathered from the "
+            "weights "
             f"{weights.shape}; the result's {d.name} would be another dim of the same name: rename one (md.rename)"
         )
     shared = [n for n in indices.shape.names if n in rest]
     if shared:
         raise ShapeError(
-            f"gather: the indices {indices.shape} and the weights {weights.shape} both have dim(s) {', '.join(shared)}; "
+            f"gather: the indices {indices.shape} and the weights {weights.shape} both have dim(s) "
+            f"{', '.join(shared)}; "
             f"the result (the indices' dims, then the weights' without {d.name}) would hold them twice"
         )
     out = indices.shape + rest
@@ -121,12 +124,14 @@ def take_along(x: Tensor, indices: Tensor, dim: DimLike) -> Tensor:
         raise ShapeError(f"take_along: indices {indices.shape} must be integers, got {indices.dtype}")
     if d.name in indices.shape:
         raise ShapeError(
-            f"take_along: the indices {indices.shape} have the looked-up dim {d.name}; they index along it, over dims of x {x.shape} other than {d.name}"
+            f"take_along: the indices {indices.shape} have the looked-up dim {d.name}; they index along it, over dims "
+            f"of x {x.shape} other than {d.name}"
         )
     extra = [n for n in indices.shape.names if n not in x.shape]
     if extra:
         raise ShapeError(
-            f"take_along: the indices {indices.shape} have dim(s) {', '.join(extra)} that x {x.shape} lacks; they index over dims of x other than {d.name}"
+            f"take_along: the indices {indices.shape} have dim(s) {', '.join(extra)} that x {x.shape} lacks; they "
+            f"index over dims of x other than {d.name}"
         )
     out = x.shape.without([d.name])
     axes = lowering.axes(x.shape)

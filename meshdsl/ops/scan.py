@@ -93,7 +93,8 @@ def _check_carry(init: Any, out: Any) -> None:
     for (path, t), (_, u) in zip(ins[0], outs[0]):
         if _leaf_type(t) != _leaf_type(u):
             raise ShapeError(
-                f"md.scan: fn returns the carry{jax.tree_util.keystr(path)} as {_leaf_type(u)}, but it came in as {_leaf_type(t)}: the carry keeps its dims and dtypes"
+                f"md.scan: fn returns the carry{jax.tree_util.keystr(path)} as {_leaf_type(u)}, but it came in as "
+                f"{_leaf_type(t)}: the carry keeps its dims and dtypes"
             )
 
 

@@ -49,7 +49,8 @@ def verdict(predicted: Sequence[float], measured: Sequence[float]) -> str:
     best = min(range(len(measured)), key=lambda i: measured[i])
     over = measured[0] / measured[best] - 1
     return (
-        f"Spearman rank correlation, predicted vs measured: {spearman(predicted, measured):.3f} over {len(measured)} layouts; "
+        f"Spearman rank correlation, predicted vs measured: {spearman(predicted, measured):.3f} over {len(measured)} "
+        "layouts; "
         f"the chosen layout (#1) measured {measured[0] * 1e3:.2f} ms, {over:+.1%} against the fastest measured "
         f"(#{best + 1}, {measured[best] * 1e3:.2f} ms)"
     )

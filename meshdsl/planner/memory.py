@@ -1,4 +1,5 @@
-"""Per-device memory of a training step: state from the shapes, temporaries from a liveness walk packed as XLA packs them.
+"""Per-device memory of a training step: state from the shapes, temporaries from a liveness walk packed as XLA
+packs them.
 
 The state (parameters, optimizer state, step counter) is exact: each tensor's bytes divided by
 the product of the mesh axes its stored layout splits it over. The temporaries (activations kept
@@ -26,8 +27,7 @@ counter, :func:`loop_overhead`), which decide the peak of the tiniest programs.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import AbstractSet as Set
+from collections.abc import Mapping, Set
 from typing import Any
 
 import jax

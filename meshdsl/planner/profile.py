@@ -30,7 +30,8 @@ KINDS = tuple(c.value for c in Collective)
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """One collective kind on one kind of link: ``latency_s`` per call plus bytes / ``bandwidth`` (bytes/s per device)."""
+    """One collective kind on one kind of link: ``latency_s`` per call plus bytes / ``bandwidth`` (bytes/s per
+    device)."""
 
     latency_s: float
     bandwidth: float
@@ -61,7 +62,8 @@ class DeviceProfile:
         peak = peak_flops(self.device_kind, dtype)
         if peak is None:
             raise ConfigError(
-                f"device profile {self.name!r} has no matmul rate for {dtype} and bench.peaks knows no peak for {self.device_kind!r}"
+                f"device profile {self.name!r} has no matmul rate for {dtype} and bench.peaks knows no peak for "
+                f"{self.device_kind!r}"
             )
         return peak
 
@@ -77,7 +79,8 @@ class DeviceProfile:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], where: str) -> DeviceProfile:
-        """The profile a JSON object describes; ConfigError naming the field that is missing, or not a positive number where one is needed."""
+        """The profile a JSON object describes; ConfigError naming the field that is missing, or not a positive number
+        where one is needed."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"device profile {where} holds a JSON {type(data).__name__}, not an object")
         try:
@@ -132,7 +135,8 @@ def load_profile(spec: str | Path) -> DeviceProfile:
             ) from None
     elif path.is_dir():
         raise ConfigError(
-            f"device profile {str(spec)!r} is a directory; give a JSON file or a shipped profile ({', '.join(shipped())})"
+            f"device profile {str(spec)!r} is a directory; give a JSON file or a shipped profile "
+            f"({', '.join(shipped())})"
         )
     elif str(spec) in shipped():
         text, where = (

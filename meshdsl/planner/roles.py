@@ -198,7 +198,8 @@ def _declared(model: Any, sizes: Mapping[str, int]) -> dict[str, tuple[str, ...]
 
 
 def _groups(tensor: list[str], meet: Any, sizes: Mapping[str, int]) -> tuple[tuple[str, ...], ...]:
-    """The maximal sets of two or more ``tensor`` dims no two of which meet, largest first (at most :data:`MAX_GROUPS`)."""
+    """The maximal sets of two or more ``tensor`` dims no two of which meet, largest first (at most
+    :data:`MAX_GROUPS`)."""
     found: list[tuple[str, ...]] = []
 
     def grow(chosen: list[str], rest: list[str], skipped: list[str]) -> None:  # Bron-Kerbosch on the "never meet" graph
@@ -207,7 +208,7 @@ def _groups(tensor: list[str], meet: Any, sizes: Mapping[str, int]) -> tuple[tup
                 found.append(tuple(d for d in tensor if d in chosen))
             return
         for d in list(rest):
-            apart = lambda ds: [e for e in ds if e != d and not meet(d, e)]  # noqa: E731
+            apart = lambda ds, d=d: [e for e in ds if e != d and not meet(d, e)]  # noqa: E731
             grow(chosen + [d], apart(rest), apart(skipped))
             rest.remove(d)
             skipped.append(d)

@@ -290,7 +290,8 @@ def _no_fit(name: str, devices: int, limit: float, dropped: list[Dropped]) -> st
     best = min(over, key=lambda d: d.memory_bytes)
     need = best.memory_bytes
     return (
-        f"no layout of {name} fits {limit / GiB:.2f} GiB per device on {devices} devices; the closest, {best.candidate.name}, "
+        f"no layout of {name} fits {limit / GiB:.2f} GiB per device on {devices} devices; the closest, "
+        f"{best.candidate.name}, "
         f"needs {need / GiB:.2f} GiB, {(need - limit) / GiB:.2f} GiB ({need / limit - 1:.0%}) over"
     )
 

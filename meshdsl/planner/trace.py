@@ -34,7 +34,8 @@ class Batch:
 
 @dataclasses.dataclass(frozen=True)
 class Traced:
-    """A traced training step: its jaxpr (as traced: the walker reads it as XLA compiles it), the abstract state and batch, the mesh."""
+    """A traced training step: its jaxpr (as traced: the walker reads it as XLA compiles it), the abstract state and
+    batch, the mesh."""
 
     jaxpr: Any
     state: Any

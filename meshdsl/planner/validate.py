@@ -63,7 +63,8 @@ class Check:
         kib = 2.0**10
         return (
             f"| {self.model} | {self.cell} | {self.predicted_bytes:,.0f} | {'yes' if self.bytes_equal else 'NO'} | "
-            f"{self.predicted_memory / kib:,.1f} KiB | {self.compiled_memory / kib:,.1f} KiB | {self.memory_error:+.1%} |"
+            f"{self.predicted_memory / kib:,.1f} KiB | {self.compiled_memory / kib:,.1f} KiB | "
+            f"{self.memory_error:+.1%} |"
         )
 
 

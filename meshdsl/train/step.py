@@ -91,7 +91,8 @@ class Trainer:
         )
 
     def abstract_state(self) -> dict[str, Any]:
-        """The state's global shapes and dtypes (``jax.eval_shape`` of init): nothing computed, any mesh, abstract too."""
+        """The state's global shapes and dtypes (``jax.eval_shape`` of init): nothing computed, any mesh, abstract
+        too."""
         with use(Lowering()):
             return jax.eval_shape(self._init, jax.ShapeDtypeStruct((2,), jnp.uint32))
 
