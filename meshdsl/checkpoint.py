@@ -633,3 +633,8 @@ def _prune(path: Path) -> None:
     os.replace(path, tomb)
     _fsync(path.parent)
     shutil.rmtree(tomb)
+
+
+# md.checkpoint also reads other formats: imported last, as safetensors_io uses this module.
+from meshdsl.safetensors_io import Source as Source  # noqa: E402
+from meshdsl.safetensors_io import load_safetensors as load_safetensors  # noqa: E402

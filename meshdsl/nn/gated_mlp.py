@@ -8,16 +8,17 @@ from typing import Any
 
 import jax
 
-from meshdsl.nn.linear import Linear
-from meshdsl.nn.params import Dims, Stack, as_dims
+from meshdsl.nn.mlp import MLP
+from meshdsl.nn.params import Stack, check_float
 from meshdsl.ops.elementwise import silu
 from meshdsl.tensor import Tensor
 
 
 @dataclasses.dataclass(frozen=True)
-class GatedMLP:
+class GatedMLP(MLP):
     """``(activation(x w_gate) * (x w_in)) w_out``: ``inputs -> hidden -> outputs`` (Shazeer, 2020).
 
+    An :class:`MLP` with a third projection, the gate: the same fields, checks and projections.
     ``activation=md.silu`` (the default) is SwiGLU, LLaMA's feed-forward; ``md.gelu`` is GeGLU.
     Splitting ``hidden`` is Megatron's feed-forward: both input projections and the gate are local,
     the output projection leaves one pending ``psum``. Params: ``{"w_gate", "w_in", "w_out"}``
@@ -25,27 +26,8 @@ class GatedMLP:
     ``gate_proj``, ``up_proj`` and ``down_proj``.
     """
 
-    inputs: Dims
-    hidden: Dims
-    outputs: Dims | None = None
     _: dataclasses.KW_ONLY
     activation: Callable[[Tensor], Tensor] = silu
-    bias: bool = False
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "inputs", as_dims(self.inputs, "GatedMLP inputs"))
-        object.__setattr__(self, "hidden", as_dims(self.hidden, "GatedMLP hidden"))
-        outputs = self.inputs if self.outputs is None else as_dims(self.outputs, "GatedMLP outputs")
-        object.__setattr__(self, "outputs", outputs)
-
-    @property
-    def input_projection(self) -> Linear:
-        """``inputs -> hidden``: the gate's and the up projection's shape."""
-        return Linear(self.inputs, self.hidden, bias=self.bias)
-
-    @property
-    def output_projection(self) -> Linear:
-        return Linear(self.hidden, self.outputs, bias=self.bias)
 
     def init(self, key: jax.Array, stack: Stack = ()) -> dict[str, Any]:
         k_gate, k_in, k_out = jax.random.split(key, 3)
@@ -56,5 +38,6 @@ class GatedMLP:
         }
 
     def __call__(self, params: dict[str, Any], x: Tensor) -> Tensor:
+        check_float("GatedMLP", x)
         gate = self.activation(self.input_projection(params["w_gate"], x))
         return self.output_projection(params["w_out"], gate * self.input_projection(params["w_in"], x))

@@ -33,18 +33,19 @@ class MLP:
     bias: bool = False
 
     def __post_init__(self) -> None:
+        name = type(self).__name__
         if not callable(self.activation):
             raise ConfigError(
-                f"MLP: activation must be a function of an md tensor (e.g. md.relu, md.gelu), got {self.activation!r}"
+                f"{name}: activation must be a function of an md tensor (e.g. md.relu, md.gelu), got {self.activation!r}"
             )
-        object.__setattr__(self, "inputs", as_dims(self.inputs, "MLP inputs"))
-        object.__setattr__(self, "hidden", as_dims(self.hidden, "MLP hidden"))
-        object.__setattr__(
-            self, "outputs", self.inputs if self.outputs is None else as_dims(self.outputs, "MLP outputs")
-        )
+        object.__setattr__(self, "inputs", as_dims(self.inputs, f"{name} inputs"))
+        object.__setattr__(self, "hidden", as_dims(self.hidden, f"{name} hidden"))
+        outputs = self.inputs if self.outputs is None else as_dims(self.outputs, f"{name} outputs")
+        object.__setattr__(self, "outputs", outputs)
 
     @property
     def input_projection(self) -> Linear:
+        """``inputs -> hidden`` (GatedMLP's gate and up projections have this shape too)."""
         return Linear(self.inputs, self.hidden, bias=self.bias)
 
     @property
