@@ -310,6 +310,12 @@ def test_layer_mistakes_are_named():
         q = md.zeros([dim("batch"), dim("kv_heads"), dim("heads"), dim("length"), dim("d_kv")])
         k = md.zeros([dim("batch"), D("kv_heads", 3), D("memory", 8), dim("d_kv")])
         md.nn.dot_product_attention(q, k, k, heads="kv_heads")
+    with pytest.raises(md.ConfigError, match="GatedMLP: activation must be a function of an md tensor"):
+        md.nn.GatedMLP(dim("d_model"), dim("d_ff"), activation="silu")
+    gated = md.nn.GatedMLP(dim("d_model"), dim("d_ff"))
+    tokens = md.zeros([dim("batch"), dim("d_model")], dtype=jnp.int32)
+    with pytest.raises(md.ShapeError, match="GatedMLP"):
+        gated(gated.init(jax.random.key(0)), tokens)
 
 
 def test_rotary_offset_and_positions_on_global_arrays():
