@@ -35,7 +35,7 @@ Adding a command is one file. Every module here that defines ``COMMAND`` is a co
 
 
     def run(args: argparse.Namespace, config: None) -> None:
-        import jax  # here, not above: the command line chooses the devices after parsing
+        import jax
 
         for _ in range(args.times):
             print(f"hello from {jax.device_count()} devices")
@@ -51,8 +51,10 @@ is the whole of ``meshdsl hello``::
     $ meshdsl hello --times 0
     meshdsl hello: error: --times 0: greet at least once
 
-(the second with exit status 2, before JAX starts). ``meshdsl --devices 4 hello`` greets from 4,
-and ``meshdsl hello --help`` lists ``--times``: the run's own flags and the help are the wing's.
+(the second with exit status 2, before JAX starts its devices). ``meshdsl --devices 4 hello``
+greets from 4, and ``meshdsl hello --help`` lists ``--times``. Every module of the wing is imported
+to build the parser, before ``--devices`` is applied: a command touches JAX's devices only in
+``run``.
 """
 
 from __future__ import annotations
