@@ -8,6 +8,7 @@ process (its 8 simulated devices from tests/conftest.py).
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -116,3 +117,16 @@ def test_shared_flags_are_defined_once_and_nothing_imports_the_entry_point() -> 
         p for p, text in sources.items() if re.search(r"^\s*(from meshdsl\.cli |from meshdsl import cli)", text, re.M)
     ]
     assert importing == [], importing
+
+
+def test_python_dash_m_meshdsl_is_the_meshdsl_command(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "meshdsl", "gpu-check", "--out", "report.txt"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr.startswith("meshdsl gpu-check: error: --out 'report.txt': the report is markdown"), done.stderr
+    assert list(tmp_path.iterdir()) == []
