@@ -116,7 +116,7 @@ def test_shared_flags_are_defined_once_and_nothing_imports_the_entry_point() -> 
     importing = [
         p for p, text in sources.items() if re.search(r"^\s*(from meshdsl\.cli |from meshdsl import cli)", text, re.M)
     ]
-    assert importing == [], importing
+    assert importing == [PACKAGE / "__main__.py"], importing  # python -m meshdsl: the entry point too
 
 
 def test_python_dash_m_meshdsl_is_the_meshdsl_command(tmp_path: Path) -> None:
