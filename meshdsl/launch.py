@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import IO, Any, TextIO
 
 from meshdsl import distributed
+from meshdsl.devices import MAX_SIMULATED_DEVICES
 from meshdsl.errors import ConfigError
 
 COMMANDS = ("train", "bench")
@@ -134,9 +135,7 @@ def child_command(command: Sequence[str]) -> list[str]:
 def split_devices(processes: int, given: int | None = None) -> int:
     """Simulated CPU devices in each of ``processes`` processes: ``given``, else ``8 // processes``
     (at least 1), so N processes together have the 8 devices of a one-process run. ConfigError
-    for a ``given`` outside 1..``cli.MAX_SIMULATED_DEVICES``."""
-    from meshdsl.cli import MAX_SIMULATED_DEVICES
-
+    for a ``given`` outside 1..``devices.MAX_SIMULATED_DEVICES``."""
     devices = max(1, 8 // processes) if given is None else given
     if not 1 <= devices <= MAX_SIMULATED_DEVICES:
         raise ConfigError(
@@ -180,7 +179,7 @@ def launch(
 
     ``devices_per_process``: simulated CPU devices in each (default ``8 // processes``, at least 1,
     so that N processes together have the 8 devices of a one-process run; at most
-    ``cli.MAX_SIMULATED_DEVICES``). ``heartbeat``: the heartbeat timeout in seconds the processes
+    ``devices.MAX_SIMULATED_DEVICES``). ``heartbeat``: the heartbeat timeout in seconds the processes
     use (None: ``MESHDSL_HEARTBEAT_TIMEOUT``, else ``distributed.HEARTBEAT_TIMEOUT_S``). ``verbose``:
     also forward JAX's C++ log lines and Gloo's connection messages (else only counted).
     """

@@ -59,14 +59,6 @@ DRY = Sizes(
 )
 
 
-def add_parser(sub: Any) -> None:
-    """Add ``gpu-check`` to the ``meshdsl`` parser's subparsers."""
-    what = "the prepared GPU check: bench, 1b vs plain JAX, calibrate, explain vs measured"
-    parser = sub.add_parser("gpu-check", help=what)
-    parser.add_argument("--dry", action="store_true", help="the same steps at tiny sizes (runs on a CPU)")
-    parser.add_argument("--out", default="gpu-check.md", metavar="FILE", help="the markdown report (a .json beside it)")
-
-
 def check(args: argparse.Namespace) -> None:
     """The report's files and folder can be written (before any device is used); ConfigError if not."""
     from meshdsl import outputs

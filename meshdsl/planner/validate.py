@@ -10,7 +10,7 @@ references are the compiler's own: the HLO's collectives (:mod:`meshdsl.hlo`) an
 ``compiled.memory_analysis()`` (:func:`~meshdsl.bench.timing.memory_bytes`). Exits 1 when
 a row misses (bytes unequal, or memory off by more than 10%).
 
-The devices are chosen (``meshdsl.cli.simulate_devices``) before JAX runs anything, as the
+The devices are chosen (``meshdsl.devices.simulate_devices``) before JAX runs anything, as the
 ``meshdsl`` command does; ``--devices`` defaults to XLA_FLAGS' count, else 8.
 """
 
@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from meshdsl.cli import simulate_devices
+from meshdsl.devices import simulate_devices
 from meshdsl.errors import ConfigError
 
 MEMORY_TOLERANCE = 0.10

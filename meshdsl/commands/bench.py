@@ -1,0 +1,106 @@
+"""``meshdsl bench``: compare layouts side by side (:func:`meshdsl.bench.run.run`)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from meshdsl.commands import Command, flags
+
+if TYPE_CHECKING:
+    from meshdsl.bench.run import BenchConfig
+
+
+def add_arguments(bench: argparse.ArgumentParser) -> None:
+    """``bench``'s flags."""
+    flags.add_model(bench, many=True)
+    flags.add_preset(bench)
+    bench.add_argument(
+        "--layouts",
+        nargs="+",
+        default=None,
+        help="layout TOML files (any path), shipped layout names (dp_tp) or rules ('batch:data'); default: the "
+        "model's LAYOUTS",
+    )
+    bench.add_argument("--rounds", type=int, default=5, help="interleaved rounds (layout A, B, C, A, B, C, ...)")
+    bench.add_argument("--steps-per-round", type=int, default=3)
+    bench.add_argument("--baseline", choices=["jax"], default=None, help="also time a hand-written plain-JAX version")
+    flags.add_optimizer(bench)
+    flags.add_grad_reduce_dtype(bench)
+    flags.add_set(bench)
+    bench.add_argument(
+        "--microbatches",
+        type=int,
+        nargs="+",
+        default=None,
+        help="pipelined layouts: microbatch counts to measure (default: the layout's)",
+    )
+    bench.add_argument(
+        "--schedule",
+        nargs="+",
+        default=None,
+        choices=["gpipe", "1f1b", "interleaved"],
+        help="pipelined layouts: schedules to measure (default: the layout's)",
+    )
+    bench.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        metavar="V",
+        help="the interleaved schedule's chunks per stage (default: the layout's when it is interleaved, else 2)",
+    )
+    bench.add_argument("--out", default="bench-results", help="folder for JSON, markdown and PNG charts")
+    bench.add_argument(
+        "--no-gspmd", action="store_true", help="skip compiling each step on XLA's partitioner for the '÷ gspmd' column"
+    )
+
+
+def config(args: argparse.Namespace) -> BenchConfig:
+    """The ``BenchConfig`` the flags describe."""
+    from meshdsl.bench.run import BenchConfig
+
+    return BenchConfig(
+        models=args.model,
+        preset=args.preset,
+        layouts=args.layouts,
+        rounds=args.rounds,
+        steps_per_round=args.steps_per_round,
+        baseline=args.baseline,
+        optimizer=args.optimizer,
+        out=args.out,
+        grad_reduce_dtype=args.grad_reduce_dtype,
+        overrides=flags.overrides(args.set),
+        microbatches=args.microbatches,
+        schedules=args.schedule,
+        virtual_stages=args.virtual_stages,
+        gspmd=not args.no_gspmd,
+    )
+
+
+def check(args: argparse.Namespace, bench: BenchConfig) -> None:
+    """``bench.run.check``'s mistakes."""
+    from meshdsl.bench.run import check as check_bench
+
+    check_bench(bench)
+
+
+def run(args: argparse.Namespace, bench: BenchConfig) -> None:
+    """Benchmark; in a multi-process run only process 0 prints and writes."""
+    from meshdsl import distributed
+    from meshdsl.bench.run import run as run_bench
+
+    if distributed.is_primary():
+        run_bench(bench)
+    else:
+        run_bench(bench, out=lambda line: None, warn=lambda line: None)
+
+
+COMMAND = Command(
+    "bench",
+    "compare layouts: step time, throughput, memory and communication",
+    add_arguments,
+    run,
+    config=config,
+    check=check,
+    order=20,
+)

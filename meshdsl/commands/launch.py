@@ -1,0 +1,69 @@
+"""``meshdsl launch --local N -- train ...``: run ``train`` or ``bench`` as several processes on this
+host (:func:`meshdsl.launch.launch`).
+
+The processes' command is parsed and checked here first, so a mistake in it (or a device split its
+layout cannot use) is one line and exit status 2 before any process starts. The launcher itself
+uses no devices: each process chooses and starts its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from meshdsl.commands import Command
+
+
+def add_arguments(launch: argparse.ArgumentParser) -> None:
+    """``launch``'s flags; ``-v`` and ``--heartbeat-timeout`` are the run's, before the command."""
+    launch.add_argument("--local", type=int, required=True, metavar="N", help="number of processes")
+    launch.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        metavar="D",
+        help="simulated CPU devices in each (default 8 // N)",
+    )
+    launch.add_argument("run", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- train --preset tiny")
+
+
+def run(args: argparse.Namespace, config: None) -> int:
+    """Check the processes' command as ``meshdsl`` would, then start them; their exit status."""
+    from meshdsl import commands
+    from meshdsl.errors import ConfigError, MeshDslError
+    from meshdsl.launch import check_fits, child_command, launch, split_devices
+
+    given = [
+        flag
+        for flag, value in (
+            ("--coordinator", args.coordinator),
+            ("--num-processes", args.num_processes),
+            ("--process-id", args.process_id),
+        )
+        if value is not None
+    ]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)}: meshdsl launch starts its own processes and coordinator; "
+            "these flags are for one process of a run started by hand"
+        )
+    command = child_command(args.run)
+    child = commands.parser().parse_args(command)
+    try:
+        child_config = commands.check(child)
+    except MeshDslError as e:
+        print(f"meshdsl {child.command}: error: {e}", file=sys.stderr)
+        return 2
+    if args.local >= 1 and child.command == "train":
+        check_fits(child_config, args.local, split_devices(args.local, args.devices_per_process))
+    return launch(command, args.local, args.devices_per_process, heartbeat=args.heartbeat_timeout, verbose=args.verbose)
+
+
+COMMAND = Command(
+    "launch",
+    "run 'train' or 'bench' as several processes on this host",
+    add_arguments,
+    run,
+    uses_devices=False,
+    order=70,
+)
