@@ -36,7 +36,8 @@ class MLP:
         name = type(self).__name__
         if not callable(self.activation):
             raise ConfigError(
-                f"{name}: activation must be a function of an md tensor (e.g. md.relu, md.gelu), got {self.activation!r}"
+                f"{name}: activation must be a function of an md tensor (e.g. md.relu, md.gelu), "
+                f"got {self.activation!r}"
             )
         object.__setattr__(self, "inputs", as_dims(self.inputs, f"{name} inputs"))
         object.__setattr__(self, "hidden", as_dims(self.hidden, f"{name} hidden"))
