@@ -18,6 +18,8 @@ import sys
 import traceback
 from collections.abc import Mapping, Sequence
 
+from meshdsl.collectives import GRAD_REDUCE_DTYPES
+
 DEVICE_FLAG = "--xla_force_host_platform_device_count"
 MAX_SIMULATED_DEVICES = 2048
 """The most CPU devices one process can simulate. JAX numbers process ``p``'s CPU devices from
@@ -167,8 +169,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--grad-reduce-dtype",
         default=None,
-        choices=["bfloat16"],
-        help="sum gradients across devices in bf16 (half the bytes)",
+        choices=GRAD_REDUCE_DTYPES,
+        help="sum gradients across devices in this dtype (float16 and 8-bit: with a per-tensor scale)",
     )
     train.add_argument(
         "--log-json",
@@ -227,7 +229,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--baseline", choices=["jax"], default=None, help="also time a hand-written plain-JAX version")
     bench.add_argument("--optimizer", default="adamw")
     bench.add_argument(
-        "--grad-reduce-dtype", default=None, choices=["bfloat16"], help="sum gradients across devices in bf16"
+        "--grad-reduce-dtype",
+        default=None,
+        choices=GRAD_REDUCE_DTYPES,
+        help="sum gradients across devices in this dtype (float16 and 8-bit: with a per-tensor scale)",
     )
     bench.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help=SET_HELP)
     bench.add_argument(
