@@ -267,6 +267,9 @@ def _parser() -> argparse.ArgumentParser:
     from meshdsl.bench.gpu_check import add_parser as add_gpu_check
 
     add_gpu_check(sub)
+    from meshdsl.labs import digits
+
+    digits.add_arguments(sub.add_parser("lab-digits", help=digits.HELP))
 
     launch = sub.add_parser("launch", help="run 'train' or 'bench' as several processes on this host")
     launch.add_argument("--local", type=int, required=True, metavar="N", help="number of processes")
@@ -519,6 +522,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         check_environment()
+        if args.command == "lab-digits":
+            from meshdsl.labs import digits
+
+            simulate_devices(args.devices)
+            start_backend()
+            digits.run(args)
+            return 0
         check(args)
         planned = getattr(args, "plan_devices", None) if getattr(args, "measure", 0) else None
         simulate_devices(planned if args.devices is None else args.devices)
