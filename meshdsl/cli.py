@@ -173,6 +173,11 @@ def _parser() -> argparse.ArgumentParser:
         help="sum gradients across devices in this dtype (float16 and 8-bit: with a per-tensor scale)",
     )
     train.add_argument(
+        "--grad-error-feedback",
+        action="store_true",
+        help="keep each device's rounding error of the compressed sum and add it to the next step's gradient",
+    )
+    train.add_argument(
         "--log-json",
         default=None,
         metavar="FILE",
@@ -410,6 +415,7 @@ def _config(args: argparse.Namespace) -> object:
             compute_dtype=args.compute_dtype,
             remat=args.remat,
             grad_reduce_dtype=args.grad_reduce_dtype,
+            grad_error_feedback=args.grad_error_feedback,
             log_json=args.log_json,
             checkpoint_dir=args.checkpoint_dir,
             save_every=args.save_every,

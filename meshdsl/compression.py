@@ -70,12 +70,31 @@ def _block_sums(q: jax.Array, axes: tuple[str, ...], n: int) -> jax.Array:
 
 def psum(g: jax.Array, axes: tuple[str, ...], n: int, dtype: Any) -> jax.Array:
     """``lax.psum(g, axes)`` (``n`` devices) sent in ``dtype`` with a shared scale; replicated result."""
+    return psum_with_error(g, axes, n, dtype)[0]
+
+
+def psum_with_error(g: jax.Array, axes: tuple[str, ...], n: int, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """:func:`psum` (bfloat16: a cast and a ``psum``), and this device's rounding error: ``g`` less what it
+    sent, scaled back, plus (scaled sums) the rounding of the block of the sum this device added up;
+    the devices' errors add up to the exact sum less the result (what error feedback adds to the
+    next step's gradient). bfloat16's ``psum`` rounds inside XLA's reduction: its error is the cast's."""
+    if not scaled(dtype):
+        sent = g.astype(dtype)
+        return lax.psum(sent, axes).astype(g.dtype), g - sent.astype(g.dtype)
     q, s = _quantize(g.astype(jnp.float32), axes, dtype, n)
     flat = q.reshape(-1)
     pad = -flat.size % n
-    sums = _block_sums(jnp.pad(flat, (0, pad)), axes, n).astype(dtype)
+    exact = _block_sums(jnp.pad(flat, (0, pad)), axes, n)
+    sums = exact.astype(dtype)
     whole = _send(sums, lambda w: lax.all_gather(w, axes, axis=0, tiled=True, to="invarying"))
-    return (whole[: g.size].astype(jnp.float32) * s).reshape(g.shape).astype(g.dtype)
+    total = (whole[: g.size].astype(jnp.float32) * s).reshape(g.shape).astype(g.dtype)
+    # The sum's own rounding, of the block this device summed, is this device's to carry too:
+    # added to its error there, the next sum (which adds every device's error) restores it.
+    rounded = lax.dynamic_update_slice(
+        jnp.zeros(flat.size + pad, jnp.float32), exact - sums.astype(jnp.float32), (lax.axis_index(axes) * exact.size,)
+    )
+    error = g.astype(jnp.float32) - q.astype(jnp.float32) * s + rounded[: g.size].reshape(g.shape) * s
+    return total, error.astype(g.dtype)
 
 
 def psum_scatter(g: jax.Array, axes: tuple[str, ...], n: int, dtype: Any) -> jax.Array:

@@ -75,10 +75,13 @@ def test_compressed_sums_cost_little_accuracy_and_fewer_bytes(results):
     """Each compressed sum: accuracy within the bound of the serial run's, bytes as its width says."""
     serial = results["serial/1"].accuracy
     full = results["data-parallel, float32 sum/4"].bytes_per_step
+    weights = results["data-parallel, float32 sum/4"].params["hidden/kernel"]
     for dtype, width in (("float16", 2), ("bfloat16", 2), ("float8_e4m3fn", 1), ("float8_e5m2", 1)):
-        r = results[f"data-parallel, {dtype} sum/4"]
-        assert abs(r.accuracy - serial) <= COMPRESSED_BOUND, (dtype, r.accuracy, serial)
-        assert r.bytes_per_step < full * width / 4 + 200, (dtype, r.bytes_per_step, full)
+        for suffix in ("", " + error feedback"):
+            r = results[f"data-parallel, {dtype} sum{suffix}/4"]
+            assert abs(r.accuracy - serial) <= COMPRESSED_BOUND, (r.run.name, r.accuracy, serial)
+            assert r.bytes_per_step < full * width / 4 + 200, (r.run.name, r.bytes_per_step, full)
+            assert not np.array_equal(r.params["hidden/kernel"], weights), f"{r.run.name}: nothing was compressed"
     assert "| serial | 1 |" in digits.table(list(results.values()))
 
 

@@ -3,7 +3,8 @@
 A two-layer MLP written in the DSL (64 pixels -> ``hidden`` -> 10 classes, ``md.nn.Linear``,
 cross-entropy) is trained with plain SGD on scikit-learn's 8x8 digits (1,797 images shipped inside
 the package: nothing is downloaded), serially on one device, data-parallel on 2 and 4 devices, and
-data-parallel with each compressed gradient sum (``grad_reduce_dtype``). Every run has the same
+data-parallel with each compressed gradient sum (``grad_reduce_dtype``), without and with error
+feedback. Every run has the same
 seed: the same initial weights, the same held-out split (a fifth of the images) and the same
 batches in the same order, so uncompressed data parallelism computes the serial run's math and
 the compressed runs differ from it only by their sums. The table gives per run the devices, the
@@ -36,12 +37,13 @@ class Run:
 
     devices: int
     dtype: str | None = None
+    feedback: bool = False
 
     @property
     def name(self) -> str:
         if self.devices == 1:
             return "serial"
-        return f"data-parallel, {self.dtype or 'float32'} sum"
+        return f"data-parallel, {self.dtype or 'float32'} sum" + (" + error feedback" if self.feedback else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--data-parallel", nargs="+", type=int, default=[2, 4], help="device counts of the data-parallel runs"
+    )
+    parser.add_argument(
+        "--error-feedback",
+        choices=["without", "with", "both"],
+        default="both",
+        help="compressed runs without error feedback, with it, or both (default)",
     )
 
 
@@ -141,7 +149,14 @@ def train(run: Run, args: argparse.Namespace) -> Result:
     x, y, x_test, y_test = load(args.seed)
     layout = md.Layout("batch:data", mesh_axes={"data": run.devices})
     mesh = layout.mesh(jax.devices()[: run.devices])
-    trainer = Trainer(Model(args.hidden), optim.sgd(args.learning_rate), mesh, layout, grad_reduce_dtype=run.dtype)
+    trainer = Trainer(
+        Model(args.hidden),
+        optim.sgd(args.learning_rate),
+        mesh,
+        layout,
+        grad_reduce_dtype=run.dtype,
+        error_feedback=run.feedback,
+    )
     state = trainer.init(jax.random.key_data(jax.random.key(args.seed)))
     steps = [_batch(md, bx, by) for bx, by in batches(x, y, args.batch, args.epochs, args.seed)]
     sent = trainer.explain(state, steps[0], platform="gpu").total_bytes
@@ -170,7 +185,8 @@ def runs(args: argparse.Namespace) -> list[Run]:
     """The table's rows: serial, data-parallel on each device count, then each compressed sum on each."""
     out = [Run(1)]
     out += [Run(n) for n in args.data_parallel]
-    out += [Run(n, d) for d in args.dtypes for n in args.data_parallel]
+    feedback = {"without": [False], "with": [True], "both": [False, True]}[args.error_feedback]
+    out += [Run(n, d, f) for d in args.dtypes for f in feedback for n in args.data_parallel]
     return out
 
 
