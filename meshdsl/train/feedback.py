@@ -31,7 +31,8 @@ from meshdsl.tensor import is_tensor
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _vary_with_feedback(x: jax.Array, r: jax.Array, axes: tuple[str, ...], n: int, dtype: Any) -> jax.Array:
-    """``x`` marked varying along ``axes``; its gradient plus ``r`` summed in ``dtype``, the new ``r`` as r's gradient."""
+    """``x`` marked varying along ``axes``; its gradient plus ``r`` summed in ``dtype``, the new ``r`` as
+    ``r``'s gradient."""
     return _pvary(x, axes)
 
 
@@ -92,7 +93,8 @@ def value_and_grad(model: Any, params: Any, batch: Any, residuals: Any, dtype: A
         return lowering.keep(_vary_with_feedback(p._data, r, missing, n, dtype), p.shape, lowering.layout_of(p))
 
     def loss(ps: list[md.Tensor], rs: list[jax.Array]) -> jax.Array:
-        value = model.loss(jax.tree_util.tree_unflatten(tree, [attach(p, r) for p, r in zip(ps, rs)]), batch).array
+        attached = [attach(p, r) for p, r in zip(ps, rs, strict=True)]
+        value = model.loss(jax.tree_util.tree_unflatten(tree, attached), batch).array
         if relayout.varying_axes(value) & set(axes):
             raise md.ConfigError(
                 f"--grad-error-feedback: the loss still varies along {', '.join(axes)} (batch): it must be a "
@@ -102,5 +104,5 @@ def value_and_grad(model: Any, params: Any, batch: Any, residuals: Any, dtype: A
 
     local = [lax.squeeze(r._data, (0,)) for r in stored]
     value, (grads, errors) = jax.value_and_grad(loss, argnums=(0, 1))(flat, local)
-    new = [lowering.keep(e[None], r.shape, lowering.layout_of(r)) for e, r in zip(errors, stored)]
+    new = [lowering.keep(e[None], r.shape, lowering.layout_of(r)) for e, r in zip(errors, stored, strict=True)]
     return value, jax.tree_util.tree_unflatten(tree, grads), jax.tree_util.tree_unflatten(tree, new)
