@@ -190,17 +190,26 @@ def runs(args: argparse.Namespace) -> list[Run]:
     return out
 
 
+def drift(params: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> float:
+    """How far ``params`` ended from ``reference``: the norm of the difference over the reference's norm."""
+    diff = np.sqrt(sum(float(np.sum((params[k] - v) ** 2)) for k, v in reference.items()))
+    return diff / np.sqrt(sum(float(np.sum(v**2)) for v in reference.values()))
+
+
 def table(results: Sequence[Result]) -> str:
-    """The results as a markdown table, accuracy also as the difference from the serial run's."""
-    serial = results[0].accuracy
+    """The results as a markdown table: accuracy also as the difference from the serial run's, and
+    how far each run's weights ended from the serial run's."""
+    serial = results[0]
     lines = [
-        "| configuration | devices | training time (s) | bytes per step per device | test accuracy | vs serial |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| configuration | devices | training time (s) | bytes per step per device | test accuracy | vs serial "
+        "| weights vs serial |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
             f"| {r.run.name} | {r.run.devices} | {r.seconds:.2f} | {r.bytes_per_step:,.0f} | "
-            f"{100 * r.accuracy:.2f}% | {100 * (r.accuracy - serial):+.2f} |"
+            f"{100 * r.accuracy:.2f}% | {100 * (r.accuracy - serial.accuracy):+.2f} | "
+            f"{drift(r.params, serial.params):.1e} |"
         )
     return "\n".join(lines)
 
