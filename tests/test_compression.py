@@ -252,3 +252,15 @@ def test_error_feedback_without_a_compressed_sum_is_one_line():
     layout = md.Layout("batch:data", mesh_axes={"data": N})
     with pytest.raises(md.ConfigError, match=r"^--grad-error-feedback: there is no compressed sum"):
         Trainer(_Linear(), optim.sgd(1.0), layout.mesh(jax.devices()[:N]), layout, error_feedback=True)
+
+
+def test_cli_refuses_error_feedback_without_a_compressed_sum(capsys, tmp_path, monkeypatch):
+    """``meshdsl train --grad-error-feedback`` without ``--grad-reduce-dtype``: one line before any work."""
+    from meshdsl import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", "--model", "mlp", "--preset", "tiny", "--grad-error-feedback"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "meshdsl train: error: --grad-error-feedback: there is no compressed sum: give --grad-reduce-dtype"
+    )
+    assert not list(tmp_path.iterdir())
