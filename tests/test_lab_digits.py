@@ -105,3 +105,10 @@ def test_bad_flags_are_one_line(capsys):
     assert capsys.readouterr().err.strip() == (
         "meshdsl lab-digits: error: --data-parallel 4: needs at least 2 devices dividing --batch 6"
     )
+
+
+def test_more_devices_than_here_is_one_line(capsys):
+    """--data-parallel beyond the devices at hand: one line naming both counts, before any run."""
+    assert cli.main(["lab-digits", "--data-parallel", "2", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("meshdsl lab-digits: error: --data-parallel 64: only 8 devices here") and "\n" not in err

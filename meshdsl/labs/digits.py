@@ -144,8 +144,6 @@ def train(run: Run, args: argparse.Namespace) -> Result:
     from meshdsl.train import optim
     from meshdsl.train.step import Trainer
 
-    if len(jax.devices()) < run.devices:
-        raise ConfigError(f"lab-digits: a run on {run.devices} devices, but {len(jax.devices())} are here")
     x, y, x_test, y_test = load(args.seed)
     layout = md.Layout("batch:data", mesh_axes={"data": run.devices})
     mesh = layout.mesh(jax.devices()[: run.devices])
@@ -228,8 +226,16 @@ def check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> list[Result]:
     """Train every run of :func:`runs` and print the table."""
+    import jax
+
     check(args)
     load(args.seed)  # scikit-learn missing: one line before anything compiles
+    here = len(jax.devices())
+    if max(args.data_parallel) > here:
+        raise ConfigError(
+            f"--data-parallel {max(args.data_parallel)}: only {here} devices here; simulate more with "
+            f"meshdsl --devices {max(args.data_parallel)} lab-digits"
+        )
     results = []
     for r in runs(args):
         results.append(train(r, args))
