@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import enum
 
+GRAD_REDUCE_DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+"""The dtypes a gradient sum can be compressed to (``--grad-reduce-dtype``; :mod:`meshdsl.compression`)."""
+
 
 class Collective(enum.Enum):
     """A collective operation, named as in XLA's HLO."""

@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from meshdsl import compression
 from meshdsl.collectives import Collective, bytes_moved
 
 Axes = tuple[tuple[str, ...], ...]
@@ -368,6 +369,9 @@ def _gather_fwd(x: jax.Array, axes: tuple[str, ...], dtype: Any) -> tuple[jax.Ar
 
 
 def _gather_bwd(axes: tuple[str, ...], dtype: Any, _: None, ct: jax.Array) -> tuple[jax.Array]:
+    if compression.scaled(dtype):
+        n = math.prod(lax.axis_size(a) for a in axes)
+        return (compression.psum_scatter(ct, axes, n, dtype),)
     return (lax.psum_scatter(ct.astype(dtype), axes, scatter_dimension=0, tiled=True).astype(ct.dtype),)
 
 

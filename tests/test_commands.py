@@ -20,8 +20,8 @@ import meshdsl.commands
 from meshdsl.cli import main
 
 PACKAGE = Path(meshdsl.__file__).parent
-SHIPPED = ["train", "bench", "explain", "calibrate", "search", "gpu-check", "launch"]
-"""Every command meshdsl had when the wing was made, in the order ``meshdsl --help`` lists them."""
+SHIPPED = ["train", "bench", "explain", "calibrate", "search", "gpu-check", "lab-digits", "launch"]
+"""Every command meshdsl ships, in the order ``meshdsl --help`` lists them."""
 
 
 def _blocks(doc: str) -> tuple[str, list[str]]:

@@ -25,6 +25,11 @@ docs/performance.md writes the terms out.
   ``AR(4 B d_io, f)``.
 * an optimizer that clips by global norm: one scalar ``AR(4)`` over the axes that split parameters.
 
+Gradients summed scaled (``grad_reduce_dtype`` float16 or 8-bit, :mod:`meshdsl.compression`): each
+parameter's sum over D is the scale's ``AR(4, d)`` plus an all-to-all and an all-gather of its
+shard in the format, padded to a multiple of ``d`` elements; no minimum where such a sum is a
+reduce-scatter (FSDP) or sums activation gradients (the transformer's ``heads``, ``d_ff``, ``vocab``).
+
 No minimum (None) for a model of the user's, rules that split another dim of the model (or
 pipeline it), a parameter whose stored split moves to another dim, or an optimizer that is not
 element-wise (Adafactor's statistics over named dims are collectives of their own).
@@ -39,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 import meshdsl as md
-from meshdsl import relayout
+from meshdsl import compression, relayout
 from meshdsl.collectives import Collective, bytes_moved
 from meshdsl.model_loader import shipped_name
 from meshdsl.planner.memory import local_bytes
@@ -67,6 +72,11 @@ def _itemsize(dtype: Any, grad_reduce_dtype: Any) -> int:
     return jnp.dtype(grad_reduce_dtype if relayout.narrower(dtype, grad_reduce_dtype) else dtype).itemsize
 
 
+def _scaled(dtype: Any, grad_reduce_dtype: Any) -> bool:
+    """Whether gradients of a ``dtype`` value are summed scaled (:mod:`meshdsl.compression`)."""
+    return relayout.narrower(dtype, grad_reduce_dtype) and compression.scaled(grad_reduce_dtype)
+
+
 def _parameter(t: md.Tensor, layout: md.Layout, mesh: md.Mesh, grad_reduce_dtype: Any) -> dict[str, float] | None:
     """Gathers and gradient sums of one parameter (None: its stored split moves to another dim)."""
     stored, compute = _split_axes(t, layout.param_layout), _split_axes(t, layout)
@@ -76,6 +86,11 @@ def _parameter(t: md.Tensor, layout: md.Layout, mesh: md.Mesh, grad_reduce_dtype
     shard = local_bytes([t], layout, mesh)
     grad = shard * _itemsize(t.dtype, grad_reduce_dtype) / t.dtype.itemsize
     batch = set(layout.axes_of("batch"))
+    if _scaled(t.dtype, grad_reduce_dtype):
+        if gathered:
+            return None
+        sums = compression.sum_bytes(shard // t.dtype.itemsize, _size(batch, mesh), grad_reduce_dtype)
+        return {"parameter gathers": 0.0, "gradient sums": sums}
     a, scattered = _size(gathered, mesh), gathered & batch
     gathers = bytes_moved(Collective.ALL_GATHER, shard, a) * (2 if "layers" in t.shape else 1)
     sums = bytes_moved(Collective.REDUCE_SCATTER, grad / _size(gathered - batch, mesh), _size(scattered, mesh))
@@ -107,6 +122,9 @@ def terms(
         return None
     if any(layout.axes_of(d) for d in model_dims(model) - _MODELLED[kind]):
         return None
+    if kind == "transformer" and _scaled(jnp.float32, grad_reduce_dtype):
+        if any(layout.axes_of(d) for d in ("heads", "d_ff", "vocab")):
+            return None
     tensors = [
         t
         for t in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, md.Tensor))

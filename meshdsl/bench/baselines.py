@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 import meshdsl as md
-from meshdsl import relayout
+from meshdsl import compression, relayout
 from meshdsl.bench import fits
 from meshdsl.bench.timing import CompiledStep, losses_from, memory_bytes
 from meshdsl.model_loader import shipped_name
@@ -144,6 +144,8 @@ def unfaithful(trainer: Trainer) -> str | None:
     if trainer.pipelined:
         p = trainer.pipeline
         return f"pipelined ({p.schedule}, {p.microbatches} microbatches): plain JAX has no version of the schedule"
+    if compression.scaled(trainer.grad_reduce_dtype):
+        return f"gradients summed in {trainer.grad_reduce_dtype} with a per-tensor scale: plain JAX has no such sum"
     split = sorted(d for d in model_dims(trainer.model) - {"batch"} if trainer.layout.axes_of(d))
     if split and relayout.narrower(jnp.float32, trainer.grad_reduce_dtype):
         return (

@@ -10,6 +10,8 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from meshdsl.collectives import GRAD_REDUCE_DTYPES
+
 COMPUTE_DTYPES = ("float32", "bfloat16")
 MODEL_HELP = (
     "a shipped model (mlp, transformer, moe, convnet, llama), a Python file (path/to/my_model.py) "
@@ -94,12 +96,12 @@ def add_backend(parser: argparse.ArgumentParser, help: str | None = None) -> Non
 
 
 def add_grad_reduce_dtype(parser: argparse.ArgumentParser) -> None:
-    """``--grad-reduce-dtype bfloat16``."""
+    """``--grad-reduce-dtype float16 | bfloat16 | float8_e4m3fn | float8_e5m2``."""
     parser.add_argument(
         "--grad-reduce-dtype",
         default=None,
-        choices=["bfloat16"],
-        help="sum gradients across devices in bf16 (half the bytes)",
+        choices=GRAD_REDUCE_DTYPES,
+        help="sum gradients across devices in this dtype (float16 and 8-bit: with a per-tensor scale)",
     )
 
 

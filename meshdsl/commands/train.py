@@ -52,6 +52,11 @@ def add_arguments(train: argparse.ArgumentParser) -> None:
     )
     flags.add_grad_reduce_dtype(train)
     train.add_argument(
+        "--grad-error-feedback",
+        action="store_true",
+        help="keep each device's rounding error of the compressed sum and add it to the next step's gradient",
+    )
+    train.add_argument(
         "--log-json",
         default=None,
         metavar="FILE",
@@ -174,6 +179,7 @@ def config(args: argparse.Namespace) -> RunConfig:
         compute_dtype=args.compute_dtype,
         remat=args.remat,
         grad_reduce_dtype=args.grad_reduce_dtype,
+        grad_error_feedback=args.grad_error_feedback,
         log_json=args.log_json,
         checkpoint_dir=args.checkpoint_dir,
         save_every=args.save_every,

@@ -186,6 +186,10 @@ class Lowering:
         """This lowering under other layout rules (on global arrays: itself)."""
         return self
 
+    def linear_sums(self) -> Lowering:
+        """This lowering for a custom rule's tangent, whose gradient sums must be linear (here: itself)."""
+        return self
+
     def vary_like(self, x: jax.Array, *others: jax.Array) -> jax.Array:
         """``x``, typed as varying along every mesh axis any of ``others`` varies along (for primitives
         that do not unify that themselves)."""

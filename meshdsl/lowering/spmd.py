@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from meshdsl import relayout
+from meshdsl import compression, relayout
 from meshdsl.dims import Shape
 from meshdsl.layout import Layout
 from meshdsl.lowering.base import Lowering, exact_max
@@ -49,6 +49,26 @@ def _vary_summing_grads_in(x: jax.Array, axes: tuple[str, ...], dtype: Any) -> j
 def _vary_jvp(axes: tuple[str, ...], dtype: Any, primals: tuple, tangents: tuple) -> tuple[jax.Array, jax.Array]:
     (x,), (t,) = primals, tangents
     return _pvary(x, axes), _pvary(t.astype(dtype), axes).astype(t.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _vary_compressing_grads(x: jax.Array, axes: tuple[str, ...], n: int, dtype: Any) -> jax.Array:
+    """``x`` marked varying along ``axes`` (``n`` devices); its gradient summed over them by
+    :func:`meshdsl.compression.psum`, scaled into ``dtype`` (float16 or 8-bit). A custom VJP: the
+    scale makes the sum non-linear, so it cannot run inside another custom rule's tangent (see
+    :meth:`SpmdLowering.linear_sums`)."""
+    return _pvary(x, axes)
+
+
+def _compressing_fwd(x: jax.Array, axes: tuple[str, ...], n: int, dtype: Any) -> tuple[jax.Array, None]:
+    return _pvary(x, axes), None
+
+
+def _compressing_bwd(axes: tuple[str, ...], n: int, dtype: Any, _: None, ct: jax.Array) -> tuple[jax.Array]:
+    return (compression.psum(ct, axes, n, dtype),)
+
+
+_vary_compressing_grads.defvjp(_compressing_fwd, _compressing_bwd)
 
 
 def _renumber(position: int, given: tuple[str, ...], ordered: tuple[str, ...], sizes: dict[str, int]) -> int:
@@ -101,11 +121,7 @@ class SpmdLowering(Lowering):
         varying = frozenset().union(*(self._varying_when_prepared(o) for o in beside if o is not t))
         x = self._relayout(t._data, t.shape, src, own if axes is None else axes, t.pending, varying)
         missing = tuple(sorted(varying - _varying_axes(x)))
-        return (
-            _vary_summing_grads_in(x, missing, jnp.dtype(self.grad_reduce_dtype))
-            if self._narrow_grads(x, missing)
-            else x
-        )
+        return self._vary(x, missing) if self._narrow_grads(x, missing) else x
 
     def _varying_when_prepared(self, t: Tensor) -> frozenset[str]:
         """Axes an operand will vary along when an op has prepared it: those it varies along now,
@@ -152,13 +168,19 @@ class SpmdLowering(Lowering):
         return bool(axes) and relayout.narrower(x.dtype, self.grad_reduce_dtype)
 
     def _vary(self, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-        """``x`` marked varying along ``axes``; its gradient summed over them (in ``grad_reduce_dtype`` where
-        narrower)."""
-        return (
-            _vary_summing_grads_in(x, axes, jnp.dtype(self.grad_reduce_dtype))
-            if self._narrow_grads(x, axes)
-            else _pvary(x, axes)
-        )
+        """``x`` marked varying along ``axes``; its gradient summed over them (in ``grad_reduce_dtype``
+        where narrower, scaled for float16 and the 8-bit formats)."""
+        if not self._narrow_grads(x, axes):
+            return _pvary(x, axes)
+        dtype = jnp.dtype(self.grad_reduce_dtype)
+        if compression.scaled(dtype):
+            return _vary_compressing_grads(x, axes, self.group_size(axes), dtype)
+        return _vary_summing_grads_in(x, axes, dtype)
+
+    def linear_sums(self) -> SpmdLowering:
+        """This lowering, for a custom rule's tangent: JAX transposes a tangent only through linear
+        maps, so a scaled ``grad_reduce_dtype`` (float16, 8-bit) sums there in full precision."""
+        return SpmdLowering(self.mesh, self.layout, None) if compression.scaled(self.grad_reduce_dtype) else self
 
     def finish(self, array, shape, axes=None, pending=(), lazy=False, tensor="output") -> Tensor:
         own = self.axes(shape, tensor)

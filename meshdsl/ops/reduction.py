@@ -141,7 +141,8 @@ def _softmax_jvp(
 ) -> tuple:
     (x,), (t,) = primals, tangents
     y = _softmax(x, lowering, shape, axes, names)
-    return y, _on_local(lowering, shape, axes, lambda y, t: y * (t - reduce_sum(y * t, names)), y, t)
+    tangent = _on_local(lowering.linear_sums(), shape, axes, lambda y, t: y * (t - reduce_sum(y * t, names)), y, t)
+    return y, tangent
 
 
 @op("log_softmax")

@@ -21,7 +21,7 @@ from meshdsl.bench.peaks import peak_flops
 from meshdsl.bench.timing import compile_checked
 from meshdsl.errors import ConfigError, TrainingError
 from meshdsl.model_loader import build_model, load_module
-from meshdsl.train import logs, optim, settings
+from meshdsl.train import feedback, logs, optim, settings
 from meshdsl.train.data import EVAL_FRACTION, TokenFile
 from meshdsl.train.progress import Progress, Step, Summary, peak_bytes
 from meshdsl.train.rules import LAYOUTS, is_shipped, split_warnings, unused_rules
@@ -50,6 +50,8 @@ class RunConfig:
     compute_dtype: str | None = None
     remat: bool = False
     grad_reduce_dtype: str | None = None
+    grad_error_feedback: bool = False
+    """Error feedback for the compressed gradient sum (``Trainer(error_feedback=True)``)."""
     log_json: str | None = None
     checkpoint_dir: str | None = None
     save_every: int = 0
@@ -154,6 +156,7 @@ def build_trainer(run: RunConfig, mesh: md.Mesh | None = None) -> Trainer:
         pipeline=pipeline,
         accumulate=run.accumulate,
         metrics=True,
+        error_feedback=run.grad_error_feedback,
     )
 
 
@@ -203,7 +206,10 @@ def check(run: RunConfig) -> None:
     model = _model(run)
     _optimizer(run)
     pipeline = layout.pipeline.replace(run.microbatches, run.schedule, run.virtual_stages)
-    check_accumulate(run.accumulate, pipelined(model, layout, pipeline, run.backend))
+    is_pipelined = pipelined(model, layout, pipeline, run.backend)
+    check_accumulate(run.accumulate, is_pipelined)
+    if run.grad_error_feedback:
+        feedback.check(layout, run.grad_reduce_dtype, is_pipelined, run.accumulate, run.backend)
     if run.data is not None:
         token_file(run, model)
     if run.checkpoint_dir is not None:

@@ -26,6 +26,7 @@ from meshdsl.lowering.base import Lowering
 from meshdsl.lowering.context import use
 from meshdsl.pipeline_config import PipelineConfig
 from meshdsl.train import accumulate as accumulation
+from meshdsl.train import feedback
 from meshdsl.train.optim import Optimizer, global_norm
 
 
@@ -50,11 +51,16 @@ class Trainer:
     metrics: bool = False
     """The step returns ``(state, {"loss", "grad_norm"})`` instead of ``(state, loss)``: the global norm
     of the (accumulated, unclipped) gradient beside the loss."""
+    error_feedback: bool = False
+    """Keep each device's rounding error of the compressed gradient sum (``grad_reduce_dtype``) in
+    ``state["error_feedback"]`` and add it to the next step's gradient (:mod:`meshdsl.train.feedback`)."""
 
     def __post_init__(self) -> None:
         self.pipeline = self.pipeline or self.layout.pipeline
         self.pipelined = pipelined(self.model, self.layout, self.pipeline, self.backend)
         check_accumulate(self.accumulate, self.pipelined)
+        if self.error_feedback:
+            feedback.check(self.layout, self.grad_reduce_dtype, self.pipelined, self.accumulate, self.backend)
         stored = self.layout.param_layout
         self.init = md.compile(self._init, self.mesh, self.layout, self.backend, out_layouts=stored)
         self.step = md.compile(
@@ -100,7 +106,10 @@ class Trainer:
         params = self.model.init(key)
         with md.use_layout(self.layout.param_layout):
             opt = self.optimizer.init(params)
-        return {"params": params, "opt": opt, "step": jnp.zeros((), jnp.int32)}
+        state = {"params": params, "opt": opt, "step": jnp.zeros((), jnp.int32)}
+        if self.error_feedback:
+            state["error_feedback"] = feedback.init(params, self.layout, self.mesh)
+        return state
 
     def loss_and_grads(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
         if self.pipelined:
@@ -111,11 +120,18 @@ class Trainer:
 
     def _step(self, state: dict[str, Any], data: Any) -> tuple[dict[str, Any], Any]:
         batch = self.model.batch(jax.random.fold_in(data, state["step"])) if _is_key(data) else data
-        loss, grads = self.loss_and_grads(state["params"], batch)
+        if self.error_feedback:
+            loss, grads, errors = feedback.value_and_grad(
+                self.model, state["params"], batch, state["error_feedback"], self.grad_reduce_dtype
+            )
+        else:
+            loss, grads = self.loss_and_grads(state["params"], batch)
         with md.use_layout(self.layout.param_layout):
             params, opt = self.optimizer.update(grads, state["opt"], state["params"], state["step"])
             norm = global_norm(grads).array if self.metrics else None
         new = {"params": params, "opt": opt, "step": state["step"] + 1}
+        if self.error_feedback:
+            new["error_feedback"] = errors
         return (new, {"loss": loss, "grad_norm": norm}) if self.metrics else (new, loss)
 
     def _evaluate(self, state: dict[str, Any], data: Any, index: jax.Array) -> jax.Array:

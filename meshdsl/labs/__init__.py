@@ -1,0 +1,1 @@
+"""Labs: small end-to-end experiments run from the command line (``meshdsl lab-digits``)."""
