@@ -422,3 +422,30 @@ def test_a_terminal_gets_a_bar_with_loss_throughput_and_eta():
     assert "4/4" in text and "loss 0.5000" in text and "1,000 tokens/s" in text and "MFU 25.0%" in text
     assert "<" in text  # tqdm's elapsed<remaining
     assert "step 2:  eval loss 1.5000" in text
+
+
+def test_a_resumed_run_s_events_replace_the_killed_run_s_later_steps(tmp_path):
+    """Killed at step 5 with its checkpoint at step 3, then resumed: tensorboard's own reader shows each
+    step once, steps 4-5 from the resumed run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from meshdsl.train.logs import Logs
+
+    killed = Logs(tensorboard=str(tmp_path / "tb"))
+    for step in range(1, 6):
+        killed.write(step, {"loss": float(step)})
+    killed.board.close()  # what reached the disk before the kill (tensorboardX writes from a thread)
+    resumed = Logs(tensorboard=str(tmp_path / "tb"), first=3)
+    for step in range(4, 7):
+        resumed.write(step, {"loss": 10.0 + step})
+    resumed.close()
+    board = EventAccumulator(str(tmp_path / "tb"))
+    board.Reload()
+    assert [(e.step, e.value) for e in board.Scalars("train/loss")] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+        (4, 14.0),
+        (5, 15.0),
+        (6, 16.0),
+    ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +53,16 @@ def check(log_json: str | None, tensorboard: str | None) -> None:
 
 
 class Logs:
-    """The sinks a run writes: open them, :meth:`write` each step's record, :meth:`close` at the end."""
+    """The sinks a run writes: open them, :meth:`write` each step's record, :meth:`close` at the end.
 
-    def __init__(self, log_json: str | None = None, tensorboard: str | None = None):
+    ``first``: the step a resumed run starts after. Its TensorBoard events start with a purge at step
+    ``first + 1``, so a killed run's events past its checkpoint (steps it trains again) are dropped
+    from the curves instead of drawn twice. The event file's name ends in the process id and ``first``:
+    tensorboardX names it by the second it was opened, and a run resumed within that second would
+    otherwise write over the killed run's file.
+    """
+
+    def __init__(self, log_json: str | None = None, tensorboard: str | None = None, first: int = 0):
         self.log_json, self.png = log_json, None if log_json is None else loss_curve_path(log_json)
         try:
             self.json = open(outputs.parent(log_json), "w") if log_json is not None else None
@@ -64,7 +72,9 @@ class Logs:
         if tensorboard is not None:
             from tensorboardX import SummaryWriter
 
-            self.board = SummaryWriter(str(tensorboard))
+            self.board = SummaryWriter(
+                str(tensorboard), purge_step=first + 1 if first else None, filename_suffix=f".{os.getpid()}.{first}"
+            )
         self.curve: list[tuple[int, float]] = []
         self.eval_curve: list[tuple[int, float]] = []
 
