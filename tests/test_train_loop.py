@@ -433,21 +433,35 @@ def test_a_terminal_gets_a_bar_with_loss_throughput_and_eta():
     assert "step 2:  eval loss 1.5000" in text
 
 
-def test_a_resumed_run_s_events_replace_the_killed_run_s_later_steps(tmp_path):
-    """Killed at step 5 with its checkpoint at step 3, then resumed: tensorboard's own reader shows each
-    step once, steps 4-5 from the resumed run."""
+def test_a_resumed_run_s_logs_replace_the_killed_run_s_later_steps(tmp_path):
+    """Killed at step 5 (mid-way through writing step 6's JSON line) with its checkpoint at step 3,
+    then resumed: tensorboard's own reader and the JSON log show each step once, steps 4-6 from the
+    resumed run, and the loss curve is drawn from all six."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from meshdsl.train.logs import Logs
 
-    killed = Logs(tensorboard=str(tmp_path / "tb"))
+    log = tmp_path / "log.jsonl"
+    killed = Logs(str(log), str(tmp_path / "tb"))
     for step in range(1, 6):
-        killed.write(step, {"loss": float(step)})
+        killed.write(step, {"loss": float(step), "eval_loss": 0.5} if step == 2 else {"loss": float(step)})
     killed.board.close()  # what reached the disk before the kill (tensorboardX writes from a thread)
-    resumed = Logs(tensorboard=str(tmp_path / "tb"), first=3)
+    killed.json.write('{"step": 6, "lo')
+    killed.json.flush()
+    resumed = Logs(str(log), str(tmp_path / "tb"), first=3)
     for step in range(4, 7):
         resumed.write(step, {"loss": 10.0 + step})
-    resumed.close()
+    assert resumed.close() == tmp_path / "log.png"
+    assert [json.loads(line) for line in log.read_text().splitlines()] == [
+        {"step": 1, "loss": 1.0},
+        {"step": 2, "loss": 2.0, "eval_loss": 0.5},
+        {"step": 3, "loss": 3.0},
+        {"step": 4, "loss": 14.0},
+        {"step": 5, "loss": 15.0},
+        {"step": 6, "loss": 16.0},
+    ]
+    assert resumed.curve == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0), (5, 15.0), (6, 16.0)]
+    assert resumed.eval_curve == [(2, 0.5)]
     board = EventAccumulator(str(tmp_path / "tb"))
     board.Reload()
     assert [(e.step, e.value) for e in board.Scalars("train/loss")] == [
