@@ -3,8 +3,9 @@
 It traces the spmd program to a jaxpr (no compilation, no computation) and reads every collective
 in it: the forward ops', and those of any ``jax.grad`` inside the function. Each row gives the
 meshdsl op that emitted it (from the ``md.<op>`` name scope every op opens), the tensor, the
-collective, its mesh axes and the bytes one device moves, priced by
-:func:`meshdsl.collectives.bytes_moved`. The program is read as XLA compiles it
+collective, its mesh axes, the bytes one device moves, priced by
+:func:`meshdsl.collectives.bytes_moved`, and the line of the user's code that called the op
+(:mod:`meshdsl.user_lines`). The program is read as XLA compiles it
 (:mod:`meshdsl.jaxpr_walk`: calls inlined, one-trip loops removed, dead code dropped, identical
 computations merged; a ``jax.checkpoint`` recomputation repeats its all-reduces behind its
 optimization barrier unless ``prevent_cse=False``), and a loop's collectives count once per
@@ -33,6 +34,7 @@ from meshdsl.errors import ConfigError
 from meshdsl.jaxpr_walk import as_compiled, walk
 from meshdsl.layout import Layout
 from meshdsl.mesh import Mesh
+from meshdsl.user_lines import user_line
 
 _PRIMITIVES = {
     "psum": Collective.ALL_REDUCE,
@@ -58,6 +60,9 @@ class Communication:
     buffer_bytes: int
     count: int
     bytes: float
+    source: str = ""
+    """``FILE:LINE`` of the user's code that called the op (:func:`meshdsl.user_lines.user_line`);
+    "" when no frame of it is known (a collective XLA's partitioner inserted)."""
 
 
 class Source(enum.Enum):
@@ -92,11 +97,15 @@ class Report:
         return out
 
     def __str__(self) -> str:
-        header = ("op", "tensor", "collective", "axes", "count", "bytes/device")
-        body = [
-            (r.op, r.tensor, r.collective.value, ",".join(r.axes), str(r.count), f"{r.bytes:,.0f}") for r in self.rows
+        lines_known = any(r.source for r in self.rows)
+        header: tuple[str, ...] = ("op", "tensor", "collective", "axes", "count", "bytes/device")
+        header += ("source",) if lines_known else ()
+        body: list[tuple[str, ...]] = [
+            (r.op, r.tensor, r.collective.value, ",".join(r.axes), str(r.count), f"{r.bytes:,.0f}")
+            + ((r.source,) if lines_known else ())
+            for r in self.rows
         ]
-        body.append(("total", "", "", "", str(sum(r.count for r in self.rows)), f"{self.total_bytes:,.0f}"))
+        body.append(("total", "", "", "", str(sum(r.count for r in self.rows)), f"{self.total_bytes:,.0f}", ""))
         widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *body]]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -143,16 +152,15 @@ def _communications(eqn: Any, times: int | None, axis_sizes: Mapping[str, int], 
     rows = []
     for var in side:
         buffer = _nbytes(var.aval, widen)
-        rows.append(
-            Communication(op, tensor, collective, axes, buffer, times, bytes_moved(collective, buffer, n) * times)
-        )
+        moved = bytes_moved(collective, buffer, n) * times
+        rows.append(Communication(op, tensor, collective, axes, buffer, times, moved, user_line(eqn.source_info)))
     return rows
 
 
 def _merge(rows: list[Communication]) -> tuple[Communication, ...]:
     merged: dict[tuple, Communication] = {}
     for r in rows:
-        key = (r.op, r.tensor, r.collective, r.axes, r.buffer_bytes)
+        key = (r.op, r.tensor, r.collective, r.axes, r.buffer_bytes, r.source)
         if key in merged:
             m = merged[key]
             merged[key] = dataclasses.replace(m, count=m.count + r.count, bytes=m.bytes + r.bytes)

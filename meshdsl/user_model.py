@@ -4,11 +4,14 @@
 :mod:`meshdsl.model_loader`): ``init``, ``batch`` and ``loss`` run the user's methods, and an
 exception there, or a result meshdsl cannot use, becomes one line naming the user's file and line
 and what was expected, so ``train``, ``bench``, ``explain``, ``search`` and ``launch`` all say the
-same thing. Everything else (the config, the optional and pipeline parts) is the user's object's.
+same thing. So do the pipeline parts (``pre``, ``layer``, ``post``) where the model has them, and
+``with_batch(rows)`` returns the smaller model checked the same way. Everything else (the config,
+the other optional parts) is the user's object's.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import linecache
 import traceback
@@ -26,6 +29,8 @@ LOSS = "a scalar float md tensor (the mean loss, e.g. md.reduce_mean(...) over e
 TREE = "a pytree (dict, list, tuple) of md tensors"
 CALLS = {"init": ("key",), "batch": ("key",), "loss": ("params", "batch")}
 """How meshdsl calls each method of a model."""
+PARTS = {"pre": ("params", "batch"), "layer": ("x", "p"), "post": ("params", "x", "batch"), "with_batch": ("size",)}
+"""How :mod:`meshdsl.pipeline` (and gradient accumulation) calls a model's optional pipeline parts."""
 
 
 def location(error: BaseException, mine: Sequence[Path], anywhere: bool = False) -> str | None:
@@ -89,7 +94,8 @@ class UserModel:
     """The user's ``model`` (from ``spec``, whose code lies in ``mine``) with its entry points checked.
 
     Built by :func:`meshdsl.model_loader.build_model`, which first checks that ``init``, ``batch`` and
-    ``loss`` take the arguments meshdsl passes. Attributes other than these three are the model's own.
+    ``loss`` take the arguments meshdsl passes. The pipeline parts in :data:`PARTS`, where the model
+    has them, are checked as they are called. Other attributes are the model's own.
     """
 
     __slots__ = ("model", "spec", "mine")
@@ -102,7 +108,15 @@ class UserModel:
             _check_signature(model, name, args)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.model, name)
+        value = getattr(self.model, name)
+        if name not in PARTS or not callable(value):
+            return value
+        check = _is_model if name == "with_batch" else _is_loss if name == "post" else _is_tensor
+
+        def part(*args: Any) -> Any:
+            return self._checked(name, args, check, PARTS[name])
+
+        return functools.update_wrapper(part, value)
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self.model, name, value)
@@ -119,13 +133,17 @@ class UserModel:
     def loss(self, params: Any, batch: Any) -> Tensor:
         return self._checked("loss", (params, batch), _is_loss)
 
-    def _checked(self, name: str, args: tuple, problem: Callable[[Any], str | None]) -> Any:
+    def _checked(
+        self, name: str, args: tuple, problem: Callable[[Any], str | None], arguments: tuple[str, ...] = ()
+    ) -> Any:
         method = getattr(self.model, name)
-        what = f"{type(self.model).__name__}.{name}({', '.join(CALLS[name])})"
+        what = f"{type(self.model).__name__}.{name}({', '.join(arguments or CALLS[name])})"
         out = call(method, args, what, self.mine)
         wrong = problem(out)
         if wrong:
             raise ModelError(f"{defined_at(method) or self.spec}: {what} returned {wrong}")
+        if name == "with_batch" and not isinstance(out, UserModel):
+            return UserModel(out, self.spec, self.mine)
         return out
 
 
@@ -151,6 +169,18 @@ def _is_loss(out: Any) -> str | None:
     if isinstance(out, Tensor) and not out.shape.rank and jnp.issubdtype(out.dtype, jnp.floating):
         return None
     return f"{describe(out)}; meshdsl needs {LOSS}"
+
+
+def _is_tensor(out: Any) -> str | None:
+    """What is wrong with ``out`` as the activations a pipeline part passes on, or None."""
+    return None if isinstance(out, Tensor) else f"{describe(out)}; meshdsl needs an md tensor (the activations)"
+
+
+def _is_model(out: Any) -> str | None:
+    """What is wrong with ``out`` as the model ``with_batch`` returns, or None."""
+    if all(callable(getattr(out, name, None)) for name in CALLS):
+        return None
+    return f"{describe(out)}; meshdsl needs a model (with {', '.join(CALLS)}) for the smaller batch"
 
 
 def _is_tree(out: Any) -> str | None:

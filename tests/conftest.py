@@ -34,6 +34,7 @@ os.environ["XLA_FLAGS"] = " ".join([*_others, *_fast, f"{_FLAG}={DEVICE_COUNT}"]
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from hypothesis import HealthCheck, Phase, settings  # noqa: E402
+from worker_teardown import pytest_sessionfinish  # noqa: E402, F401 (a hook: an xdist worker done ignores SIGINT)
 
 # derandomize: the same examples on every run and every machine (CI is reproducible, and with
 # the test tools pinned in pyproject.toml, every machine draws the same examples);

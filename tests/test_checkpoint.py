@@ -83,12 +83,15 @@ def test_round_trip_is_bitwise_and_keeps_named_dims(tmp_path):
         assert int(restored["moments"][1]["count"]) == 7 and restored["moments"][1]["count"].dtype == jnp.int32
 
 
-@pytest.mark.parametrize("devices", [4, 1])
-def test_restore_reshards_onto_another_mesh_and_layout(tmp_path, devices):
+@pytest.mark.parametrize("devices, given", [(4, "params"), (1, "params"), (4, "compute")])
+def test_restore_reshards_onto_another_mesh_and_layout(tmp_path, devices, given):
+    """Restored under FSDP's parameter layout, or under the FSDP layout itself (its compute rules
+    would replicate the parameters: restore takes the layout's parameter rules, issue 24)."""
     saved = _state(md.Mesh({"data": 4, "model": 2}), DP_TP)
     md.checkpoint.save(tmp_path / "ckpt", saved)
     mesh = md.Mesh({"data": devices}, jax.devices()[:devices])
-    restored, _ = md.checkpoint.restore(tmp_path / "ckpt", mesh, FSDP.param_layout, like=saved)
+    layout = FSDP.param_layout if given == "params" else FSDP
+    restored, _ = md.checkpoint.restore(tmp_path / "ckpt", mesh, layout, like=saved)
     for where, want in _tensors(saved).items():
         got = _tensors(restored)[where]
         assert got.array.sharding.mesh == mesh.jax_mesh

@@ -5,9 +5,11 @@ from, and ids scanned once before step 1. References: numpy slicing of the token
 import io
 import json
 import subprocess
+import sys
 import zlib
 from pathlib import Path
 
+import harness
 import numpy as np
 import pytest
 from test_cli import meshdsl
@@ -380,3 +382,79 @@ def test_each_of_two_processes_reads_only_its_rows_and_they_train_as_one(user_mo
         every = sorted(data.window_of(step * 8 + r) * 8 for r in range(8))
         both = [sorted(s[0] for s in mine[4 * step : 4 * step + 4]) for mine in reads]
         assert sorted(both[0] + both[1]) == every and not set(both[0]) & set(both[1])
+
+
+KILL_AFTER_LOGGING = """
+import os, signal, sys
+from meshdsl import cli
+from meshdsl.train import logs
+write = logs.Logs.write
+def write_then_die(self, step, record):
+    write(self, step, record)
+    if step == int(sys.argv[1]):
+        os.kill(os.getpid(), signal.SIGKILL)
+logs.Logs.write = write_then_die
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_run_killed_mid_way_and_resumed_has_the_batches_and_losses_of_an_uninterrupted_one(tmp_path):
+    """``train --data`` with a cosine schedule, 2 microbatches and evaluation, SIGKILLed right after
+    logging step 3 (its checkpoint: step 2), then resumed: the resumed run trains steps 3-6, and every
+    loss, learning rate and eval loss it logs is bit for bit the uninterrupted run's (so it read the
+    same batches: grain's iterator state came back from the checkpoint)."""
+    np.save(tmp_path / "t.npy", _tokens(4000, 64))
+    (tmp_path / "kill.py").write_text(KILL_AFTER_LOGGING)
+    # The user's model, its batch dim named for --accumulate and its loss sized by its batch.
+    user_model = str(tmp_path / "user_lm.py")
+    named = "        self.batch_dim = self.examples\n        self.mlp = md.nn.MLP("
+    text = USER_MODEL.replace("        self.mlp = md.nn.MLP(", named, 1)
+    text = text.replace("out=[self.examples, self.seq, self.vocab]", 'out=["examples", "seq", "vocab"]', 1)
+    Path(user_model).write_text(text)
+    flags = dict(
+        model=user_model,
+        preset="tiny",
+        layout="examples:data",
+        data=str(tmp_path / "t.npy"),
+        overrides={"examples": 16},
+        steps=6,
+        lr_schedule="cosine",
+        warmup_steps=2,
+        accumulate=2,
+        eval_every=2,
+        eval_steps=1,
+        save_every=2,
+    )
+    args = ["train", "--model", user_model, "--preset", "tiny", "--layout", "examples:data", "--set", "examples=16"]
+    args += ["--data", str(tmp_path / "t.npy"), "--steps", "6", "--lr-schedule", "cosine", "--warmup-steps", "2"]
+    args += ["--accumulate", "2", "--eval-every", "2", "--eval-steps", "1", "--save-every", "2"]
+    args += ["--checkpoint-dir", str(tmp_path / "ck"), "--log-json", str(tmp_path / "killed.jsonl")]
+    killed = subprocess.run(
+        [sys.executable, str(tmp_path / "kill.py"), "3", *args],
+        cwd=tmp_path,
+        env=harness.subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert killed.returncode == -9, killed.stderr
+    assert md.checkpoint.steps(tmp_path / "ck") == [2]
+    train(
+        RunConfig(**flags, checkpoint_dir=str(tmp_path / "ck"), resume=True, log_json=str(tmp_path / "resumed.jsonl")),
+        out=io.StringIO(),
+    )
+    train(
+        RunConfig(**flags, checkpoint_dir=str(tmp_path / "ck_whole"), log_json=str(tmp_path / "whole.jsonl")),
+        out=io.StringIO(),
+    )
+    whole, before, after = (_records(tmp_path / f"{n}.jsonl") for n in ("whole", "killed", "resumed"))
+    assert [r["step"] for r in before] == [1, 2, 3] and [r["step"] for r in after] == [3, 4, 5, 6]
+    assert [r["step"] for r in whole if "eval_loss" in r] == [2, 4, 6]
+    keys = ("loss", "learning_rate", "eval_loss")
+    for r in before + after:
+        assert {k: r.get(k) for k in keys} == {k: whole[r["step"] - 1].get(k) for k in keys}, r

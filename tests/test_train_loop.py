@@ -91,10 +91,12 @@ def test_the_optimizer_steps_with_the_scheduled_rate(name):
 
 class Regression:
     """A user's model without pipeline parts: ``pred = x . w + b``, mean squared error per example.
-    ``loss_dims`` names its output dims by the model's ``Dim`` (sized as the whole batch) rather than by name."""
+    ``loss_dims`` names its output dims by the model's ``Dim`` (sized as the whole batch) rather than by name;
+    ``rows`` names the batch dim (``batch_dim`` says which it is)."""
 
-    def __init__(self, batch: int = 16, features: int = 6, loss_dims: bool = False):
-        self.batch_dim, self.features = md.Dim("batch", batch), md.Dim("features", features)
+    def __init__(self, batch: int = 16, features: int = 6, loss_dims: bool = False, rows: str = "batch"):
+        self.rows, self.features = md.Dim(rows, batch), md.Dim("features", features)
+        self.batch_dim = self.rows
         self.loss_dims = loss_dims
 
     def init(self, key):
@@ -102,10 +104,10 @@ class Regression:
 
     def batch(self, key):
         k1, k2 = jax.random.split(key)
-        return {"x": md.random.normal(k1, [self.batch_dim, self.features]), "y": md.random.normal(k2, [self.batch_dim])}
+        return {"x": md.random.normal(k1, [self.rows, self.features]), "y": md.random.normal(k2, [self.rows])}
 
     def loss(self, params, batch):
-        out = [self.batch_dim] if self.loss_dims else ["batch"]
+        out = [self.rows] if self.loss_dims else [self.rows.name]
         return md.reduce_mean(md.square(md.einsum(batch["x"], params["w"], out=out) + params["b"] - batch["y"]))
 
 
@@ -135,6 +137,13 @@ CASES = {
         {"data": 4, "model": 2},
         "batch:data; d_ff:model",
         "gspmd",
+    ),
+    "user model naming its batch dim examples": (
+        lambda: Regression(rows="examples"),
+        _regression_loss,
+        {"data": 2},
+        "examples:data",
+        "spmd",
     ),
     "user model, fsdp": (
         Regression,
@@ -422,3 +431,55 @@ def test_a_terminal_gets_a_bar_with_loss_throughput_and_eta():
     assert "4/4" in text and "loss 0.5000" in text and "1,000 tokens/s" in text and "MFU 25.0%" in text
     assert "<" in text  # tqdm's elapsed<remaining
     assert "step 2:  eval loss 1.5000" in text
+
+
+def test_a_resumed_run_s_logs_replace_the_killed_run_s_later_steps(tmp_path):
+    """Killed at step 5 (mid-way through writing step 6's JSON line) with its checkpoint at step 3,
+    then resumed: tensorboard's own reader and the JSON log show each step once, steps 4-6 from the
+    resumed run, and the loss curve is drawn from all six."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from meshdsl.train.logs import Logs
+
+    log = tmp_path / "log.jsonl"
+    killed = Logs(str(log), str(tmp_path / "tb"))
+    for step in range(1, 6):
+        killed.write(step, {"loss": float(step), "eval_loss": 0.5} if step == 2 else {"loss": float(step)})
+    killed.board.close()  # what reached the disk before the kill (tensorboardX writes from a thread)
+    killed.json.write('{"step": 6, "lo')
+    killed.json.flush()
+    resumed = Logs(str(log), str(tmp_path / "tb"), first=3)
+    for step in range(4, 7):
+        resumed.write(step, {"loss": 10.0 + step})
+    assert resumed.close() == tmp_path / "log.png"
+    assert [json.loads(line) for line in log.read_text().splitlines()] == [
+        {"step": 1, "loss": 1.0},
+        {"step": 2, "loss": 2.0, "eval_loss": 0.5},
+        {"step": 3, "loss": 3.0},
+        {"step": 4, "loss": 14.0},
+        {"step": 5, "loss": 15.0},
+        {"step": 6, "loss": 16.0},
+    ]
+    assert resumed.curve == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0), (5, 15.0), (6, 16.0)]
+    assert resumed.eval_curve == [(2, 0.5)]
+    board = EventAccumulator(str(tmp_path / "tb"))
+    board.Reload()
+    assert [(e.step, e.value) for e in board.Scalars("train/loss")] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+        (4, 14.0),
+        (5, 15.0),
+        (6, 16.0),
+    ]
+
+
+def test_accumulation_of_a_batch_without_a_batch_dim_says_how_to_name_it():
+    model = Regression(rows="examples")
+    del model.batch_dim
+    trainer = Trainer(model, optim.sgd(1.0), md.Mesh({"data": 2}), md.Layout("examples:data"), accumulate=2)
+    state = trainer.init(jax.random.key_data(jax.random.key(0)))
+    with pytest.raises(
+        md.ConfigError, match="needs a dim 'batch' to cut, got \\[examples=16, features=6\\]; .*batch_dim"
+    ):
+        trainer.step(state, jax.random.key_data(jax.random.key(1)))

@@ -277,3 +277,94 @@ def test_every_command_reports_a_model_mistake_the_same_way(command: str, tmp_pa
     assert line.startswith(f"meshdsl {command}: error: my_model.py:{_line_of(text, where)}"), line
     assert all(needle in line for needle in needles), line
     assert "skipped" not in done.stdout and "no layout fits" not in line, (done.stdout, line)
+
+
+PIPELINED = """from meshdsl.models import transformer
+
+import meshdsl as md
+
+Config = transformer.Config
+
+
+class Model(transformer.Model):
+    def pre(self, params, batch):
+        return super().pre(params, batch)
+
+    def layer(self, x, p):
+        return super().layer(x, p)
+
+    def post(self, params, x, batch):
+        return super().post(params, x, batch)
+"""
+
+# name: (replace this, with that, the line the message names (a snippet of it), texts the message holds)
+PIPELINE_MISTAKES = {
+    "pre reads a missing key": (
+        "return super().pre(params, batch)",
+        'return super().pre(params, batch["missing"])',
+        'batch["missing"]',
+        ["Model.pre(params, batch) failed", "KeyError: 'missing'"],
+    ),
+    "layer returns a tuple": (
+        "return super().layer(x, p)",
+        "return super().layer(x, p), None",
+        "    def layer(self, x, p):",
+        ["Model.layer(x, p) returned tuple", "meshdsl needs an md tensor (the activations)"],
+    ),
+    "post makes a shape mistake": (
+        "return super().post(params, x, batch)",
+        'return md.reduce_sum(super().post(params, x, batch), "nope")',
+        '"nope"',
+        ["Model.post(params, x, batch) failed", "'nope'"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PIPELINE_MISTAKES))
+def test_a_mistake_in_a_pipeline_part_is_one_line_naming_file_and_line(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The pipeline parts (pre, layer, post) of a user's model are checked as init, batch and loss are (issue 21)."""
+    from meshdsl.cli import main
+
+    old, new, where, needles = PIPELINE_MISTAKES[case]
+    assert old in PIPELINED, case
+    text = PIPELINED.replace(old, new, 1)
+    (tmp_path / "my_model.py").write_text(text)
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "--model", "my_model.py", "--preset", "tiny", "--steps", "1", "--layout", "pipeline"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"meshdsl train: error: my_model.py:{_line_of(text, where)}"), (case, line)
+    for needle in needles:
+        assert needle in line, (case, needle, line)
+
+
+def test_with_batch_gives_a_checked_model_whose_parts_compute_the_raw_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``with_batch`` of a user's model (a pipeline's microbatch model) is checked too, and the wrapped
+    parts return the user's own results: post(layer(pre)) equals the raw model's loss."""
+    import jax
+    import numpy as np
+
+    import meshdsl as md
+    from meshdsl.model_loader import build_model, load_module
+    from meshdsl.user_model import UserModel
+
+    (tmp_path / "piped.py").write_text(PIPELINED)
+    monkeypatch.chdir(tmp_path)
+    model = build_model("piped.py", "tiny")
+    micro = model.with_batch(4)
+    assert isinstance(micro, UserModel) and micro.config.batch == 4
+    module = load_module("piped.py")
+    raw = module.Model(module.Config.preset("tiny", batch=4))
+
+    def both() -> tuple[jax.Array, jax.Array]:
+        params, batch = raw.init(jax.random.key(0)), raw.batch(jax.random.key(1))
+        x, _ = md.scan(lambda c, p: (micro.layer(c, p), None), micro.pre(params, batch), params["layers"], "layers")
+        return micro.post(params, x, batch).array, raw.loss(params, batch).array
+
+    got, want = jax.jit(both)()
+    np.testing.assert_allclose(got, want, rtol=1e-5)

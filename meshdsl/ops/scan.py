@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.extend import source_info_util
 
 from meshdsl.dims import DimLike, Shape
 from meshdsl.errors import ShapeError
@@ -144,6 +145,9 @@ def scan(
         # start of each step, all of a step's in one all-gather (see relayout.gather_together).
         gathers = [lowering.stored_gather(shape, axes) for shape, axes in slices]
         held = [(shape, axes if g is None else lowering.axes(shape)) for (shape, axes), g in zip(slices, gathers)]
+        # The gather's equations keep this call's stack (md.explain names the line calling md.scan), not
+        # that of whichever transformation traces the step again later.
+        called_from = source_info_util.current().traceback
 
         def loop_inputs(carry: Any, stacked: list) -> list:
             # Varying along the carry's axes before the loop, not inside it: the body's ops then
@@ -152,7 +156,8 @@ def scan(
             return [lowering.vary_operand(a, *_arrays(carry)) for a in stacked]
 
         def step(carry: Any, local: list) -> tuple[Any, Any]:
-            local = lowering.gather_stored(list(local), gathers, *_arrays(init))
+            with source_info_util.user_context(called_from):
+                local = lowering.gather_stored(list(local), gathers, *_arrays(init))
             x = jax.tree_util.tree_unflatten(
                 treedef, [lowering.keep(a, shape, axes) for a, (shape, axes) in zip(local, held)]
             )

@@ -1,6 +1,7 @@
 """Gradient accumulation: a step's batch cut into microbatches, run one after another under ``lax.scan``.
 
-Any model works: the batch (a pytree of md tensors) is cut along its ``batch`` dim, so microbatch
+Any model works: the batch (a pytree of md tensors) is cut along its batch dim (the model's
+``batch_dim`` where it has one, as a pipelined model does, else the dim named ``batch``), so microbatch
 ``m`` of ``n`` holds rows ``b * n + m`` (as :mod:`meshdsl.pipeline` cuts it): a batch split over
 devices stays where it is, each device cutting its own rows. ``model.loss`` is called on each
 microbatch (``model.with_batch(rows)``'s loss where the model has that method, as a pipelined
@@ -29,30 +30,41 @@ from meshdsl.lowering.context import current
 from meshdsl.tensor import Tensor
 
 BATCH = "batch"
-"""The dim a batch is cut along."""
+"""The dim a batch is cut along when the model names no ``batch_dim``."""
+
+
+def batch_dim_name(model: Any) -> str:
+    """The name of the dim ``model``'s batch is cut along: its ``batch_dim``'s, else :data:`BATCH`."""
+    dim = getattr(model, "batch_dim", None)
+    return dim.name if isinstance(dim, Dim) else BATCH
 
 
 def _is_tensor(x: Any) -> bool:
     return isinstance(x, Tensor)
 
 
-def split(batch: Any, n: int) -> tuple[list[jax.Array], Callable[[list[jax.Array]], Any], int]:
-    """The local arrays of ``batch``'s tensors as ``[n, ...]`` stacks, the function that turns one
-    slice of each back into a microbatch (md tensors of ``batch // n`` rows), and the batch size.
-    ConfigError when a tensor has no ``batch`` dim or ``n`` does not divide the rows a device holds."""
+def split(batch: Any, n: int, name: str = BATCH) -> tuple[list[jax.Array], Callable[[list[jax.Array]], Any], int]:
+    """The local arrays of ``batch``'s tensors as ``[n, ...]`` stacks cut along dim ``name``, the function
+    that turns one slice of each back into a microbatch (md tensors of ``1 / n`` of the rows), and the
+    batch size. ConfigError when a tensor has no such dim or ``n`` does not divide the rows a device holds."""
     lowering = current()
     leaves, tree = jax.tree_util.tree_flatten(batch, is_leaf=_is_tensor)
     stacks, meta = [], []
     for t in leaves:
-        if not _is_tensor(t) or BATCH not in t.shape:
+        if not _is_tensor(t) or name not in t.shape:
             raise ConfigError(
-                f"--accumulate {n}: every tensor of the model's batch needs a dim {BATCH!r} to cut, "
+                f"--accumulate {n}: every tensor of the model's batch needs a dim {name!r} to cut, "
                 f"got {getattr(t, 'shape', t)}"
+                + (
+                    "; a model whose batch dim has another name says which with a batch_dim attribute (an md.Dim)"
+                    if name == BATCH
+                    else ""
+                )
             )
         axes = lowering.layout_of(t)
         a = lowering.prepare(t, axes)
-        i = t.shape.index(BATCH)
-        size, local = t.shape[BATCH].size, a.shape[i]
+        i = t.shape.index(name)
+        size, local = t.shape[name].size, a.shape[i]
         if size % n or local % n:
             rows = f"{local} row{'s' if local != 1 else ''}"
             where = f" ({rows} on each device: it is split over {', '.join(axes[i])})" if axes[i] else ""
@@ -61,7 +73,7 @@ def split(batch: Any, n: int) -> tuple[list[jax.Array], Callable[[list[jax.Array
                 f"the mean of their mean losses the whole batch's mean loss"
             )
         stacks.append(jnp.moveaxis(a.reshape(a.shape[:i] + (local // n, n) + a.shape[i + 1 :]), i + 1, 0))
-        meta.append((Shape(Dim(d.name, d.size // n) if d.name == BATCH else d for d in t.shape), axes))
+        meta.append((Shape(Dim(d.name, d.size // n) if d.name == name else d for d in t.shape), axes))
 
     def microbatch(arrays: list[jax.Array]) -> Any:
         return jax.tree_util.tree_unflatten(tree, [lowering.keep(a, s, ax) for a, (s, ax) in zip(arrays, meta)])
@@ -89,7 +101,7 @@ def _loss(model: Any, size: int, n: int) -> Callable[[Any, Any], jax.Array]:
 
 def value_and_grad(model: Any, params: Any, batch: Any, n: int) -> tuple[jax.Array, Any]:
     """``(loss, grads)`` of ``model.loss(params, batch)`` as the mean over ``n`` microbatches (see the module)."""
-    stacks, microbatch, size = split(batch, n)
+    stacks, microbatch, size = split(batch, n, batch_dim_name(model))
     loss = _loss(model, size, n)
 
     def one(xs: list[jax.Array]) -> tuple[jax.Array, Any]:
@@ -107,7 +119,7 @@ def evaluate(model: Any, params: Any, batch: Any, n: int) -> jax.Array:
     """The mean of the model's loss over ``n`` microbatches of ``batch`` (no gradient)."""
     if n == 1:
         return model.loss(params, batch).array
-    stacks, microbatch, size = split(batch, n)
+    stacks, microbatch, size = split(batch, n, batch_dim_name(model))
     loss = _loss(model, size, n)
 
     def body(total: jax.Array, xs: list[jax.Array]) -> tuple[jax.Array, None]:

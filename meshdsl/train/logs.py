@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -51,22 +52,58 @@ def check(log_json: str | None, tensorboard: str | None) -> None:
         outputs.check_dir(tensorboard, "--tensorboard")
 
 
-class Logs:
-    """The sinks a run writes: open them, :meth:`write` each step's record, :meth:`close` at the end."""
+def earlier_records(log_json: str | Path, first: int) -> list[dict[str, Any]]:
+    """The records of steps 1 to ``first`` in the JSON log a resumed run continues; the lines of a killed
+    run's later steps (which the resumed run trains again) and a line the kill cut short are dropped.
+    [] when there is no such file or it cannot be read."""
+    path = Path(log_json)
+    try:
+        lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    except OSError:
+        return []
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and "loss" in record:
+            if record["step"] <= first:
+                kept.append(record)
+    return kept
 
-    def __init__(self, log_json: str | None = None, tensorboard: str | None = None):
+
+class Logs:
+    """The sinks a run writes: open them, :meth:`write` each step's record, :meth:`close` at the end.
+
+    ``first``: the step a resumed run starts after. Its JSON log keeps the lines of steps 1 to ``first``
+    already in the file (:func:`earlier_records`), so the log and its loss curve hold the whole run.
+    Its TensorBoard events start with a purge at step
+    ``first + 1``, so a killed run's events past its checkpoint (steps it trains again) are dropped
+    from the curves instead of drawn twice. The event file's name ends in the process id and ``first``:
+    tensorboardX names it by the second it was opened, and a run resumed within that second would
+    otherwise write over the killed run's file.
+    """
+
+    def __init__(self, log_json: str | None = None, tensorboard: str | None = None, first: int = 0):
         self.log_json, self.png = log_json, None if log_json is None else loss_curve_path(log_json)
+        kept = earlier_records(log_json, first) if log_json is not None and first else []
         try:
             self.json = open(outputs.parent(log_json), "w") if log_json is not None else None
+            if self.json is not None and kept:
+                self.json.write("".join(json.dumps(r) + "\n" for r in kept))
+                self.json.flush()
         except OSError as e:
             raise ConfigError(f"--log-json {log_json}: cannot write it: {e.strerror}") from None
         self.board = None
         if tensorboard is not None:
             from tensorboardX import SummaryWriter
 
-            self.board = SummaryWriter(str(tensorboard))
-        self.curve: list[tuple[int, float]] = []
-        self.eval_curve: list[tuple[int, float]] = []
+            self.board = SummaryWriter(
+                str(tensorboard), purge_step=first + 1 if first else None, filename_suffix=f".{os.getpid()}.{first}"
+            )
+        self.curve: list[tuple[int, float]] = [(r["step"], r["loss"]) for r in kept]
+        self.eval_curve: list[tuple[int, float]] = [(r["step"], r["eval_loss"]) for r in kept if "eval_loss" in r]
 
     def write(self, step: int, record: dict[str, Any]) -> None:
         """Step ``step``'s scalars (None values are left out) to every sink."""

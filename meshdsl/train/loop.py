@@ -494,7 +494,7 @@ def _train(
     compile_seconds = time.perf_counter() - began
     out.write(f"compiled in {compile_seconds:.1f} s\n")
 
-    sinks = logs.Logs(run.log_json if primary else None, run.tensorboard if primary else None)
+    sinks = logs.Logs(run.log_json if primary else None, run.tensorboard if primary else None, first)
     progress = Progress(first, run.steps, unit, out, run.log_every)
     profiler = _Profiler(run.profile_steps, run.steps, _profile_dir(run))
     losses: list[float] = []
