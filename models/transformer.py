@@ -15,6 +15,7 @@ learnable and the loss falls clearly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -39,6 +40,8 @@ class Config(Presets):
     norm: str = "rms"
     remat: bool = False
     compute_dtype: str = "float32"
+    loss_chunk: int = 0
+    """Positions along ``length`` whose logits the loss computes at once (0: all; see ``md.nn.cross_entropy``)."""
 
     PRESETS = {
         "tiny": dict(batch=8, length=16, d_model=32, heads=8, d_kv=4, d_ff=64, vocab=64, layers=2),
@@ -120,8 +123,7 @@ class Model:
 
     def cross_entropy(self, logits: md.Tensor, targets: md.Tensor) -> md.Tensor:
         """Mean next-token cross-entropy; over a split ``vocab`` it costs one pmax and two small psums."""
-        target = md.take_along(logits, targets, self.vocab)
-        return md.reduce_mean(md.logsumexp(logits, self.vocab) - target)
+        return md.nn.cross_entropy(logits, targets, lambda t: t, self.vocab, self.length)
 
     def logits(self, params: dict[str, Any], tokens: md.Tensor) -> md.Tensor:
         x, _ = md.scan(
@@ -165,7 +167,9 @@ class Model:
 
     def post(self, params: dict[str, Any], x: md.Tensor, batch: dict[str, md.Tensor]) -> md.Tensor:
         """The loss of the residual stream leaving the last layer."""
-        return self.cross_entropy(self.head(params, x), batch["targets"])
+        head = functools.partial(self.head, params)
+        chunk = self.config.loss_chunk or None
+        return md.nn.cross_entropy(x, batch["targets"], head, self.vocab, self.length, chunk)
 
     def batch(self, key: jax.Array) -> dict[str, md.Tensor]:
         """A synthetic batch of the task in the module docstring."""
