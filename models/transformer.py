@@ -40,8 +40,10 @@ class Config(Presets):
     norm: str = "rms"
     remat: bool = False
     compute_dtype: str = "float32"
-    loss_chunk: int = 0
-    """Positions along ``length`` whose logits the loss computes at once (0: all; see ``md.nn.cross_entropy``)."""
+    loss_chunk: int = 256
+    """Positions along ``length`` whose logits the loss computes at once (``md.nn.cross_entropy``): the
+    whole ``[batch, length, vocab]`` float32 logits are never held. 0, or a size that does not divide a
+    longer ``length``: all at once. The values are the same either way."""
 
     PRESETS = {
         "tiny": dict(batch=8, length=16, d_model=32, heads=8, d_kv=4, d_ff=64, vocab=64, layers=2),
@@ -168,7 +170,8 @@ class Model:
     def post(self, params: dict[str, Any], x: md.Tensor, batch: dict[str, md.Tensor]) -> md.Tensor:
         """The loss of the residual stream leaving the last layer."""
         head = functools.partial(self.head, params)
-        chunk = self.config.loss_chunk or None
+        chunk = self.config.loss_chunk
+        chunk = chunk if chunk > 0 and self.length.size % chunk == 0 else None
         return md.nn.cross_entropy(x, batch["targets"], head, self.vocab, self.length, chunk)
 
     def batch(self, key: jax.Array) -> dict[str, md.Tensor]:

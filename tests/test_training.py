@@ -7,6 +7,7 @@ update under layouts that split those dims. The reference is always the same cod
 mesh with no rules, where nothing is split and no collective runs.
 """
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -152,3 +153,16 @@ def test_fsdp_reduce_scatters_gradients_in_bf16():
     reference, _ = _losses(model, optim.adamw(1e-2), layout.mesh(), layout)
     losses, _ = harness.train(narrow, 5)
     np.testing.assert_allclose(losses, reference, rtol=2e-2)
+
+
+def test_chunked_loss_trains_like_the_recorded_losses():
+    """The Transformer's loss a chunk of 4 positions at a time (``loss_chunk``, a rematerialised scan
+    with the unembedding inside) gives the recorded losses in pipeline stages, batch and vocabulary split
+    (3-D: test_cross_entropy checks the loss's values and gradients under more layouts)."""
+    config = dataclasses.replace(transformer.Config.preset("tiny"), loss_chunk=4)
+    for layout_name in ("pipeline",):
+        layout = md.Layout.load(LAYOUTS / f"{layout_name}.toml")
+        trainer = Trainer(transformer.Model(config), optim.adamw(model_figures.LEARNING_RATE), layout.mesh(), layout)
+        losses, _ = harness.train(trainer, model_figures.STEPS)
+        why = model_figures.recorded_losses_mismatch("transformer", losses)
+        assert why is None, f"under {layout_name}: {why}"
