@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as R
+from meshdsl.models import transformer
 
 import meshdsl as md
-from meshdsl.models import transformer
 
 D = md.Dim
 BATCH, LENGTH, D_MODEL, VOCAB = D("batch", 4), D("length", 8), D("d_model", 8), D("vocab", 16)
