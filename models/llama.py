@@ -47,6 +47,9 @@ class Config(Presets):
     rope: str = "half"
     norm_eps: float = 1e-5
     remat: bool = False
+    remat_policy: str = "full"
+    """With ``remat``, what each layer keeps for the backward pass (``md.scan``'s ``REMAT_POLICIES``):
+    ``"full"`` nothing, ``"dots"`` its projections' and feed-forward's matmul outputs."""
     compute_dtype: str = "float32"
     loss_chunk: int = 256
     """Positions along ``length`` whose logits the loss computes at once (``md.nn.cross_entropy``): the
@@ -80,6 +83,7 @@ class Config(Presets):
             raise ConfigError(f"d_kv={self.d_kv} must be even: rotary embeddings rotate pairs of entries")
         if self.rope not in ("half", "interleaved"):
             raise ConfigError(f"rope must be 'half' (Hugging Face's) or 'interleaved' (Meta's), got {self.rope!r}")
+        transformer.check_remat_policy(self.remat_policy)
 
 
 class Model(transformer.Model):

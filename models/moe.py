@@ -189,9 +189,7 @@ class Model(transformer.Model):
 
     def forward(self, params: dict[str, Any], tokens: md.Tensor) -> tuple[md.Tensor, md.Tensor]:
         """Logits ``[batch, length, vocab]`` (float32) and the load-balancing loss (scalar)."""
-        x, aux = md.scan(
-            self._block, self.embed(params, tokens), params["layers"], self.layers, remat=self.config.remat
-        )
+        x, aux = md.scan(self._block, self.embed(params, tokens), params["layers"], self.layers, remat=self.remat)
         return self.head(params, x), md.reduce_mean(aux)
 
     def logits(self, params: dict[str, Any], tokens: md.Tensor) -> md.Tensor:

@@ -24,6 +24,7 @@ from meshdsl.models.presets import Presets
 
 import meshdsl as md
 from meshdsl.errors import ConfigError
+from meshdsl.ops.scan import REMAT_POLICIES
 from meshdsl.planner.flops import attention_flops
 
 
@@ -39,6 +40,9 @@ class Config(Presets):
     layers: int = 4
     norm: str = "rms"
     remat: bool = False
+    remat_policy: str = "full"
+    """With ``remat``, what each layer keeps for the backward pass (``md.scan``'s ``REMAT_POLICIES``):
+    ``"full"`` nothing, ``"dots"`` its projections' and feed-forward's matmul outputs."""
     compute_dtype: str = "float32"
     loss_chunk: int = 256
     """Positions along ``length`` whose logits the loss computes at once (``md.nn.cross_entropy``): the
@@ -54,6 +58,7 @@ class Config(Presets):
     def __post_init__(self) -> None:
         if self.norm not in ("rms", "layer"):
             raise ConfigError(f"norm must be 'rms' or 'layer', got {self.norm!r}")
+        check_remat_policy(self.remat_policy)
 
 
 class Model:
@@ -114,6 +119,11 @@ class Model:
         w = self._weights(p)
         return self._feed_forward(self._attention(x, w), w)
 
+    @property
+    def remat(self) -> bool | str:
+        """``md.scan``'s ``remat`` of the layers: False, or the config's ``remat_policy``."""
+        return self.config.remat_policy if self.config.remat else False
+
     def embed(self, params: dict[str, Any], tokens: md.Tensor) -> md.Tensor:
         """Token embeddings ``[batch, length, d_model]`` in the compute dtype."""
         return md.cast(self.embedding(params["embed"], tokens), self.dtype)
@@ -133,7 +143,7 @@ class Model:
             self.embed(params, tokens),
             params["layers"],
             "layers",
-            remat=self.config.remat,
+            remat=self.remat,
         )
         return self.head(params, x)
 
@@ -144,7 +154,7 @@ class Model:
             self.pre(params, batch),
             params["layers"],
             "layers",
-            remat=self.config.remat,
+            remat=self.remat,
         )
         return self.post(params, x, batch)
 
@@ -204,6 +214,12 @@ class Model:
     def examples_per_step(self) -> int:
         """Tokens per step."""
         return self.config.batch * self.config.length
+
+
+def check_remat_policy(name: str) -> None:
+    """ConfigError unless ``name`` is one of ``md.scan``'s remat policies."""
+    if name not in REMAT_POLICIES:
+        raise ConfigError(f"remat_policy must be one of {', '.join(map(repr, REMAT_POLICIES))}, got {name!r}")
 
 
 def _geometric(a: int, n: int, m: int) -> int:

@@ -264,7 +264,7 @@ def _schedule_of(run: RunConfig) -> dict[str, Any]:
 
 
 def _check_resumable(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -> None:
-    """ConfigError unless the checkpoint was saved by the same model and optimizer (``remat`` may differ)."""
+    """ConfigError unless the checkpoint was saved by the same model and optimizer (``remat`` and ``remat_policy`` may differ)."""
     if not isinstance(saved.get("step"), int):
         raise md.DataError(
             f"checkpoint {path} records no training step in its metadata; it was not saved by meshdsl train"
@@ -282,7 +282,7 @@ def _check_resumable(path: Path, saved: dict[str, Any], mine: dict[str, Any]) ->
     diffs = [
         f"{k}={config.get(k)!r} (this run: {v!r})"
         for k, v in mine["config"].items()
-        if k != "remat" and config.get(k) != v
+        if k not in ("remat", "remat_policy") and config.get(k) != v
     ]
     if diffs:
         raise ConfigError(f"checkpoint {path} was saved with a different {mine['model']} config: {', '.join(diffs)}")
