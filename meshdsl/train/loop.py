@@ -264,7 +264,7 @@ def _schedule_of(run: RunConfig) -> dict[str, Any]:
 
 
 def _check_resumable(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -> None:
-    """ConfigError unless the checkpoint was saved by the same model and optimizer (``remat`` and ``remat_policy`` may differ)."""
+    """ConfigError unless the checkpoint was saved by the same model, optimizer and config (remat settings aside)."""
     if not isinstance(saved.get("step"), int):
         raise md.DataError(
             f"checkpoint {path} records no training step in its metadata; it was not saved by meshdsl train"
