@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from meshdsl.dims import Dim, DimLike
 from meshdsl.errors import ConfigError
 from meshdsl.ops.creation import zeros
-from meshdsl.ops.elementwise import cast
+from meshdsl.ops.elementwise import add, cast, divide, subtract
 from meshdsl.ops.indexing import take_along
 from meshdsl.ops.reduction import logsumexp, reduce_sum
 from meshdsl.ops.reshape import replace_dimensions
@@ -29,7 +29,7 @@ from meshdsl.tensor import Tensor
 def _summed(logits: Tensor, targets: Tensor, vocab: DimLike) -> Tensor:
     """The sum over every position of ``logsumexp(logits) - logits[target]`` (float32)."""
     logits = cast(logits, jnp.float32)
-    return reduce_sum(logsumexp(logits, vocab) - take_along(logits, targets, vocab))
+    return reduce_sum(subtract(logsumexp(logits, vocab), take_along(logits, targets, vocab)))
 
 
 def cross_entropy(
@@ -49,14 +49,14 @@ def cross_entropy(
     """
     d = x.shape[dim]
     if chunk is None or chunk >= d.size:
-        return _summed(logits_fn(x), targets, vocab) / targets.shape.size
+        return divide(_summed(logits_fn(x), targets, vocab), targets.shape.size)
     if chunk < 1 or d.size % chunk:
         raise ConfigError(f"cross_entropy: chunk={chunk} must be a positive divisor of {d.name}={d.size}")
     chunks, piece = Dim(f"{d.name}_chunks", d.size // chunk), Dim(d.name, chunk)
     pieces = (replace_dimensions(x, d.name, [chunks, piece]), replace_dimensions(targets, d.name, [chunks, piece]))
 
     def step(total: Tensor, part: tuple[Tensor, Tensor]) -> tuple[Tensor, None]:
-        return total + _summed(logits_fn(part[0]), part[1], vocab), None
+        return add(total, _summed(logits_fn(part[0]), part[1], vocab)), None
 
     total, _ = scan(step, zeros([], jnp.float32), pieces, chunks, remat=True)
-    return total / targets.shape.size
+    return divide(total, targets.shape.size)
