@@ -166,6 +166,10 @@ def _explain(args: argparse.Namespace, overrides: dict[str, object], out: Callab
             f"meshdsl's spmd plan moves {prediction.total_bytes:,.0f} bytes per device; below, the planner's predictions for it beside the gspmd step's compiled memory"
         )
     out(prediction.table(compiled))
+    if compiled is not None and profile.platform != jax.default_backend():
+        out(
+            f"(compiled: this host's {jax.default_backend()} program, not the {profile.platform} one {profile.name} runs)"
+        )
     if prediction.memory.total > profile.memory_bytes:
         print(
             f"meshdsl explain: warning: the predicted memory, {fits.readable(prediction.memory.total)} per device, exceeds "
