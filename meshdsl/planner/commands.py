@@ -167,9 +167,8 @@ def _explain(args: argparse.Namespace, overrides: dict[str, object], out: Callab
         )
     out(prediction.table(compiled))
     if compiled is not None and profile.platform != jax.default_backend():
-        out(
-            f"(compiled: this host's {jax.default_backend()} program, not the {profile.platform} one {profile.name} runs)"
-        )
+        host = jax.default_backend()
+        out(f"(compiled: this host's {host} program, not the {profile.platform} one {profile.name} runs)")
     if prediction.memory.total > profile.memory_bytes:
         print(
             f"meshdsl explain: warning: the predicted memory, {fits.readable(prediction.memory.total)} per device, exceeds "
