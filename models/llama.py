@@ -27,6 +27,7 @@ from meshdsl.models.presets import Presets
 
 import meshdsl as md
 from meshdsl.errors import ConfigError
+from meshdsl.planner.flops import attention_flops
 from meshdsl.safetensors_io import Source
 
 LLAMA3 = dict(kv_heads=8, vocab=128256, rope_theta=500000.0)
@@ -128,11 +129,13 @@ class Model(transformer.Model):
         return x + self.feed_forward({k: w[k] for k in ("w_gate", "w_in", "w_out")}, self.norm(w["mlp_norm"], x))
 
     def flops_per_step(self) -> float:
-        """Model FLOPs of a training step: 6 x parameters x tokens, plus attention (12 x L x B x T^2 x heads x d_kv)."""
+        """Model FLOPs of a training step: 6 x parameters x tokens, plus causal attention over every query
+        head (half of full attention's, :func:`meshdsl.planner.flops.attention_flops`)."""
         c = self.config
         per_layer = 2 * c.d_model * c.d_kv * (c.heads + c.kv_heads) + 3 * c.d_model * c.d_ff
         params = c.layers * per_layer + c.d_model * c.vocab
-        return 6 * params * c.batch * c.length + 12 * c.layers * c.batch * c.length**2 * c.heads * c.d_kv
+        attention = attention_flops(c.batch, c.heads, c.length, c.length, c.d_kv, causal=True)
+        return 6 * params * c.batch * c.length + c.layers * attention
 
     def hf_names(self) -> dict[str, Source]:
         """Where each parameter is in a Hugging Face LLaMA checkpoint (``LlamaForCausalLM``'s names).

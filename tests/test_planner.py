@@ -559,6 +559,18 @@ def test_the_transformers_model_flops_count_causal_attention_as_half():
     assert model.flops_per_step() == 6 * matmul * c.batch * c.length + full / 2
 
 
+def test_llamas_model_flops_count_causal_attention_as_half():
+    """As the Transformer's, over every query head (grouped-query attention shares keys, not work)."""
+    model = build_model("llama", "small")
+    c = model.config
+    params = abstract_state(model, optim.make("sgd"))["params"]
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, md.Tensor))[0]
+    weights = ("wq", "wkv", "wo", "w_gate", "w_in", "w_out", "unembed")
+    matmul = sum(x.array.size for path, x in leaves if any(f"'{w}'" in jax.tree_util.keystr(path) for w in weights))
+    full = 3 * 2 * 2 * c.batch * c.heads * c.length**2 * c.d_kv * c.layers
+    assert model.flops_per_step() == 6 * matmul * c.batch * c.length + full / 2
+
+
 def test_fused_attention_primitives_count_the_matmuls_cudnn_runs():
     """cuDNN's forward (2 matmuls) and backward (5) primitives, BTNH or BNTH, halved when causal."""
     import enum
