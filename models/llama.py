@@ -54,8 +54,8 @@ class Config(Presets):
     compute_dtype: str = "float32"
     loss_chunk: int = 256
     """Positions along ``length`` whose logits the loss computes at once (``md.nn.cross_entropy``): the
-    whole ``[batch, length, vocab]`` float32 logits are never held. 0, or a size that does not divide a
-    longer ``length``: all at once. The values are the same either way."""
+    whole ``[batch, length, vocab]`` float32 logits are never held. ``length`` or more, or a size that
+    does not divide ``length``: all at once. The values are the same either way."""
 
     PRESETS = {
         "tiny": dict(batch=32, length=16, d_model=32, heads=16, kv_heads=8, d_kv=4, d_ff=64, vocab=64, layers=2),
