@@ -689,6 +689,7 @@ def test_a_gpu_profile_prices_fused_attention_on_a_cpu_host() -> None:
     import dataclasses
 
     from meshdsl.models import transformer
+
     from meshdsl.planner.flops import attention_flops
 
     b, t, n, h, layers = 2, 64, 4, 16, 2
