@@ -422,3 +422,17 @@ def test_a_terminal_gets_a_bar_with_loss_throughput_and_eta():
     assert "4/4" in text and "loss 0.5000" in text and "1,000 tokens/s" in text and "MFU 25.0%" in text
     assert "<" in text  # tqdm's elapsed<remaining
     assert "step 2:  eval loss 1.5000" in text
+
+
+def test_resume_may_change_what_is_recomputed_or_chunked_not_what_is_computed():
+    """A checkpoint saved before ``remat_policy`` and ``loss_chunk`` existed (or with other values)
+    resumes; another ``d_model`` is refused, naming it."""
+    from meshdsl.train.loop import _check_resumable
+
+    saved = {"step": 3, "model": "transformer", "optimizer": "adamw", "config": {"d_model": 32, "remat": False}}
+    mine = {"model": "transformer", "optimizer": "adamw", "lr_schedule": {}, "config": {"d_model": 32, "remat": True}}
+    mine["config"] |= {"remat_policy": "dots", "loss_chunk": 8}
+    _check_resumable(Path("ckpt/step_3"), saved, mine)
+    mine["config"]["d_model"] = 64
+    with pytest.raises(md.ConfigError, match=r"different transformer config: d_model=32 \(this run: 64\)$"):
+        _check_resumable(Path("ckpt/step_3"), saved, mine)
