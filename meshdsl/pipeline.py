@@ -101,7 +101,8 @@ class _Run:
         self.stage = lowering.axis_index(self.stage_axes)
         self.first = self.stage == 0
         self.last = self.stage == self.p - 1
-        self.remat = bool(getattr(getattr(model, "config", None), "remat", False))
+        config = getattr(model, "config", None)
+        self.remat: bool | str = getattr(config, "remat_policy", True) if getattr(config, "remat", False) else False
         self.micro_model = model.with_batch(model.batch_dim.size // self.m) if self.m > 1 else model
         self._split_batch(batch, model.batch_dim)
         # Everything the activations vary along: gradients are summed over these axes once, at the end.

@@ -27,6 +27,7 @@ from meshdsl.models.presets import Presets
 
 import meshdsl as md
 from meshdsl.errors import ConfigError
+from meshdsl.planner.flops import attention_flops
 from meshdsl.safetensors_io import Source
 
 LLAMA3 = dict(kv_heads=8, vocab=128256, rope_theta=500000.0)
@@ -47,7 +48,14 @@ class Config(Presets):
     rope: str = "half"
     norm_eps: float = 1e-5
     remat: bool = False
+    remat_policy: str = "full"
+    """With ``remat``, what each layer keeps for the backward pass (``md.scan``'s ``REMAT_POLICIES``):
+    ``"full"`` nothing, ``"dots"`` its projections' and feed-forward's matmul outputs."""
     compute_dtype: str = "float32"
+    loss_chunk: int = 256
+    """Positions along ``length`` whose logits the loss computes at once (``md.nn.cross_entropy``): the
+    whole ``[batch, length, vocab]`` float32 logits are never held. ``length`` or more, or a size that
+    does not divide ``length``: all at once. The values are the same either way."""
 
     PRESETS = {
         "tiny": dict(batch=32, length=16, d_model=32, heads=16, kv_heads=8, d_kv=4, d_ff=64, vocab=64, layers=2),
@@ -76,6 +84,7 @@ class Config(Presets):
             raise ConfigError(f"d_kv={self.d_kv} must be even: rotary embeddings rotate pairs of entries")
         if self.rope not in ("half", "interleaved"):
             raise ConfigError(f"rope must be 'half' (Hugging Face's) or 'interleaved' (Meta's), got {self.rope!r}")
+        transformer.check_remat_policy(self.remat_policy)
 
 
 class Model(transformer.Model):
@@ -120,11 +129,13 @@ class Model(transformer.Model):
         return x + self.feed_forward({k: w[k] for k in ("w_gate", "w_in", "w_out")}, self.norm(w["mlp_norm"], x))
 
     def flops_per_step(self) -> float:
-        """Model FLOPs of a training step: 6 x parameters x tokens, plus attention (12 x L x B x T^2 x heads x d_kv)."""
+        """Model FLOPs of a training step: 6 x parameters x tokens, plus causal attention over every query
+        head (half of full attention's, :func:`meshdsl.planner.flops.attention_flops`)."""
         c = self.config
         per_layer = 2 * c.d_model * c.d_kv * (c.heads + c.kv_heads) + 3 * c.d_model * c.d_ff
         params = c.layers * per_layer + c.d_model * c.vocab
-        return 6 * params * c.batch * c.length + 12 * c.layers * c.batch * c.length**2 * c.heads * c.d_kv
+        attention = attention_flops(c.batch, c.heads, c.length, c.length, c.d_kv, causal=True)
+        return 6 * params * c.batch * c.length + c.layers * attention
 
     def hf_names(self) -> dict[str, Source]:
         """Where each parameter is in a Hugging Face LLaMA checkpoint (``LlamaForCausalLM``'s names).

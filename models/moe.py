@@ -187,20 +187,23 @@ class Model(transformer.Model):
 
     # ---- the model --------------------------------------------------------------------------
 
+    def trunk(self, params: dict[str, Any], tokens: md.Tensor) -> tuple[md.Tensor, md.Tensor]:
+        """The residual stream leaving the last layer and the load-balancing loss (scalar)."""
+        x, aux = md.scan(self._block, self.embed(params, tokens), params["layers"], self.layers, remat=self.remat)
+        return x, md.reduce_mean(aux)
+
     def forward(self, params: dict[str, Any], tokens: md.Tensor) -> tuple[md.Tensor, md.Tensor]:
         """Logits ``[batch, length, vocab]`` (float32) and the load-balancing loss (scalar)."""
-        x, aux = md.scan(
-            self._block, self.embed(params, tokens), params["layers"], self.layers, remat=self.config.remat
-        )
-        return self.head(params, x), md.reduce_mean(aux)
+        x, aux = self.trunk(params, tokens)
+        return self.head(params, x), aux
 
     def logits(self, params: dict[str, Any], tokens: md.Tensor) -> md.Tensor:
         return self.forward(params, tokens)[0]
 
     def losses(self, params: dict[str, Any], batch: dict[str, md.Tensor]) -> dict[str, md.Tensor]:
         """``{"lm": mean next-token cross-entropy, "aux": load-balancing loss}``."""
-        logits, aux = self.forward(params, batch["inputs"])
-        return {"lm": self.cross_entropy(logits, batch["targets"]), "aux": aux}
+        x, aux = self.trunk(params, batch["inputs"])
+        return {"lm": self.post(params, x, batch), "aux": aux}
 
     def loss(self, params: dict[str, Any], batch: dict[str, md.Tensor]) -> md.Tensor:
         """LM loss + ``aux_loss_weight`` x load-balancing loss."""

@@ -15,6 +15,7 @@ learnable and the loss falls clearly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -23,6 +24,7 @@ from meshdsl.models.presets import Presets
 
 import meshdsl as md
 from meshdsl.errors import ConfigError
+from meshdsl.ops.scan import REMAT_POLICIES
 from meshdsl.planner.flops import attention_flops
 
 
@@ -38,7 +40,14 @@ class Config(Presets):
     layers: int = 4
     norm: str = "rms"
     remat: bool = False
+    remat_policy: str = "full"
+    """With ``remat``, what each layer keeps for the backward pass (``md.scan``'s ``REMAT_POLICIES``):
+    ``"full"`` nothing, ``"dots"`` its projections' and feed-forward's matmul outputs."""
     compute_dtype: str = "float32"
+    loss_chunk: int = 256
+    """Positions along ``length`` whose logits the loss computes at once (``md.nn.cross_entropy``): the
+    whole ``[batch, length, vocab]`` float32 logits are never held. ``length`` or more, or a size that
+    does not divide ``length``: all at once. The values are the same either way."""
 
     PRESETS = {
         "tiny": dict(batch=8, length=16, d_model=32, heads=8, d_kv=4, d_ff=64, vocab=64, layers=2),
@@ -49,6 +58,7 @@ class Config(Presets):
     def __post_init__(self) -> None:
         if self.norm not in ("rms", "layer"):
             raise ConfigError(f"norm must be 'rms' or 'layer', got {self.norm!r}")
+        check_remat_policy(self.remat_policy)
 
 
 class Model:
@@ -109,6 +119,11 @@ class Model:
         w = self._weights(p)
         return self._feed_forward(self._attention(x, w), w)
 
+    @property
+    def remat(self) -> bool | str:
+        """``md.scan``'s ``remat`` of the layers: False, or the config's ``remat_policy``."""
+        return self.config.remat_policy if self.config.remat else False
+
     def embed(self, params: dict[str, Any], tokens: md.Tensor) -> md.Tensor:
         """Token embeddings ``[batch, length, d_model]`` in the compute dtype."""
         return md.cast(self.embedding(params["embed"], tokens), self.dtype)
@@ -120,8 +135,7 @@ class Model:
 
     def cross_entropy(self, logits: md.Tensor, targets: md.Tensor) -> md.Tensor:
         """Mean next-token cross-entropy; over a split ``vocab`` it costs one pmax and two small psums."""
-        target = md.take_along(logits, targets, self.vocab)
-        return md.reduce_mean(md.logsumexp(logits, self.vocab) - target)
+        return md.nn.cross_entropy(logits, targets, lambda t: t, self.vocab, self.length)
 
     def logits(self, params: dict[str, Any], tokens: md.Tensor) -> md.Tensor:
         x, _ = md.scan(
@@ -129,7 +143,7 @@ class Model:
             self.embed(params, tokens),
             params["layers"],
             "layers",
-            remat=self.config.remat,
+            remat=self.remat,
         )
         return self.head(params, x)
 
@@ -140,7 +154,7 @@ class Model:
             self.pre(params, batch),
             params["layers"],
             "layers",
-            remat=self.config.remat,
+            remat=self.remat,
         )
         return self.post(params, x, batch)
 
@@ -165,7 +179,10 @@ class Model:
 
     def post(self, params: dict[str, Any], x: md.Tensor, batch: dict[str, md.Tensor]) -> md.Tensor:
         """The loss of the residual stream leaving the last layer."""
-        return self.cross_entropy(self.head(params, x), batch["targets"])
+        head = functools.partial(self.head, params)
+        chunk = self.config.loss_chunk
+        chunk = chunk if chunk > 0 and self.length.size % chunk == 0 else None
+        return md.nn.cross_entropy(x, batch["targets"], head, self.vocab, self.length, chunk)
 
     def batch(self, key: jax.Array) -> dict[str, md.Tensor]:
         """A synthetic batch of the task in the module docstring."""
@@ -197,6 +214,12 @@ class Model:
     def examples_per_step(self) -> int:
         """Tokens per step."""
         return self.config.batch * self.config.length
+
+
+def check_remat_policy(name: str) -> None:
+    """ConfigError unless ``name`` is one of ``md.scan``'s remat policies."""
+    if name not in REMAT_POLICIES:
+        raise ConfigError(f"remat_policy must be one of {', '.join(map(repr, REMAT_POLICIES))}, got {name!r}")
 
 
 def _geometric(a: int, n: int, m: int) -> int:

@@ -212,7 +212,24 @@ def test_gpu_check_dry_runs_every_step_and_writes_one_report(tmp_path: Path) -> 
     entry = big["entries"][1]
     assert entry["baseline_note"] is None and entry["baseline_jax_step_s"] > 0 and entry["step_s_median"] > 0
     assert [p["profile"] for p in big["predictions"]] == ["gpu-check-cpu", "cpu-sim"]
-    assert json.loads((tmp_path / "check" / "calibrated.json").read_text())["name"] == "gpu-check-cpu"
+    calibrated = json.loads((tmp_path / "check" / "calibrated.json").read_text())
+    assert calibrated["name"] == "gpu-check-cpu" and set(calibrated["attention_flops"]) == {"float32", "bfloat16"}
     text = (tmp_path / "check.md").read_text()
     row = f"| data_parallel | {entry['step_s_median'] * 1e3:.1f} | - |"
     assert row in text and f"{big['predictions'][1]['step_s'] * 1e3:.1f}" in text
+
+
+def test_gpu_check_skips_a_step_its_budget_no_longer_covers(tmp_path: Path) -> None:
+    """With less of the run's budget left than a step is budgeted, the step is recorded as skipped, not run."""
+    import re
+    import time
+
+    from meshdsl.bench.gpu_check import Report
+
+    report = Report(tmp_path / "r.md", dry=False, deadline=time.perf_counter() + 10)
+    ran: list[str] = []
+    assert report.step("quick", lambda: ran.append("quick") or {}, ran.append, budget=1) == {}
+    assert report.step("long", lambda: ran.append("long") or {}, ran.append, budget=60) is None
+    assert "long" not in ran
+    assert re.fullmatch(r"skipped: \d+ s of the run's 450 s left, the step is budgeted 60 s", report.steps[1]["error"])
+    assert "| long | 0.0 | skipped: " in (tmp_path / "r.md").read_text()

@@ -465,6 +465,8 @@ def test_calibrate_cli_writes_a_loadable_profile(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(calibrate, "SIZES", (2**12, 2**14))
     monkeypatch.setattr(calibrate, "MATMUL_SIZES", (64, 128))
     monkeypatch.setattr(calibrate, "BANDWIDTH_SIZES", (2**16, 2**18))
+    monkeypatch.setattr(calibrate, "ATTENTION_LENGTHS", (16, 32))
+    monkeypatch.setattr(calibrate, "ATTENTION_SHAPE", (1, 2, 8))
     out = tmp_path / "here.json"
     assert main(["calibrate", "--out", str(out)]) == 0
     profile = load_profile(out)
@@ -559,6 +561,18 @@ def test_the_transformers_model_flops_count_causal_attention_as_half():
     assert model.flops_per_step() == 6 * matmul * c.batch * c.length + full / 2
 
 
+def test_llamas_model_flops_count_causal_attention_as_half():
+    """As the Transformer's, over every query head (grouped-query attention shares keys, not work)."""
+    model = build_model("llama", "small")
+    c = model.config
+    params = abstract_state(model, optim.make("sgd"))["params"]
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, md.Tensor))[0]
+    weights = ("wq", "wkv", "wo", "w_gate", "w_in", "w_out", "unembed")
+    matmul = sum(x.array.size for path, x in leaves if any(f"'{w}'" in jax.tree_util.keystr(path) for w in weights))
+    full = 3 * 2 * 2 * c.batch * c.heads * c.length**2 * c.d_kv * c.layers
+    assert model.flops_per_step() == 6 * matmul * c.batch * c.length + full / 2
+
+
 def test_fused_attention_primitives_count_the_matmuls_cudnn_runs():
     """cuDNN's forward (2 matmuls) and backward (5) primitives, BTNH or BNTH, halved when causal."""
     import enum
@@ -584,7 +598,7 @@ def test_fused_attention_primitives_count_the_matmuls_cudnn_runs():
         ("dot_product_attention_bwd_wrapper", 0, MaskType.CAUSAL, 5 * one / 2),
     ]
     for name, layout, mask, want in cases:
-        assert work(Block([step(name, layout, mask)], [], [])).matmul_flops == want, (name, layout, mask)
+        assert work(Block([step(name, layout, mask)], [], [])).attention_flops == want, (name, layout, mask)
 
 
 def test_calibrate_grows_sizes_until_the_rate_stops_rising() -> None:
@@ -620,12 +634,16 @@ def test_calibrate_on_one_device_fits_what_it_can_and_keeps_its_name(tmp_path, m
     monkeypatch.setattr(jax, "devices", lambda *a: devices(*a)[:1])
     monkeypatch.setattr(calibrate, "MATMUL_SIZES", (64, 128))
     monkeypatch.setattr(calibrate, "BANDWIDTH_SIZES", (2**16, 2**18))
+    monkeypatch.setattr(calibrate, "ATTENTION_LENGTHS", (16, 32))
+    monkeypatch.setattr(calibrate, "ATTENTION_SHAPE", (1, 2, 8))
     out = tmp_path / "my.json"
     assert main(["calibrate", "--name", "mine", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "collectives: not measured, one device has no links; taken from the shipped profile cpu-sim" in printed
     data = json.loads(out.read_text())
     assert data["name"] == "mine" and data["node_size"] == 1 and set(data["matmul_flops"]) == {"float32", "bfloat16"}
+    assert set(data["attention_flops"]) == {"float32", "bfloat16"} and min(data["attention_flops"].values()) > 0
+    assert "attention bfloat16 (xla, causal, forward and backward)" in printed
     assert data["intra"] == load_profile("cpu-sim").to_json()["intra"] and "not measured" in data["source"]
     with pytest.raises(md.ConfigError, match="two or more byte counts"):
         calibrate.fit([(0.0, 1e-5), (0.0, 2e-5)])
@@ -664,3 +682,31 @@ def test_search_says_why_candidates_were_dropped_and_reads_small_memory(capsys) 
     best = min(everything.ranked, key=lambda item: item[1].step_s if item[1].memory.total <= limit else float("inf"))
     row = next(line for line in printed.splitlines() if line.strip().startswith("1 "))
     assert readable(best[1].memory.total) in row and " 0.000 " not in row
+
+
+def test_a_gpu_profile_prices_fused_attention_on_a_cpu_host() -> None:
+    """Traced for a GPU profile on this CPU host, bf16 causal attention is cuDNN's fused kernel (the
+    stand-in primitives): no length x memory buffer in the memory model, its FLOPs counted as the
+    kernel runs them (2 + 5 matmuls, causal half, every layer) and priced at the profile's attention rate."""
+    import dataclasses
+
+    from meshdsl.models import transformer
+
+    from meshdsl.planner.flops import attention_flops
+
+    b, t, n, h, layers = 2, 64, 4, 16, 2
+    config = transformer.Config(
+        batch=b, length=t, d_model=64, heads=n, d_kv=h, d_ff=128, vocab=64, layers=layers, compute_dtype="bfloat16"
+    )
+    model, layout, adamw = transformer.Model(config), md.Layout("batch:data"), optim.make("adamw")
+    gpu = load_profile("h200")
+    fused = predict(model, adamw, {"data": 1}, layout, gpu)
+    formula = predict(model, adamw, {"data": 1}, layout, dataclasses.replace(gpu, platform="cpu"))
+    assert fused.work.attention_flops == layers * 7 * attention_flops(b, n, t, t, h, True, passes=1) / 2
+    assert formula.work.attention_flops == 0
+    scores = b * n * t * t * 4  # one float32 [batch, heads, length, memory] buffer
+    assert fused.memory.peak_temporaries < formula.memory.peak_temporaries - scores
+    rate = gpu.matmul_rate("bfloat16") / 4
+    slower = predict(model, adamw, {"data": 1}, layout, dataclasses.replace(gpu, attention_flops={"bfloat16": rate}))
+    extra = fused.work.attention_flops * (1 / rate - 1 / gpu.matmul_rate("bfloat16"))
+    assert slower.compute_s == pytest.approx(fused.compute_s + extra, rel=1e-9)

@@ -483,3 +483,17 @@ def test_accumulation_of_a_batch_without_a_batch_dim_says_how_to_name_it():
         md.ConfigError, match="needs a dim 'batch' to cut, got \\[examples=16, features=6\\]; .*batch_dim"
     ):
         trainer.step(state, jax.random.key_data(jax.random.key(1)))
+
+
+def test_resume_may_change_what_is_recomputed_or_chunked_not_what_is_computed():
+    """A checkpoint saved before ``remat_policy`` and ``loss_chunk`` existed (or with other values)
+    resumes; another ``d_model`` is refused, naming it."""
+    from meshdsl.train.loop import _check_resumable
+
+    saved = {"step": 3, "model": "transformer", "optimizer": "adamw", "config": {"d_model": 32, "remat": False}}
+    mine = {"model": "transformer", "optimizer": "adamw", "lr_schedule": {}, "config": {"d_model": 32, "remat": True}}
+    mine["config"] |= {"remat_policy": "dots", "loss_chunk": 8}
+    _check_resumable(Path("ckpt/step_3"), saved, mine)
+    mine["config"]["d_model"] = 64
+    with pytest.raises(md.ConfigError, match=r"different transformer config: d_model=32 \(this run: 64\)$"):
+        _check_resumable(Path("ckpt/step_3"), saved, mine)

@@ -32,6 +32,7 @@ from meshdsl.bench import fits
 from meshdsl.bench.timing import CompiledStep, losses_from, memory_bytes
 from meshdsl.model_loader import shipped_name
 from meshdsl.nn.attention_impl import implementation_here
+from meshdsl.ops.scan import REMAT_POLICIES
 from meshdsl.tensor import is_tensor
 from meshdsl.train.optim import Optimizer
 from meshdsl.train.rules import model_dims
@@ -112,7 +113,8 @@ def _transformer_loss(p: dict, batch: dict[str, jax.Array], c: Any, constrain: C
         return constrain(x + jnp.einsum("blf,fd->bld", hidden, w["w_out"]), "batch length d_model"), None
 
     x = constrain(p["embed"][batch["inputs"]].astype(dtype), "batch length d_model")
-    x, _ = jax.lax.scan(jax.checkpoint(layer) if c.remat else layer, x, p["layers"])
+    policy = REMAT_POLICIES[getattr(c, "remat_policy", "full")]
+    x, _ = jax.lax.scan(jax.checkpoint(layer, policy=policy) if c.remat else layer, x, p["layers"])
     logits = jnp.einsum("bld,dv->blv", _norm(c.norm, x, p["final_norm"]), p["unembed"]).astype(jnp.float32)
     target = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - target)

@@ -1,19 +1,25 @@
 """``meshdsl gpu-check``: the prepared check of one GPU, every figure into one markdown and one JSON file.
 
-Steps, each timed, each one's failure a line in the file that does not stop the others:
+Steps, each timed, each one's failure a line in the file that does not stop the others, with
+the seconds each is budgeted on one H100 or H200 (:data:`BUDGET_S`; compiles dominate):
 
-1. the environment (device, JAX version, date);
-2. cuDNN's fused attention against XLA's formula (bf16, causal; only on a GPU);
-3. the README's main job (``meshdsl bench``: the Transformer's shipped layouts);
-4. the 1b preset at batch 8 and 16, bf16 compute, AdamW, ``data_parallel``, with ``--baseline jax``;
-5. ``meshdsl calibrate`` into a profile;
-6. the planner's prediction (the calibrated profile and the shipped one) beside each measurement.
+1. the environment (device, JAX version, date): 5 s;
+2. cuDNN's fused attention against XLA's formula (bf16, causal; only on a GPU): 30 s;
+3. ``meshdsl calibrate`` into a profile (matmul rates in bf16 and f32, memory bandwidth, the
+   fused attention's rate): 90 s;
+4. the 1b preset at batch 8, bf16 compute, AdamW, ``data_parallel``, with ``--baseline jax``,
+   the planner's prediction (the calibrated profile and the shipped one) beside it: 120 s;
+5. the same at batch 16: 130 s;
+6. the README's main job (``meshdsl bench``: the Transformer's shipped layouts, small preset,
+   no gspmd column): 60 s.
 
-Sized to finish in under 8 minutes on one H100 or H200 (compiles dominate: two 1b steps and
-their baselines). ``--dry`` runs the same steps on the devices at hand at tiny sizes (the
-``tiny`` preset, one layout, one round), which the test suite runs on CPU. The files are
-rewritten after every step, so a run cut short keeps what it measured. JAX is imported inside
-the steps, after the CLI has chosen the devices.
+435 s in all, under 8 minutes with room for the machine's start. A step starts only while the
+run has its budget left (:data:`TOTAL_S` from the first step): else it is recorded as skipped,
+so a slow device still leaves a report of what it measured. ``--dry`` runs the same steps on
+the devices at hand at tiny sizes (the ``tiny`` preset, one layout, one round), with no
+budget; the test suite runs it on CPU. The files are rewritten after every step, so a run cut
+short keeps what it measured. JAX is imported inside the steps, after the CLI has chosen the
+devices.
 """
 
 from __future__ import annotations
@@ -46,6 +52,10 @@ class Sizes:
 
 
 FULL = Sizes("transformer", "small", None, "1b", (8, 16), 3, 2, (4, 16, 2048, 128), None)
+TOTAL_S = 450.0
+"""Seconds the full run may take from its first step (under 8 minutes with the machine's start)."""
+BUDGET_S = {"environment": 5, "attention": 30, "calibrate": 90, "batch 8": 120, "batch 16": 130, "main job": 60}
+"""Seconds each step of the full run is budgeted (module docstring); a step starts only if the run has them left."""
 DRY = Sizes(
     "mlp",
     "tiny",
@@ -55,7 +65,12 @@ DRY = Sizes(
     1,
     1,
     (2, 2, 16, 8),
-    {"matmul_sizes": (64, 128), "bandwidth_sizes": (2**16, 2**18), "collective_sizes": (2**12, 2**14)},
+    {
+        "matmul_sizes": (64, 128),
+        "bandwidth_sizes": (2**16, 2**18),
+        "collective_sizes": (2**12, 2**14),
+        "attention_lengths": (16, 32),
+    },
 )
 
 
@@ -84,11 +99,25 @@ class Report:
     path: Path
     dry: bool
     steps: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    deadline: float | None = None
+    """``time.perf_counter()`` by which the run ends (None: no budget)."""
 
-    def step(self, title: str, body: Callable[[], dict[str, Any]], out: Callable[[str], None]) -> dict[str, Any] | None:
-        """Run ``body`` as the step ``title``: its result, or None (its error recorded in one line)."""
+    def step(
+        self, title: str, body: Callable[[], dict[str, Any]], out: Callable[[str], None], budget: float = 0.0
+    ) -> dict[str, Any] | None:
+        """Run ``body`` as the step ``title``: its result, or None (its error recorded in one line);
+        skipped when fewer than ``budget`` seconds of the run's budget are left."""
         out(f"meshdsl gpu-check: {title} ...")
         start = time.perf_counter()
+        left = None if self.deadline is None else self.deadline - start
+        if left is not None and left < budget:
+            why = (
+                f"skipped: {max(left, 0):.0f} s of the run's {TOTAL_S:.0f} s left, the step is budgeted {budget:.0f} s"
+            )
+            out(f"meshdsl gpu-check: {title} {why}")
+            self.steps.append({"step": title, "seconds": 0.0, "error": why, "result": None})
+            self.write()
+            return None
         try:
             result, error = body(), None
         except Exception as e:  # one step's failure is recorded, the others still run
@@ -163,17 +192,26 @@ def _bench(cfg: Any) -> list[dict[str, Any]]:
     return [{"lines": notes}] + [{k: s.get(k) for k in keep} for s in summaries]
 
 
-def _prediction(preset: str, batch: int, profile: Any) -> dict[str, Any]:
-    """The planner's step time and memory for the 1b step as measured (data_parallel on the devices at hand)."""
+def _predictions(preset: str, batch: int, profiles: list[Any]) -> list[dict[str, Any]]:
+    """The planner's step time and memory for the 1b step as measured (data_parallel on the devices
+    at hand) on each profile; traced once per platform the profiles name."""
     from meshdsl.model_loader import build_model
-    from meshdsl.planner.cost import predict
+    from meshdsl.planner.cost import price
+    from meshdsl.planner.trace import trace_step
     from meshdsl.train import optim
     from meshdsl.train.loop import load_layout
 
     model = build_model("transformer", preset, batch=batch, compute_dtype="bfloat16")
     layout = load_layout("data_parallel")
-    p = predict(model, optim.make("adamw"), layout.mesh().axis_sizes, layout, profile)
-    return {"profile": profile.name, "step_s": p.step_s, "memory_bytes": p.memory.total}
+    traced: dict[str, Any] = {}
+    found = []
+    for profile in profiles:
+        if profile.platform not in traced:
+            sizes = layout.mesh().axis_sizes
+            traced[profile.platform] = trace_step(model, optim.make("adamw"), sizes, layout, platform=profile.platform)
+        p = price(traced[profile.platform], model, profile)
+        found.append({"profile": profile.name, "step_s": p.step_s, "memory_bytes": p.memory.total})
+    return found
 
 
 def gpu_check(out_path: str | Path, dry: bool, out: Callable[[str], None] = print) -> Report:
@@ -182,24 +220,17 @@ def gpu_check(out_path: str | Path, dry: bool, out: Callable[[str], None] = prin
     from meshdsl.planner.profile import default_profile, load_profile
 
     sizes = DRY if dry else FULL
-    report = Report(Path(out_path), dry)
+    report = Report(Path(out_path), dry, deadline=None if dry else time.perf_counter() + TOTAL_S)
+    budget = dict.fromkeys(BUDGET_S, 0.0) if dry else BUDGET_S
     folder = report.path.with_suffix("")
-    report.step("environment", _environment, out)
-    report.step("fused attention vs XLA", lambda: {"attention": _attention(sizes)}, out)
-    main = BenchConfig(
-        models=[sizes.main_model],
-        preset=sizes.main_preset,
-        layouts=sizes.main_layouts,
-        rounds=sizes.rounds,
-        steps_per_round=sizes.steps_per_round,
-        out=str(folder / "main"),
-        gspmd=not dry,
+    report.step("environment", _environment, out, budget["environment"])
+    report.step("fused attention vs XLA", lambda: {"attention": _attention(sizes)}, out, budget["attention"])
+    calibrated = report.step(
+        "calibrate",
+        lambda: {"profile": _calibrate(sizes, folder / "calibrated.json", out)},
+        out,
+        budget["calibrate"],
     )
-    title = f"main job: meshdsl bench --model {sizes.main_model} --preset {sizes.main_preset}"
-    report.step(title, lambda: {"entries": _bench(main)}, out)
-    calibrated = report.step("calibrate", lambda: {"profile": _calibrate(sizes, folder / "calibrated.json", out)}, out)
-    profiles = [lambda: load_profile(folder / "calibrated.json")] if calibrated is not None else []
-    profiles.append(default_profile)
     for batch in sizes.batches:
         big = BenchConfig(
             preset=sizes.big_preset,
@@ -214,10 +245,23 @@ def gpu_check(out_path: str | Path, dry: bool, out: Callable[[str], None] = prin
 
         def measured_and_predicted(big: Any = big, batch: int = batch) -> dict[str, Any]:
             entries = _bench(big)
-            return {"entries": entries, "predictions": [_prediction(sizes.big_preset, batch, p()) for p in profiles]}
+            profiles = [load_profile(folder / "calibrated.json")] if calibrated is not None else []
+            predictions = _predictions(sizes.big_preset, batch, [*profiles, default_profile()])
+            return {"entries": entries, "predictions": predictions}
 
         title = f"transformer {sizes.big_preset} batch {batch}, bf16, AdamW, vs plain JAX"
-        report.step(title, measured_and_predicted, out)
+        report.step(title, measured_and_predicted, out, budget.get(f"batch {batch}", budget["batch 16"]))
+    main = BenchConfig(
+        models=[sizes.main_model],
+        preset=sizes.main_preset,
+        layouts=sizes.main_layouts,
+        rounds=sizes.rounds,
+        steps_per_round=sizes.steps_per_round,
+        out=str(folder / "main"),
+        gspmd=False,
+    )
+    title = f"main job: meshdsl bench --model {sizes.main_model} --preset {sizes.main_preset} --no-gspmd"
+    report.step(title, lambda: {"entries": _bench(main)}, out, budget["main job"])
     out(f"meshdsl gpu-check: wrote {report.path} and {_json_path(report.path)}")
     return report
 
@@ -230,7 +274,12 @@ def _calibrate(sizes: Sizes, path: Path, out: Callable[[str], None]) -> dict[str
     profile, raw = calibrate("gpu-check-" + jax.devices()[0].platform, out, **(sizes.calibrate or {}))
     path.parent.mkdir(parents=True, exist_ok=True)
     profile.save(path, measurements=raw)
-    return {"matmul_flops": dict(profile.matmul_flops), "memory_bandwidth": profile.memory_bandwidth, "file": str(path)}
+    return {
+        "matmul_flops": dict(profile.matmul_flops),
+        "attention_flops": dict(profile.attention_flops),
+        "memory_bandwidth": profile.memory_bandwidth,
+        "file": str(path),
+    }
 
 
 def _cell(x: Any, scale: float = 1, spec: str = ".1f", unit: str = "") -> str:

@@ -95,6 +95,9 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> None:
             "predictions for it beside the gspmd step's compiled memory"
         )
     print(prediction.table(compiled))
+    if compiled is not None and profile.platform != jax.default_backend():
+        host = jax.default_backend()
+        print(f"(compiled: this host's {host} program, not the {profile.platform} one {profile.name} runs)")
     if prediction.memory.total > profile.memory_bytes:
         print(
             f"meshdsl explain: warning: the predicted memory, {fits.readable(prediction.memory.total)} per device, "

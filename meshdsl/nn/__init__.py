@@ -12,6 +12,7 @@ it costs. See docs/design.md, "md.nn".
 from meshdsl.nn.attention import MultiHeadAttention
 from meshdsl.nn.attention_core import dot_product_attention
 from meshdsl.nn.conv import Conv2d
+from meshdsl.nn.cross_entropy import cross_entropy
 from meshdsl.nn.dropout import dropout
 from meshdsl.nn.embedding import Embedding
 from meshdsl.nn.gated_mlp import GatedMLP
@@ -26,6 +27,7 @@ from meshdsl.ops.pool import avg_pool, max_pool
 __all__ = [
     "avg_pool",
     "Conv2d",
+    "cross_entropy",
     "dot_product_attention",
     "dropout",
     "Embedding",

@@ -50,7 +50,8 @@ from meshdsl.arguments import number
 from meshdsl.dims import DimLike, Shape
 from meshdsl.errors import ShapeError
 from meshdsl.lowering.context import current, op
-from meshdsl.nn.attention_impl import implementation_here
+from meshdsl.nn import fused_attention_standin
+from meshdsl.nn.attention_impl import implementation_here, needs_standin
 from meshdsl.nn.params import check_float
 from meshdsl.ops import elementwise
 from meshdsl.ops.einsum import einsum
@@ -161,15 +162,12 @@ def dot_product_attention(
         allowed = positions if allowed is None else jnp.logical_and(allowed, positions)
     kind = "tensor" if allowed is not None else "causal" if whole_causal else "none"
     chosen = implementation_here(qa.dtype, qa.shape[-1], kind, implementation)
-    out = jax.nn.dot_product_attention(
-        qa,
-        ka,
-        va,
-        mask=allowed,
-        scale=scale,
-        is_causal=whole_causal,
-        implementation=chosen,
-    )
+    if needs_standin(chosen):  # priced for a GPU on a host without one (the planner)
+        out = fused_attention_standin.fused_attention(qa, ka, va, scale, whole_causal)
+    else:
+        out = jax.nn.dot_product_attention(
+            qa, ka, va, mask=allowed, scale=scale, is_causal=whole_causal, implementation=chosen
+        )
     out = jnp.reshape(out, (*local_batch, out.shape[1], *(local_of[n] for n in (h, *groups)), out.shape[-1]))
     order = [*batch, t, h, *groups, d]
     out = jnp.transpose(out, [order.index(n) for n in q.names])

@@ -13,6 +13,9 @@ causal rows of a split query length) goes to XLA. An explicit ``implementation=`
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -62,10 +65,36 @@ def choose_implementation(
     return "cudnn" if fused else "xla"
 
 
+_TRACED_FOR: contextvars.ContextVar[str | None] = contextvars.ContextVar("meshdsl_traced_for", default=None)
+
+
+@contextlib.contextmanager
+def traced_for(platform: str | None) -> Iterator[None]:
+    """Attention chosen as on ``platform`` (a device profile's: "gpu", "cpu", "tpu") while tracing a
+    step to price it, not as on the host's backend; None: the host's. On a host without cuDNN a
+    fused choice traces as :mod:`meshdsl.nn.fused_attention_standin` (shapes only, never compiled)."""
+    token = _TRACED_FOR.set(platform)
+    try:
+        yield
+    finally:
+        _TRACED_FOR.reset(token)
+
+
+def target_platform() -> str:
+    """The platform a step is being traced for: :func:`traced_for`'s, else ``jax.default_backend()``."""
+    return _TRACED_FOR.get() or jax.default_backend()
+
+
+def needs_standin(implementation: str) -> bool:
+    """Whether ``implementation`` is cuDNN's while the host cannot trace it (no GPU backend here)."""
+    return implementation == "cudnn" and jax.default_backend() not in GPU_PLATFORMS and _TRACED_FOR.get() is not None
+
+
 def implementation_here(dtype: Any, head_dim: int, mask_kind: str, explicit: str | None = None) -> str:
-    """:func:`choose_implementation` for the backend being compiled for (``jax.default_backend()``)."""
+    """:func:`choose_implementation` for the platform being traced for (:func:`target_platform`); the
+    head-size limit of this host's GPU, or 128 for a GPU traced for elsewhere."""
     if explicit is not None:
         return choose_implementation("", dtype, head_dim, mask_kind, explicit)
-    platform = jax.default_backend()
-    limit = max_head_dim() if platform in GPU_PLATFORMS else 128
+    platform = target_platform()
+    limit = max_head_dim() if jax.default_backend() in GPU_PLATFORMS else 128
     return choose_implementation(platform, dtype, head_dim, mask_kind, head_dim_limit=limit)

@@ -25,7 +25,7 @@ import numpy as np
 from jax.extend import source_info_util
 
 from meshdsl.dims import DimLike, Shape
-from meshdsl.errors import ShapeError
+from meshdsl.errors import ConfigError, ShapeError
 from meshdsl.lowering.context import current
 from meshdsl.tensor import Tensor, describe, is_tensor
 
@@ -57,6 +57,25 @@ def _refetch_gathered(primitive: Any, *args: Any, **params: Any) -> bool:
     Everything else is saved as without a policy (the recomputed reshapes of activations are free).
     """
     return not _moves_data(primitive, params)
+
+
+REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
+    "full": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+"""``md.scan``'s ``remat`` by name: ``"full"`` (as ``True``) recomputes every activation of a step in
+the backward pass; ``"dots"`` keeps the outputs of matmuls without batch dims (the projections and
+feed-forward; attention's scores are batched, so recomputed) and recomputes the rest: more memory
+than ``"full"``, less than none, and the matmuls are not run twice."""
+
+
+def remat_policy(remat: bool | str) -> tuple[bool, Callable[..., Any] | None]:
+    """``(recompute, jax.checkpoint policy)`` of ``md.scan``'s ``remat``; ConfigError for an unknown name."""
+    if isinstance(remat, bool):
+        return remat, None
+    if remat not in REMAT_POLICIES:
+        raise ConfigError(f"md.scan: remat={remat!r}: use True, False or one of {', '.join(REMAT_POLICIES)}")
+    return True, REMAT_POLICIES[remat]
 
 
 def _arrays(tree: Any) -> list[Any]:
@@ -100,14 +119,16 @@ def _check_carry(init: Any, out: Any) -> None:
 
 
 def scan(
-    fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: DimLike, *, remat: bool = False
+    fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: DimLike, *, remat: bool | str = False
 ) -> tuple[Any, Any]:
     """``fn(carry, x) -> (carry, y)`` over ``dim`` of every tensor in ``xs``; returns ``(carry, ys)``.
 
     ``x`` holds the slices of ``xs`` (without ``dim``); ``ys`` stacks the ``y``\\ s along ``dim``
     in front. The carry keeps its shapes and dtypes. ``remat`` recomputes each step's
-    activations in the backward pass instead of storing them.
+    activations in the backward pass instead of storing them (a name of :data:`REMAT_POLICIES`:
+    which of them are stored all the same).
     """
+    recompute, policy = remat_policy(remat)
     with jax.named_scope("md.scan"):
         lowering = current()
         leaves, treedef = jax.tree_util.tree_flatten(xs, is_leaf=is_tensor)
@@ -188,8 +209,8 @@ def scan(
             carry, y = step(carry, local)
             return _vary_like(lowering.vary_like, carry, init), y
 
-        if remat:
-            body = jax.checkpoint(body)
+        if recompute:
+            body = jax.checkpoint(body, policy=policy)
         elif any(g is not None for g in gathers):
             body = jax.checkpoint(body, policy=_refetch_gathered)
         carry, ys = jax.lax.scan(body, init, arrays)

@@ -3,7 +3,9 @@
 Every measurement runs on all devices at once (one ``shard_map``), as a training step does, so
 devices that share hardware (simulated CPU devices share the host's cores) are measured as they
 will run. Measured: the matmul rate (f32, and bf16 where the device has it), the memory
-bandwidth of element-wise work, and for each collective kind, each mesh axis of a 1-D and a 2-D
+bandwidth of element-wise work, the rate of causal attention with the kernel meshdsl picks
+there (cuDNN's fused attention for bf16 on a GPU: what the planner prices fused attention at;
+measured on one device), and for each collective kind, each mesh axis of a 1-D and a 2-D
 mesh and several buffer sizes, the time of one call. Latency and bandwidth per kind are the
 least-squares line ``time = latency + bytes / bandwidth`` through those points, with bytes from
 :func:`meshdsl.collectives.bytes_moved` (the cost model's own rule).
@@ -20,7 +22,7 @@ import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +46,10 @@ MATMUL_SIZES = tuple(2**k for k in range(8, 15))
 """Matmul sides tried, smallest first (256 to 16384)."""
 BANDWIDTH_SIZES = tuple(2**k for k in range(22, 31, 2))
 """Element-wise buffer bytes tried, smallest first (4 MiB to 1 GiB)."""
+ATTENTION_LENGTHS = (512, 1024, 2048, 4096)
+"""Sequence lengths the attention rate is measured at, shortest first."""
+ATTENTION_SHAPE = (4, 16, 128)
+"""Batch, heads and head size of the attention measured (the 1b preset's heads)."""
 
 
 def _time(fn: Callable[[], Any], repeats: int = 5, inner: int = 3) -> float:
@@ -130,6 +136,36 @@ def memory_bandwidth(mesh: jax.sharding.Mesh, sizes: Sequence[int] = BANDWIDTH_S
     return saturated(measure, sizes)[1]
 
 
+def attention_rate(
+    dtype: Any, lengths: Sequence[int] = ATTENTION_LENGTHS, shape: tuple[int, int, int] = ATTENTION_SHAPE
+) -> tuple[float, str]:
+    """FLOP/s of one device's causal attention, forward and backward, with the kernel meshdsl chooses
+    for ``dtype`` here (cuDNN's fused attention on a GPU, XLA's formula elsewhere), counted as the
+    planner counts the fused kernel (:data:`meshdsl.planner.flops.FUSED_ATTENTION`: 2 + 5 matmuls,
+    causal half), the length grown until the rate saturates; and the kernel's name."""
+    from meshdsl.nn.attention_impl import implementation_here
+    from meshdsl.planner.flops import FUSED_ATTENTION, attention_flops
+
+    b, n, h = shape
+    kernel = implementation_here(dtype, h, "causal")
+    passes = sum(FUSED_ATTENTION.values()) / 2
+
+    def measure(t: int) -> tuple[float, float]:
+        _fits(8 * b * t * n * h * jnp.dtype(dtype).itemsize)
+
+        def loss(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            fused: Literal["xla", "cudnn"] = "cudnn" if kernel == "cudnn" else "xla"
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=fused)
+            return jnp.sum(out.astype(jnp.float32))
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        q = jnp.ones((b, t, n, h), dtype)
+        seconds = _time(functools.partial(grad, q, q, q))
+        return attention_flops(b, n, t, t, h, causal=True, passes=1) * passes / seconds, seconds
+
+    return saturated(measure, lengths)[1], kernel
+
+
 def _collective(kind: str, axis: str) -> Callable[[jax.Array], jax.Array]:
     if kind == Collective.ALL_REDUCE.value:
         return lambda x: lax.psum(x, axis)
@@ -196,9 +232,10 @@ def calibrate(
     matmul_sizes: Sequence[int] | None = None,
     bandwidth_sizes: Sequence[int] | None = None,
     collective_sizes: Sequence[int] | None = None,
+    attention_lengths: Sequence[int] | None = None,
 ) -> tuple[DeviceProfile, list[dict[str, Any]]]:
     """Measure the devices at hand; the profile and every raw measurement. The sizes tried (None:
-    :data:`MATMUL_SIZES`, :data:`BANDWIDTH_SIZES`, :data:`SIZES`; smaller ones make a quick,
+    :data:`MATMUL_SIZES`, :data:`BANDWIDTH_SIZES`, :data:`SIZES`, :data:`ATTENTION_LENGTHS`; smaller ones make a quick,
     unsaturated run, as ``meshdsl gpu-check --dry`` does)."""
     matmul_sizes, bandwidth_sizes = matmul_sizes or MATMUL_SIZES, bandwidth_sizes or BANDWIDTH_SIZES
     collective_sizes = collective_sizes or SIZES
@@ -210,6 +247,10 @@ def calibrate(
         out(f"  matmul {dtype}: {rate / 1e9:.2f} GFLOP/s per device")
     bandwidth = memory_bandwidth(meshes[0], bandwidth_sizes)
     out(f"  element-wise: {bandwidth / 1e9:.2f} GB/s per device")
+    attention: dict[str, float] = {}
+    for dtype in ("float32", "bfloat16"):
+        attention[dtype], kernel = attention_rate(jnp.dtype(dtype), attention_lengths or ATTENTION_LENGTHS)
+        out(f"  attention {dtype} ({kernel}, causal, forward and backward): {attention[dtype] / 1e9:.2f} GFLOP/s")
     device = devices[0]
     source = f"measured by meshdsl calibrate on {count} x {device.device_kind} ({device.platform})"
     raw: list[dict[str, Any]] = []
@@ -230,6 +271,7 @@ def calibrate(
         intra=links,
         inter=links,
         matmul_flops=rates,
+        attention_flops=attention,
     )
     return profile, raw
 

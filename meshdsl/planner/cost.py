@@ -4,7 +4,7 @@ Communication is ``md.explain``'s (the traced program's own collectives, priced 
 :func:`meshdsl.collectives.bytes_moved`, equal to the compiled HLO's); memory is
 :mod:`~meshdsl.planner.memory`'s; work is :mod:`~meshdsl.planner.flops`'. Time is
 
-    compute = matmul FLOPs / matmul rate + memory bytes / memory bandwidth
+    compute = matmul FLOPs / matmul rate + fused attention FLOPs / attention rate + memory bytes / memory bandwidth
     each collective = calls x latency + bytes / bandwidth (its kind, on the link its axes span)
 
 and the step time is their sum (no overlap assumed: meshdsl's collectives sit between the ops
@@ -68,7 +68,7 @@ class Prediction:
                 f"  total (compiled)    {compiled_memory / mib:12.3f}   ({m.total / compiled_memory - 1:+.1%})"
             )
         lines += [
-            f"FLOPs per device      {self.work.matmul_flops:14.4g}",
+            f"FLOPs per device      {self.work.flops:14.4g}",
             "predicted step time (ms)",
             f"  compute             {self.compute_s * 1e3:12.3f}",
         ]
@@ -95,7 +95,12 @@ def price(traced: Traced, model: Any, profile: DeviceProfile) -> Prediction:
     body = block(shard_map_body(traced.jaxpr))
     mem = memory_model.breakdown(traced.state, traced.batch, traced.layout, traced.mesh, body)
     done = work(body)
-    compute = done.matmul_flops / profile.matmul_rate(_dtype(model)) + done.memory_bytes / profile.memory_bandwidth
+    dtype = _dtype(model)
+    compute = (
+        done.matmul_flops / profile.matmul_rate(dtype)
+        + done.attention_flops / profile.attention_rate(dtype)
+        + done.memory_bytes / profile.memory_bandwidth
+    )
     comm: dict[str, float] = {}
     for r in report.rows:
         link = profile.link(r.collective.value, span(r.axes, sizes))
@@ -112,4 +117,5 @@ def predict(
     grad_reduce_dtype: str | None = None,
 ) -> Prediction:
     """Trace one training step of ``model`` on a mesh of ``axis_sizes`` under ``layout`` and price it."""
-    return price(trace_step(model, optimizer, axis_sizes, layout, grad_reduce_dtype), model, profile)
+    traced = trace_step(model, optimizer, axis_sizes, layout, grad_reduce_dtype, platform=profile.platform)
+    return price(traced, model, profile)

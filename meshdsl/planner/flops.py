@@ -25,16 +25,27 @@ from meshdsl.planner.program import Block, Step, nbytes
 @dataclasses.dataclass(frozen=True)
 class Work:
     """``matmul_flops``: 2 x multiply-adds of dots and convolutions; ``memory_bytes``: bytes of
-    buffers written, plus bytes of buffers read (once per reading step)."""
+    buffers written, plus bytes of buffers read (once per reading step); ``attention_flops``: the
+    matmul FLOPs run inside fused attention kernels (priced at the profile's attention rate)."""
 
     matmul_flops: float
     memory_bytes: float
+    attention_flops: float = 0.0
+
+    @property
+    def flops(self) -> float:
+        """Every FLOP counted: matmuls and fused attention."""
+        return self.matmul_flops + self.attention_flops
 
     def __add__(self, other: Work) -> Work:
-        return Work(self.matmul_flops + other.matmul_flops, self.memory_bytes + other.memory_bytes)
+        return Work(
+            self.matmul_flops + other.matmul_flops,
+            self.memory_bytes + other.memory_bytes,
+            self.attention_flops + other.attention_flops,
+        )
 
     def __mul__(self, k: float) -> Work:
-        return Work(self.matmul_flops * k, self.memory_bytes * k)
+        return Work(self.matmul_flops * k, self.memory_bytes * k, self.attention_flops * k)
 
 
 def _dot_flops(step: Step) -> float:
@@ -98,7 +109,7 @@ def work(block: Block) -> Work:
         elif step.name == "conv_general_dilated":
             total += Work(_conv_flops(step), 0.0)
         elif step.name in FUSED_ATTENTION:
-            total += Work(_fused_attention_flops(step), 0.0)
+            total += Work(0.0, 0.0, _fused_attention_flops(step))
         total += Work(0.0, float(sum(b for v, b in step.outs if v in keep)))
         for body, times in step.bodies:
             total += work(body) * times

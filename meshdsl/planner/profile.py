@@ -54,6 +54,9 @@ class DeviceProfile:
     intra: Mapping[str, Link]
     inter: Mapping[str, Link]
     matmul_flops: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    attention_flops: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """Measured FLOP/s of the fused attention kernel per dtype (its matmuls as the planner counts them,
+    forward and backward, causal half); a dtype without one is priced at the matmul rate."""
 
     def matmul_rate(self, dtype: str = "float32") -> float:
         """Matmul FLOP/s of one device in ``dtype``: measured, else the datasheet peak from bench.peaks."""
@@ -66,6 +69,10 @@ class DeviceProfile:
                 f"{self.device_kind!r}"
             )
         return peak
+
+    def attention_rate(self, dtype: str = "float32") -> float:
+        """FLOP/s of fused attention in ``dtype``: measured (``meshdsl calibrate`` on a GPU), else the matmul rate."""
+        return self.attention_flops.get(dtype) or self.matmul_rate(dtype)
 
     def link(self, kind: str, span: int) -> Link:
         """The link a collective of ``kind`` over a group spanning ``span`` consecutive devices uses."""
@@ -90,6 +97,7 @@ class DeviceProfile:
                 for k in ("name", "source", "platform", "device_kind", "memory_bytes", "memory_bandwidth", "node_size")
             }
             rates = dict(data.get("matmul_flops", {}))
+            attention = dict(data.get("attention_flops", {}))
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"device profile {where}: missing or malformed field {e}") from None
         positive = {k: fields[k] for k in ("memory_bytes", "memory_bandwidth", "node_size")}
@@ -97,6 +105,7 @@ class DeviceProfile:
             f"{side}.{k}.bandwidth": link.bandwidth for side, kinds in links.items() for k, link in kinds.items()
         }
         positive |= {f"matmul_flops.{k}": v for k, v in rates.items()}
+        positive |= {f"attention_flops.{k}": v for k, v in attention.items()}
         latencies = {
             f"{side}.{k}.latency_s": link.latency_s for side, kinds in links.items() for k, link in kinds.items()
         }
@@ -105,7 +114,7 @@ class DeviceProfile:
             if not number or value < 0 or (value == 0 and name in positive):
                 need = "a positive number" if name in positive else "a number >= 0"
                 raise ConfigError(f"device profile {where}: {name} is {value!r}; it must be {need}")
-        return cls(**fields, **links, matmul_flops=rates)
+        return cls(**fields, **links, matmul_flops=rates, attention_flops=attention)
 
     def save(self, path: str | Path, measurements: list[dict[str, Any]] | None = None) -> None:
         """Write as JSON; ``measurements``: calibration's raw points, kept beside the fit for reference."""

@@ -253,7 +253,11 @@ def search(
             continue
         try:
             traced += 1
-            prediction = price(trace_step(model, optimizer, cand.axis_sizes, cand.layout, batch=batch), model, profile)
+            prediction = price(
+                trace_step(model, optimizer, cand.axis_sizes, cand.layout, batch=batch, platform=profile.platform),
+                model,
+                profile,
+            )
         except UnsupportedJaxError:
             raise
         except (md.LayoutError, md.ShapeError, md.ConfigError) as e:

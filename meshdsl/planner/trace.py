@@ -19,6 +19,7 @@ import meshdsl as md
 from meshdsl.jaxpr_walk import called
 from meshdsl.lowering.base import Lowering
 from meshdsl.lowering.context import use
+from meshdsl.nn.attention_impl import traced_for
 from meshdsl.planner.memory import peak_bytes
 from meshdsl.planner.program import block
 from meshdsl.train.step import Trainer
@@ -59,18 +60,22 @@ def trace_step(
     layout: md.Layout,
     grad_reduce_dtype: str | None = None,
     batch: Batch | None = None,
+    platform: str | None = None,
 ) -> Traced:
     """Trace one step of ``model`` under ``layout`` on a mesh of ``axis_sizes``; LayoutError if illegal.
 
     The step is traced on a batch of ``batch``'s shapes (default :func:`abstract_batch`) given as
     an input, not on the synthetic batch made from a key inside the step: making that batch has
     no collectives, and tracing it costs far more than the step itself for long sequences.
+    ``platform``: the device profile's, whose attention kernel the step is traced with
+    (:func:`meshdsl.nn.attention_impl.traced_for`: cuDNN's fused attention for a GPU); None: the host's.
     """
     mesh = md.Mesh.abstract(axis_sizes)
     trainer = Trainer(model, optimizer, mesh, layout, grad_reduce_dtype=grad_reduce_dtype)
     state = trainer.abstract_state()
     batch = abstract_batch(model) if batch is None else batch
-    closed = jax.make_jaxpr(trainer.step.spmd_function)(state, batch.shapes)
+    with traced_for(platform):
+        closed = jax.make_jaxpr(trainer.step.spmd_function)(state, batch.shapes)
     return Traced(closed.jaxpr, state, batch, mesh, layout)
 
 

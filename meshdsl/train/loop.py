@@ -83,6 +83,10 @@ class RunConfig:
     """Train on past a NaN or infinite loss instead of stopping."""
 
 
+RESUMABLE_CHANGES = ("remat", "remat_policy", "loss_chunk")
+"""Config fields a resumed run may change: what is recomputed or chunked, not what is computed."""
+
+
 def layout_path(spec: str) -> Path | None:
     """The TOML file a layout spec names (a path, or a shipped layout's name), or None for inline rules."""
     if not spec.strip():
@@ -270,7 +274,7 @@ def _schedule_of(run: RunConfig) -> dict[str, Any]:
 
 
 def _check_resumable(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -> None:
-    """ConfigError unless the checkpoint was saved by the same model and optimizer (``remat`` may differ)."""
+    """ConfigError unless the checkpoint was saved by the same model, optimizer and config (bar RESUMABLE_CHANGES)."""
     if not isinstance(saved.get("step"), int):
         raise md.DataError(
             f"checkpoint {path} records no training step in its metadata; it was not saved by meshdsl train"
@@ -288,7 +292,7 @@ def _check_resumable(path: Path, saved: dict[str, Any], mine: dict[str, Any]) ->
     diffs = [
         f"{k}={config.get(k)!r} (this run: {v!r})"
         for k, v in mine["config"].items()
-        if k != "remat" and config.get(k) != v
+        if k not in RESUMABLE_CHANGES and config.get(k) != v
     ]
     if diffs:
         raise ConfigError(f"checkpoint {path} was saved with a different {mine['model']} config: {', '.join(diffs)}")

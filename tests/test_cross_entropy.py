@@ -1,0 +1,74 @@
+"""md.nn.cross_entropy, all at once and a chunk of positions at a time: values and gradients of the
+plain formula (a float64 jax.numpy reference on global arrays) under layouts that split the batch,
+the vocabulary and the chunked dim itself, and the chunked loss holds less memory."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import harness
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference as R
+from meshdsl.models import transformer
+
+import meshdsl as md
+
+D = md.Dim
+BATCH, LENGTH, D_MODEL, VOCAB = D("batch", 4), D("length", 8), D("d_model", 8), D("vocab", 16)
+
+
+def _loss(chunk):
+    def fn(x, w, targets):
+        logits = lambda t: md.einsum(t, w, out=[*t.shape.without(["d_model"]), VOCAB])  # noqa: E731
+        return md.nn.cross_entropy(x, targets, logits, "vocab", "length", chunk)
+
+    return fn
+
+
+def _reference(x, w, targets):
+    logits = R.einsum("batch length vocab", x, w)
+    return R.reduce("mean", R.logsumexp(logits, "vocab") - R.take_along(logits, targets, "vocab"))
+
+
+def _args():
+    rng = np.random.default_rng(0)
+    return (
+        harness.from_numpy(rng.standard_normal((4, 8, 8)).astype(np.float32), [BATCH, LENGTH, D_MODEL]),
+        harness.from_numpy(rng.standard_normal((8, 16)).astype(np.float32), [D_MODEL, VOCAB]),
+        harness.from_numpy(rng.integers(0, 16, (4, 8)).astype(np.int32), [BATCH, LENGTH]),
+    )
+
+
+@pytest.mark.parametrize(
+    "chunk, layout",
+    [(None, "batch:data; vocab:model"), (2, "batch:data; vocab:model"), (4, "length:model; d_model:data")],
+)
+def test_cross_entropy_equals_the_plain_formula(chunk, layout):
+    assert harness.check(_loss(chunk), _args(), _reference, harness.mesh("data4_model2"), layout)
+
+
+def test_chunk_must_divide_the_dim():
+    x, w, t = _args()
+    with pytest.raises(md.ConfigError, match="chunk=3 must be a positive divisor of length=8"):
+        md.compile(_loss(3), harness.mesh("x8"), "")(x, w, t)
+
+
+def _temp_bytes(loss_chunk: int) -> int:
+    """Temporary bytes of the compiled gradient of a one-layer Transformer's loss, one device (abstract inputs)."""
+    config = transformer.Config(batch=2, length=64, d_model=16, heads=2, d_kv=8, d_ff=32, vocab=512, layers=1)
+    model = transformer.Model(dataclasses.replace(config, loss_chunk=loss_chunk))
+    mesh = md.Mesh({"x": 1})
+    params = jax.eval_shape(md.compile(model.init, mesh, ""), jax.random.key(0))
+    batch = jax.eval_shape(md.compile(model.batch, mesh, ""), jax.random.key(1))
+    step = md.compile(jax.grad(lambda p, b: model.loss(p, b).array), mesh, "")
+    return step.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_chunked_loss_holds_less_memory():
+    """The whole [batch, length, vocab] logits (256 KiB here, and their gradient) are not held at once."""
+    whole, chunked = _temp_bytes(64), _temp_bytes(8)
+    logits = 2 * 64 * 512 * jnp.dtype(jnp.float32).itemsize
+    assert chunked < whole - logits, (whole, chunked)
