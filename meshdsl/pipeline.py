@@ -50,6 +50,7 @@ from meshdsl.lowering.context import current
 from meshdsl.ops.scan import scan
 from meshdsl.pipeline_config import SCHEDULES, PipelineConfig  # noqa: F401  (md.pipeline.SCHEDULES)
 from meshdsl.tensor import Tensor
+from meshdsl.user_model import describe_model
 
 STAGE_LAYERS = "stage_layers"
 """The dim a stage's own slice of ``layers`` takes inside the stage (it has no layout rule)."""
@@ -57,7 +58,6 @@ STAGE_LAYERS = "stage_layers"
 
 def check_model(model: Any) -> None:
     """ConfigError unless ``model`` exposes the pipeline parts (``pre``, ``layer``, ``post``, ``with_batch``)."""
-    from meshdsl.model_loader import describe_model  # it imports the shipped models, which import meshdsl
 
     parts = ("pre", "layer", "post", "with_batch", "layers", "batch_dim")
     if not getattr(model, "pipelined", False) or not all(hasattr(model, p) for p in parts):

@@ -129,6 +129,14 @@ class UserModel:
         return out
 
 
+def describe_model(model: Any) -> str:
+    """``model`` for a message: a user's model by the file or module it came from (``llama.py``), never by
+    the name meshdsl imported it under; another (a shipped one) by its class (``meshdsl.models.mlp.Model``)."""
+    if isinstance(model, UserModel):
+        return f"{model.spec} ({type(model.model).__name__})"
+    return f"{type(model).__module__}.{type(model).__qualname__}"
+
+
 def _check_signature(model: Any, name: str, args: tuple[str, ...]) -> None:
     """ModelError at the method's line unless ``model.name`` can be called with ``args``."""
     method = getattr(model, name)

@@ -28,8 +28,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import meshdsl as md
 from meshdsl import relayout
-from meshdsl.bench import fits
-from meshdsl.bench.timing import CompiledStep, losses_from, memory_bytes
+from meshdsl.measure import fits
+from meshdsl.measure.timing import CompiledStep, losses_from, memory_bytes
 from meshdsl.model_loader import shipped_name
 from meshdsl.nn.attention_impl import implementation_here
 from meshdsl.tensor import is_tensor

@@ -173,10 +173,10 @@ def _bench(cfg: Any) -> list[dict[str, Any]]:
 
 def _prediction(preset: str, batch: int, profile: Any) -> dict[str, Any]:
     """The planner's step time and memory for the 1b step as measured (data_parallel on the devices at hand)."""
+    from meshdsl.layout_spec import load_layout
     from meshdsl.model_loader import build_model
     from meshdsl.planner.cost import predict
     from meshdsl.train import optim
-    from meshdsl.train.loop import load_layout
 
     model = build_model("transformer", preset, batch=batch, compute_dtype="bfloat16")
     layout = load_layout("data_parallel")
@@ -247,7 +247,7 @@ def _cell(x: Any, scale: float = 1, spec: str = ".1f", unit: str = "") -> str:
 
 def markdown(steps: list[dict[str, Any]], dry: bool) -> str:
     """The report: the steps' status, then each measurement with the planner's predictions beside it."""
-    from meshdsl.bench.fits import readable
+    from meshdsl.measure.fits import readable
 
     lines = [f"# meshdsl gpu-check{' (dry run: tiny sizes)' if dry else ''}", ""]
     lines += ["| step | seconds | status |", "|---|---|---|"]

@@ -1,6 +1,6 @@
 """Run the benchmark: compile every model x layout, time them side by side, report.
 
-Timing is interleaved (:mod:`meshdsl.bench.timing`): every round runs every entry once (its
+Timing is interleaved (:mod:`meshdsl.measure.timing`): every round runs every entry once (its
 step, and its baseline when asked for), in an order shuffled per round from ``--seed`` (each
 summary records the seed and every round's order), and each entry's step time is the median over
 rounds, with the spread (75th minus 25th percentile) beside it. Side by side, slow drifts of a
@@ -23,16 +23,17 @@ import numpy as np
 
 import meshdsl as md
 from meshdsl import hlo, hlo_flops, outputs
-from meshdsl.bench import analytic, baselines, fits
-from meshdsl.bench.peaks import peak_flops
+from meshdsl.bench import analytic, baselines
 from meshdsl.bench.report import write_reports
-from meshdsl.bench.timing import CompiledStep, compile_step, interleaved_rounds, memory_bytes, round_orders
 from meshdsl.errors import ConfigError
+from meshdsl.layout_spec import is_shipped, layout_path, load_layout
+from meshdsl.measure import fits
+from meshdsl.measure.peaks import peak_flops
+from meshdsl.measure.timing import CompiledStep, compile_step, interleaved_rounds, memory_bytes, round_orders
 from meshdsl.model_loader import build_model
 from meshdsl.pipeline import PipelineConfig, bubble, schedule_bubble, stages
 from meshdsl.train import optim
-from meshdsl.train.loop import layout_path, load_layout
-from meshdsl.train.rules import is_shipped, unused_rules
+from meshdsl.train.rules import unused_rules
 from meshdsl.train.step import Trainer
 
 

@@ -1,7 +1,7 @@
 """Does a compiled step fit a device's memory? One check for every command that compiles a step.
 
 A compiled program's memory per device is XLA's ``memory_analysis()`` (arguments + outputs +
-temporaries - the donated buffers its outputs reuse: :func:`meshdsl.bench.timing.memory_bytes`).
+temporaries - the donated buffers its outputs reuse: :func:`meshdsl.measure.timing.memory_bytes`).
 A device's capacity is, in order: the environment variable :data:`ENV` (bytes; to test or to
 plan for a smaller device), the device's own allocator limit (``memory_stats()["bytes_limit"]``:
 GPUs and TPUs), or on a CPU, which reports none, the host's available memory (``MemAvailable``
@@ -110,7 +110,7 @@ def message(what: str, needed: Mapping[str, int], cap: Capacity) -> str:
 
 
 def check(what: str, needed: Mapping[str, int], cap: Capacity | None = None) -> None:
-    """Raise :class:`DoesNotFit` when ``needed`` (:func:`meshdsl.bench.timing.memory_bytes`) exceeds
+    """Raise :class:`DoesNotFit` when ``needed`` (:func:`meshdsl.measure.timing.memory_bytes`) exceeds
     ``cap`` (default: :func:`capacity` of the first local device)."""
     cap = cap or capacity()
     if cap is not None and needed["total"] > cap.bytes:

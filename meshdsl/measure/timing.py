@@ -13,15 +13,17 @@ import dataclasses
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 import meshdsl as md
-from meshdsl.bench import fits
-from meshdsl.train.step import Trainer
+from meshdsl.measure import fits
+
+if TYPE_CHECKING:  # a type only: train imports this module (to check its step fits)
+    from meshdsl.train.step import Trainer
 
 
 @dataclasses.dataclass
@@ -82,7 +84,7 @@ def abstract_like(tree: Any) -> Any:
 def compile_checked(trainer: Trainer, data: Any, what: str, capacity: fits.Capacity | None = None) -> Any:
     """``trainer``'s step compiled for its state's shapes (nothing allocated) and ``data`` (a data
     key or a batch; concrete or abstract), checked against the device's memory first:
-    :class:`meshdsl.bench.fits.DoesNotFit` (naming ``what``) when it needs more than a device has."""
+    :class:`meshdsl.measure.fits.DoesNotFit` (naming ``what``) when it needs more than a device has."""
     compiled = compile_abstract(trainer, data)
     fits.check(what, memory_bytes(compiled), capacity)
     return compiled
@@ -96,11 +98,11 @@ def compile_abstract(trainer: Trainer, data: Any) -> Any:
 def compile_step(
     trainer: Trainer, seed: int, what: str = "the step", capacity: fits.Capacity | None = None
 ) -> CompiledStep:
-    """Compile one step of ``trainer``, check that it fits the device (:mod:`meshdsl.bench.fits`),
+    """Compile one step of ``trainer``, check that it fits the device (:mod:`meshdsl.measure.fits`),
     then init its state from ``seed`` (data key: ``fold_in(seed, 1)``).
 
     Layout and config mistakes raise as the trainer raises them, and a step that does not fit
-    raises :class:`~meshdsl.bench.fits.DoesNotFit`, before any state is allocated or anything timed.
+    raises :class:`~meshdsl.measure.fits.DoesNotFit`, before any state is allocated or anything timed.
     """
     key = jax.random.key(seed)
     data = jax.random.key_data(jax.random.fold_in(key, 1))
@@ -148,7 +150,7 @@ def interleaved_rounds(
     every round runs each step ``steps_per_round`` times, in that round's order (:func:`round_orders`).
 
     With ``failed`` (a dict to fill), a step that runs out of device memory at run time
-    (:func:`meshdsl.bench.fits.is_out_of_memory`) is recorded there by index and left out of the
+    (:func:`meshdsl.measure.fits.is_out_of_memory`) is recorded there by index and left out of the
     later rounds, so the other steps' samples are kept; without it, the error propagates."""
 
     def run(i: int) -> bool:

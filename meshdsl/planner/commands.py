@@ -79,10 +79,10 @@ def check(args: argparse.Namespace, overrides: dict[str, object]) -> None:
 
     from meshdsl import outputs
     from meshdsl.errors import ConfigError
+    from meshdsl.layout_spec import load_layout
     from meshdsl.model_loader import build_model
     from meshdsl.planner.profile import load_profile
     from meshdsl.train import optim
-    from meshdsl.train.loop import load_layout
 
     if args.command == "calibrate":
         if args.out is not None:
@@ -125,13 +125,14 @@ def _profile(spec: str | None) -> Any:
 def _explain(args: argparse.Namespace, overrides: dict[str, object], out: Callable[[str], None]) -> None:
     import jax
 
-    from meshdsl.bench import fits
-    from meshdsl.bench.timing import compile_abstract, memory_bytes
     from meshdsl.explain import report_of_hlo
+    from meshdsl.layout_spec import load_layout
+    from meshdsl.measure import fits
+    from meshdsl.measure.timing import compile_abstract, memory_bytes
     from meshdsl.model_loader import build_model
     from meshdsl.planner.cost import predict
     from meshdsl.train import optim
-    from meshdsl.train.loop import load_layout, rule_warnings
+    from meshdsl.train.loop import rule_warnings
     from meshdsl.train.step import Trainer
 
     model = build_model(args.model, args.preset, **overrides)
@@ -199,8 +200,8 @@ def _search(args: argparse.Namespace, overrides: dict[str, object], out: Callabl
     import jax
 
     from meshdsl import outputs
-    from meshdsl.bench.fits import readable
     from meshdsl.errors import ConfigError
+    from meshdsl.measure.fits import readable
     from meshdsl.model_loader import build_model
     from meshdsl.planner.measure import measure, verdict
     from meshdsl.planner.search import search, write_layout

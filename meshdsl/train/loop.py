@@ -17,14 +17,15 @@ import jax.numpy as jnp
 
 import meshdsl as md
 from meshdsl import distributed, models, outputs
-from meshdsl.bench.peaks import peak_flops
-from meshdsl.bench.timing import compile_checked
 from meshdsl.errors import ConfigError, TrainingError
+from meshdsl.layout_spec import is_shipped, layout_path, load_layout
+from meshdsl.measure.peaks import peak_flops
+from meshdsl.measure.timing import compile_checked
 from meshdsl.model_loader import build_model, load_module
 from meshdsl.train import logs, optim, settings
 from meshdsl.train.data import EVAL_FRACTION, TokenFile
 from meshdsl.train.progress import Progress, Step, Summary, peak_bytes
-from meshdsl.train.rules import LAYOUTS, is_shipped, split_warnings, unused_rules
+from meshdsl.train.rules import split_warnings, unused_rules
 from meshdsl.train.step import Trainer, check_accumulate, pipelined
 from meshdsl.train.token_batch import token_batch_of
 
@@ -79,33 +80,6 @@ class RunConfig:
     """Where the trace goes (None: ``tensorboard`` when given, else ``profile``)."""
     allow_nan: bool = False
     """Train on past a NaN or infinite loss instead of stopping."""
-
-
-def layout_path(spec: str) -> Path | None:
-    """The TOML file a layout spec names (a path, or a shipped layout's name), or None for inline rules."""
-    if not spec.strip():
-        raise md.LayoutError(
-            f"layout {spec!r} is empty: give a layout TOML file, a shipped layout ({_shipped()}) or rules like 'batch:data'"
-        )
-    if Path(spec).exists() or spec.endswith(".toml"):
-        return Path(spec)
-    if (LAYOUTS / f"{spec}.toml").exists():
-        return LAYOUTS / f"{spec}.toml"
-    if ":" not in spec:
-        raise md.LayoutError(
-            f"layout {spec!r} is neither a file, a shipped layout ({_shipped()}) nor rules like 'batch:data'"
-        )
-    return None
-
-
-def _shipped() -> str:
-    return ", ".join(sorted(p.stem for p in LAYOUTS.glob("*.toml")))
-
-
-def load_layout(spec: str) -> md.Layout:
-    """A layout from a TOML path, a shipped layout's name (``dp_tp``: ``layouts/dp_tp.toml``), or inline rules."""
-    path = layout_path(spec)
-    return md.Layout(spec, mesh_axes={"data": -1}) if path is None else md.Layout.load(path)
 
 
 def _model(run: RunConfig) -> Any:
@@ -428,7 +402,7 @@ def train(
     (:func:`check`); rules of the layout that name no dim of the model are warned about on ``err``.
     The checkpoint dir is locked for the run (a second run on it is a ConfigError before anything is
     built). A step that needs more memory than a device has is a ConfigError before any state is made
-    (:mod:`meshdsl.bench.fits`).
+    (:mod:`meshdsl.measure.fits`).
     """
     check(run)
     run = resolved(run)
