@@ -37,7 +37,8 @@ def layout_path(spec: str) -> Path | None:
     shipped = ", ".join(shipped_layouts())
     if not spec.strip():
         raise LayoutError(
-            f"layout {spec!r} is empty: give a layout TOML file, a shipped layout ({shipped}) or rules like 'batch:data'"
+            f"layout {spec!r} is empty: give a layout TOML file, a shipped layout ({shipped}) "
+            "or rules like 'batch:data'"
         )
     if Path(spec).exists() or spec.endswith(".toml"):
         return Path(spec)

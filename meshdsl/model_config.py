@@ -17,7 +17,7 @@ from meshdsl.errors import ConfigError
 from meshdsl.user_model import error_text, location
 
 
-def configure(config_class: type, preset: str, overrides: dict[str, Any], model: str, mine: Sequence[Path] = ()) -> Any:
+def configure(config_class: Any, preset: str, overrides: dict[str, Any], model: str, mine: Sequence[Path] = ()) -> Any:
     """``config_class`` at the preset ``preset`` with ``overrides``.
 
     ConfigError for an unknown preset (naming the presets), an unknown field (naming the fields),

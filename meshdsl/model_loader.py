@@ -5,14 +5,9 @@ A model module (the shipped ones in ``meshdsl.models`` have this form too) defin
 
 * ``Config``: a dataclass of the model's sizes and options, with ``PRESETS``, a dict mapping a
   preset name to field values (``{"tiny": {"rows": 16}}``); no base class is needed;
-* ``Model``: ``Model(config)`` with ``init(key) -> params``, ``batch(key) -> batch`` and
-  ``loss(params, batch) -> scalar md.Tensor``, params and batch being pytrees of md tensors.
-
-Optional, each used by the commands that need it (which say so in one line when it is missing):
-``flops_per_step()`` (bench's FLOP/s and MFU), ``examples_per_step()`` (throughput), ``LAYOUTS``
-(bench's default layouts), ``DIM_ROLES`` (search's candidate splits, else inferred: see
-:mod:`meshdsl.planner.roles`), and the pipeline parts (``pipelined``, ``pre``, ``layer``, ``post``,
-``with_batch``, ``layers``, ``batch_dim``: see :mod:`meshdsl.pipeline`).
+* ``Model``: ``Model(config)`` with the core of :class:`meshdsl.model_protocol.Model` (``init(key)``,
+  ``batch(key)``, ``loss(params, batch)``); its optional parts (``flops_per_step()``, ``LAYOUTS``,
+  ``DIM_ROLES``, the pipeline parts, ...) are listed there, the one place the model interface is written.
 
 A model of the user's (not a shipped one) comes back wrapped in a :class:`meshdsl.user_model.UserModel`,
 so a mistake in its code is one line naming the user's file and line, whichever command runs it.
@@ -28,14 +23,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from meshdsl import model_protocol
 from meshdsl.errors import ConfigError
 from meshdsl.model_config import configure
+from meshdsl.model_protocol import REQUIRED as REQUIRED
 from meshdsl.models import NAMES
 from meshdsl.user_model import UserModel, call, error_text, location
 from meshdsl.user_model import describe_model as describe_model
-
-REQUIRED = ("init", "batch", "loss")
-"""The methods every ``Model`` has."""
 
 _FORM = (
     "a model module defines a Config dataclass with a PRESETS dict (preset name -> field values) and a Model class "
@@ -188,6 +182,6 @@ def _check_form(module: ModuleType, spec: str) -> None:
         raise ConfigError(
             f"model {spec}: Config.PRESETS must be a non-empty dict of preset name -> dict of field values, got {presets!r}"
         )
-    lacking = [m for m in REQUIRED if not callable(getattr(model, m, None))]
+    lacking = model_protocol.missing(model)
     if lacking:
         raise ConfigError(f"model {spec}: Model has no {', '.join(lacking)}; {_FORM}")

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from meshdsl import model_protocol
 from meshdsl.dims import Dim, Shape
 from meshdsl.errors import ConfigError
 from meshdsl.lowering.base import Lowering
@@ -59,8 +60,7 @@ STAGE_LAYERS = "stage_layers"
 def check_model(model: Any) -> None:
     """ConfigError unless ``model`` exposes the pipeline parts (``pre``, ``layer``, ``post``, ``with_batch``)."""
 
-    parts = ("pre", "layer", "post", "with_batch", "layers", "batch_dim")
-    if not getattr(model, "pipelined", False) or not all(hasattr(model, p) for p in parts):
+    if not model_protocol.has_pipeline_parts(model):
         raise ConfigError(
             f"model {describe_model(model)} cannot be pipelined: it needs pre, layer, post, "
             f"with_batch (and its loss must be post(layers(pre)))"
@@ -101,7 +101,7 @@ class _Run:
         self.stage = lowering.axis_index(self.stage_axes)
         self.first = self.stage == 0
         self.last = self.stage == self.p - 1
-        self.remat = bool(getattr(getattr(model, "config", None), "remat", False))
+        self.remat = bool(model_protocol.config_field(model, "remat", False))
         self.micro_model = model.with_batch(model.batch_dim.size // self.m) if self.m > 1 else model
         self._split_batch(batch, model.batch_dim)
         # Everything the activations vary along: gradients are summed over these axes once, at the end.

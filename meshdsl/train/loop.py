@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import meshdsl as md
-from meshdsl import distributed, models, outputs
+from meshdsl import distributed, model_protocol, models, outputs
 from meshdsl.errors import ConfigError, TrainingError
 from meshdsl.layout_spec import is_shipped, layout_path, load_layout
 from meshdsl.measure.peaks import peak_flops
@@ -113,13 +113,14 @@ def _optimizer(run: RunConfig) -> optim.Optimizer:
     return optim.make(run.optimizer, None if steady else multiplier, **kwargs)
 
 
-def build_trainer(run: RunConfig, mesh: md.Mesh | None = None) -> Trainer:
-    """The trainer ``run`` asks for, its settings left None taken as :func:`resolved` takes them."""
+def build_trainer(run: RunConfig, mesh: md.Mesh | None = None, model: Any = None) -> Trainer:
+    """The trainer ``run`` asks for, its settings left None taken as :func:`resolved` takes them;
+    ``model``: the model ``run`` names, when already built (by :func:`check`)."""
     run = resolved(run)
     layout = load_layout(run.layout)
     pipeline = layout.pipeline.replace(run.microbatches, run.schedule, run.virtual_stages)
     return Trainer(
-        _model(run),
+        _model(run) if model is None else model,
         _optimizer(run),
         mesh or layout.mesh(),
         layout,
@@ -153,8 +154,9 @@ def token_file(run: RunConfig, model: Any) -> TokenFile:
     return TokenFile(run.data, spec, vocab, seed=run.seed, eval_fraction=run.eval_fraction)
 
 
-def check(run: RunConfig) -> None:
-    """Raise the md error for each mistake in ``run`` that shows before any device is used.
+def check(run: RunConfig) -> Any:
+    """Raise the md error for each mistake in ``run`` that shows before any device is used; return the
+    model ``run`` names (built to check it, so :func:`train` builds it once).
 
     Checked: the step count and learning rate, the schedule (also from the layout's ``[train]``),
     accumulation, evaluation, logging and profiling flags, model, preset, optimizer, layout (file
@@ -197,6 +199,7 @@ def check(run: RunConfig) -> None:
         outputs.check_dir(_profile_dir(run), "--profile-dir")
     elif run.profile_dir is not None:
         raise ConfigError("--profile-dir needs --profile-steps A:B (the steps to trace)")
+    return model
 
 
 def _profile_dir(run: RunConfig) -> str:
@@ -404,29 +407,34 @@ def train(
     built). A step that needs more memory than a device has is a ConfigError before any state is made
     (:mod:`meshdsl.measure.fits`).
     """
-    check(run)
+    model = check(run)
     run = resolved(run)
     if run.checkpoint_dir is None:
-        return _train(run, out, mesh, err, None)
+        return _train(run, model, out, mesh, err, None)
     manager = md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
     note = manager.acquire()
     if note is not None:
         err.write(f"meshdsl train: note: {note}\n")
     try:
-        return _train(run, out, mesh, err, manager)
+        return _train(run, model, out, mesh, err, manager)
     finally:
         manager.release()
 
 
 def _train(
-    run: RunConfig, out: TextIO, mesh: md.Mesh | None, err: TextIO, manager: md.checkpoint.CheckpointManager | None
+    run: RunConfig,
+    model: Any,
+    out: TextIO,
+    mesh: md.Mesh | None,
+    err: TextIO,
+    manager: md.checkpoint.CheckpointManager | None,
 ) -> list[float]:
-    """:func:`train` after its checks, with the checkpoint dir (if any) locked."""
+    """:func:`train` after its checks (which built ``model``), with the checkpoint dir (if any) locked."""
     primary = distributed.is_primary()
     if not primary:
         out = err = io.StringIO()
-    trainer = build_trainer(run, mesh)
-    model, mesh, layout = trainer.model, trainer.mesh, trainer.layout
+    trainer = build_trainer(run, mesh, model)
+    mesh, layout = trainer.mesh, trainer.layout
     warnings = rule_warnings(run.layout, layout, run.model, model)
     for warning in [*warnings, *split_warnings(layout, mesh, model, run.model, warned=bool(warnings))]:
         err.write(f"meshdsl train: warning: {warning}\n")
@@ -448,14 +456,13 @@ def _train(
         out.write(f"nothing to train: the checkpoint is at step {first}, which is --steps\n")
         return []
     metadata = _run_metadata(run, model)
-    unit = "tokens" if hasattr(model.config, "length") else "examples"
-    examples = model.examples_per_step() if hasattr(model, "examples_per_step") else None
+    counts = model_protocol.step_counts(model)
+    unit, examples, flops = counts.unit, counts.examples, counts.flops
     if examples is None:
         err.write(f"meshdsl train: note: model {run.model} has no examples_per_step(), so no throughput is shown\n")
-    flops = model.flops_per_step() if hasattr(model, "flops_per_step") else None
     device = jax.local_devices()[0]  # memory_stats() answers only for this process's own devices
-    peak = peak_flops(device.device_kind, getattr(model.config, "compute_dtype", None) or "float32")
-    language = hasattr(model.config, "vocab")
+    peak = peak_flops(device.device_kind, model_protocol.compute_dtype(model))
+    language = model_protocol.config_field(model, "vocab") is not None
     batch_of = (lambda step: data_key) if tokens is None else (lambda step: tokens.batch_at(step, mesh, layout))
     if eval_batch is not None:
         trainer.evaluate.lower(state, *eval_batch(0)).compile()
