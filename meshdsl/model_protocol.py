@@ -111,11 +111,6 @@ def has_pipeline_parts(model: Any) -> bool:
     return bool(getattr(model, "pipelined", False)) and all(hasattr(model, p) for p in PIPELINE_PARTS)
 
 
-def pipeline_layers(model: Any) -> Dim | None:
-    """The dim of the stacked layers a pipeline splits, for a model that can run as one; else None."""
-    return model.layers if has_pipeline_parts(model) else None
-
-
 def with_batch(model: Any, size: int) -> Any:
     """``model`` for batches of ``size`` rows where it has ``with_batch``, else ``model`` itself."""
     return model.with_batch(size) if hasattr(model, "with_batch") else model
