@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import jax
 
+from meshdsl.dims import Dim
 from meshdsl.errors import ConfigError
 
 if TYPE_CHECKING:
-    from meshdsl.dims import Dim
     from meshdsl.tensor import Tensor
 
 REQUIRED = ("init", "batch", "loss")
@@ -109,6 +109,12 @@ def capabilities(model: Any) -> frozenset[str]:
 def has_pipeline_parts(model: Any) -> bool:
     """Whether ``model`` can run as a pipeline: it says ``pipelined`` and has every part of :class:`Pipelined`."""
     return bool(getattr(model, "pipelined", False)) and all(hasattr(model, p) for p in PIPELINE_PARTS)
+
+
+def stacked_layers(model: Any) -> Dim | None:
+    """The dim of the model's stacked layers (``layers``, pipelined or not), or None where it has none."""
+    layers = getattr(model, "layers", None)
+    return layers if isinstance(layers, Dim) else None
 
 
 def with_batch(model: Any, size: int) -> Any:

@@ -176,6 +176,8 @@ def test_capabilities_of_the_shipped_and_a_core_model(core_file: Path) -> None:
     )
     assert model_protocol.has_pipeline_parts(transformer) and not model_protocol.has_pipeline_parts(mlp)
     assert not model_protocol.has_pipeline_parts(core)
+    assert model_protocol.stacked_layers(transformer) == md.Dim("layers", transformer.config.layers)
+    assert model_protocol.stacked_layers(core) is None
     counts = model_protocol.step_counts(transformer)
     c = transformer.config
     assert (counts.unit, counts.examples) == ("tokens", c.batch * c.length)

@@ -105,8 +105,8 @@ def roles(model: Any, params: Any, batch: Any) -> DimRoles:
     for w in weights:
         for name in w.shape.names:
             coverage[name] = coverage.get(name, 0) + w.shape.size * w.dtype.itemsize
-    layers = getattr(model, "layers", None)  # a model's stacked layers, pipelined or not: never a tensor-parallel dim
-    layers = layers.name if isinstance(layers, md.Dim) else None
+    stacked = model_protocol.stacked_layers(model)  # pipelined or not: never a tensor-parallel dim
+    layers = None if stacked is None else stacked.name
     stage = layers if model_protocol.has_pipeline_parts(model) else None
     declared = _declared(model, sizes)
     pairs = frozenset(frozenset(p) for s in shapes for p in itertools.combinations(sorted(s), 2))

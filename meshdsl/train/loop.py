@@ -145,7 +145,7 @@ def token_file(run: RunConfig, model: Any) -> TokenFile:
             if {"length", "vocab"} <= {f.name for f in dataclasses.fields(load_module(n).Config)}
         ]
         raise ConfigError(f"{e}; of the shipped models, --data is for {', '.join(readers)}") from None
-    vocab = getattr(model.config, "vocab", None)
+    vocab = model_protocol.config_field(model, "vocab")
     if isinstance(vocab, bool) or not isinstance(vocab, int):
         raise ConfigError(
             f"{what}: its Config has no integer vocab field (the number of token ids), "
