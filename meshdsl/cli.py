@@ -372,7 +372,7 @@ def _check_flags(args: argparse.Namespace) -> None:
             "collectives and sums gradients in their own dtype"
         )
     if args.schedule is not None:
-        from meshdsl.train.loop import load_layout
+        from meshdsl.layout_spec import load_layout
 
         if not load_layout(args.layout).axes_of("layers"):
             raise ConfigError(
