@@ -1,14 +1,12 @@
 """The model interface (meshdsl.model_protocol): a model with only the core trains and benches, one
-without ``loss`` is refused in one line by every entry point, and each run builds its model once."""
+without ``loss`` is refused in one line by train, bench and the Trainer (the command line's one line:
+tests/test_cli.py, "Model without loss"), and each run builds its model once."""
 
 from __future__ import annotations
 
 import io
-import subprocess
-import sys
 from pathlib import Path
 
-import harness
 import jax
 import numpy as np
 import pytest
@@ -129,21 +127,6 @@ def test_a_model_without_loss_is_refused_by_train_and_bench(tmp_path: Path) -> N
     assert "\n" not in str(raised.value)
     with pytest.raises(md.ConfigError, match=r"^model .*no_loss\.py: Model has no loss;"):
         bench(BenchConfig(models=[str(path)], preset="tiny", layouts=["batch:data"], out=str(tmp_path / "b")))
-
-
-def test_the_command_line_refuses_a_model_without_loss_in_one_line(tmp_path: Path) -> None:
-    (tmp_path / "no_loss.py").write_text(NO_LOSS)
-    done = subprocess.run(
-        [sys.executable, "-m", "meshdsl.cli", "train", "--model", "no_loss.py", "--preset", "tiny", "--steps", "1"],
-        cwd=tmp_path,
-        env=harness.subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 2
-    (line,) = done.stderr.strip().splitlines()
-    assert line.startswith("meshdsl train: error: model no_loss.py: Model has no loss;"), line
 
 
 def test_the_trainer_refuses_an_object_without_the_core(core_file: Path) -> None:
