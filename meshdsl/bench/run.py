@@ -224,10 +224,10 @@ def notes(model: Any, name: str) -> list[str]:
     return model_protocol.step_counts(model).notes(name)
 
 
-def check(cfg: BenchConfig) -> dict[str, Any]:
+def check(cfg: BenchConfig) -> list[tuple[str, Any]]:
     """Raise the md error for each mistake in ``cfg`` that shows before any device is used: counts,
     models, presets, overrides, optimizer, every layout file, and the report folder. Returns each model
-    by its name, built to check it, so :func:`run` builds each once."""
+    with its name (in ``cfg.models``' order), built to check it, so :func:`run` builds each once."""
     for flag, value in (("--rounds", cfg.rounds), ("--steps-per-round", cfg.steps_per_round)):
         if value < 1:
             raise ConfigError(
@@ -238,8 +238,8 @@ def check(cfg: BenchConfig) -> dict[str, Any]:
     if cfg.virtual_stages is not None:
         PipelineConfig(1, "interleaved", cfg.virtual_stages)
     optim.make(cfg.optimizer)
-    models = {name: build_model(name, cfg.preset, **cfg.overrides) for name in cfg.models}
-    for model_name, model in models.items():
+    models = [(name, build_model(name, cfg.preset, **cfg.overrides)) for name in cfg.models]
+    for model_name, model in models:
         for spec in _layout_specs(cfg.layouts, model, model_name):
             load_layout(spec)
     outputs.check_dir(cfg.out, "--out")
@@ -449,7 +449,7 @@ def run(
     devices = jax.devices()
     out(f"meshdsl bench: {len(devices)} x {devices[0].device_kind} ({devices[0].platform})")
     prepared, skipped = [], []
-    for model_name, model in models.items():
+    for model_name, model in models:
         for note in notes(model, model_name):
             warn(f"meshdsl bench: note: {note}")
         for spec in _layout_specs(cfg.layouts, model, model_name):
