@@ -104,6 +104,13 @@ class UserModel:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
 
+    @property
+    def config(self) -> Any:
+        """The model's config, declared here (not only reached through ``__getattr__``) so that
+        ``isinstance(user_model, meshdsl.model_protocol.Model)`` holds on Python 3.12, whose protocol
+        check looks attributes up statically."""
+        return self.model.config
+
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self.model, name, value)
 
