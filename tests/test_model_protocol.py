@@ -17,7 +17,7 @@ from meshdsl.bench.run import BenchConfig
 from meshdsl.bench.run import run as bench
 from meshdsl.model_loader import build_model, load_module
 from meshdsl.train import optim
-from meshdsl.train.loop import RunConfig, train
+from meshdsl.train.loop import RunConfig, check, train
 from meshdsl.train.step import Trainer
 
 ROWS, COLS = 8, 4
@@ -93,9 +93,10 @@ def test_a_model_with_only_the_core_trains_with_the_reference_losses(core_file: 
         optimizer="sgd",
         learning_rate=LEARNING_RATE,
     )
-    losses = train(run, io.StringIO(), err=io.StringIO())
+    model = check(run)  # as the command line does before it starts the devices
+    losses = train(run, io.StringIO(), err=io.StringIO(), model=model)
     np.testing.assert_allclose(losses, _reference_losses(3), rtol=1e-5)
-    assert len(built) - before == 1, "train builds its model once"
+    assert len(built) - before == 1, "check builds the model and train uses it"
 
 
 def test_a_model_with_only_the_core_benches(core_file: Path, tmp_path: Path) -> None:

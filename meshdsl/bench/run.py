@@ -224,10 +224,11 @@ def notes(model: Any, name: str) -> list[str]:
     return model_protocol.step_counts(model).notes(name)
 
 
-def check(cfg: BenchConfig) -> list[tuple[str, Any]]:
+def check(cfg: BenchConfig, models: list[tuple[str, Any]] | None = None) -> list[tuple[str, Any]]:
     """Raise the md error for each mistake in ``cfg`` that shows before any device is used: counts,
     models, presets, overrides, optimizer, every layout file, and the report folder. Returns each model
-    with its name (in ``cfg.models``' order), built to check it, so :func:`run` builds each once."""
+    with its name (in ``cfg.models``' order), built to check it, so :func:`run` builds each once
+    (``models``: those, when a caller's earlier check built them)."""
     for flag, value in (("--rounds", cfg.rounds), ("--steps-per-round", cfg.steps_per_round)):
         if value < 1:
             raise ConfigError(
@@ -238,7 +239,8 @@ def check(cfg: BenchConfig) -> list[tuple[str, Any]]:
     if cfg.virtual_stages is not None:
         PipelineConfig(1, "interleaved", cfg.virtual_stages)
     optim.make(cfg.optimizer)
-    models = [(name, build_model(name, cfg.preset, **cfg.overrides)) for name in cfg.models]
+    if models is None:
+        models = [(name, build_model(name, cfg.preset, **cfg.overrides)) for name in cfg.models]
     for model_name, model in models:
         for spec in _layout_specs(cfg.layouts, model, model_name):
             load_layout(spec)
@@ -431,14 +433,18 @@ def _stderr(line: str) -> None:
 
 
 def run(
-    cfg: BenchConfig, out: Callable[[str], None] = print, warn: Callable[[str], None] = _stderr
+    cfg: BenchConfig,
+    out: Callable[[str], None] = print,
+    warn: Callable[[str], None] = _stderr,
+    models: list[tuple[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Benchmark as ``cfg`` says; print the table, write reports to ``cfg.out``; return the summaries.
 
     Mistakes in ``cfg`` raise before anything is compiled (:func:`check`); rules of a user's layout
     that name no dim of a model are warned about (``warn``); ConfigError when every layout is skipped.
+    ``models``: what ``check(cfg)`` returned, when the caller checked first (not built again).
     """
-    models = check(cfg)
+    models = check(cfg, models)
     lines: list[str] = []
 
     def out_and_keep(line: str) -> None:  # what was skipped or dropped also goes under the reports' tables

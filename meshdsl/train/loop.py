@@ -154,9 +154,10 @@ def token_file(run: RunConfig, model: Any) -> TokenFile:
     return TokenFile(run.data, spec, vocab, seed=run.seed, eval_fraction=run.eval_fraction)
 
 
-def check(run: RunConfig) -> Any:
+def check(run: RunConfig, model: Any = None) -> Any:
     """Raise the md error for each mistake in ``run`` that shows before any device is used; return the
-    model ``run`` names (built to check it, so :func:`train` builds it once).
+    model ``run`` names (built to check it, so :func:`train` builds it once; ``model``: that model, when a
+    caller's earlier check built it).
 
     Checked: the step count and learning rate, the schedule (also from the layout's ``[train]``),
     accumulation, evaluation, logging and profiling flags, model, preset, optimizer, layout (file
@@ -176,7 +177,7 @@ def check(run: RunConfig) -> Any:
     settings.positive(run.eval_every, "--eval-every", "the steps between evaluations (0: none)", zero=True)
     settings.positive(run.eval_steps, "--eval-steps", "the batches an evaluation averages over")
     settings.positive(run.log_every, "--log-every", "the steps between printed lines")
-    model = _model(run)
+    model = _model(run) if model is None else model
     _optimizer(run)
     pipeline = layout.pipeline.replace(run.microbatches, run.schedule, run.virtual_stages)
     check_accumulate(run.accumulate, pipelined(model, layout, pipeline, run.backend))
@@ -391,7 +392,11 @@ class _Profiler:
 
 
 def train(
-    run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None, err: TextIO = sys.stderr
+    run: RunConfig,
+    out: TextIO = sys.stdout,
+    mesh: md.Mesh | None = None,
+    err: TextIO = sys.stderr,
+    model: Any = None,
 ) -> list[float]:
     """Train as ``run`` says and return the loss of every step it ran.
 
@@ -405,9 +410,10 @@ def train(
     (:func:`check`); rules of the layout that name no dim of the model are warned about on ``err``.
     The checkpoint dir is locked for the run (a second run on it is a ConfigError before anything is
     built). A step that needs more memory than a device has is a ConfigError before any state is made
-    (:mod:`meshdsl.measure.fits`).
+    (:mod:`meshdsl.measure.fits`). ``model``: what ``check(run)`` returned, when the caller checked first
+    (the model is then not built again).
     """
-    model = check(run)
+    model = check(run, model)
     run = resolved(run)
     if run.checkpoint_dir is None:
         return _train(run, model, out, mesh, err, None)
