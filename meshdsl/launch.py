@@ -150,9 +150,10 @@ def check_fits(run: Any, processes: int, devices: int) -> None:
     or a dim does not divide over it. The step is traced on an abstract mesh of that size (nothing
     compiled, no devices needed); a pipelined layout's mesh is checked, its stages are not traced."""
     from meshdsl.errors import MeshDslError
+    from meshdsl.layout_spec import load_layout
     from meshdsl.mesh import axis_sizes
     from meshdsl.planner.trace import trace_step
-    from meshdsl.train.loop import _model, _optimizer, load_layout
+    from meshdsl.train.loop import _model, _optimizer
 
     total = processes * devices
     layout = load_layout(run.layout)

@@ -5,14 +5,9 @@ A model module (the shipped ones in ``meshdsl.models`` have this form too) defin
 
 * ``Config``: a dataclass of the model's sizes and options, with ``PRESETS``, a dict mapping a
   preset name to field values (``{"tiny": {"rows": 16}}``); no base class is needed;
-* ``Model``: ``Model(config)`` with ``init(key) -> params``, ``batch(key) -> batch`` and
-  ``loss(params, batch) -> scalar md.Tensor``, params and batch being pytrees of md tensors.
-
-Optional, each used by the commands that need it (which say so in one line when it is missing):
-``flops_per_step()`` (bench's FLOP/s and MFU), ``examples_per_step()`` (throughput), ``LAYOUTS``
-(bench's default layouts), ``DIM_ROLES`` (search's candidate splits, else inferred: see
-:mod:`meshdsl.planner.roles`), and the pipeline parts (``pipelined``, ``pre``, ``layer``, ``post``,
-``with_batch``, ``layers``, ``batch_dim``: see :mod:`meshdsl.pipeline`).
+* ``Model``: ``Model(config)`` with the core of :class:`meshdsl.model_protocol.Model` (``init(key)``,
+  ``batch(key)``, ``loss(params, batch)``); its optional parts (``flops_per_step()``, ``LAYOUTS``,
+  ``DIM_ROLES``, the pipeline parts, ...) are listed there, the one place the model interface is written.
 
 A model of the user's (not a shipped one) comes back wrapped in a :class:`meshdsl.user_model.UserModel`,
 so a mistake in its code is one line naming the user's file and line, whichever command runs it.
@@ -23,19 +18,18 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-import math
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from meshdsl import model_protocol
 from meshdsl.errors import ConfigError
+from meshdsl.model_config import configure
+from meshdsl.model_protocol import REQUIRED as REQUIRED
 from meshdsl.models import NAMES
 from meshdsl.user_model import UserModel, call, error_text, location
-
-REQUIRED = ("init", "batch", "loss")
-"""The methods every ``Model`` has."""
+from meshdsl.user_model import describe_model as describe_model
 
 _FORM = (
     "a model module defines a Config dataclass with a PRESETS dict (preset name -> field values) and a Model class "
@@ -80,14 +74,6 @@ def build_model(spec: str, preset: str, **overrides: Any) -> Any:
     return model if shipped else UserModel(model, spec, mine)
 
 
-def describe_model(model: Any) -> str:
-    """``model`` for a message: a user's model by the file or module it came from (``llama.py``), never by
-    the name meshdsl imported it under; another (a shipped one) by its class (``meshdsl.models.mlp.Model``)."""
-    if isinstance(model, UserModel):
-        return f"{model.spec} ({type(model.model).__name__})"
-    return f"{type(model).__module__}.{type(model).__qualname__}"
-
-
 def shipped_name(model: Any) -> str | None:
     """The shipped model ``model`` is an instance of (``"mlp"``), or None for a model of the user's,
     whatever its module is called: bench's byte formulas and plain-JAX baselines exist only for the
@@ -96,70 +82,6 @@ def shipped_name(model: Any) -> str | None:
     if name not in NAMES or type(model) is not load_module(name).Model:
         return None
     return name
-
-
-def configure(config_class: type, preset: str, overrides: dict[str, Any], model: str, mine: Sequence[Path] = ()) -> Any:
-    """``config_class`` at the preset ``preset`` with ``overrides``.
-
-    ConfigError for an unknown preset (naming the presets), an unknown field (naming the fields),
-    or a value unlike the field's (its default, else the preset's value), in ``overrides`` or in the
-    preset itself: integer fields (sizes, counts) take integers of at least 1, float fields finite
-    numbers of at least 0, other fields values of that value's type; and for a config that rejects the
-    values (its ``__post_init__``), naming the line of ``mine`` (the user's files or folders) that raised.
-    """
-    presets = config_class.PRESETS
-    if preset not in presets:
-        raise ConfigError(f"unknown preset {preset!r} for {model}; choose one of {', '.join(presets)}")
-    fields = {f.name: f for f in dataclasses.fields(config_class)}
-    unknown = [k for k in overrides if k not in fields]
-    if unknown:
-        raise ConfigError(f"model {model} has no option {', '.join(unknown)}; its fields are {', '.join(fields)}")
-    values = {**presets[preset], **overrides}
-    for name, value in overrides.items():
-        reference = _default(fields[name])
-        reference = presets[preset].get(name, reference) if reference is dataclasses.MISSING else reference
-        if reference is not dataclasses.MISSING:
-            _check_field(model, name, value, reference)
-    for name, value in presets[preset].items():  # a preset's own sizes too: a 0 would train on empty tensors
-        reference = _default(fields[name]) if name in fields and name not in overrides else None
-        if reference is not None and reference is not dataclasses.MISSING:
-            _check_field(f"{model} preset {preset}", name, value, reference)
-    try:
-        return config_class(**values)
-    except ConfigError:
-        raise
-    except Exception as e:
-        where = location(e, mine)
-        at = f" at {where}" if where else ""
-        raise ConfigError(
-            f"model {model} preset {preset}: {config_class.__name__}({_show(values)}) failed{at}: {error_text(e)}"
-        ) from None
-
-
-def _default(field: dataclasses.Field) -> Any:
-    if field.default is not dataclasses.MISSING:
-        return field.default
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    return dataclasses.MISSING
-
-
-def _show(values: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v!r}" for k, v in values.items())
-
-
-def _check_field(model: str, field: str, value: Any, reference: Any) -> None:
-    """ConfigError unless ``value`` suits a config field whose preset or default value is ``reference``."""
-    if isinstance(reference, bool) or not isinstance(reference, (int, float)):
-        if not isinstance(value, type(reference)):
-            raise ConfigError(
-                f"model {model}: {field}={value!r}, but {field} takes a {type(reference).__name__} such as {reference!r}"
-            )
-    elif isinstance(reference, int):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"model {model}: {field}={value!r}, but {field} takes an integer of at least 1")
-    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ConfigError(f"model {model}: {field}={value!r}, but {field} takes a finite number of at least 0")
 
 
 def _choices() -> str:
@@ -260,6 +182,6 @@ def _check_form(module: ModuleType, spec: str) -> None:
         raise ConfigError(
             f"model {spec}: Config.PRESETS must be a non-empty dict of preset name -> dict of field values, got {presets!r}"
         )
-    lacking = [m for m in REQUIRED if not callable(getattr(model, m, None))]
+    lacking = model_protocol.missing(model)
     if lacking:
         raise ConfigError(f"model {spec}: Model has no {', '.join(lacking)}; {_FORM}")

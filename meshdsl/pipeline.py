@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from meshdsl import model_protocol
 from meshdsl.dims import Dim, Shape
 from meshdsl.errors import ConfigError
 from meshdsl.lowering.base import Lowering
@@ -50,6 +51,7 @@ from meshdsl.lowering.context import current
 from meshdsl.ops.scan import scan
 from meshdsl.pipeline_config import SCHEDULES, PipelineConfig  # noqa: F401  (md.pipeline.SCHEDULES)
 from meshdsl.tensor import Tensor
+from meshdsl.user_model import describe_model
 
 STAGE_LAYERS = "stage_layers"
 """The dim a stage's own slice of ``layers`` takes inside the stage (it has no layout rule)."""
@@ -57,10 +59,8 @@ STAGE_LAYERS = "stage_layers"
 
 def check_model(model: Any) -> None:
     """ConfigError unless ``model`` exposes the pipeline parts (``pre``, ``layer``, ``post``, ``with_batch``)."""
-    from meshdsl.model_loader import describe_model  # it imports the shipped models, which import meshdsl
 
-    parts = ("pre", "layer", "post", "with_batch", "layers", "batch_dim")
-    if not getattr(model, "pipelined", False) or not all(hasattr(model, p) for p in parts):
+    if not model_protocol.has_pipeline_parts(model):
         raise ConfigError(
             f"model {describe_model(model)} cannot be pipelined: it needs pre, layer, post, "
             f"with_batch (and its loss must be post(layers(pre)))"
@@ -101,8 +101,8 @@ class _Run:
         self.stage = lowering.axis_index(self.stage_axes)
         self.first = self.stage == 0
         self.last = self.stage == self.p - 1
-        config = getattr(model, "config", None)
-        self.remat: bool | str = getattr(config, "remat_policy", True) if getattr(config, "remat", False) else False
+        remat = model_protocol.config_field(model, "remat", False)
+        self.remat: bool | str = model_protocol.config_field(model, "remat_policy", True) if remat else False
         self.micro_model = model.with_batch(model.batch_dim.size // self.m) if self.m > 1 else model
         self._split_batch(batch, model.batch_dim)
         # Everything the activations vary along: gradients are summed over these axes once, at the end.

@@ -118,6 +118,13 @@ class UserModel:
 
         return functools.update_wrapper(part, value)
 
+    @property
+    def config(self) -> Any:
+        """The model's config, declared here (not only reached through ``__getattr__``) so that
+        ``isinstance(user_model, meshdsl.model_protocol.Model)`` holds on Python 3.12, whose protocol
+        check looks attributes up statically."""
+        return self.model.config
+
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self.model, name, value)
 
@@ -145,6 +152,14 @@ class UserModel:
         if name == "with_batch" and not isinstance(out, UserModel):
             return UserModel(out, self.spec, self.mine)
         return out
+
+
+def describe_model(model: Any) -> str:
+    """``model`` for a message: a user's model by the file or module it came from (``llama.py``), never by
+    the name meshdsl imported it under; another (a shipped one) by its class (``meshdsl.models.mlp.Model``)."""
+    if isinstance(model, UserModel):
+        return f"{model.spec} ({type(model.model).__name__})"
+    return f"{type(model).__module__}.{type(model).__qualname__}"
 
 
 def _check_signature(model: Any, name: str, args: tuple[str, ...]) -> None:

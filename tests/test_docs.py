@@ -12,7 +12,10 @@ import meshdsl
 import meshdsl.checkpoint
 import meshdsl.distributed
 import meshdsl.launch
+import meshdsl.layout_spec
+import meshdsl.model_config
 import meshdsl.model_loader
+import meshdsl.model_protocol
 import meshdsl.pipeline
 import meshdsl.pipeline_config
 import meshdsl.planner
@@ -27,6 +30,9 @@ MODULES = [
     meshdsl.distributed,
     meshdsl.launch,
     meshdsl.model_loader,
+    meshdsl.model_protocol,
+    meshdsl.layout_spec,
+    meshdsl.model_config,
     meshdsl.planner.roles,
 ]
 

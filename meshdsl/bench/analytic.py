@@ -46,8 +46,8 @@ import jax.numpy as jnp
 import meshdsl as md
 from meshdsl import compression, relayout
 from meshdsl.collectives import Collective, bytes_moved
+from meshdsl.measure.sizes import local_bytes
 from meshdsl.model_loader import shipped_name
-from meshdsl.planner.memory import local_bytes
 from meshdsl.train.optim import OptaxOptimizer
 from meshdsl.train.rules import model_dims
 

@@ -27,9 +27,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 import meshdsl as md
-from meshdsl import compression, relayout
-from meshdsl.bench import fits
-from meshdsl.bench.timing import CompiledStep, losses_from, memory_bytes
+from meshdsl import compression, model_protocol, relayout
+from meshdsl.measure import fits
+from meshdsl.measure.timing import CompiledStep, losses_from, memory_bytes
 from meshdsl.model_loader import shipped_name
 from meshdsl.nn.attention_impl import implementation_here
 from meshdsl.ops.scan import REMAT_POLICIES
@@ -320,6 +320,6 @@ def baseline(step: CompiledStep) -> Baseline:
         if not fits.is_out_of_memory(e):
             raise
         return Baseline(None, None, f"not timed: {fits.run_time_message('checking the plain-JAX step', e)}")
-    if not _agree(ours, theirs, getattr(t.model.config, "compute_dtype", None) or "float32"):
+    if not _agree(ours, theirs, model_protocol.compute_dtype(t.model)):
         return Baseline(None, False, f"losses differ, not timed: meshdsl {_listed(ours)}, plain JAX {_listed(theirs)}")
     return Baseline(plain, True, None)

@@ -195,11 +195,11 @@ def _bench(cfg: Any) -> list[dict[str, Any]]:
 def _predictions(preset: str, batch: int, profiles: list[Any]) -> list[dict[str, Any]]:
     """The planner's step time and memory for the 1b step as measured (data_parallel on the devices
     at hand) on each profile; traced once per platform the profiles name."""
+    from meshdsl.layout_spec import load_layout
     from meshdsl.model_loader import build_model
     from meshdsl.planner.cost import price
     from meshdsl.planner.trace import trace_step
     from meshdsl.train import optim
-    from meshdsl.train.loop import load_layout
 
     model = build_model("transformer", preset, batch=batch, compute_dtype="bfloat16")
     layout = load_layout("data_parallel")
@@ -288,7 +288,7 @@ def _cell(x: Any, scale: float = 1, spec: str = ".1f", unit: str = "") -> str:
 
 def markdown(steps: list[dict[str, Any]], dry: bool) -> str:
     """The report: the steps' status, then each measurement with the planner's predictions beside it."""
-    from meshdsl.bench.fits import readable
+    from meshdsl.measure.fits import readable
 
     lines = [f"# meshdsl gpu-check{' (dry run: tiny sizes)' if dry else ''}", ""]
     lines += ["| step | seconds | status |", "|---|---|---|"]

@@ -1,6 +1,6 @@
 """Run the benchmark: compile every model x layout, time them side by side, report.
 
-Timing is interleaved (:mod:`meshdsl.bench.timing`): every round runs every entry once (its
+Timing is interleaved (:mod:`meshdsl.measure.timing`): every round runs every entry once (its
 step, and its baseline when asked for), in an order shuffled per round from ``--seed`` (each
 summary records the seed and every round's order), and each entry's step time is the median over
 rounds, with the spread (75th minus 25th percentile) beside it. Side by side, slow drifts of a
@@ -22,17 +22,18 @@ import jax.numpy as jnp
 import numpy as np
 
 import meshdsl as md
-from meshdsl import hlo, hlo_flops, outputs
-from meshdsl.bench import analytic, baselines, fits
-from meshdsl.bench.peaks import peak_flops
+from meshdsl import hlo, hlo_flops, model_protocol, outputs
+from meshdsl.bench import analytic, baselines
 from meshdsl.bench.report import write_reports
-from meshdsl.bench.timing import CompiledStep, compile_step, interleaved_rounds, memory_bytes, round_orders
 from meshdsl.errors import ConfigError
+from meshdsl.layout_spec import is_shipped, layout_path, load_layout
+from meshdsl.measure import fits
+from meshdsl.measure.peaks import peak_flops
+from meshdsl.measure.timing import CompiledStep, compile_step, interleaved_rounds, memory_bytes, round_orders
 from meshdsl.model_loader import build_model
 from meshdsl.pipeline import PipelineConfig, bubble, schedule_bubble, stages
 from meshdsl.train import optim
-from meshdsl.train.loop import layout_path, load_layout
-from meshdsl.train.rules import is_shipped, unused_rules
+from meshdsl.train.rules import unused_rules
 from meshdsl.train.step import Trainer
 
 
@@ -203,11 +204,13 @@ def _layout_specs(names: list[str] | None, model: Any, model_name: str) -> list[
     takes them), or the shipped ones the model lists in ``LAYOUTS``."""
     if names:
         return list(names)
-    if not hasattr(model, "LAYOUTS"):
+    listed = model_protocol.layouts(model)
+    if listed is None:
         raise ConfigError(
-            f"model {model_name} lists no LAYOUTS (the layouts bench runs by default); name them, e.g. --layouts data_parallel fsdp my_layout.toml"
+            f"model {model_name} lists no LAYOUTS (the layouts bench runs by default); "
+            "name them, e.g. --layouts data_parallel fsdp my_layout.toml"
         )
-    return list(model.LAYOUTS)
+    return list(listed)
 
 
 def _label(spec: str) -> str:
@@ -218,13 +221,14 @@ def _label(spec: str) -> str:
 
 def notes(model: Any, name: str) -> list[str]:
     """What bench cannot report for ``model`` (named ``name``) because it lacks an optional part."""
-    lacking = [("flops_per_step", "no FLOP/s or MFU is reported"), ("examples_per_step", "no throughput is reported")]
-    return [f"model {name} has no {part}(), so {what}" for part, what in lacking if not hasattr(model, part)]
+    return model_protocol.step_counts(model).notes(name)
 
 
-def check(cfg: BenchConfig) -> None:
+def check(cfg: BenchConfig, models: list[tuple[str, Any]] | None = None) -> list[tuple[str, Any]]:
     """Raise the md error for each mistake in ``cfg`` that shows before any device is used: counts,
-    models, presets, overrides, optimizer, every layout file, and the report folder."""
+    models, presets, overrides, optimizer, every layout file, and the report folder. Returns each model
+    with its name (in ``cfg.models``' order), built to check it, so :func:`run` builds each once
+    (``models``: those, when a caller's earlier check built them)."""
     for flag, value in (("--rounds", cfg.rounds), ("--steps-per-round", cfg.steps_per_round)):
         if value < 1:
             raise ConfigError(
@@ -235,20 +239,23 @@ def check(cfg: BenchConfig) -> None:
     if cfg.virtual_stages is not None:
         PipelineConfig(1, "interleaved", cfg.virtual_stages)
     optim.make(cfg.optimizer)
-    for model_name in cfg.models:
-        for spec in _layout_specs(cfg.layouts, build_model(model_name, cfg.preset, **cfg.overrides), model_name):
+    if models is None:
+        models = [(name, build_model(name, cfg.preset, **cfg.overrides)) for name in cfg.models]
+    for model_name, model in models:
+        for spec in _layout_specs(cfg.layouts, model, model_name):
             load_layout(spec)
     outputs.check_dir(cfg.out, "--out")
+    return models
 
 
-def _pipeline_variants(cfg: BenchConfig, spec: str, model_name: str) -> list[tuple[PipelineConfig, int] | None]:
+def _pipeline_variants(cfg: BenchConfig, spec: str, model: Any) -> list[tuple[PipelineConfig, int] | None]:
     """For a layout that splits ``layers``: each schedule x microbatch count asked for, with its batch
     (microbatches x the rows per microbatch of the layout's own setting); else ``[None]``."""
     layout = load_layout(spec)
     if not layout.axes_of("layers"):
         return [None]
     own = layout.pipeline
-    rows = build_model(model_name, cfg.preset, **cfg.overrides).config.batch // own.microbatches
+    rows = model.config.batch // own.microbatches
     v = cfg.virtual_stages or (own.virtual_stages if own.schedule == "interleaved" else 2)
     return [
         (own.replace(m, s, v if s == "interleaved" else 1), rows * m)
@@ -259,15 +266,17 @@ def _pipeline_variants(cfg: BenchConfig, spec: str, model_name: str) -> list[tup
 
 def _prepare(
     model_name: str,
+    model: Any,
     cfg: BenchConfig,
     spec: str,
     out: Callable[[str], None],
     variant: tuple[PipelineConfig, int] | None = None,
 ) -> tuple[Entry, Callable, Callable | None] | None:
-    """Compile one model x layout (x pipeline variant); None (with a note) when the layout does not fit the model."""
+    """Compile one model x layout (x pipeline variant: the model rebuilt for its batch); None (with a note)
+    when the layout does not fit the model."""
     layout = load_layout(spec)
-    overrides = cfg.overrides if variant is None else {**cfg.overrides, "batch": variant[1]}
-    model = build_model(model_name, cfg.preset, **overrides)
+    if variant is not None:
+        model = build_model(model_name, cfg.preset, **{**cfg.overrides, "batch": variant[1]})
     name = _label(spec)
     label = name if variant is None else f"{name}[{_schedule_label(variant[0])} M={variant[0].microbatches}]"
     optimizer = optim.make(cfg.optimizer)
@@ -285,7 +294,8 @@ def _prepare(
     trainer, state, data = step.trainer, step.state, step.data
     text = step.compiled.as_text()
     device = jax.devices()[0]
-    dtype = getattr(model.config, "compute_dtype", "float32")
+    dtype = model_protocol.compute_dtype(model)
+    counts = model_protocol.step_counts(model)
     narrow_on_cpu = device.platform == "cpu" and (cfg.grad_reduce_dtype is not None or jnp.dtype(dtype).itemsize < 4)
     predicted = trainer.explain(state, data).summary()
     entry = Entry(
@@ -295,9 +305,9 @@ def _prepare(
         mesh=str(mesh),
         devices=mesh.size,
         compile_s=step.compile_s,
-        flops_per_step=model.flops_per_step() if hasattr(model, "flops_per_step") else None,
-        examples_per_step=model.examples_per_step() if hasattr(model, "examples_per_step") else None,
-        example_unit="tokens" if hasattr(model.config, "length") else "examples",
+        flops_per_step=counts.flops,
+        examples_per_step=counts.examples,
+        example_unit=counts.unit,
         memory_bytes=memory_bytes(step.compiled),
         measured=hlo.summary(text, num_devices=mesh.size),
         predicted=predicted,
@@ -423,14 +433,18 @@ def _stderr(line: str) -> None:
 
 
 def run(
-    cfg: BenchConfig, out: Callable[[str], None] = print, warn: Callable[[str], None] = _stderr
+    cfg: BenchConfig,
+    out: Callable[[str], None] = print,
+    warn: Callable[[str], None] = _stderr,
+    models: list[tuple[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Benchmark as ``cfg`` says; print the table, write reports to ``cfg.out``; return the summaries.
 
     Mistakes in ``cfg`` raise before anything is compiled (:func:`check`); rules of a user's layout
     that name no dim of a model are warned about (``warn``); ConfigError when every layout is skipped.
+    ``models``: what ``check(cfg)`` returned, when the caller checked first (not built again).
     """
-    check(cfg)
+    models = check(cfg, models)
     lines: list[str] = []
 
     def out_and_keep(line: str) -> None:  # what was skipped or dropped also goes under the reports' tables
@@ -441,15 +455,14 @@ def run(
     devices = jax.devices()
     out(f"meshdsl bench: {len(devices)} x {devices[0].device_kind} ({devices[0].platform})")
     prepared, skipped = [], []
-    for model_name in cfg.models:
-        model = build_model(model_name, cfg.preset, **cfg.overrides)
+    for model_name, model in models:
         for note in notes(model, model_name):
             warn(f"meshdsl bench: note: {note}")
         for spec in _layout_specs(cfg.layouts, model, model_name):
             for warning in [] if is_shipped(layout_path(spec)) else unused_rules(load_layout(spec), model, model_name):
                 warn(f"meshdsl bench: warning: {warning}")
-            for variant in _pipeline_variants(cfg, spec, model_name):
-                item = _prepare(model_name, cfg, spec, out_and_keep, variant)
+            for variant in _pipeline_variants(cfg, spec, model):
+                item = _prepare(model_name, model, cfg, spec, out_and_keep, variant)
                 if item is None:
                     skipped.append(f"{model_name} x {_label(spec)}")
                 else:

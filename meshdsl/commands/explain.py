@@ -33,10 +33,10 @@ def config(args: argparse.Namespace) -> dict[str, object]:
 def check(args: argparse.Namespace, overrides: dict[str, object]) -> None:
     """The model, optimizer, layout and profile load, and ``--backend gspmd`` comes without ``--no-compile``."""
     from meshdsl.errors import ConfigError
+    from meshdsl.layout_spec import load_layout
     from meshdsl.model_loader import build_model
     from meshdsl.planner.profile import load_profile
     from meshdsl.train import optim
-    from meshdsl.train.loop import load_layout
 
     build_model(args.model, args.preset, **overrides)
     optim.make(args.optimizer)
@@ -53,13 +53,14 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> None:
     """Print the report, the planner's table, and warnings (on stderr) for memory that does not fit."""
     import jax
 
-    from meshdsl.bench import fits
-    from meshdsl.bench.timing import compile_abstract, memory_bytes
     from meshdsl.explain import report_of_hlo
+    from meshdsl.layout_spec import load_layout
+    from meshdsl.measure import fits
+    from meshdsl.measure.timing import compile_abstract, memory_bytes
     from meshdsl.model_loader import build_model
     from meshdsl.planner.cost import predict
     from meshdsl.train import optim
-    from meshdsl.train.loop import load_layout, rule_warnings
+    from meshdsl.train.loop import rule_warnings
     from meshdsl.train.step import Trainer
 
     model = build_model(args.model, args.preset, **overrides)

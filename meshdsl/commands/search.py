@@ -81,8 +81,8 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> None:
     import jax
 
     from meshdsl import outputs
-    from meshdsl.bench.fits import readable
     from meshdsl.errors import ConfigError
+    from meshdsl.measure.fits import readable
     from meshdsl.model_loader import build_model
     from meshdsl.planner.measure import measure, verdict
     from meshdsl.planner.search import search, write_layout

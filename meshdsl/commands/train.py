@@ -207,8 +207,8 @@ def check(args: argparse.Namespace, run: RunConfig) -> None:
     for a layout without a pipeline, ``--grad-reduce-dtype`` under ``--backend gspmd``), then
     ``train.loop.check``'s mistakes."""
     from meshdsl.errors import ConfigError
+    from meshdsl.layout_spec import load_layout
     from meshdsl.train.loop import check as check_run
-    from meshdsl.train.loop import load_layout
 
     if not SEED_RANGE[0] <= args.seed <= SEED_RANGE[1]:
         raise ConfigError(f"--seed {args.seed}: a seed is a 64-bit integer, from -2**63 to 2**63 - 1")

@@ -31,9 +31,9 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshdsl.bench import fits
 from meshdsl.collectives import Collective, bytes_moved
 from meshdsl.errors import ConfigError
+from meshdsl.measure import fits
 from meshdsl.planner.profile import KINDS, DeviceProfile, Link, default_profile
 
 SIZES = (2**14, 2**17, 2**20)
@@ -87,7 +87,7 @@ def saturated(
 ) -> tuple[int, float]:
     """The best (size, rate) of ``measure(size) -> (rate, seconds per call)`` over ``sizes``, tried
     smallest first until the rate rises by less than ``rise`` over the previous size, or a call
-    takes over ``max_call_s``, or a size would not fit the device (:func:`meshdsl.bench.fits`
+    takes over ``max_call_s``, or a size would not fit the device (:func:`meshdsl.measure.fits`
     is checked by the caller's ``measure`` raising ``MemoryError``)."""
     best: tuple[int, float] | None = None
     previous = 0.0

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import meshdsl as md
+from meshdsl import model_protocol
 from meshdsl.explain import Report, report_of_jaxpr
 from meshdsl.planner import memory as memory_model
 from meshdsl.planner.flops import Work, work
@@ -85,7 +86,7 @@ def span(axes: tuple[str, ...], axis_sizes: Mapping[str, int]) -> int:
 
 
 def _dtype(model: Any) -> str:
-    return str(getattr(getattr(model, "config", None), "compute_dtype", "float32"))
+    return model_protocol.compute_dtype(model)
 
 
 def price(traced: Traced, model: Any, profile: DeviceProfile) -> Prediction:

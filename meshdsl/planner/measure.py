@@ -1,6 +1,6 @@
 """Compile and time candidates on the devices at hand, side by side, to check the predictions.
 
-Compiling and timing are ``meshdsl bench``'s own (:mod:`meshdsl.bench.timing`): interleaved
+Compiling and timing are ``meshdsl bench``'s own (:mod:`meshdsl.measure.timing`): interleaved
 rounds, the candidates in a shuffled order each round, each candidate's time the median over
 rounds, so slow drifts of a shared machine hit every candidate alike.
 """
@@ -14,7 +14,7 @@ from typing import Any
 import scipy.stats
 
 import meshdsl as md
-from meshdsl.bench.timing import compile_step, interleaved_rounds, round_orders
+from meshdsl.measure.timing import compile_step, interleaved_rounds, round_orders
 from meshdsl.planner.search import Candidate
 from meshdsl.train.step import Trainer
 
@@ -23,7 +23,7 @@ def measure(
     model: Any, optimizer: Any, candidates: Sequence[Candidate], rounds: int = 5, steps: int = 2, seed: int = 0
 ) -> list[float]:
     """Median seconds per step of each candidate, timed in ``rounds`` interleaved rounds of ``steps``
-    steps, the candidates in a fresh shuffled order each round (:func:`meshdsl.bench.timing.interleaved_rounds`)."""
+    steps, the candidates in a fresh shuffled order each round (:func:`meshdsl.measure.timing.interleaved_rounds`)."""
     trainers = [(Trainer(model, optimizer, md.Mesh(c.axis_sizes), c.layout), c.name) for c in candidates]
     compiled = [
         compile_step(trainer, seed, what=f"candidate {name}") for trainer, name in trainers

@@ -30,12 +30,10 @@ import dataclasses
 from collections.abc import Mapping, Set
 from typing import Any
 
-import jax
-
 import meshdsl as md
 from meshdsl.jaxpr_walk import loop_carries, scan_counts
+from meshdsl.measure.sizes import local_bytes
 from meshdsl.planner.program import Block, Step, nbytes
-from meshdsl.tensor import is_tensor
 
 FUSIBLE = frozenset(
     "abs add add_any and broadcast_in_dim clamp convert_element_type cos copy div eq erf erf_inv exp exp2 expand_dims "
@@ -71,21 +69,6 @@ class MemoryBreakdown:
     @property
     def total(self) -> int:
         return self.state + self.peak_temporaries
-
-
-def local_bytes(tree: Any, layout: md.Layout, mesh: md.Mesh) -> int:
-    """Bytes one device holds of ``tree`` (md tensors split as ``layout`` says; other leaves whole)."""
-    total = 0
-    for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_tensor):
-        if is_tensor(leaf):
-            split = 1
-            for axes in layout.axes(leaf.shape, mesh):
-                for a in axes:
-                    split *= mesh.axis_sizes[a]
-            total += leaf.shape.size * leaf.dtype.itemsize // split
-        else:
-            total += leaf.size * leaf.dtype.itemsize
-    return total
 
 
 def _aligned(nbytes: int) -> int:

@@ -7,7 +7,7 @@ consecutive devices; the last mesh axis is the fastest-varying) uses the inside 
 
 Shipped profiles (``meshdsl/planner/profiles/*.json``) come from vendor datasheets, except
 ``cpu-sim``, which ``meshdsl calibrate`` measured on the simulated CPU mesh. A datasheet profile
-leaves its matmul rate to :mod:`meshdsl.bench.peaks` (the one table of peak FLOP/s).
+leaves its matmul rate to :mod:`meshdsl.measure.peaks` (the one table of peak FLOP/s).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from meshdsl import outputs
-from meshdsl.bench.peaks import peak_flops
 from meshdsl.collectives import Collective
 from meshdsl.errors import ConfigError
+from meshdsl.measure.peaks import peak_flops
 
 KINDS = tuple(c.value for c in Collective)
 
@@ -59,13 +59,13 @@ class DeviceProfile:
     forward and backward, causal half); a dtype without one is priced at the matmul rate."""
 
     def matmul_rate(self, dtype: str = "float32") -> float:
-        """Matmul FLOP/s of one device in ``dtype``: measured, else the datasheet peak from bench.peaks."""
+        """Matmul FLOP/s of one device in ``dtype``: measured, else the datasheet peak from measure.peaks."""
         if dtype in self.matmul_flops:
             return self.matmul_flops[dtype]
         peak = peak_flops(self.device_kind, dtype)
         if peak is None:
             raise ConfigError(
-                f"device profile {self.name!r} has no matmul rate for {dtype} and bench.peaks knows no peak for "
+                f"device profile {self.name!r} has no matmul rate for {dtype} and measure.peaks knows no peak for "
                 f"{self.device_kind!r}"
             )
         return peak

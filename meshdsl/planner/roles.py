@@ -40,6 +40,7 @@ from typing import Any
 import jax
 
 import meshdsl as md
+from meshdsl import model_protocol
 from meshdsl.errors import ConfigError
 from meshdsl.lowering.recorder import recorded_shapes
 
@@ -104,9 +105,9 @@ def roles(model: Any, params: Any, batch: Any) -> DimRoles:
     for w in weights:
         for name in w.shape.names:
             coverage[name] = coverage.get(name, 0) + w.shape.size * w.dtype.itemsize
-    layers = getattr(model, "layers", None)
-    layers = layers.name if isinstance(layers, md.Dim) else None
-    stage = layers if getattr(model, "pipelined", False) else None
+    stacked = model_protocol.stacked_layers(model)  # pipelined or not: never a tensor-parallel dim
+    layers = None if stacked is None else stacked.name
+    stage = layers if model_protocol.has_pipeline_parts(model) else None
     declared = _declared(model, sizes)
     pairs = frozenset(frozenset(p) for s in shapes for p in itertools.combinations(sorted(s), 2))
     meet = lambda a, b: frozenset((a, b)) in pairs  # noqa: E731
@@ -174,7 +175,7 @@ def _undominated(dims: list[str], shapes: list[set[str]], by: list[str]) -> list
 
 def _declared(model: Any, sizes: Mapping[str, int]) -> dict[str, tuple[str, ...]] | None:
     """``model.DIM_ROLES`` as ``{dim: roles}``, checked; None when the model declares none."""
-    table = getattr(model, "DIM_ROLES", None)
+    table = model_protocol.dim_roles(model)
     if table is None:
         return None
     if not isinstance(table, Mapping):

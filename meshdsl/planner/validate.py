@@ -7,7 +7,7 @@ For every legal candidate of each model (the search's enumeration), predict the 
 layout (predicted collective bytes per device and whether they equal the compiled HLO's, the
 predicted and the compiled memory per device, and the memory error), then a summary line. The
 references are the compiler's own: the HLO's collectives (:mod:`meshdsl.hlo`) and
-``compiled.memory_analysis()`` (:func:`~meshdsl.bench.timing.memory_bytes`). Exits 1 when
+``compiled.memory_analysis()`` (:func:`~meshdsl.measure.timing.memory_bytes`). Exits 1 when
 a row misses (bytes unequal, or memory off by more than 10%).
 
 The devices are chosen (``meshdsl.devices.simulate_devices``) before JAX runs anything, as the
@@ -73,7 +73,7 @@ def check(name: str, model: Any, optimizer: Any, candidate: Any, devices: int) -
     None when tracing it raises a layout or shape error (the search drops it as illegal)."""
     import meshdsl as md
     from meshdsl import hlo
-    from meshdsl.bench.timing import compile_step, memory_bytes
+    from meshdsl.measure.timing import compile_step, memory_bytes
     from meshdsl.planner.cost import predict
     from meshdsl.planner.profile import load_profile
     from meshdsl.train.step import Trainer

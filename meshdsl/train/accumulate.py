@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from meshdsl import model_protocol
 from meshdsl.dims import Dim, Shape
 from meshdsl.errors import ConfigError, ShapeError
 from meshdsl.lowering.context import current
@@ -83,7 +84,7 @@ def split(batch: Any, n: int, name: str = BATCH) -> tuple[list[jax.Array], Calla
 
 def _loss(model: Any, size: int, n: int) -> Callable[[Any, Any], jax.Array]:
     """The loss of a microbatch of ``size // n`` rows, as an array; a ShapeError in it as a ConfigError saying why."""
-    micro = model.with_batch(size // n) if n > 1 and hasattr(model, "with_batch") else model
+    micro = model_protocol.with_batch(model, size // n) if n > 1 else model
 
     def loss(params: Any, batch: Any) -> jax.Array:
         try:

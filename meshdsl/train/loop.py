@@ -16,15 +16,16 @@ import jax
 import jax.numpy as jnp
 
 import meshdsl as md
-from meshdsl import distributed, models, outputs
-from meshdsl.bench.peaks import peak_flops
-from meshdsl.bench.timing import compile_checked
+from meshdsl import distributed, model_protocol, models, outputs
 from meshdsl.errors import ConfigError, TrainingError
+from meshdsl.layout_spec import is_shipped, layout_path, load_layout
+from meshdsl.measure.peaks import peak_flops
+from meshdsl.measure.timing import compile_checked
 from meshdsl.model_loader import build_model, load_module
 from meshdsl.train import feedback, logs, optim, settings
 from meshdsl.train.data import EVAL_FRACTION, TokenFile
 from meshdsl.train.progress import Progress, Step, Summary, peak_bytes
-from meshdsl.train.rules import LAYOUTS, is_shipped, split_warnings, unused_rules
+from meshdsl.train.rules import split_warnings, unused_rules
 from meshdsl.train.step import Trainer, check_accumulate, pipelined
 from meshdsl.train.token_batch import token_batch_of
 
@@ -87,33 +88,6 @@ RESUMABLE_CHANGES = ("remat", "remat_policy", "loss_chunk")
 """Config fields a resumed run may change: what is recomputed or chunked, not what is computed."""
 
 
-def layout_path(spec: str) -> Path | None:
-    """The TOML file a layout spec names (a path, or a shipped layout's name), or None for inline rules."""
-    if not spec.strip():
-        raise md.LayoutError(
-            f"layout {spec!r} is empty: give a layout TOML file, a shipped layout ({_shipped()}) or rules like 'batch:data'"
-        )
-    if Path(spec).exists() or spec.endswith(".toml"):
-        return Path(spec)
-    if (LAYOUTS / f"{spec}.toml").exists():
-        return LAYOUTS / f"{spec}.toml"
-    if ":" not in spec:
-        raise md.LayoutError(
-            f"layout {spec!r} is neither a file, a shipped layout ({_shipped()}) nor rules like 'batch:data'"
-        )
-    return None
-
-
-def _shipped() -> str:
-    return ", ".join(sorted(p.stem for p in LAYOUTS.glob("*.toml")))
-
-
-def load_layout(spec: str) -> md.Layout:
-    """A layout from a TOML path, a shipped layout's name (``dp_tp``: ``layouts/dp_tp.toml``), or inline rules."""
-    path = layout_path(spec)
-    return md.Layout(spec, mesh_axes={"data": -1}) if path is None else md.Layout.load(path)
-
-
 def _model(run: RunConfig) -> Any:
     flags = {"compute_dtype": run.compute_dtype, "remat": run.remat or None}
     fields = {f.name for f in dataclasses.fields(load_module(run.model).Config)}
@@ -145,13 +119,14 @@ def _optimizer(run: RunConfig) -> optim.Optimizer:
     return optim.make(run.optimizer, None if steady else multiplier, **kwargs)
 
 
-def build_trainer(run: RunConfig, mesh: md.Mesh | None = None) -> Trainer:
-    """The trainer ``run`` asks for, its settings left None taken as :func:`resolved` takes them."""
+def build_trainer(run: RunConfig, mesh: md.Mesh | None = None, model: Any = None) -> Trainer:
+    """The trainer ``run`` asks for, its settings left None taken as :func:`resolved` takes them;
+    ``model``: the model ``run`` names, when already built (by :func:`check`)."""
     run = resolved(run)
     layout = load_layout(run.layout)
     pipeline = layout.pipeline.replace(run.microbatches, run.schedule, run.virtual_stages)
     return Trainer(
-        _model(run),
+        _model(run) if model is None else model,
         _optimizer(run),
         mesh or layout.mesh(),
         layout,
@@ -177,7 +152,7 @@ def token_file(run: RunConfig, model: Any) -> TokenFile:
             if {"length", "vocab"} <= {f.name for f in dataclasses.fields(load_module(n).Config)}
         ]
         raise ConfigError(f"{e}; of the shipped models, --data is for {', '.join(readers)}") from None
-    vocab = getattr(model.config, "vocab", None)
+    vocab = model_protocol.config_field(model, "vocab")
     if isinstance(vocab, bool) or not isinstance(vocab, int):
         raise ConfigError(
             f"{what}: its Config has no integer vocab field (the number of token ids), "
@@ -186,8 +161,10 @@ def token_file(run: RunConfig, model: Any) -> TokenFile:
     return TokenFile(run.data, spec, vocab, seed=run.seed, eval_fraction=run.eval_fraction)
 
 
-def check(run: RunConfig) -> None:
-    """Raise the md error for each mistake in ``run`` that shows before any device is used.
+def check(run: RunConfig, model: Any = None) -> Any:
+    """Raise the md error for each mistake in ``run`` that shows before any device is used; return the
+    model ``run`` names (built to check it, so :func:`train` builds it once; ``model``: that model, when a
+    caller's earlier check built it).
 
     Checked: the step count and learning rate, the schedule (also from the layout's ``[train]``),
     accumulation, evaluation, logging and profiling flags, model, preset, optimizer, layout (file
@@ -207,7 +184,7 @@ def check(run: RunConfig) -> None:
     settings.positive(run.eval_every, "--eval-every", "the steps between evaluations (0: none)", zero=True)
     settings.positive(run.eval_steps, "--eval-steps", "the batches an evaluation averages over")
     settings.positive(run.log_every, "--log-every", "the steps between printed lines")
-    model = _model(run)
+    model = _model(run) if model is None else model
     _optimizer(run)
     pipeline = layout.pipeline.replace(run.microbatches, run.schedule, run.virtual_stages)
     is_pipelined = pipelined(model, layout, pipeline, run.backend)
@@ -233,6 +210,7 @@ def check(run: RunConfig) -> None:
         outputs.check_dir(_profile_dir(run), "--profile-dir")
     elif run.profile_dir is not None:
         raise ConfigError("--profile-dir needs --profile-steps A:B (the steps to trace)")
+    return model
 
 
 def _profile_dir(run: RunConfig) -> str:
@@ -424,7 +402,11 @@ class _Profiler:
 
 
 def train(
-    run: RunConfig, out: TextIO = sys.stdout, mesh: md.Mesh | None = None, err: TextIO = sys.stderr
+    run: RunConfig,
+    out: TextIO = sys.stdout,
+    mesh: md.Mesh | None = None,
+    err: TextIO = sys.stderr,
+    model: Any = None,
 ) -> list[float]:
     """Train as ``run`` says and return the loss of every step it ran.
 
@@ -438,31 +420,37 @@ def train(
     (:func:`check`); rules of the layout that name no dim of the model are warned about on ``err``.
     The checkpoint dir is locked for the run (a second run on it is a ConfigError before anything is
     built). A step that needs more memory than a device has is a ConfigError before any state is made
-    (:mod:`meshdsl.bench.fits`).
+    (:mod:`meshdsl.measure.fits`). ``model``: what ``check(run)`` returned, when the caller checked first
+    (the model is then not built again).
     """
-    check(run)
+    model = check(run, model)
     run = resolved(run)
     if run.checkpoint_dir is None:
-        return _train(run, out, mesh, err, None)
+        return _train(run, model, out, mesh, err, None)
     manager = md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
     note = manager.acquire()
     if note is not None:
         err.write(f"meshdsl train: note: {note}\n")
     try:
-        return _train(run, out, mesh, err, manager)
+        return _train(run, model, out, mesh, err, manager)
     finally:
         manager.release()
 
 
 def _train(
-    run: RunConfig, out: TextIO, mesh: md.Mesh | None, err: TextIO, manager: md.checkpoint.CheckpointManager | None
+    run: RunConfig,
+    model: Any,
+    out: TextIO,
+    mesh: md.Mesh | None,
+    err: TextIO,
+    manager: md.checkpoint.CheckpointManager | None,
 ) -> list[float]:
-    """:func:`train` after its checks, with the checkpoint dir (if any) locked."""
+    """:func:`train` after its checks (which built ``model``), with the checkpoint dir (if any) locked."""
     primary = distributed.is_primary()
     if not primary:
         out = err = io.StringIO()
-    trainer = build_trainer(run, mesh)
-    model, mesh, layout = trainer.model, trainer.mesh, trainer.layout
+    trainer = build_trainer(run, mesh, model)
+    mesh, layout = trainer.mesh, trainer.layout
     warnings = rule_warnings(run.layout, layout, run.model, model)
     for warning in [*warnings, *split_warnings(layout, mesh, model, run.model, warned=bool(warnings))]:
         err.write(f"meshdsl train: warning: {warning}\n")
@@ -484,14 +472,13 @@ def _train(
         out.write(f"nothing to train: the checkpoint is at step {first}, which is --steps\n")
         return []
     metadata = _run_metadata(run, model)
-    unit = "tokens" if hasattr(model.config, "length") else "examples"
-    examples = model.examples_per_step() if hasattr(model, "examples_per_step") else None
+    counts = model_protocol.step_counts(model)
+    unit, examples, flops = counts.unit, counts.examples, counts.flops
     if examples is None:
         err.write(f"meshdsl train: note: model {run.model} has no examples_per_step(), so no throughput is shown\n")
-    flops = model.flops_per_step() if hasattr(model, "flops_per_step") else None
     device = jax.local_devices()[0]  # memory_stats() answers only for this process's own devices
-    peak = peak_flops(device.device_kind, getattr(model.config, "compute_dtype", None) or "float32")
-    language = hasattr(model.config, "vocab")
+    peak = peak_flops(device.device_kind, model_protocol.compute_dtype(model))
+    language = model_protocol.config_field(model, "vocab") is not None
     batch_of = (lambda step: data_key) if tokens is None else (lambda step: tokens.batch_at(step, mesh, layout))
     if eval_batch is not None:
         trainer.evaluate.lower(state, *eval_batch(0)).compile()

@@ -14,21 +14,17 @@ model it runs.
 from __future__ import annotations
 
 import difflib
-import importlib.resources
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 import meshdsl as md
+from meshdsl.layout_spec import LAYOUTS as LAYOUTS
+from meshdsl.layout_spec import is_shipped as is_shipped
 from meshdsl.lowering.base import Lowering
 from meshdsl.lowering.context import use
 from meshdsl.lowering.recorder import recorded_shapes
-
-LAYOUTS = Path(str(importlib.resources.files("meshdsl.layouts"))).resolve()
-"""The shipped layout files: the package data of ``meshdsl.layouts`` (the repository's
-``layouts/`` folder), found wherever meshdsl is installed."""
 
 
 def model_dims(model: Any) -> set[str]:
@@ -41,11 +37,6 @@ def model_dims(model: Any) -> set[str]:
         return model.loss(model.init(key), model.batch(key)).array
 
     return {name for shape in recorded_shapes(loss, jax.ShapeDtypeStruct((2,), jnp.uint32)) for name in shape.names}
-
-
-def is_shipped(path: str | Path | None) -> bool:
-    """Whether ``path`` is one of the shipped layout files."""
-    return path is not None and Path(path).resolve().parent == LAYOUTS
 
 
 def unused_rules(layout: md.Layout, model: Any, name: str) -> list[str]:

@@ -21,13 +21,14 @@ import jax
 import jax.numpy as jnp
 
 import meshdsl as md
-from meshdsl import pipeline
+from meshdsl import model_protocol, pipeline
 from meshdsl.lowering.base import Lowering
 from meshdsl.lowering.context import use
 from meshdsl.pipeline_config import PipelineConfig
 from meshdsl.train import accumulate as accumulation
 from meshdsl.train import feedback
 from meshdsl.train.optim import Optimizer, global_norm
+from meshdsl.user_model import describe_model
 
 
 @dataclasses.dataclass
@@ -56,6 +57,7 @@ class Trainer:
     ``state["error_feedback"]`` and add it to the next step's gradient (:mod:`meshdsl.train.feedback`)."""
 
     def __post_init__(self) -> None:
+        model_protocol.check(self.model, describe_model(self.model))
         self.pipeline = self.pipeline or self.layout.pipeline
         self.pipelined = pipelined(self.model, self.layout, self.pipeline, self.backend)
         check_accumulate(self.accumulate, self.pipelined)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import meshdsl as md
+from meshdsl import model_protocol
 from meshdsl.errors import ConfigError, MeshDslError
 from meshdsl.lowering.base import Lowering
 from meshdsl.lowering.context import use
@@ -89,7 +90,7 @@ def token_batch_of(model: Any, what: str) -> TokenBatch:
 
 def _pair(model: Any, batch: dict[str, md.Tensor], what: str, shown: str) -> tuple[str, str]:
     """The inputs' and targets' keys: the model's ``TOKEN_KEYS``, else the keys' names."""
-    declared = getattr(model, "TOKEN_KEYS", None)
+    declared = model_protocol.token_keys(model)
     if declared is not None:
         if not (isinstance(declared, (tuple, list)) and len(declared) == 2 and all(k in batch for k in declared)):
             raise ConfigError(

@@ -1,0 +1,199 @@
+"""The package's import graph: no circle but the operator overloads', no two sibling subpackages importing each other.
+
+The graph is read from the source (``ast``), not from ``sys.modules``: an import inside a function
+counts as much as one at the top of a file, since the circle it closes is only hidden until the
+function runs. ``models/`` is read as ``meshdsl.models``, the name it is installed under. An edge
+goes to the module an import names: ``from meshdsl import outputs`` to ``meshdsl.outputs``,
+``from meshdsl.layout import Layout`` to ``meshdsl.layout``, ``import meshdsl as md`` to the package
+``meshdsl`` (its ``__init__``). An import under ``if TYPE_CHECKING:`` is left out (it never runs), and
+the loader's imports of the shipped models by name (``importlib``, which ``ast`` cannot see) are added.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from pathlib import Path
+
+from meshdsl.models import NAMES
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = {"meshdsl": ROOT / "meshdsl", "meshdsl.models": ROOT / "models"}
+
+ALLOWED_CYCLE = frozenset(
+    {"meshdsl.tensor", "meshdsl.lowering.context", "meshdsl.ops.elementwise", "meshdsl.lowering.base"}
+)
+"""The one circle allowed, the operator overloads': ``Tensor``'s operators (``x + y``) call the elementwise
+ops, which run under the current lowering (``lowering.context``), whose ``finish`` (``lowering.base``) makes
+the resulting ``Tensor``. Haliax has the same circle (``NamedArray`` and its ops)."""
+
+SIBLINGS = tuple(sorted(p.parent.name for p in (ROOT / "meshdsl").glob("*/__init__.py")))
+"""The subpackages of ``meshdsl`` (bench, planner, train, lowering, ops, nn, measure, ...): any two may
+import one another in one direction only."""
+
+DYNAMIC = {"meshdsl.model_loader": {f"meshdsl.models.{name}" for name in NAMES}}
+"""Imports made by name at run time: the loader imports a shipped model as ``meshdsl.models.<name>``."""
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by its dotted name (a package by its own, for its ``__init__``)."""
+    out = {}
+    for package, folder in FOLDERS.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def _imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that the module ``name`` (file ``path``) imports, anywhere in the file."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+    return {m for m in found if m in modules and m != name}
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (imported for the type checker only)."""
+    out: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (at the top or in a function, or by name: ``DYNAMIC``)."""
+    modules = _modules()
+    return {name: _imported(name, path, modules) | DYNAMIC.get(name, set()) for name, path in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected components of ``graph`` with more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[frozenset[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(frozenset(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _sibling(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in SIBLINGS else None
+
+
+def sibling_edges(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[str]]:
+    """(importing subpackage, imported subpackage) -> the imports that make the edge (``a -> b``)."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for a, targets in graph.items():
+        for b in targets:
+            pa, pb = _sibling(a), _sibling(b)
+            if pa and pb and pa != pb:
+                out.setdefault((pa, pb), []).append(f"{a} -> {b}")
+    return out
+
+
+def test_reader_sees_function_level_and_relative_imports(tmp_path):
+    """The reader finds an import in a function body, resolves ``from .x import y`` and ``from p import module``,
+    and leaves out an import made for the type checker only."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("def f():\n    from pkg import b\n")
+    (tmp_path / "pkg" / "b.py").write_text("from .c import thing\n")
+    (tmp_path / "pkg" / "c.py").write_text(
+        "import pkg.a\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg\n"
+    )
+    modules = {"pkg": tmp_path / "pkg" / "__init__.py"}
+    modules.update({f"pkg.{n}": tmp_path / "pkg" / f"{n}.py" for n in "abc"})
+    graph = {name: _imported(name, path, modules) for name, path in modules.items()}
+    assert graph == {"pkg": set(), "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.c"}, "pkg.c": {"pkg.a"}}
+    assert cycles(graph) == [frozenset({"pkg.a", "pkg.b", "pkg.c"})]
+
+
+def test_graph_covers_the_package():
+    graph = import_graph()
+    assert {"meshdsl.tensor", "meshdsl.models.mlp", "meshdsl.train.loop", "meshdsl.bench.run"} <= set(graph)
+    assert "meshdsl.lowering.context" in graph["meshdsl.tensor"]
+
+
+def test_no_import_cycle_but_the_operator_overloads():
+    found = cycles(import_graph())
+    assert found == [ALLOWED_CYCLE], "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in found)
+
+
+def test_no_two_sibling_subpackages_import_each_other():
+    edges = sibling_edges(import_graph())
+    both = [
+        f"{a} <-> {b}: {edges[a, b][0]} and {edges[b, a][0]}"
+        for a, b in itertools.combinations(SIBLINGS, 2)
+        if (a, b) in edges and (b, a) in edges
+    ]
+    assert not both, "sibling subpackages importing each other: " + "; ".join(both)
+
+
+def test_moved_public_names_keep_their_documented_paths():
+    """docs/api.md names these paths; they are the moved objects themselves, not copies."""
+    from meshdsl.bench import fits, peaks, timing
+    from meshdsl.layout_spec import LAYOUTS, is_shipped, layout_path, load_layout
+    from meshdsl.measure import fits as measure_fits
+    from meshdsl.measure import timing as measure_timing
+    from meshdsl.measure.peaks import peak_flops
+    from meshdsl.measure.sizes import local_bytes
+    from meshdsl.model_config import configure
+    from meshdsl.model_loader import configure as loader_configure
+    from meshdsl.planner import memory
+    from meshdsl.train import loop, rules
+
+    assert (timing.compile_step, timing.memory_bytes) == (measure_timing.compile_step, measure_timing.memory_bytes)
+    assert (fits.check, fits.DoesNotFit, peaks.peak_flops) == (measure_fits.check, measure_fits.DoesNotFit, peak_flops)
+    assert (loop.load_layout, loop.layout_path) == (load_layout, layout_path)
+    assert (rules.LAYOUTS, rules.is_shipped) == (LAYOUTS, is_shipped)
+    assert memory.local_bytes is local_bytes and loader_configure is configure
