@@ -626,5 +626,3 @@ def _prune(path: Path) -> None:
     os.replace(path, tomb)
     _fsync(path.parent)
     shutil.rmtree(tomb)
-
-
