@@ -330,9 +330,9 @@ def group_size(axes: Iterable[str], axis_sizes: Mapping[str, int]) -> int:
     return math.prod(axis_sizes[a] for a in axes)
 
 
-def axis_index(axes: Sequence[str], axis_sizes: Mapping[str, int]) -> jax.Array:
-    """This device's position along ``axes`` taken together, major to minor."""
-    index = 0
+def axis_index(axes: Sequence[str], axis_sizes: Mapping[str, int]) -> jax.Array | int:
+    """This device's position along ``axes`` taken together, major to minor (0 for no axes)."""
+    index: jax.Array | int = 0
     for a in axes:
         index = index * axis_sizes[a] + lax.axis_index(a)
     return index
@@ -484,7 +484,7 @@ _slice_gathering_grads.defvjp(_slice_fwd, _slice_bwd)
 
 
 def gather_together(
-    arrays: Sequence[jax.Array], dims: Sequence[int], axes: Axes, n: int, to: str, grad_dtype: Any = None
+    arrays: Sequence[jax.Array], dims: Sequence[int], axes: tuple[str, ...], n: int, to: str, grad_dtype: Any = None
 ) -> list[jax.Array]:
     """Each of ``arrays`` gathered along its dim in ``dims`` over mesh ``axes`` (``n`` devices), by one ``all_gather``.
 
