@@ -412,7 +412,9 @@ def _result(path: Path, record: dict[str, Any], future: Any) -> np.ndarray:
         ) from None
 
 
-def _span(index: tuple) -> tuple:
+def _span(index: tuple[slice, ...] | None) -> tuple:
+    """A device's block index as a hashable key. JAX types the index optional, but asserts that it is not None."""
+    assert index is not None
     return tuple((s.start, s.stop, s.step) for s in index)
 
 

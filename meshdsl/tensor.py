@@ -180,7 +180,7 @@ def tensor(array: Any, dims: ShapeLike | str | Sequence[str]) -> Tensor:
         raise ShapeError(
             f"array of shape {tuple(array.shape)} has {array.ndim} axes, but {len(dims)} dims were named: {dims}"
         )
-    resolved = []
+    resolved: list[Dim] = []
     for d, n in zip(dims, array.shape):
         if isinstance(d, str):
             d = Dim(d, n)
