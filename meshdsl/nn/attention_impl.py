@@ -13,13 +13,14 @@ causal rows of a split query length) goes to XLA. An explicit ``implementation=`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
 from meshdsl.errors import ConfigError
 
+Implementation = Literal["xla", "cudnn"]
 IMPLEMENTATIONS = ("xla", "cudnn")
 MASKS = ("none", "causal", "tensor")
 """``mask_kind``: no mask, causal from position 0 (``is_causal``), or a boolean mask tensor."""
@@ -41,7 +42,7 @@ def max_head_dim(device: Any = None) -> int:
 
 def choose_implementation(
     platform: str, dtype: Any, head_dim: int, mask_kind: str, explicit: str | None = None, head_dim_limit: int = 128
-) -> str:
+) -> Implementation:
     """``"cudnn"`` or ``"xla"`` for attention on ``platform`` ("cpu", "gpu", "tpu") of ``dtype``
     inputs with heads of ``head_dim`` and mask ``mask_kind`` (:data:`MASKS`); ``explicit`` (not
     None) is returned as given. ``head_dim_limit``: :func:`max_head_dim` of the device."""
@@ -49,7 +50,7 @@ def choose_implementation(
         if explicit not in IMPLEMENTATIONS:
             known = ", ".join(IMPLEMENTATIONS)
             raise ConfigError(f"attention implementation {explicit!r} is not one of {known} (or None: chosen)")
-        return explicit
+        return "cudnn" if explicit == "cudnn" else "xla"
     if mask_kind not in MASKS:
         raise ConfigError(f"attention mask kind {mask_kind!r} is not one of {', '.join(MASKS)}")
     fused = (
@@ -62,7 +63,7 @@ def choose_implementation(
     return "cudnn" if fused else "xla"
 
 
-def implementation_here(dtype: Any, head_dim: int, mask_kind: str, explicit: str | None = None) -> str:
+def implementation_here(dtype: Any, head_dim: int, mask_kind: str, explicit: str | None = None) -> Implementation:
     """:func:`choose_implementation` for the backend being compiled for (``jax.default_backend()``)."""
     if explicit is not None:
         return choose_implementation("", dtype, head_dim, mask_kind, explicit)
