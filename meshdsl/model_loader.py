@@ -98,8 +98,8 @@ def shipped_name(model: Any) -> str | None:
     return name
 
 
-def configure(config_class: type, preset: str, overrides: dict[str, Any], model: str, mine: Sequence[Path] = ()) -> Any:
-    """``config_class`` at the preset ``preset`` with ``overrides``.
+def configure(config_class: Any, preset: str, overrides: dict[str, Any], model: str, mine: Sequence[Path] = ()) -> Any:
+    """``config_class`` (a dataclass with a ``PRESETS`` dict) at the preset ``preset`` with ``overrides``.
 
     ConfigError for an unknown preset (naming the presets), an unknown field (naming the fields),
     or a value unlike the field's (its default, else the preset's value), in ``overrides`` or in the
@@ -179,6 +179,8 @@ def _load_file(spec: str) -> ModuleType:
         return _files[path]
     name = f"{_PREFIX}{len(_files)}_{path.stem}"
     module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ConfigError(f"--model {spec!r}: Python finds no way to load this file as a module")
     module = importlib.util.module_from_spec(module_spec)
     if str(path.parent) not in sys.path:  # as for a script: modules beside the file are importable
         sys.path.insert(0, str(path.parent))
@@ -221,9 +223,10 @@ def _exited(error: SystemExit, mine: list[Path]) -> str:
 def _mine(module: ModuleType, spec: str) -> list[Path]:
     """The files or folders of the user's code behind ``module``: the file for a Python file, the
     top-level package's folder for an importable module."""
-    if module.__name__.startswith(_PREFIX):
-        return [Path(module.__file__).resolve()]
-    return _package_dirs(spec) or ([Path(module.__file__).resolve()] if getattr(module, "__file__", None) else [])
+    file = getattr(module, "__file__", None)
+    if module.__name__.startswith(_PREFIX) and file is not None:
+        return [Path(file).resolve()]
+    return _package_dirs(spec) or ([Path(file).resolve()] if file else [])
 
 
 def _package_dirs(spec: str) -> list[Path]:
