@@ -17,6 +17,7 @@ import re
 import sys
 import traceback
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 DEVICE_FLAG = "--xla_force_host_platform_device_count"
 MAX_SIMULATED_DEVICES = 2048
@@ -381,7 +382,7 @@ def _check_flags(args: argparse.Namespace) -> None:
             )
 
 
-def _config(args: argparse.Namespace) -> object:
+def _config(args: argparse.Namespace) -> Any:
     """What the command ``args`` runs: a RunConfig, a BenchConfig, or the planner's own arguments."""
     overrides = _overrides(getattr(args, "set", []))
     if args.command == "train":

@@ -126,13 +126,16 @@ def resolved(run: RunConfig) -> RunConfig:
     """``run`` with the settings its flags leave None taken from its layout's ``[train]`` table, else the defaults."""
     table = settings.train_table(layout_path(run.layout))
     fields = {k: getattr(run, k) for k in settings.KEYS}
-    chosen = {k: v if v is not None else table.get(k, settings.DEFAULTS.get(k)) for k, v in fields.items()}
+    chosen: dict[str, Any] = {
+        k: v if v is not None else table.get(k, settings.DEFAULTS.get(k)) for k, v in fields.items()
+    }
     return dataclasses.replace(run, **chosen)
 
 
 def _optimizer(run: RunConfig) -> optim.Optimizer:
     run = resolved(run)
     kwargs = {} if run.learning_rate is None else {"learning_rate": run.learning_rate}
+    assert run.lr_schedule is not None and run.warmup_steps is not None and run.min_lr_ratio is not None  # resolved
     multiplier = optim.schedule(run.lr_schedule, run.steps, run.warmup_steps, run.min_lr_ratio)
     # a constant rate without warmup stays a number: the very program (and losses) of a run without a schedule
     steady = run.lr_schedule == "constant" and not run.warmup_steps
@@ -142,6 +145,7 @@ def _optimizer(run: RunConfig) -> optim.Optimizer:
 def build_trainer(run: RunConfig, mesh: md.Mesh | None = None) -> Trainer:
     """The trainer ``run`` asks for, its settings left None taken as :func:`resolved` takes them."""
     run = resolved(run)
+    assert run.accumulate is not None  # resolved
     layout = load_layout(run.layout)
     pipeline = layout.pipeline.replace(run.microbatches, run.schedule, run.virtual_stages)
     return Trainer(
@@ -176,6 +180,7 @@ def token_file(run: RunConfig, model: Any) -> TokenFile:
             f"{what}: its Config has no integer vocab field (the number of token ids), "
             "which --data needs to check the file's ids"
         )
+    assert run.data is not None  # a token file is read for a run with --data
     return TokenFile(run.data, spec, vocab, seed=run.seed, eval_fraction=run.eval_fraction)
 
 
@@ -356,7 +361,7 @@ def _header(run: RunConfig, mesh: md.Mesh, layout: md.Layout) -> str:
     if run.lr_schedule != "constant" or run.warmup_steps:
         warmup = f", {run.warmup_steps} warmup steps" if run.warmup_steps else ""
         extra.append(f"{run.lr_schedule} learning rate{warmup}")
-    if run.accumulate > 1:
+    if run.accumulate is not None and run.accumulate > 1:
         extra.append(f"{run.accumulate} microbatches a step")
     shown = f" ({'; '.join(extra)})" if extra else ""
     where = f"on mesh {mesh} ({jax.devices()[0].platform})"
@@ -399,7 +404,7 @@ class _Profiler:
 
     def after(self, step: int, result: Any) -> str | None:
         """Stop after the last traced step (once its result is ready); the line that says where the trace is."""
-        if not self.on or step != self.span[1]:
+        if not self.on or self.span is None or step != self.span[1]:
             return None
         jax.block_until_ready(result)
         jax.profiler.stop_trace()
@@ -468,8 +473,10 @@ def _train(
     like = jax.random.key_data(jax.random.key(run.seed)) if tokens is None else tokens.abstract_batch(mesh, layout)
     compile_checked(trainer, like, f"a training step of {run.model} {run.preset} under {run.layout}")
     state, data_key, first = _start(run, trainer, manager, out)
-    if first:
-        _check_data(manager.latest(), tokens, first)
+    if first:  # resumed, so from a checkpoint the manager found
+        found = manager.latest() if manager is not None else None
+        assert found is not None
+        _check_data(found, tokens, first)
     if first == run.steps:
         out.write(f"nothing to train: the checkpoint is at step {first}, which is --steps\n")
         return []
