@@ -89,9 +89,9 @@ def test_statistics_over_split_dims_give_the_same_update(optimizer):
 
 
 def test_global_norm_of_a_tree_without_tensors_is_zero():
-    """As optax.global_norm: a tree with no tensors has norm 0 and clipping leaves it alone."""
+    """As optax.tree.norm: a tree with no tensors has norm 0 and clipping leaves it alone."""
     norm = optim.global_norm({"step": 3})
-    assert norm.shape.rank == 0 and float(norm.numpy()) == float(optax.global_norm({})) == 0.0
+    assert norm.shape.rank == 0 and float(norm.numpy()) == float(optax.tree.norm({})) == 0.0
     assert optim.clip_by_global_norm({"step": 3}, 1.0) == {"step": 3}
 
 

@@ -50,7 +50,7 @@ def global_norm(tree: Any) -> md.Tensor:
         s = md.reduce_sum(md.square(md.cast(t, jnp.float32)))
         groups[s.pending] = groups[s.pending] + s if s.pending in groups else s
     sums = list(groups.values())
-    if not sums:  # no tensors: norm 0, as optax.global_norm
+    if not sums:  # no tensors: norm 0, as optax.tree.norm
         return md.zeros([], jnp.float32)
     total = sums[0]
     for s in sums[1:]:
