@@ -39,6 +39,8 @@ from meshdsl.dirlock import DirLock
 from meshdsl.errors import ConfigError, DataError, LayoutError, MeshDslError, WriteError
 from meshdsl.layout import Layout
 from meshdsl.mesh import Mesh
+from meshdsl.safetensors_io import Source as Source  # re-exported: md.checkpoint reads Hugging Face's format too
+from meshdsl.safetensors_io import load_safetensors as load_safetensors  # md.checkpoint.load_safetensors
 from meshdsl.tensor import Tensor, is_tensor
 
 FORMAT = "meshdsl-checkpoint"
