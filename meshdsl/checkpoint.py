@@ -39,6 +39,8 @@ from meshdsl.dirlock import DirLock
 from meshdsl.errors import ConfigError, DataError, LayoutError, MeshDslError, WriteError
 from meshdsl.layout import Layout
 from meshdsl.mesh import Mesh
+from meshdsl.safetensors_io import Source as Source  # re-exported: md.checkpoint reads Hugging Face's format too
+from meshdsl.safetensors_io import load_safetensors as load_safetensors  # md.checkpoint.load_safetensors
 from meshdsl.tensor import Tensor, is_tensor
 
 FORMAT = "meshdsl-checkpoint"
@@ -418,7 +420,9 @@ def _result(path: Path, record: dict[str, Any], future: Any) -> np.ndarray:
         ) from None
 
 
-def _span(index: tuple) -> tuple:
+def _span(index: tuple[slice, ...] | None) -> tuple:
+    """A device's block index as a hashable key. JAX types the index optional, but asserts that it is not None."""
+    assert index is not None
     return tuple((s.start, s.stop, s.step) for s in index)
 
 
@@ -633,8 +637,3 @@ def _prune(path: Path) -> None:
     os.replace(path, tomb)
     _fsync(path.parent)
     shutil.rmtree(tomb)
-
-
-# md.checkpoint also reads other formats: imported last, as safetensors_io uses this module.
-from meshdsl.safetensors_io import Source as Source  # noqa: E402
-from meshdsl.safetensors_io import load_safetensors as load_safetensors  # noqa: E402

@@ -78,7 +78,7 @@ class Compiled:
         self,
         fn: Callable[..., Any],
         mesh: Mesh,
-        layout: LayoutLike,
+        layout: LayoutLike | None,
         backend: Backend | str = Backend.SPMD,
         in_layouts: Sequence[LayoutLike | None] | None = None,
         out_layouts: LayoutLike | Sequence[LayoutLike | None] | None = None,

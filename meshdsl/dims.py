@@ -11,6 +11,7 @@ import dataclasses
 import operator
 import re
 from collections.abc import Iterable, Iterator, Sequence
+from typing import overload
 
 from meshdsl.errors import ShapeError
 
@@ -151,6 +152,10 @@ def as_shape(shape: ShapeLike) -> Shape:
     return Shape(shape)
 
 
+@overload
+def dim_names(dims: DimLike | Iterable[DimLike]) -> tuple[str, ...]: ...
+@overload
+def dim_names(dims: None) -> None: ...
 def dim_names(dims: DimLike | Iterable[DimLike] | None) -> tuple[str, ...] | None:
     """Names from a name, a Dim, a space-separated string, a Shape or a list of those; None stays None."""
     if dims is None:

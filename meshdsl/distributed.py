@@ -160,7 +160,7 @@ def heartbeat_timeout(seconds: int | None = None, environ: Mapping[str, str] | N
     return HEARTBEAT_TIMEOUT_S if value is None else value
 
 
-def _options(heartbeat: int) -> dict[str, int]:
+def _options(heartbeat: int) -> dict[str, Any]:
     """The timeouts for ``jax.distributed.initialize``, those this JAX takes (``heartbeat_timeout_seconds``
     and ``shutdown_timeout_seconds`` are absent from older versions; a note says when the heartbeat is)."""
     import jax

@@ -235,8 +235,8 @@ def explain(
     (:func:`report_of_hlo`; ``Report.source`` is ``Source.COMPILED``). ``platform`` must then be
     the devices' own (or None).
     """
-    missing = [name for name, value in (("fn", fn), ("mesh", mesh)) if value is None]
-    if missing:
+    if fn is None or mesh is None:
+        missing = [name for name, value in (("fn", fn), ("mesh", mesh)) if value is None]
         raise ConfigError(f"md.explain: no {' and no '.join(missing)} given; call md.explain(fn, mesh, layout, *args)")
     if platform is not None and platform not in PLATFORMS:
         raise ConfigError(
@@ -248,13 +248,18 @@ def explain(
     if compiled.backend is Backend.GSPMD:
         if isinstance(mesh.jax_mesh, jax.sharding.AbstractMesh):
             raise ConfigError(
-                f"md.explain: backend gspmd compiles for real devices, but mesh {mesh} is abstract; build it on devices (md.Mesh({mesh}))"
+                f"md.explain: backend gspmd compiles for real devices, but mesh {mesh} is abstract; build it on "
+                f"devices (md.Mesh({mesh}))"
             )
         here = mesh.devices.flat[0].platform
         if platform not in (None, here):
             raise ConfigError(
-                f"md.explain: backend gspmd is measured on the devices at hand ({here}); it cannot be priced as on {platform}"
+                f"md.explain: backend gspmd is measured on the devices at hand ({here}); it cannot be priced as on "
+                f"{platform}"
             )
-        return report_of_hlo(compiled.lower(*args).compile().as_text(), mesh)
+        text = compiled.lower(*args).compile().as_text()
+        if text is None:
+            raise ConfigError(f"md.explain: backend gspmd reads the compiled program's HLO, which {here} does not give")
+        return report_of_hlo(text, mesh)
     closed = jax.make_jaxpr(compiled.spmd_function)(*args)
     return report_of_jaxpr(closed.jaxpr, mesh.axis_sizes, (platform or mesh.devices.flat[0].platform) == "cpu")

@@ -223,13 +223,13 @@ def _replica_group(instruction: _Instruction, devices: int | None) -> tuple[int,
             selected.append((name, int(ref.group(2) or 1), int(ref.group(3) or sizes[name])))
         order = _iota(mesh.group(2), mesh.group(3)) if mesh.group(2) else np.arange(math.prod(sizes.values()))
         order = order.reshape(tuple(sizes.values()))
-        ids = []
+        members: list[int] = []
         for combo in itertools.product(*[range(size) for _, _, size in selected]):
             position = dict.fromkeys(sizes, 0)
             for (name, pre, size), i in zip(selected, combo):
                 position[name] += i * (sizes[name] // (pre * size))
-            ids.append(int(order[tuple(position.values())]))
-        return len(ids), tuple(ids)
+            members.append(int(order[tuple(position.values())]))
+        return len(members), tuple(members)
     if devices is None:
         raise ValueError(
             f"%{instruction.name} runs over all devices (no replica groups) and the device count is "

@@ -38,6 +38,8 @@ def _operands(text: str) -> list[str]:
     """Operand names of an instruction's text ``TYPE opcode(operands), attributes``."""
     type_end = _balanced_end(text, 0, stop_at_space=True)
     opcode = _OPCODE.match(text, type_end)
+    if opcode is None:
+        raise ValueError(f"no opcode after the type in HLO instruction {text!r}")
     inner = text[opcode.end() : _balanced_end(text, opcode.end() - 1) - 1]
     return [part.strip().split()[-1].lstrip("%") for part in inner.split(",") if part.strip()]
 

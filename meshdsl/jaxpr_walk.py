@@ -104,11 +104,10 @@ def scan_counts(params: Mapping[str, Any]) -> tuple[int, int]:
     carries, scanned-over)."""
     if "num_consts" in params and "num_carry" in params:
         return int(params["num_consts"]), int(params["num_carry"])
-    groups = params.get("ft_in")
     try:
-        consts, carry, _ = groups.unpack()
+        consts, carry, _ = params["ft_in"].unpack()
         return len(consts), len(carry)
-    except (AttributeError, TypeError, ValueError):
+    except (KeyError, AttributeError, TypeError, ValueError):
         raise _unsupported("scan", params, "no count of its constants and carries") from None
 
 
@@ -161,7 +160,7 @@ def remat_barrier(params: Mapping[str, Any], n_operands: int) -> list[int]:
 
 def shard_map_specs(params: Mapping[str, Any]) -> tuple[Any, Sequence[Any], Sequence[Any]]:
     """A ``shard_map`` 's mesh, operand specs and result specs."""
-    return tuple(param("shard_map", params, k) for k in ("mesh", "in_specs", "out_specs"))  # type: ignore[return-value]
+    return tuple(param("shard_map", params, k) for k in ("mesh", "in_specs", "out_specs"))
 
 
 def cond_branches(params: Mapping[str, Any]) -> Sequence[Any]:
@@ -249,8 +248,9 @@ def _jaxprs(value: Any) -> Iterator[jex_core.Jaxpr]:
             yield v
 
 
-_Memo = dict[int, tuple[Any, Any]]
-"""Rewritten jaxprs by ``id`` of the original (kept alongside, so the id stays its own): a jaxpr
+_Memo = dict[int | tuple[str, int], tuple[Any, Any]]
+"""Rewritten jaxprs by ``id`` of the original (``("closed", id)`` for a closed jaxpr; the original kept
+alongside, so the id stays its own): a jaxpr
 that several equations share stays shared, which :func:`_merge_key` relies on."""
 _Pass = Callable[[jex_core.Jaxpr, list[jex_core.JaxprEqn], dict[Any, Any]], list[jex_core.JaxprEqn]]
 """One pass over a jaxpr's equations (their sub-jaxprs already rewritten), recording in the
@@ -436,6 +436,7 @@ def _one_trip(scan: jex_core.JaxprEqn, subst: dict[Any, Any]) -> list[jex_core.J
         (v, r) for v, r in zip(scan.outvars[:n_carry], results[:n_carry]) if not isinstance(v, jex_core.DropVar)
     )
     for v, y in zip(scan.outvars[n_carry:], results[n_carry:]):
+        assert isinstance(v.aval, jax.core.ShapedArray)  # a scan's results are arrays
         grow = {"new_sizes": tuple(v.aval.shape), "dimensions": None, "sharding": None}
         eqns.append(_reshaped(jex_primitives.reshape_p, grow, y, v, scan))
     return eqns

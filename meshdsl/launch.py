@@ -157,6 +157,8 @@ def check_fits(run: Any, processes: int, devices: int) -> None:
 
     total = processes * devices
     layout = load_layout(run.layout)
+    if layout.mesh_axes is None:
+        raise ConfigError(f"layout {run.layout!r} names no mesh; give it a [mesh] table to spread over {total} devices")
     try:
         sizes = axis_sizes(layout.mesh_axes, total)
         if not layout.axes_of("layers"):
@@ -212,6 +214,7 @@ def launch(
                 start_new_session=True,
             )
             children.append(child)
+            assert child.stdout is not None and child.stderr is not None  # both piped above
             forward.follow(rank, child.stdout, out)
             forward.follow(rank, child.stderr, err)
         pids = ", ".join(f"process {r} pid {c.pid}" for r, c in enumerate(children))
@@ -296,7 +299,7 @@ def _supervise(
                 _say(err, forward, "sending SIGTERM to the processes still running")
                 for child in children:
                     _signal(child, signal.SIGTERM)
-            if terminated and time.monotonic() > stop_at + KILL_AFTER_S:
+            if terminated and stop_at is not None and time.monotonic() > stop_at + KILL_AFTER_S:
                 for child in children:
                     _signal(child, signal.SIGKILL)
             time.sleep(0.1)

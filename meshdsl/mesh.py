@@ -124,7 +124,7 @@ class Mesh:
             )
             raise LayoutError(f"{e}{hint}") from None
         grid = np.array(devices[: self.size], dtype=object).reshape(tuple(self.axis_sizes.values()))
-        self.jax_mesh = jax.sharding.Mesh(grid, tuple(self.axis_sizes))
+        self.jax_mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh = jax.sharding.Mesh(grid, tuple(self.axis_sizes))
 
     @classmethod
     def abstract(cls, axis_sizes: Mapping[str, int]) -> Mesh:

@@ -85,7 +85,8 @@ def shipped_name(model: Any) -> str | None:
 
 
 def _choices() -> str:
-    return f"a shipped model ({', '.join(NAMES)}), a Python file (path/to/model.py) or an importable module (package.model)"
+    shipped = ", ".join(NAMES)
+    return f"a shipped model ({shipped}), a Python file (path/to/model.py) or an importable module (package.model)"
 
 
 def _load_file(spec: str) -> ModuleType:
@@ -101,6 +102,8 @@ def _load_file(spec: str) -> ModuleType:
         return _files[path]
     name = f"{_PREFIX}{len(_files)}_{path.stem}"
     module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ConfigError(f"--model {spec!r}: Python finds no way to load this file as a module")
     module = importlib.util.module_from_spec(module_spec)
     if str(path.parent) not in sys.path:  # as for a script: modules beside the file are importable
         sys.path.insert(0, str(path.parent))
@@ -143,9 +146,10 @@ def _exited(error: SystemExit, mine: list[Path]) -> str:
 def _mine(module: ModuleType, spec: str) -> list[Path]:
     """The files or folders of the user's code behind ``module``: the file for a Python file, the
     top-level package's folder for an importable module."""
-    if module.__name__.startswith(_PREFIX):
-        return [Path(module.__file__).resolve()]
-    return _package_dirs(spec) or ([Path(module.__file__).resolve()] if getattr(module, "__file__", None) else [])
+    file = getattr(module, "__file__", None)
+    if module.__name__.startswith(_PREFIX) and file is not None:
+        return [Path(file).resolve()]
+    return _package_dirs(spec) or ([Path(file).resolve()] if file else [])
 
 
 def _package_dirs(spec: str) -> list[Path]:
@@ -170,7 +174,8 @@ def _where(error: BaseException, mine: list[Path]) -> str:
 
 
 def _check_form(module: ModuleType, spec: str) -> None:
-    """ConfigError unless ``module`` has a dataclass ``Config`` with a dict ``PRESETS`` and a ``Model`` with init, batch, loss."""
+    """ConfigError unless ``module`` has a dataclass ``Config`` with a dict ``PRESETS`` and a ``Model`` with init,
+    batch, loss."""
     missing = [n for n in ("Config", "Model") if not hasattr(module, n)]
     if missing:
         raise ConfigError(f"model {spec} has no {' and no '.join(missing)}: {_FORM}")
@@ -180,7 +185,8 @@ def _check_form(module: ModuleType, spec: str) -> None:
     presets = getattr(config, "PRESETS", None)
     if not isinstance(presets, dict) or not presets or not all(isinstance(v, dict) for v in presets.values()):
         raise ConfigError(
-            f"model {spec}: Config.PRESETS must be a non-empty dict of preset name -> dict of field values, got {presets!r}"
+            f"model {spec}: Config.PRESETS must be a non-empty dict of preset name -> dict of field values, "
+            f"got {presets!r}"
         )
     lacking = model_protocol.missing(model)
     if lacking:

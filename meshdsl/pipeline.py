@@ -277,7 +277,11 @@ class _Run:
                 carry = tick(segment, carry, segment.start)
             else:
                 ts = jnp.arange(segment.start, segment.start + segment.length)
-                carry, _ = lax.scan(lambda c, t, seg=segment: (tick(seg, c, t), None), carry, ts)
+
+                def step(c: Any, t: jax.Array, seg: Segment = segment) -> tuple[Any, None]:
+                    return tick(seg, c, t), None
+
+                carry, _ = lax.scan(step, carry, ts)
         return carry
 
     # ---- schedules --------------------------------------------------------------------------------
@@ -312,6 +316,8 @@ class _Run:
             """The chunk's output, its vjp's residuals (an int ``i`` where one is the weight ``wc[i]``: not
             stored, it is at hand) and their tree."""
             y, fn = jax.vjp(self._stage, wc, x)
+            leaves: list[Any]
+            tree: Any  # jaxlib ships no stub for its PyTreeDef
             leaves, tree = jax.tree_util.tree_flatten(fn)
             weights = {id(a): i for i, a in enumerate(wc)}
             return y, [weights.get(id(a), a) for a in leaves], tree

@@ -331,9 +331,9 @@ def group_size(axes: Iterable[str], axis_sizes: Mapping[str, int]) -> int:
     return math.prod(axis_sizes[a] for a in axes)
 
 
-def axis_index(axes: Sequence[str], axis_sizes: Mapping[str, int]) -> jax.Array:
-    """This device's position along ``axes`` taken together, major to minor."""
-    index = 0
+def axis_index(axes: Sequence[str], axis_sizes: Mapping[str, int]) -> jax.Array | int:
+    """This device's position along ``axes`` taken together, major to minor (0 for no axes)."""
+    index: jax.Array | int = 0
     for a in axes:
         index = index * axis_sizes[a] + lax.axis_index(a)
     return index
@@ -431,12 +431,11 @@ def apply(
         if step.kind is StepKind.PSUM:
             x = lax.psum(x, step.axes)
         elif step.kind is StepKind.PSUM_SCATTER:
-            x = _leading(
-                x, step.dim, lambda a, step=step: lax.psum_scatter(a, step.axes, scatter_dimension=0, tiled=True)
-            )
+            scatter = functools.partial(lax.psum_scatter, axis_name=step.axes, scatter_dimension=0, tiled=True)
+            x = _leading(x, step.dim, scatter)
         elif step.kind is StepKind.ALL_GATHER:
             to = "varying" if varying.issuperset(step.axes) else "invarying"
-            x = _leading(x, step.dim, lambda a, step=step, to=to: _gather(a, step.axes, to, grad_dtype))
+            x = _leading(x, step.dim, functools.partial(_gather, axes=step.axes, to=to, grad_dtype=grad_dtype))
         elif step.kind is StepKind.ALL_TO_ALL:
             group = step.from_axes or step.axes
             x = _reorder_blocks(x, step.dim, step.axes, group, axis_sizes)
@@ -490,7 +489,7 @@ _slice_gathering_grads.defvjp(_slice_fwd, _slice_bwd)
 
 
 def gather_together(
-    arrays: Sequence[jax.Array], dims: Sequence[int], axes: Axes, n: int, to: str, grad_dtype: Any = None
+    arrays: Sequence[jax.Array], dims: Sequence[int], axes: tuple[str, ...], n: int, to: str, grad_dtype: Any = None
 ) -> list[jax.Array]:
     """Each of ``arrays`` gathered along its dim in ``dims`` over mesh ``axes`` (``n`` devices), by one ``all_gather``.
 

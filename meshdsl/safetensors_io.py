@@ -158,7 +158,9 @@ def _block(leaf: _Leaf, where: Mapping[str, Any], index: tuple[slice, ...]) -> n
     for stack_index in itertools.product(*(spans[p] for p in leaf.stacked)):
         name = leaf.source.tensor_name(dict(zip(leaf.stacked, stack_index)))
         reader = where[name].get_slice(name)
-        cuts, keep, full = [], [], []
+        cuts: list[slice] = []
+        keep: list[slice] = []
+        full: list[int] = []
         for group in leaf.axes:
             inner = math.prod(shape[n].size for n in group[1:])
             first = spans[group[0]]

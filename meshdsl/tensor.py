@@ -10,7 +10,7 @@ up (Mesh-TF's LazyAllreduceSum); reading ``.array`` adds them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -19,6 +19,20 @@ import numpy as np
 
 from meshdsl.dims import Dim, Shape, ShapeLike, as_shape
 from meshdsl.errors import ShapeError
+
+
+def _binary(name: str, reflected: bool = False) -> Callable[[Tensor, Any], Tensor]:
+    """The operator method that calls ``elementwise.<name>`` (``x + y`` is ``md.add(x, y)``); ``reflected`` swaps
+    the operands, for ``2 * x``. Written as class attributes so that type checkers see the operators."""
+
+    def method(self: Tensor, other: Any) -> Tensor:
+        from meshdsl.ops import elementwise
+
+        fn = getattr(elementwise, name)
+        return fn(other, self) if reflected else fn(self, other)
+
+    method.__name__ = f"__{'r' if reflected else ''}{name}__"
+    return method
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -86,54 +100,44 @@ class Tensor:
             )
         return bool(self.array)
 
-    def __neg__(self):
+    def __neg__(self) -> Tensor:
         from meshdsl.ops import elementwise
 
         return elementwise.negative(self)
 
-    def __abs__(self):
+    def __abs__(self) -> Tensor:
         from meshdsl.ops import elementwise
 
         return elementwise.abs(self)
 
-    def __invert__(self):
+    def __invert__(self) -> Tensor:
         from meshdsl.ops import elementwise
 
         return elementwise.logical_not(self)
 
-
-def _binary(name: str, reflected: bool = False):
-    def method(self, other):
-        from meshdsl.ops import elementwise
-
-        fn = getattr(elementwise, name)
-        return fn(other, self) if reflected else fn(self, other)
-
-    method.__name__ = f"__{'r' if reflected else ''}{name}__"
-    return method
-
-
-for _dunder, _op in [
-    ("add", "add"),
-    ("sub", "subtract"),
-    ("mul", "multiply"),
-    ("truediv", "divide"),
-    ("pow", "power"),
-    ("mod", "mod"),
-    ("and", "logical_and"),
-    ("or", "logical_or"),
-]:
-    setattr(Tensor, f"__{_dunder}__", _binary(_op))
-    setattr(Tensor, f"__r{_dunder}__", _binary(_op, reflected=True))
-for _dunder, _op in [
-    ("lt", "less"),
-    ("le", "less_equal"),
-    ("gt", "greater"),
-    ("ge", "greater_equal"),
-    ("eq", "equal"),
-    ("ne", "not_equal"),
-]:
-    setattr(Tensor, f"__{_dunder}__", _binary(_op))
+    __add__ = _binary("add")
+    __radd__ = _binary("add", reflected=True)
+    __sub__ = _binary("subtract")
+    __rsub__ = _binary("subtract", reflected=True)
+    __mul__ = _binary("multiply")
+    __rmul__ = _binary("multiply", reflected=True)
+    __truediv__ = _binary("divide")
+    __rtruediv__ = _binary("divide", reflected=True)
+    __pow__ = _binary("power")
+    __rpow__ = _binary("power", reflected=True)
+    __mod__ = _binary("mod")
+    __rmod__ = _binary("mod", reflected=True)
+    __and__ = _binary("logical_and")
+    __rand__ = _binary("logical_and", reflected=True)
+    __or__ = _binary("logical_or")
+    __ror__ = _binary("logical_or", reflected=True)
+    __lt__ = _binary("less")
+    __le__ = _binary("less_equal")
+    __gt__ = _binary("greater")
+    __ge__ = _binary("greater_equal")
+    # Element-wise, as numpy's arrays: a tensor of booleans, not object's bool.
+    __eq__ = _binary("equal")  # type: ignore[assignment]
+    __ne__ = _binary("not_equal")  # type: ignore[assignment]
 
 
 def is_tensor(x: Any) -> bool:
@@ -177,7 +181,7 @@ def tensor(array: Any, dims: ShapeLike | str | Sequence[str]) -> Tensor:
         raise ShapeError(
             f"array of shape {tuple(array.shape)} has {array.ndim} axes, but {len(dims)} dims were named: {dims}"
         )
-    resolved = []
+    resolved: list[Dim] = []
     for d, n in zip(dims, array.shape):
         if isinstance(d, str):
             d = Dim(d, n)

@@ -69,7 +69,9 @@ def defined_at(fn: Any) -> str | None:
     return None if code is None else _at(code.co_filename, code.co_firstlineno)
 
 
-def _at(filename: str, line: int) -> str:
+def _at(filename: str, line: int | None) -> str:
+    if line is None:  # a frame without a line number (the traceback module allows it)
+        return _shown(filename)
     code = linecache.getline(filename, line).strip()
     return f"{_shown(filename)}:{line}" + (f" (`{code}`)" if code else "")
 

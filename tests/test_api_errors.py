@@ -367,6 +367,11 @@ CASES_ROUND_TWO = {
         lambda: md.nn.MultiHeadAttention(D("d", 8), D("heads", 0), D("d_kv", 4)),
         ["MultiHeadAttention", "heads=0", "at least 1"],
     ),
+    "kv_projection of attention without kv_heads": (
+        md.ShapeError,
+        lambda: md.nn.MultiHeadAttention(D("d", 8), D("heads", 2), D("d_kv", 4)).kv_projection,
+        ["MultiHeadAttention", "kv_projection", "kv_heads"],
+    ),
     "conv kernel of size 0": (
         md.ShapeError,
         lambda: md.nn.Conv2d(D("c", 3), D("o", 4), kernel=(0, 3)),

@@ -93,3 +93,14 @@ def test_every_shipped_layout_is_in_the_readme():
     assert stems, "no layouts/*.toml found"
     missing = [s for s in stems if not _mentioned(s, text)]
     assert not missing, f"README.md does not mention the shipped layouts {missing}"
+
+
+def test_ci_runs_the_readme_test_and_lint_commands():
+    """`.ci/run` runs exactly what the README tells a newcomer to run: the tests, then lint and types."""
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    test_line = 'pip install -e ".[test]" && python -m pytest'
+    lint_line = "ruff format --check . && ruff check . && mypy"
+    assert test_line in readme and lint_line in readme
+    assert 'pip install -q -e ".[test]"' in ci and "python -m pytest" in ci
+    assert lint_line in ci, f".ci/run does not run the README's lint line {lint_line!r}"

@@ -384,6 +384,10 @@ LAUNCH_CASES = {
         ["launch", "--local", "2", "--devices-per-process", "2", "--", "train", *MLP, "--layout", "fixed.toml"],
         ["= 4 devices do not fit", "needs 8 devices, but only 4"],
     ),
+    "a layout file without a mesh": (
+        ["launch", "--local", "2", "--", "train", *MLP, "--layout", "nomesh.toml"],
+        ["names no mesh", "[mesh] table"],
+    ),
     "coordinator given to launch": (
         ["--coordinator", "127.0.0.1:1234", "launch", "--local", "2", "--", "train", *MLP],
         ["--coordinator: meshdsl launch starts its own processes and coordinator"],
@@ -394,6 +398,7 @@ LAUNCH_CASES = {
 @pytest.mark.parametrize("argv, expected", list(LAUNCH_CASES.values()), ids=list(LAUNCH_CASES))
 def test_a_launch_that_cannot_work_starts_no_process(argv, expected, tmp_path, monkeypatch, capsys) -> None:
     (tmp_path / "fixed.toml").write_text('[mesh]\ndata = 8\n[rules]\nbatch = "data"\n')
+    (tmp_path / "nomesh.toml").write_text('[rules]\nbatch = "data"\n')
     monkeypatch.chdir(tmp_path)
     code = cli.main(argv)
     out, err = capsys.readouterr()

@@ -17,6 +17,7 @@ import meshdsl.models.mlp as mlp
 import meshdsl.models.transformer as transformer
 import model_figures
 import numpy as np
+import optax
 import pytest
 
 import meshdsl as md
@@ -87,6 +88,13 @@ def test_statistics_over_split_dims_give_the_same_update(optimizer):
         got, want = _params(state), _params(ref_state)
         for key in want:
             np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=f"{key} under {rules}")
+
+
+def test_global_norm_of_a_tree_without_tensors_is_zero():
+    """As optax.tree.norm: a tree with no tensors has norm 0 and clipping leaves it alone."""
+    norm = optim.global_norm({"step": 3})
+    assert norm.shape.rank == 0 and float(norm.numpy()) == float(optax.tree.norm({})) == 0.0
+    assert optim.clip_by_global_norm({"step": 3}, 1.0) == {"step": 3}
 
 
 def test_clipping_really_clips():

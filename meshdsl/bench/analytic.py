@@ -98,7 +98,8 @@ def _parameter(t: md.Tensor, layout: md.Layout, mesh: md.Mesh, grad_reduce_dtype
 
 
 def _activations(kind: str, config: Any, layout: md.Layout, mesh: md.Mesh, grad_reduce_dtype: Any) -> dict[str, float]:
-    """The tensor-parallel sums of activations (forward) and of their gradients (backward), and the split vocab's loss."""
+    """The tensor-parallel sums of activations (forward) and of their gradients (backward), and the split vocab's
+    loss."""
     sizes = {d: _size(set(layout.axes_of(d)), mesh) for d in _MODELLED[kind]}
     batch = config.batch // sizes["batch"]
     if kind == "mlp":
@@ -130,10 +131,10 @@ def terms(
         for t in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, md.Tensor))
         if isinstance(t, md.Tensor)
     ]
-    per_parameter = [_parameter(t, layout, mesh, grad_reduce_dtype) for t in tensors]
-    if None in per_parameter:
+    per_parameter = [p for p in (_parameter(t, layout, mesh, grad_reduce_dtype) for t in tensors) if p is not None]
+    if len(per_parameter) < len(tensors):
         return None
-    out = {k: sum(p[k] for p in per_parameter) for k in ("parameter gathers", "gradient sums")}
+    out: dict[str, float] = {k: sum(p[k] for p in per_parameter) for k in ("parameter gathers", "gradient sums")}
     out.update(_activations(kind, model.config, layout, mesh, grad_reduce_dtype))
     out["loss"] += _ar(4, _size(set(layout.axes_of("batch")), mesh))
     splitting = set().union(*(a for t in tensors for a in _split_axes(t, layout.param_layout).values()))

@@ -145,6 +145,7 @@ def unfaithful(trainer: Trainer) -> str | None:
         return "no hand-written plain-JAX version of this model (only the shipped mlp and transformer have one)"
     if trainer.pipelined:
         p = trainer.pipeline
+        assert p is not None  # the trainer set it (to the layout's when not given)
         return f"pipelined ({p.schedule}, {p.microbatches} microbatches): plain JAX has no version of the schedule"
     if compression.scaled(trainer.grad_reduce_dtype):
         return f"gradients summed in {trainer.grad_reduce_dtype} with a per-tensor scale: plain JAX has no such sum"
@@ -313,6 +314,7 @@ def baseline(step: CompiledStep) -> Baseline:
         return Baseline(None, None, why)
     try:
         plain = make_step(t.model, t.layout, t.mesh, step.state, step.data, t.optimizer, t.grad_reduce_dtype)
+        assert plain is not None  # unfaithful() ruled out the models without a plain-JAX step
         ours, theirs = step.losses(CHECKED_STEPS), plain.losses(CHECKED_STEPS)
     except fits.DoesNotFit as e:
         return Baseline(None, None, f"not timed: {e}")

@@ -335,6 +335,8 @@ def _gspmd(step: CompiledStep, grad_reduce_dtype: str | None) -> tuple[dict[str,
         return None, "XLA's partitioner does not pipeline, so there is no gspmd figure for a pipelined step"
     gspmd = Trainer(trainer.model, trainer.optimizer, trainer.mesh, trainer.layout, backend="gspmd", donate=False)
     text = gspmd.step.lower(step.state, step.data).compile().as_text()
+    if text is None:
+        return None, "the backend gives no HLO text of the compiled gspmd step"
     note = (
         None
         if grad_reduce_dtype is None
@@ -373,17 +375,17 @@ def _measure_bubbles(entries: list[Entry]) -> None:
     (least squares) over the microbatch counts measured for one model x layout x schedule. ``c`` is
     the step time that does not grow with M at a fixed microbatch size: pipeline fill and drain,
     plus per-step work such as the optimizer. Needs two or more microbatch counts."""
-    groups: dict[tuple, list[Entry]] = {}
+    groups: dict[tuple, list[tuple[Entry, dict[str, Any]]]] = {}
     for e in entries:
         if e.pipeline is not None:
-            groups.setdefault((e.model, e.layout.split("[")[0], e.pipeline["schedule"]), []).append(e)
+            groups.setdefault((e.model, e.layout.split("[")[0], e.pipeline["schedule"]), []).append((e, e.pipeline))
     for group in groups.values():
-        ms = [e.pipeline["microbatches"] for e in group]
+        ms = [pipe["microbatches"] for _, pipe in group]
         if len(set(ms)) < 2:
             continue
-        slope, _ = np.polyfit(ms, [e.step_s for e in group], 1)
-        for e, m in zip(group, ms):
-            e.pipeline["bubble_measured"] = 1 - slope * m / e.step_s
+        slope, _ = np.polyfit(ms, [e.step_s for e, _ in group], 1)
+        for (e, pipe), m in zip(group, ms):
+            pipe["bubble_measured"] = 1 - slope * m / e.step_s
 
 
 def _time(
@@ -471,7 +473,8 @@ def run(
     if not prepared:
         names = ", ".join(dict.fromkeys(skipped))
         raise ConfigError(
-            f"nothing to measure: every layout was skipped as not fitting the model or the device's memory ({names}; see why above)"
+            f"nothing to measure: every layout was skipped as not fitting the model or the device's memory ({names}; "
+            "see why above)"
         )
     lost = _time(prepared, cfg, out_and_keep)
     prepared = [item for item in prepared if _name(item[0]) not in lost]

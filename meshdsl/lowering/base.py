@@ -137,14 +137,14 @@ class Lowering:
         """
         return t._data
 
-    def stored_gather(self, shape: Shape, axes: Axes) -> tuple[int, Axes] | None:
+    def stored_gather(self, shape: Shape, axes: Axes) -> tuple[int, tuple[str, ...]] | None:
         """``(dim, mesh axes)`` when a tensor of ``shape`` held split as ``axes``, another layout than
         the rules give it (a parameter stored split, FSDP), reaches the rules' layout by one
         all-gather along ``dim``; else None."""
         return None
 
     def gather_stored(
-        self, arrays: list[jax.Array], gathers: Sequence[tuple[int, Axes] | None], *others: jax.Array
+        self, arrays: list[jax.Array], gathers: Sequence[tuple[int, tuple[str, ...]] | None], *others: jax.Array
     ) -> list[jax.Array]:
         """``arrays`` with each one that has an entry in ``gathers`` gathered as it says, all those over
         the same mesh axes in one collective; ``others``: arrays the results will meet (their

@@ -58,4 +58,5 @@ def choose(lowering: Lowering, operands: Sequence[Tensor], out: Shape, result: R
         cost += _moved(lowering, out, out_axes, lowering.axes(out), pending, itemsize)
         if best is None or cost < best[0]:
             best = (cost, layout)
+    assert best is not None  # clashes is not empty, so at least one choice was priced
     return best[1]

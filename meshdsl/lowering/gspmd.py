@@ -21,6 +21,8 @@ from meshdsl.tensor import Tensor
 class GspmdLowering(Lowering):
     """Global arrays on ``mesh`` with sharding constraints from ``layout``."""
 
+    mesh: Mesh  # always a mesh here (the eager base lowering has none)
+
     def __init__(self, mesh: Mesh, layout: Layout):
         self.mesh = mesh
         self.layout = layout

@@ -27,10 +27,10 @@ from meshdsl.tensor import Tensor
 
 
 def _pvary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """``x`` marked as varying along ``axes`` (``lax.pcast`` in JAX >= 0.10, ``lax.pvary`` before)."""
+    """``x`` marked as varying along ``axes`` (``lax.pcast``; every supported JAX, 0.10 on, has it)."""
     if not axes:
         return x
-    return lax.pcast(x, axes, to="varying") if hasattr(lax, "pcast") else lax.pvary(x, axes)
+    return lax.pcast(x, axes, to="varying")
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
@@ -91,6 +91,8 @@ class SpmdLowering(Lowering):
     reduce-scatter. Both cast, sum and cast back (bf16 halves those bytes).
     """
 
+    mesh: Mesh  # always a mesh here (the eager base lowering has none)
+
     def __init__(self, mesh: Mesh, layout: Layout, grad_reduce_dtype: Any = None):
         self.mesh = mesh
         self.layout = layout
@@ -131,35 +133,35 @@ class SpmdLowering(Lowering):
         ruled = {a for axes in self.axes(t.shape) for a in axes}
         return _varying_axes(t._data) - set(t.pending) - (held - ruled)
 
-    def stored_gather(self, shape: Shape, axes: Axes) -> tuple[int, Axes] | None:
+    def stored_gather(self, shape: Shape, axes: Axes) -> tuple[int, tuple[str, ...]] | None:
         steps = relayout.plan(axes, self.axes(shape), (), shape.sizes, self.axis_sizes)
         if len(steps) == 1 and steps[0].kind is relayout.StepKind.ALL_GATHER:
             return steps[0].dim, steps[0].axes
         return None
 
     def gather_stored(
-        self, arrays: list[jax.Array], gathers: Sequence[tuple[int, Axes] | None], *others: jax.Array
+        self, arrays: list[jax.Array], gathers: Sequence[tuple[int, tuple[str, ...]] | None], *others: jax.Array
     ) -> list[jax.Array]:
         varying = frozenset().union(*(_varying_axes(o) for o in others))
         # One group per gather axes, dtype and manual-axis type: concatenating shards that vary along
         # different axes would make every part vary along them all.
-        groups: dict[tuple[Axes, Any, frozenset[str]], list[int]] = {}
+        groups: dict[tuple[tuple[str, ...], Any, frozenset[str]], list[tuple[int, int]]] = {}
         for i, g in enumerate(gathers):
             if g is not None:
-                groups.setdefault((g[1], arrays[i].dtype, _varying_axes(arrays[i])), []).append(i)
+                groups.setdefault((g[1], arrays[i].dtype, _varying_axes(arrays[i])), []).append((i, g[0]))
         out = list(arrays)
         for (axes, _, _), members in groups.items():
             to = "varying" if varying.issuperset(axes) else "invarying"
             with jax.named_scope(f"[{len(members)} stored tensors]"):
                 gathered = relayout.gather_together(
-                    [arrays[i] for i in members],
-                    [gathers[i][0] for i in members],
+                    [arrays[i] for i, _ in members],
+                    [dim for _, dim in members],
                     axes,
                     self.group_size(axes),
                     to,
                     self.grad_reduce_dtype,
                 )
-            for i, a in zip(members, gathered):
+            for (i, _), a in zip(members, gathered):
                 out[i] = a
         return out
 

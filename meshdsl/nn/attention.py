@@ -100,6 +100,11 @@ class MultiHeadAttention:
     @property
     def kv_projection(self) -> Linear:
         """``model -> [kv, kv_heads, d_kv]`` (with ``kv_heads``)."""
+        if self.kv_heads is None:
+            raise ShapeError(
+                "MultiHeadAttention: kv_projection is for grouped-query attention (kv_heads); "
+                "without kv_heads the keys and values come from qkv_projection"
+            )
         return Linear(self.model, [Dim(self.fused_kv, 2), self.kv_heads, self.d_kv], bias=self.bias)
 
     @property

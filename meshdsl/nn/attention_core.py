@@ -149,7 +149,7 @@ def dot_product_attention(
     if mask is not None:
         full = Shape([*(q.shape[n] for n in batch), q.shape[h], *(q.shape[n] for n in groups), q.shape[t], k.shape[s]])
         m = elementwise.align(lowering.prepare(mask, tuple(own[n] for n in mask.names)), mask.shape, full)
-        head_sizes = m.shape[len(batch) : -2]
+        head_sizes = list(m.shape[len(batch) : -2])
         if math.prod(head_sizes) > 1:  # a mask over some of the head dims: over all of them, as the kernel's N
             head_sizes = [local_of[n] for n in (h, *groups)]
         m = jnp.broadcast_to(m, (*local_batch, *head_sizes, *m.shape[-2:]))

@@ -16,13 +16,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
 from meshdsl.errors import ConfigError
 
+Implementation = Literal["xla", "cudnn"]
 IMPLEMENTATIONS = ("xla", "cudnn")
 MASKS = ("none", "causal", "tensor")
 """``mask_kind``: no mask, causal from position 0 (``is_causal``), or a boolean mask tensor."""
@@ -44,7 +45,7 @@ def max_head_dim(device: Any = None) -> int:
 
 def choose_implementation(
     platform: str, dtype: Any, head_dim: int, mask_kind: str, explicit: str | None = None, head_dim_limit: int = 128
-) -> str:
+) -> Implementation:
     """``"cudnn"`` or ``"xla"`` for attention on ``platform`` ("cpu", "gpu", "tpu") of ``dtype``
     inputs with heads of ``head_dim`` and mask ``mask_kind`` (:data:`MASKS`); ``explicit`` (not
     None) is returned as given. ``head_dim_limit``: :func:`max_head_dim` of the device."""
@@ -52,7 +53,7 @@ def choose_implementation(
         if explicit not in IMPLEMENTATIONS:
             known = ", ".join(IMPLEMENTATIONS)
             raise ConfigError(f"attention implementation {explicit!r} is not one of {known} (or None: chosen)")
-        return explicit
+        return "cudnn" if explicit == "cudnn" else "xla"
     if mask_kind not in MASKS:
         raise ConfigError(f"attention mask kind {mask_kind!r} is not one of {', '.join(MASKS)}")
     fused = (
@@ -90,7 +91,7 @@ def needs_standin(implementation: str) -> bool:
     return implementation == "cudnn" and jax.default_backend() not in GPU_PLATFORMS and _TRACED_FOR.get() is not None
 
 
-def implementation_here(dtype: Any, head_dim: int, mask_kind: str, explicit: str | None = None) -> str:
+def implementation_here(dtype: Any, head_dim: int, mask_kind: str, explicit: str | None = None) -> Implementation:
     """:func:`choose_implementation` for the platform being traced for (:func:`target_platform`); the
     head-size limit of this host's GPU, or 128 for a GPU traced for elsewhere."""
     if explicit is not None:

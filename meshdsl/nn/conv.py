@@ -94,4 +94,4 @@ class Conv2d:
 
 
 def _positive_int(n: Any) -> bool:
-    return isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 1
+    return bool(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 1)

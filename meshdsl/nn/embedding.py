@@ -11,7 +11,7 @@ import numpy as np
 from meshdsl import random
 from meshdsl.dims import Dim
 from meshdsl.errors import ShapeError
-from meshdsl.nn.params import Dims, Stack, as_dims, cast_like, check_float, check_has, check_scale, check_sizes
+from meshdsl.nn.params import Dims, Stack, as_dims, cast_like, check_float, check_has, check_scale, check_sizes, dims_of
 from meshdsl.ops.einsum import einsum
 from meshdsl.ops.indexing import gather
 from meshdsl.tensor import Tensor
@@ -38,12 +38,12 @@ class Embedding:
         check_sizes("Embedding vocab", [self.vocab])
         check_scale("Embedding", self.init_scale)
         object.__setattr__(self, "features", as_dims(self.features, "Embedding features"))
-        if self.vocab.name in {d.name for d in self.features}:
+        if self.vocab.name in {d.name for d in dims_of(self.features)}:
             raise ShapeError(f"Embedding: vocab {self.vocab} is also a feature dim")
 
     def init(self, key: jax.Array, stack: Stack = ()) -> Tensor:
         """The table ``[*stack, vocab, *features]``."""
-        return random.normal(key, [*stack, self.vocab, *self.features]) * self.init_scale
+        return random.normal(key, [*stack, self.vocab, *dims_of(self.features)]) * self.init_scale
 
     def __call__(self, table: Tensor, ids: Tensor) -> Tensor:
         """The rows of ``table`` at integer ``ids``: ``ids.shape + features``. Concrete ids (outside a traced
@@ -55,8 +55,8 @@ class Embedding:
         """Tied output logits ``x . table`` over the features: ``x``'s other dims, then ``vocab``
         (no collective when ``vocab`` is split: each device makes its block of logits)."""
         check_float("Embedding.unembed", x)
-        check_has("Embedding.unembed", x, self.features, "feature")
-        names = {d.name for d in self.features}
+        check_has("Embedding.unembed", x, dims_of(self.features), "feature")
+        names = {d.name for d in dims_of(self.features)}
         return einsum(x, cast_like(table, x), out=[d for d in x.shape if d.name not in names] + [self.vocab])
 
 

@@ -8,7 +8,18 @@ from typing import Any
 import jax
 
 from meshdsl.errors import ShapeError
-from meshdsl.nn.params import Dims, Stack, as_dims, cast_like, check_float, check_has, check_scale, scaled_normal, size
+from meshdsl.nn.params import (
+    Dims,
+    Stack,
+    as_dims,
+    cast_like,
+    check_float,
+    check_has,
+    check_scale,
+    dims_of,
+    scaled_normal,
+    size,
+)
 from meshdsl.ops.creation import zeros
 from meshdsl.ops.einsum import einsum
 from meshdsl.tensor import Tensor
@@ -47,19 +58,21 @@ class Linear:
 
     def init(self, key: jax.Array, stack: Stack = ()) -> Any:
         """The weight ``[*stack, *inputs, *outputs]`` (and, with ``bias``, the zero bias ``[*stack, *outputs]``)."""
-        w = scaled_normal(key, [*stack, *self.inputs, *self.outputs], size(self.inputs), self.init_scale)
-        return {"kernel": w, "bias": zeros([*stack, *self.outputs])} if self.bias else w
+        ins, outs = dims_of(self.inputs), dims_of(self.outputs)
+        w = scaled_normal(key, [*stack, *ins, *outs], size(ins), self.init_scale)
+        return {"kernel": w, "bias": zeros([*stack, *outs])} if self.bias else w
 
     def __call__(self, params: Any, x: Tensor) -> Tensor:
         check_float("Linear", x)
         w = params["kernel"] if self.bias else params
-        check_has("Linear", x, self.inputs, "input")
-        extra = [n for n in w.names if n not in x.shape and n not in {d.name for d in self.outputs}]
+        ins, outs = dims_of(self.inputs), dims_of(self.outputs)
+        check_has("Linear", x, ins, "input")
+        extra = [n for n in w.names if n not in x.shape and n not in {d.name for d in outs}]
         if extra:
             raise ShapeError(
                 f"Linear: weight {w.shape} has dims {extra} that are neither outputs nor dims of the input {x.shape}"
             )
-        inputs = {d.name for d in self.inputs}
-        out = [d for d in x.shape if d.name not in inputs] + list(self.outputs)
+        inputs = {d.name for d in ins}
+        out = [d for d in x.shape if d.name not in inputs] + list(outs)
         y = einsum(x, cast_like(w, x), out=out)
         return y + cast_like(params["bias"], x) if self.bias else y

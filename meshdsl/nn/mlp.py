@@ -51,7 +51,7 @@ class MLP:
 
     @property
     def output_projection(self) -> Linear:
-        return Linear(self.hidden, self.outputs, bias=self.bias)
+        return Linear(self.hidden, self.inputs if self.outputs is None else self.outputs, bias=self.bias)
 
     def init(self, key: jax.Array, stack: Stack = ()) -> dict[str, Any]:
         k_in, k_out = jax.random.split(key)

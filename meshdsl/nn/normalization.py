@@ -8,7 +8,7 @@ from typing import Any
 import jax
 
 from meshdsl.arguments import number
-from meshdsl.nn.params import Dims, Stack, as_dims, cast_like, check_float, check_has
+from meshdsl.nn.params import Dims, Stack, as_dims, cast_like, check_float, check_has, dims_of
 from meshdsl.ops.creation import ones, zeros
 from meshdsl.ops.elementwise import rsqrt, square
 from meshdsl.ops.reduction import reduce_mean
@@ -33,12 +33,12 @@ class RMSNorm:
 
     def init(self, key: jax.Array | None = None, stack: Stack = ()) -> Tensor:
         """Ones ``[*stack, *dims]`` (``key`` is not used: the init is constant)."""
-        return ones([*stack, *self.dims])
+        return ones([*stack, *dims_of(self.dims)])
 
     def __call__(self, scale: Tensor, x: Tensor) -> Tensor:
         check_float("RMSNorm", x)
-        check_has("RMSNorm", x, self.dims, "normalized")
-        return x * rsqrt(reduce_mean(square(x), list(self.dims)) + self.eps) * cast_like(scale, x)
+        check_has("RMSNorm", x, dims_of(self.dims), "normalized")
+        return x * rsqrt(reduce_mean(square(x), list(dims_of(self.dims))) + self.eps) * cast_like(scale, x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,14 +59,14 @@ class LayerNorm:
 
     def init(self, key: jax.Array | None = None, stack: Stack = ()) -> Any:
         """Ones ``[*stack, *dims]`` (and zeros for the bias); ``key`` is not used."""
-        scale = ones([*stack, *self.dims])
-        return {"scale": scale, "bias": zeros([*stack, *self.dims])} if self.bias else scale
+        scale = ones([*stack, *dims_of(self.dims)])
+        return {"scale": scale, "bias": zeros([*stack, *dims_of(self.dims)])} if self.bias else scale
 
     def __call__(self, params: Any, x: Tensor) -> Tensor:
         check_float("LayerNorm", x)
-        check_has("LayerNorm", x, self.dims, "normalized")
+        check_has("LayerNorm", x, dims_of(self.dims), "normalized")
         scale = params["scale"] if self.bias else params
-        dims = list(self.dims)
+        dims = list(dims_of(self.dims))
         x = x - reduce_mean(x, dims)
         y = x * rsqrt(reduce_mean(square(x), dims) + self.eps) * cast_like(scale, x)
         return y + cast_like(params["bias"], x) if self.bias else y

@@ -66,6 +66,12 @@ def scaled_normal(key: jax.Array, dims: Sequence[Dim], fan_in: int, scale: float
     return random.normal(key, list(dims)) * (scale * fan_in**-0.5)
 
 
+def dims_of(dims: Dims) -> tuple[Dim, ...]:
+    """A layer's dims field as the tuple its ``__post_init__`` stored there (by :func:`as_dims`): the field's
+    declared type is what the constructor accepts, one Dim or a sequence, so this says which it holds now."""
+    return (dims,) if isinstance(dims, Dim) else tuple(dims)
+
+
 def size(dims: Sequence[Dim]) -> int:
     return math.prod(d.size for d in dims)
 

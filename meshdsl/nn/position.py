@@ -9,7 +9,7 @@ import jax
 from meshdsl import random
 from meshdsl.dims import Dim
 from meshdsl.errors import ShapeError
-from meshdsl.nn.params import Dims, Stack, as_dims, cast_like, check_has
+from meshdsl.nn.params import Dims, Stack, as_dims, cast_like, check_has, dims_of
 from meshdsl.ops.concat import slice as md_slice
 from meshdsl.ops.reshape import rename
 from meshdsl.tensor import Tensor
@@ -34,15 +34,15 @@ class PositionEmbedding:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "features", as_dims(self.features, "PositionEmbedding features"))
-        if self.positions.name in {d.name for d in self.features}:
+        if self.positions.name in {d.name for d in dims_of(self.features)}:
             raise ShapeError(f"PositionEmbedding: positions {self.positions} is also a feature dim")
 
     def init(self, key: jax.Array, stack: Stack = ()) -> Tensor:
         """The table ``[*stack, positions, *features]``."""
-        return random.normal(key, [*stack, self.positions, *self.features]) * self.init_scale
+        return random.normal(key, [*stack, self.positions, *dims_of(self.features)]) * self.init_scale
 
     def __call__(self, table: Tensor, x: Tensor, *, offset: int = 0) -> Tensor:
-        check_has("PositionEmbedding", x, self.features, "feature")
+        check_has("PositionEmbedding", x, dims_of(self.features), "feature")
         if self.length not in x.shape:
             raise ShapeError(f"PositionEmbedding: input {x.shape} has no length dim {self.length!r}")
         n = x.shape[self.length].size

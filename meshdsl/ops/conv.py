@@ -130,7 +130,9 @@ def conv2d(
     for axis, name in ((1, h), (2, w)):
         window = windows[name]
         if layout[name]:
-            before, after = window.halo(lowering.group_size(layout[name]))
+            halo = window.halo(lowering.group_size(layout[name]))
+            assert halo is not None  # the dims a halo cannot serve were gathered above
+            before, after = halo
             with jax.named_scope(str(x.shape)):  # md.explain's tensor column
                 xa = extend(lowering, xa, layout[name], axis, before, after, 0.0)
             pads.append((0, 0))

@@ -65,7 +65,9 @@ def _pool(name: str, x: Tensor, windows: dict[str, Window], init: float, reducer
         if n not in windows:
             continue
         if axes[i]:
-            before, after = windows[n].halo(lowering.group_size(axes[i]))
+            halo = windows[n].halo(lowering.group_size(axes[i]))
+            assert halo is not None  # the dims a halo cannot serve were gathered above
+            before, after = halo
             with jax.named_scope(str(x.shape)):  # md.explain's tensor column
                 a = extend(lowering, a, axes[i], i, before, after, init)
         else:

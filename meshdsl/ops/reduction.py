@@ -22,7 +22,9 @@ from meshdsl.ops import elementwise as ew
 from meshdsl.relayout import Axes
 from meshdsl.tensor import Tensor
 
-Dims = str | Dim | Iterable[str | Dim] | None
+# The dims an op works over; None (for the reductions) means all of them.
+SomeDims = str | Dim | Iterable[str | Dim]
+Dims = SomeDims | None
 
 
 def _reduced(x: Tensor, dims: Dims) -> tuple[int, ...]:
@@ -101,7 +103,7 @@ def logsumexp(x: Tensor, dims: Dims = None) -> Tensor:
 
 
 @op("softmax")
-def softmax(x: Tensor, dims: Dims) -> Tensor:
+def softmax(x: Tensor, dims: SomeDims) -> Tensor:
     """exp(x) normalised to sum to 1 over ``dims``.
 
     Its derivative is given directly (``y * (t - sum(y * t))``, as ``jax.nn.softmax`` does), which
@@ -146,6 +148,6 @@ def _softmax_jvp(
 
 
 @op("log_softmax")
-def log_softmax(x: Tensor, dims: Dims) -> Tensor:
+def log_softmax(x: Tensor, dims: SomeDims) -> Tensor:
     """log(softmax(x)) over ``dims``, computed stably."""
     return x - logsumexp(x, dims)

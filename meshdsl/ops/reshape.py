@@ -123,7 +123,7 @@ def _side(text: str) -> list[tuple[str | None, list[str], bool]]:
         ParsedExpression(re.sub(r"[A-Za-z_]\w*\s*:", "", text))
     except EinopsError as e:
         raise ShapeError(f"rearrange: {e}") from None
-    entries = []
+    entries: list[tuple[str | None, list[str], bool]] = []
     for m in _TOKEN.finditer(text):
         if m.group(3) is not None:
             entries.append((None, [m.group(3)], False))
@@ -178,7 +178,7 @@ def rearrange(x: Tensor, pattern: str, /, **sizes: int | Dim) -> Tensor:
         size = 1
         for n in names:
             size *= atoms[n].size
-        out.append(Dim(name, size) if grouped else atoms[names[0]])
+        out.append(atoms[names[0]] if name is None else Dim(name, size))  # a group has a name (checked above)
     if sorted(order) != sorted(atoms):
         raise ShapeError(f"rearrange: right side must use each dim of the left once: {sorted(atoms)} vs {order}")
     y = x

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.extend import core as jex_core
 from jax.extend import source_info_util
 
 from meshdsl.dims import DimLike, Shape
@@ -43,7 +44,7 @@ def _moves_data(primitive: Any, params: dict[str, Any]) -> bool:
     such as the gather whose gradient is reduce-scattered in bf16) whose body does nothing else."""
     if primitive.name in _DATA_MOVEMENT:
         return True
-    bodies = [v.jaxpr for v in params.values() if isinstance(v, jax.extend.core.ClosedJaxpr)]
+    bodies = [v.jaxpr for v in params.values() if isinstance(v, jex_core.ClosedJaxpr)]
     return bool(bodies) and all(_moves_data(e.primitive, e.params) for body in bodies for e in body.eqns)
 
 
@@ -104,8 +105,9 @@ def _leaf_type(t: Any) -> str:
 
 def _check_carry(init: Any, out: Any) -> None:
     """A ShapeError unless the step's carry ``out`` has ``init``'s structure, dims and dtypes."""
-    ins = jax.tree_util.tree_flatten_with_path(init, is_leaf=is_tensor)
-    outs = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_tensor)
+    # The tree definitions typed Any: jaxlib ships no stub for its PyTreeDef.
+    ins: tuple[list[Any], Any] = jax.tree_util.tree_flatten_with_path(init, is_leaf=is_tensor)
+    outs: tuple[list[Any], Any] = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_tensor)
     if ins[1] != outs[1]:
         raise ShapeError(
             f"md.scan: fn returns a carry shaped {outs[1]} for one shaped {ins[1]}: the carry keeps its structure"

@@ -92,7 +92,7 @@ class DeviceProfile:
             raise ConfigError(f"device profile {where} holds a JSON {type(data).__name__}, not an object")
         try:
             links = {side: {k: Link(**data[side][k]) for k in KINDS} for side in ("intra", "inter")}
-            fields = {
+            fields: dict[str, Any] = {
                 k: data[k]
                 for k in ("name", "source", "platform", "device_kind", "memory_bytes", "memory_bandwidth", "node_size")
             }
@@ -114,7 +114,7 @@ class DeviceProfile:
             if not number or value < 0 or (value == 0 and name in positive):
                 need = "a positive number" if name in positive else "a number >= 0"
                 raise ConfigError(f"device profile {where}: {name} is {value!r}; it must be {need}")
-        return cls(**fields, **links, matmul_flops=rates, attention_flops=attention)
+        return cls(**fields, intra=links["intra"], inter=links["inter"], matmul_flops=rates, attention_flops=attention)
 
     def save(self, path: str | Path, measurements: list[dict[str, Any]] | None = None) -> None:
         """Write as JSON; ``measurements``: calibration's raw points, kept beside the fit for reference."""

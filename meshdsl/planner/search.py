@@ -177,6 +177,7 @@ def candidates(model: Any, r: DimRoles, devices: int, pipeline: bool = True) -> 
             param_choices: list[dict[str, str] | None] = [None]
             pipe = None
             if "stage" in sizes:
+                assert r.stage is not None  # a stage axis is only proposed for a model with a stage dim
                 rules[r.stage] = "stage"
                 pipe = {
                     "microbatches": _microbatches(model.batch_dim.size // sizes.get("data", 1), sizes["stage"]),
@@ -287,12 +288,11 @@ def search(
 
 
 def _no_fit(name: str, devices: int, limit: float, dropped: list[Dropped]) -> str:
-    over = [d for d in dropped if d.memory_bytes is not None]
+    over = [(d.memory_bytes, d) for d in dropped if d.memory_bytes is not None]
     if not over:
         reasons = "; ".join(sorted({d.reason for d in dropped})[:3])
         return f"no layout of {name} is legal on {devices} devices ({len(dropped)} candidates, e.g. {reasons})"
-    best = min(over, key=lambda d: d.memory_bytes)
-    need = best.memory_bytes
+    need, best = min(over, key=lambda item: item[0])
     return (
         f"no layout of {name} fits {limit / GiB:.2f} GiB per device on {devices} devices; the closest, "
         f"{best.candidate.name}, "

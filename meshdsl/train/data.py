@@ -129,7 +129,8 @@ class TokenFile:
             return read[key]
 
         def make(shift: int) -> md.Tensor:
-            def block(index: tuple) -> np.ndarray:
+            def block(index: tuple[slice, ...] | None) -> np.ndarray:
+                assert index is not None  # typed optional by JAX, which asserts it is not None before each call
                 return windows(range(*index[0].indices(self.batch)))[:, shift : shift + self.length][:, index[1]]
 
             return md.Tensor(jax.make_array_from_callback(shape.sizes, sharding, block), shape)
@@ -229,6 +230,6 @@ def _scan(path: Path, tokens: np.ndarray, vocab: int) -> int:
                 f"token file {str(path)!r} holds {kind} at position {begin + i}, "
                 f"outside the model's vocab of {vocab} (ids 0 to {vocab - 1})"
             )
-        crc = zlib.crc32(np.ascontiguousarray(chunk), crc)
+        crc = zlib.crc32(np.ascontiguousarray(chunk).data, crc)
     _scanned[key] = crc
     return crc

@@ -48,7 +48,7 @@ def _bwd(axes: tuple[str, ...], n: int, dtype: Any, r: jax.Array, ct: jax.Array)
 _vary_with_feedback.defvjp(_fwd, _bwd)
 
 
-def check(layout: md.Layout, grad_reduce_dtype: Any, pipelined: bool, accumulate: int, backend: str) -> None:
+def check(layout: md.Layout, grad_reduce_dtype: Any, pipelined: bool, accumulate: int | None, backend: str) -> None:
     """ConfigError where error feedback cannot run: it needs a compressed sum of the spmd backend's,
     parameters stored under the compute rules, one microbatch and no pipeline."""
     why = None
@@ -58,7 +58,7 @@ def check(layout: md.Layout, grad_reduce_dtype: Any, pipelined: bool, accumulate
         why = f"it needs the spmd backend, not {backend}"
     elif layout.params is not None:
         why = "the layout stores parameters under their own [params] rules (the error is kept per batch shard)"
-    elif pipelined or accumulate > 1:
+    elif pipelined or (accumulate or 1) > 1:
         why = "the step is pipelined or accumulates microbatches"
     if why is not None:
         raise md.ConfigError(f"--grad-error-feedback: {why}")

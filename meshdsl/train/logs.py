@@ -131,7 +131,8 @@ class Logs:
         """Stop writing the JSON log (and drawing its curve) after a failed write: reported once, its
         buffer cannot be flushed."""
         try:
-            self.json.close()
+            if self.json is not None:
+                self.json.close()
         except OSError:
             pass
         self.json = self.png = None

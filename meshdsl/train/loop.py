@@ -106,13 +106,16 @@ def resolved(run: RunConfig) -> RunConfig:
     """``run`` with the settings its flags leave None taken from its layout's ``[train]`` table, else the defaults."""
     table = settings.train_table(layout_path(run.layout))
     fields = {k: getattr(run, k) for k in settings.KEYS}
-    chosen = {k: v if v is not None else table.get(k, settings.DEFAULTS.get(k)) for k, v in fields.items()}
+    chosen: dict[str, Any] = {
+        k: v if v is not None else table.get(k, settings.DEFAULTS.get(k)) for k, v in fields.items()
+    }
     return dataclasses.replace(run, **chosen)
 
 
 def _optimizer(run: RunConfig) -> optim.Optimizer:
     run = resolved(run)
     kwargs = {} if run.learning_rate is None else {"learning_rate": run.learning_rate}
+    assert run.lr_schedule is not None and run.warmup_steps is not None and run.min_lr_ratio is not None  # resolved
     multiplier = optim.schedule(run.lr_schedule, run.steps, run.warmup_steps, run.min_lr_ratio)
     # a constant rate without warmup stays a number: the very program (and losses) of a run without a schedule
     steady = run.lr_schedule == "constant" and not run.warmup_steps
@@ -123,6 +126,7 @@ def build_trainer(run: RunConfig, mesh: md.Mesh | None = None, model: Any = None
     """The trainer ``run`` asks for, its settings left None taken as :func:`resolved` takes them;
     ``model``: the model ``run`` names, when already built (by :func:`check`)."""
     run = resolved(run)
+    assert run.accumulate is not None  # resolved
     layout = load_layout(run.layout)
     pipeline = layout.pipeline.replace(run.microbatches, run.schedule, run.virtual_stages)
     return Trainer(
@@ -158,6 +162,7 @@ def token_file(run: RunConfig, model: Any) -> TokenFile:
             f"{what}: its Config has no integer vocab field (the number of token ids), "
             "which --data needs to check the file's ids"
         )
+    assert run.data is not None  # a token file is read for a run with --data
     return TokenFile(run.data, spec, vocab, seed=run.seed, eval_fraction=run.eval_fraction)
 
 
@@ -259,7 +264,8 @@ def _check_resumable(path: Path, saved: dict[str, Any], mine: dict[str, Any]) ->
         )
     if path.name != f"step_{saved['step']}":
         raise md.DataError(
-            f"checkpoint {path} records step {saved['step']} in its manifest, not the {path.name} of its name; was step_{saved['step']} renamed? Rename it back or remove it"
+            f"checkpoint {path} records step {saved['step']} in its manifest, not the {path.name} of its name; was "
+            f"step_{saved['step']} renamed? Rename it back or remove it"
         )
     if saved.get("model") != mine["model"] or saved.get("optimizer") != mine["optimizer"]:
         raise ConfigError(
@@ -293,7 +299,8 @@ def _start(
     found = manager.latest() if manager is not None else None
     if found is not None and not run.resume:
         raise ConfigError(
-            f"checkpoint dir {run.checkpoint_dir!r} already holds {found.name}; pass --resume to continue that run, or choose another dir"
+            f"checkpoint dir {run.checkpoint_dir!r} already holds {found.name}; pass --resume to continue that run, "
+            "or choose another dir"
         )
     if found is None:
         if run.resume:
@@ -303,7 +310,8 @@ def _start(
     _check_resumable(found, saved, _run_metadata(run, trainer.model))
     if saved["step"] > run.steps:
         raise ConfigError(
-            f"checkpoint {found} is at step {saved['step']}, past --steps {run.steps}; pass --steps {saved['step'] + 1} or more to continue"
+            f"checkpoint {found} is at step {saved['step']}, past --steps {run.steps}; pass --steps "
+            f"{saved['step'] + 1} or more to continue"
         )
     like = {**jax.eval_shape(trainer.init, jax.random.key_data(key)), "data_key": data_key}
     state, _ = md.checkpoint.restore(found, trainer.mesh, trainer.layout.param_layout, like=like)
@@ -344,7 +352,7 @@ def _header(run: RunConfig, mesh: md.Mesh, layout: md.Layout) -> str:
     if run.lr_schedule != "constant" or run.warmup_steps:
         warmup = f", {run.warmup_steps} warmup steps" if run.warmup_steps else ""
         extra.append(f"{run.lr_schedule} learning rate{warmup}")
-    if run.accumulate > 1:
+    if run.accumulate is not None and run.accumulate > 1:
         extra.append(f"{run.accumulate} microbatches a step")
     shown = f" ({'; '.join(extra)})" if extra else ""
     where = f"on mesh {mesh} ({jax.devices()[0].platform})"
@@ -387,7 +395,7 @@ class _Profiler:
 
     def after(self, step: int, result: Any) -> str | None:
         """Stop after the last traced step (once its result is ready); the line that says where the trace is."""
-        if not self.on or step != self.span[1]:
+        if not self.on or self.span is None or step != self.span[1]:
             return None
         jax.block_until_ready(result)
         jax.profiler.stop_trace()
@@ -466,8 +474,10 @@ def _train(
     like = jax.random.key_data(jax.random.key(run.seed)) if tokens is None else tokens.abstract_batch(mesh, layout)
     compile_checked(trainer, like, f"a training step of {run.model} {run.preset} under {run.layout}")
     state, data_key, first = _start(run, trainer, manager, out)
-    if first:
-        _check_data(manager.latest(), tokens, first)
+    if first:  # resumed, so from a checkpoint the manager found
+        found = manager.latest() if manager is not None else None
+        assert found is not None
+        _check_data(found, tokens, first)
     if first == run.steps:
         out.write(f"nothing to train: the checkpoint is at step {first}, which is --steps\n")
         return []

@@ -49,9 +49,12 @@ def global_norm(tree: Any) -> md.Tensor:
     for t in _tensors(tree):
         s = md.reduce_sum(md.square(md.cast(t, jnp.float32)))
         groups[s.pending] = groups[s.pending] + s if s.pending in groups else s
-    total = None
-    for s in groups.values():
-        total = s if total is None else total + s
+    sums = list(groups.values())
+    if not sums:  # no tensors: norm 0, as optax.tree.norm
+        return md.zeros([], jnp.float32)
+    total = sums[0]
+    for s in sums[1:]:
+        total = total + s
     return md.sqrt(total)
 
 
@@ -226,6 +229,7 @@ class Adafactor:
             scale = md.maximum(_rms(p), self.epsilon2) * lr if self.multiply_by_parameter_scale else lr
             return md.cast(p - x * scale, p.dtype), new
 
+        treedef: Any  # jaxlib ships no stub for its PyTreeDef
         flat_p, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_tensor)
         flat_g = treedef.flatten_up_to(grads)
         flat_s = treedef.flatten_up_to(state)
@@ -236,7 +240,7 @@ class Adafactor:
 def make(name: str, multiplier: Callable[[Any], Any] | None = None, **kwargs: Any) -> Optimizer:
     """An optimizer by name: ``sgd``, ``adamw`` or ``adafactor``; ``multiplier``: a :func:`schedule`
     its learning rate (given in ``kwargs`` or the optimizer's default) is multiplied by."""
-    makers = {"sgd": sgd, "adamw": adamw, "adafactor": Adafactor}
+    makers: dict[str, Callable[..., Optimizer]] = {"sgd": sgd, "adamw": adamw, "adafactor": Adafactor}
     if name not in makers:
         raise ConfigError(f"unknown optimizer {name!r}; choose one of {', '.join(makers)}")
     if multiplier is None:

@@ -51,7 +51,7 @@ class Progress:
         self.first, self.total, self.unit, self.out, self.log_every = first, total, unit, out, log_every
         self.live = out.isatty() if live is None else live
         self.bar = None
-        self.started = self.after_first = None
+        self.after_first: tuple[float, int] | None = None
         if self.live:
             from tqdm import tqdm
 

@@ -51,7 +51,8 @@ def unused_rules(layout: md.Layout, model: Any, name: str) -> list[str]:
             close = difflib.get_close_matches(dim, sorted(dims), n=1)
             guess = f"; did you mean {close[0]}?" if close else ""
             out.append(
-                f"layout {table} {dim}:{','.join(axes)} names no dim of model {name} (its dims: {shown}), so it splits nothing{guess}"
+                f"layout {table} {dim}:{','.join(axes)} names no dim of model {name} (its dims: {shown}), so it "
+                f"splits nothing{guess}"
             )
     return out
 

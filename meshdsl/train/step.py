@@ -115,6 +115,7 @@ class Trainer:
 
     def loss_and_grads(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
         if self.pipelined:
+            assert self.pipeline is not None  # __post_init__ set it (to the layout's when not given)
             return pipeline.value_and_grad(self.model, params, batch, self.pipeline)
         if self.accumulate > 1:
             return accumulation.value_and_grad(self.model, params, batch, self.accumulate)
