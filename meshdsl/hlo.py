@@ -11,9 +11,10 @@ What is counted, per device:
   ``collective-permute`` reachable from the ``ENTRY`` computation. Async pairs count once, at
   their ``-start``; ``-update``/``-done`` are skipped. Other collectives (``ragged-all-to-all``,
   ``collective-broadcast``, ...) are not counted: meshdsl never emits them.
-* Its buffer ``S`` comes from the instruction's own result type, since operand shapes are not
-  printed inline: the output for all kinds but ``reduce-scatter``, whose ``S`` is its input,
-  i.e. output times group size. XLA's combiners merge independent all-reduces (and
+* Its output buffer comes from the instruction's own result type; its input follows from it,
+  since operand shapes are not printed inline (an all-gather's is the output over the group
+  size, a reduce-scatter's the output times it), and :func:`meshdsl.collectives.bytes_moved`
+  picks the buffer ``S`` it prices from the two. XLA's combiners merge independent all-reduces (and
   all-gathers, reduce-scatters) into one instruction with a tuple result: each element is its
   own reduction and counts as one, so counts do not depend on what the combiner merged. A
   tuple ``all-to-all`` is one exchange cut into pieces and counts once.
@@ -34,10 +35,11 @@ import itertools
 import math
 import re
 from collections.abc import Callable, Iterator
+from fractions import Fraction
 
 import numpy as np
 
-from meshdsl.collectives import Collective, bytes_moved
+from meshdsl.collectives import Collective, bytes_moved, priced_buffer
 
 _KINDS = {c.value: c for c in Collective}
 
@@ -56,8 +58,10 @@ class HloCollective:
     """One collective instruction of a compiled program, with how often it runs."""
 
     collective: Collective
-    buffer_bytes: int
-    """``S`` of the ring model (see :mod:`meshdsl.collectives`)."""
+    in_bytes: int | Fraction
+    """One device's input buffer (derived from the output's: the text prints no operand shapes)."""
+    out_bytes: int
+    """One device's output buffer."""
     group_size: int
     """Devices per replica group; for ``collective-permute`` the distinct devices in its pairs."""
     count: int
@@ -72,9 +76,14 @@ class HloCollective:
     """The ``op_name`` of the instruction's metadata: the JAX name stack it was lowered from."""
 
     @property
+    def buffer_bytes(self) -> int:
+        """``S`` of the ring model (:func:`meshdsl.collectives.priced_buffer`)."""
+        return int(priced_buffer(self.collective, self.in_bytes, self.out_bytes, self.group_size))
+
+    @property
     def bytes_per_device(self) -> float:
         """Bytes one device sends over all :attr:`count` executions."""
-        return bytes_moved(self.collective, self.buffer_bytes, self.group_size) * self.count
+        return float(bytes_moved(self.collective, self.in_bytes, self.out_bytes, self.group_size) * self.count)
 
 
 _Walk = Callable[[str], list[HloCollective]]
@@ -190,9 +199,19 @@ def _collective(instruction: _Instruction, kind: Collective, devices: int | None
         group, ids = _replica_group(instruction, devices)
     combined = output.startswith("(") and kind not in (Collective.ALL_TO_ALL, Collective.COLLECTIVE_PERMUTE)
     buffers = _tuple_elements(output) if combined else [output]
-    scale = group if kind is Collective.REDUCE_SCATTER else 1
     name = op_name.group(1) if op_name else ""
-    return [HloCollective(kind, _bytes(b) * scale, group, 1, ids, pairs, name) for b in buffers]
+    return [
+        HloCollective(kind, _input_bytes(kind, _bytes(b), group), _bytes(b), group, 1, ids, pairs, name)
+        for b in buffers
+    ]
+
+
+def _input_bytes(kind: Collective, out_bytes: int, group: int) -> int | Fraction:
+    """A collective's input bytes from its output's (HLO prints no operand shapes inline); exact,
+    as an all-gather of a sub-byte or odd-sized type need not split into whole bytes."""
+    if kind is Collective.ALL_GATHER:
+        return Fraction(out_bytes, group)
+    return out_bytes * group if kind is Collective.REDUCE_SCATTER else out_bytes
 
 
 def _replica_group(instruction: _Instruction, devices: int | None) -> tuple[int, tuple[int, ...]]:
