@@ -49,7 +49,7 @@ from meshdsl.lowering.base import Lowering
 from meshdsl.lowering.context import current
 from meshdsl.ops.scan import scan
 from meshdsl.pipeline_config import SCHEDULES, PipelineConfig  # noqa: F401  (md.pipeline.SCHEDULES)
-from meshdsl.tensor import Tensor
+from meshdsl.tensor import Tensor, is_tensor
 
 STAGE_LAYERS = "stage_layers"
 """The dim a stage's own slice of ``layers`` takes inside the stage (it has no layout rule)."""
@@ -119,7 +119,7 @@ class _Run:
 
     def _split_batch(self, batch: dict[str, Tensor], dim: Dim) -> None:
         """Each batch tensor's local array as ``[microbatches, ...]`` with its microbatch shape and layout."""
-        leaves, self.batch_tree = jax.tree_util.tree_flatten(batch, is_leaf=lambda x: isinstance(x, Tensor))
+        leaves, self.batch_tree = jax.tree_util.tree_flatten(batch, is_leaf=is_tensor)
         self.batch_arrays, self.batch_meta = [], []
         for t in leaves:
             if not isinstance(t, Tensor) or dim.name not in t.shape:
@@ -167,7 +167,7 @@ class _Run:
         layers per virtual stage), in order.
         """
         out, self.layer_meta, self.layer_axis = [], [], []
-        leaves, self.layer_tree = jax.tree_util.tree_flatten(layers, is_leaf=lambda x: isinstance(x, Tensor))
+        leaves, self.layer_tree = jax.tree_util.tree_flatten(layers, is_leaf=is_tensor)
         for t in leaves:
             i = t.shape.index(self.micro_model.layers.name)
             own = self.lowering.layout_of(t)

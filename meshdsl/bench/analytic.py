@@ -46,6 +46,7 @@ from meshdsl import relayout
 from meshdsl.collectives import Collective, bytes_moved
 from meshdsl.model_loader import shipped_name
 from meshdsl.planner.memory import local_bytes
+from meshdsl.tensor import is_tensor
 from meshdsl.train.optim import OptaxOptimizer
 from meshdsl.train.rules import model_dims
 
@@ -113,11 +114,7 @@ def terms(
         return None
     if any(layout.axes_of(d) for d in model_dims(model) - _MODELLED[kind]):
         return None
-    tensors = [
-        t
-        for t in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, md.Tensor))
-        if isinstance(t, md.Tensor)
-    ]
+    tensors = [t for t in jax.tree_util.tree_leaves(params, is_leaf=is_tensor) if is_tensor(t)]
     priced = [_parameter(t, layout, mesh, grad_reduce_dtype) for t in tensors]
     per_parameter = [p for p in priced if p is not None]
     if len(per_parameter) < len(priced):

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import meshdsl as md
 from meshdsl.bench import fits
+from meshdsl.tensor import is_tensor
 from meshdsl.train.step import Trainer
 
 
@@ -65,7 +66,7 @@ def abstract_state(trainer: Trainer) -> Any:
             return md.Tensor(jax.ShapeDtypeStruct(x.array.shape, x.array.dtype, sharding=sharding), x.shape)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
 
-    return jax.tree_util.tree_map(shaped, trainer.abstract_state(), is_leaf=lambda x: isinstance(x, md.Tensor))
+    return jax.tree_util.tree_map(shaped, trainer.abstract_state(), is_leaf=is_tensor)
 
 
 def abstract_like(tree: Any) -> Any:

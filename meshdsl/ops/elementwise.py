@@ -21,7 +21,7 @@ import numpy as np
 
 from meshdsl.dims import Dim, Shape
 from meshdsl.errors import ShapeError
-from meshdsl.lowering.context import current
+from meshdsl.lowering.context import current, op_scope
 from meshdsl.tensor import Tensor, describe, dtype_of
 
 
@@ -91,7 +91,7 @@ def _linear_pending(name: str, operands: Sequence[Any], lowering) -> tuple[str, 
 
 
 def _map(name: str, fn: Callable[..., jax.Array], *operands: Any) -> Tensor:
-    with jax.named_scope(f"md.{name}"):
+    with op_scope(name):
         lowering = current()
         out = broadcast_shape(operands, name)
         tensors = [x for x in operands if isinstance(x, Tensor)]

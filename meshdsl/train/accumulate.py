@@ -26,14 +26,10 @@ from jax import lax
 from meshdsl.dims import Dim, Shape
 from meshdsl.errors import ConfigError, ShapeError
 from meshdsl.lowering.context import current
-from meshdsl.tensor import Tensor
+from meshdsl.tensor import is_tensor
 
 BATCH = "batch"
 """The dim a batch is cut along."""
-
-
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, Tensor)
 
 
 def split(batch: Any, n: int) -> tuple[list[jax.Array], Callable[[list[jax.Array]], Any], int]:
@@ -41,10 +37,10 @@ def split(batch: Any, n: int) -> tuple[list[jax.Array], Callable[[list[jax.Array
     slice of each back into a microbatch (md tensors of ``batch // n`` rows), and the batch size.
     ConfigError when a tensor has no ``batch`` dim or ``n`` does not divide the rows a device holds."""
     lowering = current()
-    leaves, tree = jax.tree_util.tree_flatten(batch, is_leaf=_is_tensor)
+    leaves, tree = jax.tree_util.tree_flatten(batch, is_leaf=is_tensor)
     stacks, meta = [], []
     for t in leaves:
-        if not _is_tensor(t) or BATCH not in t.shape:
+        if not is_tensor(t) or BATCH not in t.shape:
             raise ConfigError(
                 f"--accumulate {n}: every tensor of the model's batch needs a dim {BATCH!r} to cut, "
                 f"got {getattr(t, 'shape', t)}"
