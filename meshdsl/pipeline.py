@@ -170,7 +170,7 @@ class _Run:
         leaves, self.layer_tree = jax.tree_util.tree_flatten(layers, is_leaf=is_tensor)
         for t in leaves:
             i = t.shape.index(self.micro_model.layers.name)
-            own = self.lowering.layout_of(t)
+            own = self.lowering.split_of(t)
             d = t.shape[i]
             if self.v == 1:
                 local = self.lowering.prepare(t, own[:i] + (self.stage_axes,) + own[i + 1 :])

@@ -132,8 +132,9 @@ class Lowering(abc.ABC):
         """Per-dim mesh axes that split a tensor of ``shape`` in this lowering's local view."""
         ...
 
-    def layout_of(self, t: Tensor) -> Axes:
-        """How ``t``'s local array is split now (a tensor built outside the lowering is whole)."""
+    def split_of(self, t: Tensor) -> Axes:
+        """How ``t``'s local array is split now, per dim (``t.layout``; a tensor built outside the
+        lowering is whole): its split, not the ``Layout`` rules' (docs/design.md, vocabulary)."""
         return t.layout if t.layout is not None else ((),) * t.shape.rank
 
     @abc.abstractmethod

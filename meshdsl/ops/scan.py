@@ -134,7 +134,7 @@ def scan(
                 f"md.scan over {name}={length}: every tensor in xs needs that dim, got {getattr(x, 'shape', x)}"
             )
         position = x.shape.index(name)
-        axes = tuple(() if i == position else a for i, a in enumerate(lowering.layout_of(x)))
+        axes = tuple(() if i == position else a for i, a in enumerate(lowering.split_of(x)))
         prepared.append(jax.numpy.moveaxis(lowering.prepare(x, axes), position, 0))
         rest = axes[:position] + axes[position + 1 :]
         slices.append((x.shape.without([name]), rest))

@@ -45,7 +45,7 @@ def split(batch: Any, n: int) -> tuple[list[jax.Array], Callable[[list[jax.Array
                 f"--accumulate {n}: every tensor of the model's batch needs a dim {BATCH!r} to cut, "
                 f"got {getattr(t, 'shape', t)}"
             )
-        axes = lowering.layout_of(t)
+        axes = lowering.split_of(t)
         a = lowering.prepare(t, axes)
         i = t.shape.index(BATCH)
         size, local = t.shape[BATCH].size, a.shape[i]
