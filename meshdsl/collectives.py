@@ -48,9 +48,12 @@ def priced_buffer(
     """
     n = group_size
     size_in, size_out = Fraction(in_bytes), Fraction(out_bytes)
-    if n < 1:
+    if n < 1 and collective is not Collective.COLLECTIVE_PERMUTE:  # a permute's price does not depend on n
         raise ValueError(f"{collective.value} over {n} devices cannot take {size_in} bytes in: no devices")
-    expected = {Collective.ALL_GATHER: size_in * n, Collective.REDUCE_SCATTER: size_in / n}.get(collective, size_in)
+    if collective is Collective.ALL_GATHER:
+        expected = size_in * n
+    else:
+        expected = size_in / n if collective is Collective.REDUCE_SCATTER else size_in
     if size_out != expected:
         raise ValueError(
             f"{collective.value} over {n} devices cannot take {size_in} bytes in and give {size_out} out"

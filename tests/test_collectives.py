@@ -33,6 +33,7 @@ def test_each_collective_against_the_paper(n: int, b: int) -> None:
     assert bytes_moved(Collective.REDUCE_SCATTER, b * n, b, n) == Fraction(b * n * (n - 1), n)
     assert bytes_moved(Collective.ALL_TO_ALL, b, b, n) == Fraction(b * (n - 1), n)
     assert bytes_moved(Collective.COLLECTIVE_PERMUTE, b, b, n) == b
+    assert bytes_moved(Collective.COLLECTIVE_PERMUTE, b, b, 0) == b  # HLO pairs that name no device
 
 
 def test_exact_where_floats_are_not() -> None:
