@@ -36,30 +36,32 @@ class Collective(enum.Enum):
     COLLECTIVE_PERMUTE = "collective-permute"
 
 
+def input_bytes(collective: Collective, out_bytes: int | Fraction, group_size: int) -> Fraction:
+    """One device's input bytes of ``collective`` over ``group_size`` devices giving ``out_bytes``: an
+    all-gather's output is ``group_size`` times its input, a reduce-scatter's input ``group_size``
+    times its output, the others' are equal (for a reader that sees only the output, as of HLO)."""
+    if group_size < 1 and collective is not Collective.COLLECTIVE_PERMUTE:  # a permute's price does not need n
+        raise ValueError(f"{collective.value} over {group_size} devices: no devices")
+    if collective is Collective.ALL_GATHER:
+        return Fraction(out_bytes) / group_size
+    return Fraction(out_bytes) * (group_size if collective is Collective.REDUCE_SCATTER else 1)
+
+
 def priced_buffer(
     collective: Collective, in_bytes: int | Fraction, out_bytes: int | Fraction, group_size: int
 ) -> Fraction:
     """The buffer ``S`` the ring model prices for ``collective`` over ``group_size`` devices (see the table above).
 
-    ``in_bytes`` and ``out_bytes``: one device's input and output buffer of it (an all-gather's
-    output is ``group_size`` times its input, a reduce-scatter's input ``group_size`` times its
-    output, the others' are equal); a pair that does not fit the collective is a ValueError, not
-    a price.
+    ``in_bytes`` and ``out_bytes``: one device's input and output buffer of it; a pair that does
+    not fit the collective (:func:`input_bytes`) is a ValueError, not a price.
     """
-    n = group_size
-    size_in, size_out = Fraction(in_bytes), Fraction(out_bytes)
-    if n < 1 and collective is not Collective.COLLECTIVE_PERMUTE:  # a permute's price does not depend on n
-        raise ValueError(f"{collective.value} over {n} devices cannot take {size_in} bytes in: no devices")
-    if collective is Collective.ALL_GATHER:
-        expected = size_in * n
-    else:
-        expected = size_in / n if collective is Collective.REDUCE_SCATTER else size_in
-    if size_out != expected:
+    expected = input_bytes(collective, out_bytes, group_size)
+    if Fraction(in_bytes) != expected:
         raise ValueError(
-            f"{collective.value} over {n} devices cannot take {size_in} bytes in and give {size_out} out"
-            f" (it gives {expected})"
+            f"{collective.value} over {group_size} devices cannot give {out_bytes} bytes out from {in_bytes} in"
+            f" (it takes {expected})"
         )
-    return size_out if collective is Collective.ALL_GATHER else size_in
+    return Fraction(out_bytes if collective is Collective.ALL_GATHER else in_bytes)
 
 
 def bytes_moved(

@@ -11,13 +11,13 @@ What is counted, per device:
   ``collective-permute`` reachable from the ``ENTRY`` computation. Async pairs count once, at
   their ``-start``; ``-update``/``-done`` are skipped. Other collectives (``ragged-all-to-all``,
   ``collective-broadcast``, ...) are not counted: meshdsl never emits them.
-* Its output buffer comes from the instruction's own result type; its input follows from it,
-  since operand shapes are not printed inline (an all-gather's is the output over the group
-  size, a reduce-scatter's the output times it), and :func:`meshdsl.collectives.bytes_moved`
-  picks the buffer ``S`` it prices from the two. XLA's combiners merge independent all-reduces (and
-  all-gathers, reduce-scatters) into one instruction with a tuple result: each element is its
-  own reduction and counts as one, so counts do not depend on what the combiner merged. A
-  tuple ``all-to-all`` is one exchange cut into pieces and counts once.
+* Its output buffer comes from the instruction's own result type; its input follows from it
+  (:func:`meshdsl.collectives.input_bytes`), since operand shapes are not printed inline, and
+  :func:`meshdsl.collectives.bytes_moved` picks the buffer ``S`` it prices from the two. XLA's
+  combiners merge independent all-reduces (and all-gathers, reduce-scatters) into one
+  instruction with a tuple result: each element is its own reduction and counts as one, so
+  counts do not depend on what the combiner merged. A tuple ``all-to-all`` is one exchange cut
+  into pieces and counts once.
 * Its group size comes from ``replica_groups`` in any of its printed forms (explicit lists,
   iota ``[g,n]<=[...]``, ``mesh[...] {axes}``); an absent or empty list means every device.
 * How often it runs: reached through ``while`` loops it runs once per iteration of each
@@ -39,7 +39,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from meshdsl.collectives import Collective, bytes_moved, priced_buffer
+from meshdsl.collectives import Collective, bytes_moved, input_bytes, priced_buffer
 
 _KINDS = {c.value: c for c in Collective}
 
@@ -58,8 +58,9 @@ class HloCollective:
     """One collective instruction of a compiled program, with how often it runs."""
 
     collective: Collective
-    in_bytes: int | Fraction
-    """One device's input buffer (derived from the output's: the text prints no operand shapes)."""
+    in_bytes: Fraction
+    """One device's input buffer (:func:`meshdsl.collectives.input_bytes` of the output: the text prints no
+    operand shapes; a fraction where an all-gather's odd-sized output does not split into whole bytes)."""
     out_bytes: int
     """One device's output buffer."""
     group_size: int
@@ -201,17 +202,8 @@ def _collective(instruction: _Instruction, kind: Collective, devices: int | None
     buffers = _tuple_elements(output) if combined else [output]
     name = op_name.group(1) if op_name else ""
     return [
-        HloCollective(kind, _input_bytes(kind, _bytes(b), group), _bytes(b), group, 1, ids, pairs, name)
-        for b in buffers
+        HloCollective(kind, input_bytes(kind, _bytes(b), group), _bytes(b), group, 1, ids, pairs, name) for b in buffers
     ]
-
-
-def _input_bytes(kind: Collective, out_bytes: int, group: int) -> int | Fraction:
-    """A collective's input bytes from its output's (HLO prints no operand shapes inline); exact,
-    as an all-gather of a sub-byte or odd-sized type need not split into whole bytes."""
-    if kind is Collective.ALL_GATHER:
-        return Fraction(out_bytes, group)
-    return out_bytes * group if kind is Collective.REDUCE_SCATTER else out_bytes
 
 
 def _replica_group(instruction: _Instruction, devices: int | None) -> tuple[int, tuple[int, ...]]:

@@ -19,7 +19,7 @@ import meshdsl.models
 import pytest
 
 import meshdsl
-from meshdsl.collectives import Collective, bytes_moved, priced_buffer
+from meshdsl.collectives import Collective, bytes_moved, input_bytes, priced_buffer
 
 GROUPS = (1, 2, 3, 4, 6, 8)
 BUFFERS = (4, 96, 4096, 12_345 * 8)
@@ -40,6 +40,14 @@ def test_exact_where_floats_are_not() -> None:
     # 3 devices, 4 bytes: 16/3 exactly; three of them sum to 16, not 16.000000000000004.
     one = bytes_moved(Collective.ALL_REDUCE, 4, 4, 3)
     assert isinstance(one, Fraction) and one == Fraction(16, 3) and 3 * one == 16
+
+
+def test_input_bytes_from_the_output() -> None:
+    assert input_bytes(Collective.ALL_GATHER, 256, 4) == 64
+    assert input_bytes(Collective.ALL_GATHER, 3, 2) == Fraction(3, 2)  # an odd-sized HLO output
+    assert input_bytes(Collective.REDUCE_SCATTER, 64, 4) == 256
+    assert input_bytes(Collective.ALL_REDUCE, 64, 4) == input_bytes(Collective.ALL_TO_ALL, 64, 4) == 64
+    assert input_bytes(Collective.COLLECTIVE_PERMUTE, 64, 0) == 64
 
 
 def test_the_priced_buffer_is_the_papers() -> None:
@@ -63,7 +71,7 @@ def test_the_priced_buffer_is_the_papers() -> None:
 def test_buffers_that_do_not_fit_the_collective_are_refused(
     collective: Collective, given: int, got: int, n: int
 ) -> None:
-    with pytest.raises(ValueError, match=f"{collective.value} over {n} devices cannot take {given} bytes in"):
+    with pytest.raises(ValueError, match=f"{collective.value} over {n} devices"):
         bytes_moved(collective, given, got, n)
 
 
