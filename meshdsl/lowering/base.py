@@ -226,7 +226,8 @@ class Lowering(abc.ABC):
 
     @abc.abstractmethod
     def reduce_max(self, x: jax.Array, positions: tuple[int, ...], axes: Sequence[str]) -> jax.Array:
-        """Maximum over ``positions`` of ``x``, whose dims there are split over ``axes`` (differentiable, as ``jnp.max``)."""
+        """Maximum over ``positions`` of ``x``, whose dims there are split over ``axes`` (differentiable,
+        as ``jnp.max``)."""
         ...
 
     @abc.abstractmethod

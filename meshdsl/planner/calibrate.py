@@ -162,7 +162,8 @@ def collective_times(
             jax.shard_map(_collective(kind, axis), mesh=mesh, in_specs=spec, out_specs=P(names), check_vma=False)
         )
         seconds = _time(functools.partial(fn, x))
-        out_bytes = jax.eval_shape(fn, x).size * 4 // mesh.size
+        result = jax.eval_shape(fn, x)  # the global result: one device holds 1 / mesh.size of it
+        out_bytes = result.size * result.dtype.itemsize // mesh.size
         out.append((float(bytes_moved(Collective(kind), local[0] * 4, out_bytes, n)), seconds))
     return out
 
