@@ -1,7 +1,7 @@
 """The collectives meshdsl emits, and what each one costs.
 
-Bytes moved per device follow the ring model, with ``S`` the buffer bytes and ``n`` the
-number of devices in the group:
+Bytes moved per device follow the ring model, with ``n`` the number of devices in the group and
+``S`` the buffer the cost counts:
 
 =================  ======================  ===========================
 collective         bytes per device        ``S`` is
@@ -13,14 +13,17 @@ all-to-all         ``(n - 1) / n * S``     the (equal) input/output
 collective-permute ``S``                   the sent buffer
 =================  ======================  ===========================
 
-This module is the only place that formula lives: ``md.explain`` (from the traced program),
-the HLO reader (from the compiled program) and the planner all call :func:`bytes_moved`, so
-their figures agree to the last byte.
+This module is the only place that rule lives, both halves of it: which buffer counts and the
+formula. :func:`bytes_moved` takes a collective's input and output bytes as the caller sees them
+and picks ``S`` itself, so ``md.explain`` (from the traced program), the HLO reader (from the
+compiled program), the relayout search, the planner's calibration and bench's floor all agree
+to the last byte. tests/test_collectives.py fails if a second copy of the formula appears.
 """
 
 from __future__ import annotations
 
 import enum
+from fractions import Fraction
 
 GRAD_REDUCE_DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 """The dtypes a gradient sum can be compressed to (``--grad-reduce-dtype``; :mod:`meshdsl.compression`)."""
@@ -36,13 +39,41 @@ class Collective(enum.Enum):
     COLLECTIVE_PERMUTE = "collective-permute"
 
 
-def bytes_moved(collective: Collective, buffer_bytes: float, group_size: int) -> float:
-    """Bytes one device sends for ``collective`` on a buffer of ``buffer_bytes`` over ``group_size`` devices."""
-    n = group_size
+def input_bytes(collective: Collective, out_bytes: int | Fraction, group_size: int) -> Fraction:
+    """One device's input bytes of ``collective`` over ``group_size`` devices giving ``out_bytes``: an
+    all-gather's output is ``group_size`` times its input, a reduce-scatter's input ``group_size``
+    times its output, the others' are equal (for a reader that sees only the output, as of HLO)."""
+    if group_size < 1 and collective is not Collective.COLLECTIVE_PERMUTE:  # a permute's price does not need n
+        raise ValueError(f"{collective.value} over {group_size} devices: no devices")
+    if collective is Collective.ALL_GATHER:
+        return Fraction(out_bytes) / group_size
+    return Fraction(out_bytes) * (group_size if collective is Collective.REDUCE_SCATTER else 1)
+
+
+def priced_buffer(
+    collective: Collective, in_bytes: int | Fraction, out_bytes: int | Fraction, group_size: int
+) -> Fraction:
+    """The buffer ``S`` the ring model prices for ``collective`` over ``group_size`` devices (see the table above).
+
+    ``in_bytes`` and ``out_bytes``: one device's input and output buffer of it; a pair that does
+    not fit the collective (:func:`input_bytes`) is a ValueError, not a price.
+    """
+    expected = input_bytes(collective, out_bytes, group_size)
+    if Fraction(in_bytes) != expected:
+        raise ValueError(
+            f"{collective.value} over {group_size} devices cannot give {out_bytes} bytes out from {in_bytes} in"
+            f" (it takes {expected})"
+        )
+    return Fraction(out_bytes if collective is Collective.ALL_GATHER else in_bytes)
+
+
+def bytes_moved(
+    collective: Collective, in_bytes: int | Fraction, out_bytes: int | Fraction, group_size: int
+) -> Fraction:
+    """Bytes one device sends for ``collective`` over ``group_size`` devices, exactly: the ring model's
+    factor times :func:`priced_buffer` of the same arguments."""
+    buffer = priced_buffer(collective, in_bytes, out_bytes, group_size)
     if collective is Collective.COLLECTIVE_PERMUTE:
-        return float(buffer_bytes)
-    if n <= 1:
-        return 0.0
-    if collective is Collective.ALL_REDUCE:
-        return 2.0 * (n - 1) * buffer_bytes / n
-    return (n - 1) * buffer_bytes / n
+        return buffer
+    factor = Fraction(2 * (group_size - 1) if collective is Collective.ALL_REDUCE else group_size - 1, group_size)
+    return factor * buffer

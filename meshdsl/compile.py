@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec
 
 from meshdsl.errors import ConfigError, LayoutError, ShapeError
 from meshdsl.layout import Layout
-from meshdsl.lowering.base import Lowering
+from meshdsl.lowering.base import GlobalLowering
 from meshdsl.lowering.context import use
 from meshdsl.lowering.gspmd import GspmdLowering
 from meshdsl.lowering.spmd import SpmdLowering
@@ -198,7 +198,7 @@ class Compiled:
             for item in self._leaves(a, self.in_layouts[i] if self.in_layouts else None, f"argument [{i}]")
         ]
         in_axes = [self._axes(*item) for item in ins]
-        with use(Lowering()):
+        with use(GlobalLowering()):
             shapes = jax.eval_shape(self.fn, *args)
         out_tree = jax.tree_util.tree_structure(shapes, is_leaf=is_tensor)
         outs = self._leaves(shapes, self.out_layouts, "result")

@@ -110,7 +110,7 @@ def sum_bytes(elements: int, n: int, dtype: Any, collective: Collective = Collec
         return 0.0
     size = jnp.dtype(dtype).itemsize
     padded = math.ceil(elements / n) * n * size
-    moved = bytes_moved(Collective.ALL_TO_ALL, padded, n)
+    moved = bytes_moved(Collective.ALL_TO_ALL, padded, padded, n)
     if collective is Collective.ALL_REDUCE:
-        moved += bytes_moved(Collective.ALL_GATHER, padded, n)
-    return bytes_moved(Collective.ALL_REDUCE, 4, n) + moved
+        moved += bytes_moved(Collective.ALL_GATHER, padded // n, padded, n)
+    return float(bytes_moved(Collective.ALL_REDUCE, 4, 4, n) + moved)

@@ -28,7 +28,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from meshdsl import hlo
-from meshdsl.collectives import Collective, bytes_moved
+from meshdsl.collectives import Collective, bytes_moved, priced_buffer
 from meshdsl.compile import Backend, Compiled
 from meshdsl.errors import ConfigError
 from meshdsl.jaxpr_walk import as_compiled, walk
@@ -147,12 +147,12 @@ def _communications(eqn: Any, times: int | None, axis_sizes: Mapping[str, int], 
             f"md.explain: {eqn.primitive.name} over {','.join(axes)} in op {op} runs inside a while_loop, whose "
             "trip count depends on data, so its bytes cannot be counted; use md.scan or lax.scan"
         )
-    side = eqn.invars if collective in (Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL) else eqn.outvars
     widen = cpu and collective in (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER)
     rows = []
-    for var in side:
-        buffer = _nbytes(var.aval, widen)
-        moved = bytes_moved(collective, buffer, n) * times
+    for a, b in zip(eqn.invars, eqn.outvars, strict=True):
+        given, got = _nbytes(a.aval, widen), _nbytes(b.aval, widen)
+        buffer = int(priced_buffer(collective, given, got, n))
+        moved = float(bytes_moved(collective, given, got, n) * times)
         rows.append(Communication(op, tensor, collective, axes, buffer, times, moved, user_line(eqn.source_info)))
     return rows
 

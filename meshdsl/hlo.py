@@ -11,12 +11,13 @@ What is counted, per device:
   ``collective-permute`` reachable from the ``ENTRY`` computation. Async pairs count once, at
   their ``-start``; ``-update``/``-done`` are skipped. Other collectives (``ragged-all-to-all``,
   ``collective-broadcast``, ...) are not counted: meshdsl never emits them.
-* Its buffer ``S`` comes from the instruction's own result type, since operand shapes are not
-  printed inline: the output for all kinds but ``reduce-scatter``, whose ``S`` is its input,
-  i.e. output times group size. XLA's combiners merge independent all-reduces (and
-  all-gathers, reduce-scatters) into one instruction with a tuple result: each element is its
-  own reduction and counts as one, so counts do not depend on what the combiner merged. A
-  tuple ``all-to-all`` is one exchange cut into pieces and counts once.
+* Its output buffer comes from the instruction's own result type; its input follows from it
+  (:func:`meshdsl.collectives.input_bytes`), since operand shapes are not printed inline, and
+  :func:`meshdsl.collectives.bytes_moved` picks the buffer ``S`` it prices from the two. XLA's
+  combiners merge independent all-reduces (and all-gathers, reduce-scatters) into one
+  instruction with a tuple result: each element is its own reduction and counts as one, so
+  counts do not depend on what the combiner merged. A tuple ``all-to-all`` is one exchange cut
+  into pieces and counts once.
 * Its group size comes from ``replica_groups`` in any of its printed forms (explicit lists,
   iota ``[g,n]<=[...]``, ``mesh[...] {axes}``); an absent or empty list means every device.
 * How often it runs: reached through ``while`` loops it runs once per iteration of each
@@ -34,10 +35,11 @@ import itertools
 import math
 import re
 from collections.abc import Callable, Iterator
+from fractions import Fraction
 
 import numpy as np
 
-from meshdsl.collectives import Collective, bytes_moved
+from meshdsl.collectives import Collective, bytes_moved, input_bytes, priced_buffer
 
 _KINDS = {c.value: c for c in Collective}
 
@@ -56,8 +58,11 @@ class HloCollective:
     """One collective instruction of a compiled program, with how often it runs."""
 
     collective: Collective
-    buffer_bytes: int
-    """``S`` of the ring model (see :mod:`meshdsl.collectives`)."""
+    in_bytes: Fraction
+    """One device's input buffer (:func:`meshdsl.collectives.input_bytes` of the output: the text prints no
+    operand shapes; a fraction where an all-gather's odd-sized output does not split into whole bytes)."""
+    out_bytes: int
+    """One device's output buffer."""
     group_size: int
     """Devices per replica group; for ``collective-permute`` the distinct devices in its pairs."""
     count: int
@@ -72,9 +77,14 @@ class HloCollective:
     """The ``op_name`` of the instruction's metadata: the JAX name stack it was lowered from."""
 
     @property
+    def buffer_bytes(self) -> int:
+        """``S`` of the ring model (:func:`meshdsl.collectives.priced_buffer`)."""
+        return int(priced_buffer(self.collective, self.in_bytes, self.out_bytes, self.group_size))
+
+    @property
     def bytes_per_device(self) -> float:
         """Bytes one device sends over all :attr:`count` executions."""
-        return bytes_moved(self.collective, self.buffer_bytes, self.group_size) * self.count
+        return float(bytes_moved(self.collective, self.in_bytes, self.out_bytes, self.group_size) * self.count)
 
 
 _Walk = Callable[[str], list[HloCollective]]
@@ -190,9 +200,10 @@ def _collective(instruction: _Instruction, kind: Collective, devices: int | None
         group, ids = _replica_group(instruction, devices)
     combined = output.startswith("(") and kind not in (Collective.ALL_TO_ALL, Collective.COLLECTIVE_PERMUTE)
     buffers = _tuple_elements(output) if combined else [output]
-    scale = group if kind is Collective.REDUCE_SCATTER else 1
     name = op_name.group(1) if op_name else ""
-    return [HloCollective(kind, _bytes(b) * scale, group, 1, ids, pairs, name) for b in buffers]
+    return [
+        HloCollective(kind, input_bytes(kind, _bytes(b), group), _bytes(b), group, 1, ids, pairs, name) for b in buffers
+    ]
 
 
 def _replica_group(instruction: _Instruction, devices: int | None) -> tuple[int, tuple[int, ...]]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -219,11 +219,14 @@ class Layout:
 
     def spec(self, shape: ShapeLike) -> PartitionSpec:
         """The ``PartitionSpec`` of a tensor of ``shape`` under this layout."""
-        entries = []
-        for d in as_shape(shape):
-            axes = self.axes_of(d.name)
-            entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-        return PartitionSpec(*entries)
+        return self.spec_of(d.name for d in as_shape(shape))
+
+    def spec_of(self, names: Iterable[str], whole: Collection[str] = ()) -> PartitionSpec:
+        """The ``PartitionSpec`` of an array whose dims are called ``names`` under this layout, the
+        dims in ``whole`` unsplit; the one place a layout becomes a ``PartitionSpec`` (a dim over one
+        axis by its name, over several by the tuple, a whole dim as None)."""
+        axes = [() if n in whole else self.axes_of(n) for n in names]
+        return PartitionSpec(*[None if not a else a[0] if len(a) == 1 else a for a in axes])
 
     def sharding(self, mesh: Mesh, shape: ShapeLike) -> NamedSharding:
         """The ``NamedSharding`` of a tensor of ``shape`` on ``mesh`` (checked: LayoutError if it does not fit)."""

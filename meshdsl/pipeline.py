@@ -50,7 +50,7 @@ from meshdsl.lowering.base import Lowering
 from meshdsl.lowering.context import current
 from meshdsl.ops.scan import scan
 from meshdsl.pipeline_config import SCHEDULES, PipelineConfig  # noqa: F401  (md.pipeline.SCHEDULES)
-from meshdsl.tensor import Tensor
+from meshdsl.tensor import Tensor, is_tensor
 from meshdsl.user_model import describe_model
 
 STAGE_LAYERS = "stage_layers"
@@ -120,7 +120,7 @@ class _Run:
 
     def _split_batch(self, batch: dict[str, Tensor], dim: Dim) -> None:
         """Each batch tensor's local array as ``[microbatches, ...]`` with its microbatch shape and layout."""
-        leaves, self.batch_tree = jax.tree_util.tree_flatten(batch, is_leaf=lambda x: isinstance(x, Tensor))
+        leaves, self.batch_tree = jax.tree_util.tree_flatten(batch, is_leaf=is_tensor)
         self.batch_arrays, self.batch_meta = [], []
         for t in leaves:
             if not isinstance(t, Tensor) or dim.name not in t.shape:
@@ -170,10 +170,10 @@ class _Run:
         layers per virtual stage), in order.
         """
         out, self.layer_meta, self.layer_axis = [], [], []
-        leaves, self.layer_tree = jax.tree_util.tree_flatten(layers, is_leaf=lambda x: isinstance(x, Tensor))
+        leaves, self.layer_tree = jax.tree_util.tree_flatten(layers, is_leaf=is_tensor)
         for t in leaves:
             i = t.shape.index(self.micro_model.layers.name)
-            own = self.lowering.layout_of(t)
+            own = self.lowering.split_of(t)
             d = t.shape[i]
             if self.v == 1:
                 local = self.lowering.prepare(t, own[:i] + (self.stage_axes,) + own[i + 1 :])

@@ -190,9 +190,11 @@ class _Space:
         m = math.prod(sizes.values())
         split = math.prod(sizes[a] for d in axes for a in d)
 
-        def price(factor: int, over: Sequence[str], local_split: int) -> _Key:
-            n = group_size(over, sizes)
-            return (factor * (n - 1) * (m // n) * (m // local_split), 1, 1)
+        def price(kind: Collective, over: Sequence[str], split_in: int, split_out: int) -> _Key:
+            """:func:`bytes_moved` from a local buffer of ``G / split_in`` bytes to one of ``G / split_out``, in
+            units of ``G / M**2``: an integer, as ``M`` is a multiple of the group and of both splits."""
+            moved = bytes_moved(kind, m * m // split_in, m * m // split_out, group_size(over, sizes))
+            return (int(moved), 1, 1)
 
         used = {a for d in axes for a in d} | set(pending)
         for d, have in enumerate(axes):
@@ -202,14 +204,14 @@ class _Space:
         for k in range(1, len(pending) + 1):
             for summed in itertools.combinations(pending, k):
                 rest = tuple(a for a in pending if a not in summed)
-                yield Step(StepKind.PSUM, summed), (axes, rest), price(2, summed, split)
+                yield Step(StepKind.PSUM, summed), (axes, rest), price(Collective.ALL_REDUCE, summed, split, split)
                 for order in itertools.permutations(summed):
                     for d, have in enumerate(axes):
                         if self.fits(d, have + order):
                             yield (
                                 Step(StepKind.PSUM_SCATTER, order, d),
                                 (_replace(axes, {d: have + order}), rest),
-                                price(1, order, split),
+                                price(Collective.REDUCE_SCATTER, order, split, split * group_size(order, sizes)),
                             )
         for i, have in enumerate(axes):
             for k in range(1, len(have) + 1):
@@ -218,7 +220,7 @@ class _Space:
                 yield (
                     Step(StepKind.ALL_GATHER, moved, i),
                     (_replace(axes, {i: kept}), pending),
-                    price(1, moved, gathered),
+                    price(Collective.ALL_GATHER, moved, split, gathered),
                 )
                 for j, other in enumerate(axes):
                     if j == i:
@@ -226,7 +228,8 @@ class _Space:
                     for order in itertools.permutations(moved):
                         if self.fits(j, other + order):
                             step = Step(StepKind.ALL_TO_ALL, order, j, i, () if order == moved else moved)
-                            yield step, (_replace(axes, {i: kept, j: other + order}), pending), price(1, moved, split)
+                            after = (_replace(axes, {i: kept, j: other + order}), pending)
+                            yield step, after, price(Collective.ALL_TO_ALL, moved, split, split)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -527,6 +530,5 @@ def step_bytes(
         if collective is None:
             out.append(0.0)
             continue
-        buffer = after if collective is Collective.ALL_GATHER else before
-        out.append(bytes_moved(collective, buffer, group_size(step.axes, axis_sizes)))
+        out.append(float(bytes_moved(collective, before, after, group_size(step.axes, axis_sizes))))
     return out

@@ -35,7 +35,7 @@ from meshdsl.dims import Shape
 from meshdsl.errors import ConfigError, DataError
 from meshdsl.layout import Layout
 from meshdsl.mesh import Mesh
-from meshdsl.tensor import Tensor
+from meshdsl.tensor import Tensor, is_tensor
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
@@ -198,7 +198,7 @@ def load_safetensors(
     path = Path(path)
     files = _files(path)
     label = str(path)
-    flat, tree = jax.tree_util.tree_flatten_with_path(like, is_leaf=lambda x: isinstance(x, Tensor))
+    flat, tree = jax.tree_util.tree_flatten_with_path(like, is_leaf=is_tensor)
     paths = [_path(p) for p, _ in flat]
     unknown = sorted(set(names) - set(paths))
     if unknown:

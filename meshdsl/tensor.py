@@ -59,9 +59,9 @@ class Tensor:
     def array(self) -> jax.Array:
         """The underlying array: the global value outside ``md.compile``, the local shard inside the spmd lowering."""
         if self.pending:
-            from meshdsl.lowering.context import current
+            from meshdsl.lowering.context import current, op_scope
 
-            with jax.named_scope("md.array"):
+            with op_scope("array"):
                 return current().prepare(self)
         return self._data
 

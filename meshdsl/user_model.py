@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from meshdsl.errors import MeshDslError, ModelError
-from meshdsl.tensor import Tensor, describe
+from meshdsl.tensor import Tensor, describe, is_tensor
 
 LOSS = "a scalar float md tensor (the mean loss, e.g. md.reduce_mean(...) over every dim)"
 TREE = "a pytree (dict, list, tuple) of md tensors"
@@ -202,7 +202,7 @@ def _is_model(out: Any) -> str | None:
 
 def _is_tree(out: Any) -> str | None:
     """What is wrong with ``out`` as params or a batch (a leaf that is no md tensor), or None."""
-    leaves, _ = jax.tree_util.tree_flatten_with_path(out, is_leaf=lambda x: isinstance(x, Tensor))
+    leaves, _ = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_tensor)
     for path, leaf in leaves:
         if not isinstance(leaf, Tensor):
             return f"{describe(leaf)} at {jax.tree_util.keystr(path) or 'the top'}; meshdsl needs {TREE}"

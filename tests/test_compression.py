@@ -108,13 +108,13 @@ def test_bytes_hlo_equal_explain_equal_formula(mesh, dtype):
         assert formula == compression.sum_bytes(D, N, dtype)
         assert set(from_hlo) == {"all-reduce", "all-to-all", "all-gather"}
     else:
-        formula = bytes_moved(Collective.ALL_REDUCE, 4 * D, N)
+        formula = bytes_moved(Collective.ALL_REDUCE, 4 * D, 4 * D, N)
     assert explained.total_bytes == pytest.approx(formula)
     if dtype == "bfloat16":
         on_gpu = md.explain(_grad_fn, mesh, "batch:data", w, x, grad_reduce_dtype=dtype, platform="gpu")
-        assert on_gpu.total_bytes == pytest.approx(bytes_moved(Collective.ALL_REDUCE, 2 * D, N))
+        assert on_gpu.total_bytes == pytest.approx(bytes_moved(Collective.ALL_REDUCE, 2 * D, 2 * D, N))
     if dtype in ("float8_e4m3fn", "float8_e5m2"):
-        assert formula < bytes_moved(Collective.ALL_REDUCE, 2 * D, N)  # under a 16-bit sum's bytes
+        assert formula < bytes_moved(Collective.ALL_REDUCE, 2 * D, 2 * D, N)  # under a 16-bit sum's bytes
 
 
 @pytest.mark.parametrize("dtype, tol", [("float16", 2e-3), ("float8_e4m3fn", 0.15)])

@@ -2,10 +2,12 @@
 
 For the shipped MLP and Transformer, each term below is read off the rules themselves (which dims
 are split over which mesh axes; not the layout file's name) and priced in the dtypes the step
-uses, by the ring model (``meshdsl.collectives.bytes_moved``): ``AR(S, n) = 2(n-1)/n S``,
-``AG(S, n) = RS(S, n) = (n-1)/n S``. It is a floor for these rules, not a proof that no other
-program could move less; bench reports the step's bytes over it (``bytes_over_minimum``).
-docs/performance.md writes the terms out.
+uses, by the ring model (``meshdsl.collectives.bytes_moved``, in exact fractions; ``AR``, ``AG``
+and ``RS`` below are its all-reduce, all-gather and reduce-scatter of a buffer ``S`` over ``n``
+devices). It is a floor for these rules, not a proof that no other program could move less;
+bench reports the step's bytes over it (``bytes_over_minimum``). docs/performance.md writes the
+terms out. It is priced from the rules and the config, not from the step's trace, on purpose: the
+traced step is what it checks.
 
 * ``batch`` split over axes D (size d): every parameter's gradient summed over D (``AR`` of its
   shard under the compute rules, in ``grad_reduce_dtype`` where narrower than the parameter),
@@ -38,6 +40,7 @@ element-wise (Adafactor's statistics over named dims are collectives of their ow
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any
 
 import jax
@@ -48,6 +51,7 @@ from meshdsl import compression, relayout
 from meshdsl.collectives import Collective, bytes_moved
 from meshdsl.measure.sizes import local_bytes
 from meshdsl.model_loader import shipped_name
+from meshdsl.tensor import is_tensor
 from meshdsl.train.optim import OptaxOptimizer
 from meshdsl.train.rules import model_dims
 
@@ -55,8 +59,8 @@ _MODELLED = {"mlp": {"batch", "d_ff"}, "transformer": {"batch", "heads", "d_ff",
 """The dims whose splits the terms cover, per shipped model."""
 
 
-def _ar(buffer: float, n: int) -> float:
-    return bytes_moved(Collective.ALL_REDUCE, buffer, n)
+def _ar(buffer: int | Fraction, n: int) -> Fraction:
+    return bytes_moved(Collective.ALL_REDUCE, buffer, buffer, n)
 
 
 def _size(axes: set[str], mesh: md.Mesh) -> int:
@@ -77,33 +81,36 @@ def _scaled(dtype: Any, grad_reduce_dtype: Any) -> bool:
     return relayout.narrower(dtype, grad_reduce_dtype) and compression.scaled(grad_reduce_dtype)
 
 
-def _parameter(t: md.Tensor, layout: md.Layout, mesh: md.Mesh, grad_reduce_dtype: Any) -> dict[str, float] | None:
+def _parameter(t: md.Tensor, layout: md.Layout, mesh: md.Mesh, grad_reduce_dtype: Any) -> dict[str, Fraction] | None:
     """Gathers and gradient sums of one parameter (None: its stored split moves to another dim)."""
     stored, compute = _split_axes(t, layout.param_layout), _split_axes(t, layout)
     gathered = set().union(*(stored[d] - compute[d] for d in stored))
     if gathered & set().union(*compute.values()):
         return None
     shard = local_bytes([t], layout, mesh)
-    grad = shard * _itemsize(t.dtype, grad_reduce_dtype) / t.dtype.itemsize
+    grad = Fraction(shard * _itemsize(t.dtype, grad_reduce_dtype), t.dtype.itemsize)
     batch = set(layout.axes_of("batch"))
     if _scaled(t.dtype, grad_reduce_dtype):
         if gathered:
             return None
-        sums = compression.sum_bytes(shard // t.dtype.itemsize, _size(batch, mesh), grad_reduce_dtype)
-        return {"parameter gathers": 0.0, "gradient sums": sums}
+        compressed = compression.sum_bytes(shard // t.dtype.itemsize, _size(batch, mesh), grad_reduce_dtype)
+        return {"parameter gathers": Fraction(0), "gradient sums": Fraction(compressed)}
     a, scattered = _size(gathered, mesh), gathered & batch
-    gathers = bytes_moved(Collective.ALL_GATHER, shard, a) * (2 if "layers" in t.shape else 1)
-    sums = bytes_moved(Collective.REDUCE_SCATTER, grad / _size(gathered - batch, mesh), _size(scattered, mesh))
+    gathers = bytes_moved(Collective.ALL_GATHER, shard, shard * a, a) * (2 if "layers" in t.shape else 1)
+    summed, s = grad / _size(gathered - batch, mesh), _size(scattered, mesh)
+    sums = bytes_moved(Collective.REDUCE_SCATTER, summed, summed / s, s)
     return {"parameter gathers": gathers, "gradient sums": sums + _ar(grad / a, _size(batch - gathered, mesh))}
 
 
-def _activations(kind: str, config: Any, layout: md.Layout, mesh: md.Mesh, grad_reduce_dtype: Any) -> dict[str, float]:
+def _activations(
+    kind: str, config: Any, layout: md.Layout, mesh: md.Mesh, grad_reduce_dtype: Any
+) -> dict[str, Fraction]:
     """The tensor-parallel sums of activations (forward) and of their gradients (backward), and the split vocab's
     loss."""
     sizes = {d: _size(set(layout.axes_of(d)), mesh) for d in _MODELLED[kind]}
     batch = config.batch // sizes["batch"]
     if kind == "mlp":
-        return {"activations": _ar(4 * batch * config.d_io, sizes["d_ff"]), "loss": 0.0}
+        return {"activations": _ar(4 * batch * config.d_io, sizes["d_ff"]), "loss": Fraction(0)}
     dtype = jnp.dtype(config.compute_dtype)
     tokens = batch * config.length
     forward, backward = (tokens * config.d_model * n for n in (dtype.itemsize, _itemsize(dtype, grad_reduce_dtype)))
@@ -126,20 +133,17 @@ def terms(
     if kind == "transformer" and _scaled(jnp.float32, grad_reduce_dtype):
         if any(layout.axes_of(d) for d in ("heads", "d_ff", "vocab")):
             return None
-    tensors = [
-        t
-        for t in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, md.Tensor))
-        if isinstance(t, md.Tensor)
-    ]
-    per_parameter = [p for p in (_parameter(t, layout, mesh, grad_reduce_dtype) for t in tensors) if p is not None]
-    if len(per_parameter) < len(tensors):
+    tensors = [t for t in jax.tree_util.tree_leaves(params, is_leaf=is_tensor) if is_tensor(t)]
+    priced = [_parameter(t, layout, mesh, grad_reduce_dtype) for t in tensors]
+    per_parameter = [p for p in priced if p is not None]
+    if len(per_parameter) < len(priced):
         return None
-    out: dict[str, float] = {k: sum(p[k] for p in per_parameter) for k in ("parameter gathers", "gradient sums")}
+    out = {k: sum((p[k] for p in per_parameter), Fraction(0)) for k in ("parameter gathers", "gradient sums")}
     out.update(_activations(kind, model.config, layout, mesh, grad_reduce_dtype))
     out["loss"] += _ar(4, _size(set(layout.axes_of("batch")), mesh))
     splitting = set().union(*(a for t in tensors for a in _split_axes(t, layout.param_layout).values()))
-    out["clipping"] = _ar(4, _size(splitting, mesh)) if optimizer.clip_norm is not None else 0.0
-    return out
+    out["clipping"] = _ar(4, _size(splitting, mesh)) if optimizer.clip_norm is not None else Fraction(0)
+    return {k: float(v) for k, v in out.items()}
 
 
 def minimum_bytes(

@@ -53,10 +53,7 @@ Constrain = Callable[[jax.Array, str], jax.Array]
 
 def _sharding(mesh: md.Mesh, layout: md.Layout, names: str) -> NamedSharding:
     """The sharding the layout's rules give an array whose axes are called ``names``."""
-    entries = [layout.axes_of(n) for n in names.split()]
-    return NamedSharding(
-        mesh.jax_mesh, PartitionSpec(*[None if not a else a[0] if len(a) == 1 else a for a in entries])
-    )
+    return NamedSharding(mesh.jax_mesh, layout.spec_of(names.split()))
 
 
 def _mlp_batch(key: jax.Array, c: Any) -> dict[str, jax.Array]:

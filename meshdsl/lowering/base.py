@@ -1,4 +1,4 @@
-"""The lowering interface, and its global-array implementation.
+"""The lowering interface (:class:`Lowering`), and its global-array implementation (:class:`GlobalLowering`).
 
 Every op is written once, against a local view: it asks the lowering how each dim of its inputs
 is split (:meth:`Lowering.axes`), brings its inputs to the layout its local computation needs
@@ -6,7 +6,7 @@ is split (:meth:`Lowering.axes`), brings its inputs to the layout its local comp
 as it is (:meth:`Lowering.finish`). Collectives over the axes of split dims (``psum`` and
 friends) and the device's offset along them complete the op.
 
-Here, on global arrays, no dim is ever split: every axes tuple is empty, the collectives are
+In :class:`GlobalLowering`, on global arrays, no dim is ever split: every axes tuple is empty, the collectives are
 identities and offsets are zero, so the same op code computes the plain global result. This is
 how meshdsl runs eagerly, and (with sharding constraints added by ``GspmdLowering``) how the
 gspmd backend runs. ``SpmdLowering`` gives the same calls their real, per-shard meaning.
@@ -14,6 +14,7 @@ gspmd backend runs. ``SpmdLowering`` gives the same calls their real, per-shard 
 
 from __future__ import annotations
 
+import abc
 import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -115,42 +116,53 @@ def _exact_max_jvp(positions: tuple[int, ...], axes: tuple[str, ...], primals: t
     return out, lax.psum(total, axes) if axes else total
 
 
-class Lowering:
-    """Global arrays, nothing split: the eager lowering."""
+class Lowering(abc.ABC):
+    """The interface every lowering implements: what an op asks (see the module docstring).
+
+    :class:`GlobalLowering` (eager; with sharding constraints, ``GspmdLowering``) and
+    ``SpmdLowering`` implement it; a lowering holds the ``mesh`` it runs on (None on global arrays)
+    and its axis sizes.
+    """
 
     mesh: Mesh | None = None
     axis_sizes: dict[str, int] = {}
 
+    @abc.abstractmethod
     def axes(self, shape: Shape, tensor: str = "tensor") -> Axes:
         """Per-dim mesh axes that split a tensor of ``shape`` in this lowering's local view."""
-        return ((),) * shape.rank
+        ...
 
-    def layout_of(self, t: Tensor) -> Axes:
-        """How ``t``'s local array is split now (a tensor built outside the lowering is whole)."""
+    def split_of(self, t: Tensor) -> Axes:
+        """How ``t``'s local array is split now, per dim (``t.layout``; a tensor built outside the
+        lowering is whole): its split, not the ``Layout`` rules' (docs/design.md, vocabulary)."""
         return t.layout if t.layout is not None else ((),) * t.shape.rank
 
+    @abc.abstractmethod
     def prepare(self, t: Tensor, axes: Axes | None = None, beside: Sequence[Tensor] = ()) -> jax.Array:
         """``t``'s local array, laid out as ``axes`` (default: ``t``'s own layout), pending sums added.
 
         ``beside`` are the op's other operands: splits of ``t`` that are gathered over axes along
         which they vary anyway are gathered so that the gradient is a reduce-scatter.
         """
-        return t._data
+        ...
 
+    @abc.abstractmethod
     def stored_gather(self, shape: Shape, axes: Axes) -> tuple[int, tuple[str, ...]] | None:
         """``(dim, mesh axes)`` when a tensor of ``shape`` held split as ``axes``, another layout than
         the rules give it (a parameter stored split, FSDP), reaches the rules' layout by one
         all-gather along ``dim``; else None."""
-        return None
+        ...
 
+    @abc.abstractmethod
     def gather_stored(
         self, arrays: list[jax.Array], gathers: Sequence[tuple[int, tuple[str, ...]] | None], *others: jax.Array
     ) -> list[jax.Array]:
         """``arrays`` with each one that has an entry in ``gathers`` gathered as it says, all those over
         the same mesh axes in one collective; ``others``: arrays the results will meet (their
         varying axes make the gradient a reduce-scatter)."""
-        return arrays
+        ...
 
+    @abc.abstractmethod
     def finish(
         self,
         array: jax.Array,
@@ -165,15 +177,12 @@ class Lowering:
         It is brought to the layout the rules give ``shape``. With ``lazy``, pending sums are kept
         for a later op to add, when the split dims already match.
         """
-        from meshdsl.tensor import Tensor
+        ...
 
-        return Tensor(array, shape)
-
+    @abc.abstractmethod
     def keep(self, array: jax.Array, shape: Shape, axes: Axes) -> Tensor:
         """A Tensor of ``shape`` from a local ``array`` left laid out as ``axes`` (no relayout)."""
-        from meshdsl.tensor import Tensor
-
-        return Tensor(array, shape)
+        ...
 
     def hold_whole(self, array: jax.Array, shape: Shape, names: Sequence[str]) -> jax.Array:
         """``array`` (dims ``shape``). Where XLA partitions the program (gspmd) and the layout splits
@@ -182,45 +191,134 @@ class Lowering:
         dims; docs/design.md, gspmd). Elsewhere ``array`` itself."""
         return array
 
+    @abc.abstractmethod
     def with_layout(self, layout: Layout) -> Lowering:
-        """This lowering under other layout rules (on global arrays: itself)."""
-        return self
+        """This lowering under other layout rules ."""
+        ...
 
     def linear_sums(self) -> Lowering:
         """This lowering for a custom rule's tangent, whose gradient sums must be linear (here: itself)."""
         return self
 
+    @abc.abstractmethod
     def vary_like(self, x: jax.Array, *others: jax.Array) -> jax.Array:
         """``x``, typed as varying along every mesh axis any of ``others`` varies along (for primitives
         that do not unify that themselves)."""
-        return x
+        ...
 
+    @abc.abstractmethod
     def vary_operand(self, x: jax.Array, *others: jax.Array) -> jax.Array:
         """``x``, an operand that ops will meet with ``others``, made varying along their axes once,
         here, rather than by each op: its gradient is then summed over those axes here, once (in
         ``grad_reduce_dtype`` where one is set), as an op's ``prepare`` would."""
-        return x
+        ...
 
+    @abc.abstractmethod
     def group_size(self, axes: Sequence[str]) -> int:
         """Number of devices along ``axes``."""
-        return 1
+        ...
 
+    @abc.abstractmethod
     def axis_index(self, axes: Sequence[str]) -> Any:
         """This device's position along ``axes`` (major to minor)."""
-        return 0
+        ...
 
     def shard(self, size: int, axes: Sequence[str]) -> tuple[int, Any]:
         """Local length and global offset of this device's block of a dim of ``size`` split over ``axes``."""
         local = size // self.group_size(axes)
         return local, self.axis_index(axes) * local
 
+    @abc.abstractmethod
     def reduce_max(self, x: jax.Array, positions: tuple[int, ...], axes: Sequence[str]) -> jax.Array:
-        """Maximum over ``positions`` of ``x``, whose dims there are split over ``axes`` (differentiable, as
-        ``jnp.max``)."""
+        """Maximum over ``positions`` of ``x``, whose dims there are split over ``axes`` (differentiable,
+        as ``jnp.max``)."""
+        ...
+
+    @abc.abstractmethod
+    def pmax(self, x: Any, axes: Sequence[str]) -> Any:
+        """Maximum across ``axes`` (not differentiated: for indices and stopped values)."""
+        ...
+
+    @abc.abstractmethod
+    def pmin(self, x: Any, axes: Sequence[str]) -> Any:
+        """Minimum across ``axes`` (not differentiated: for indices and stopped values)."""
+        ...
+
+    @abc.abstractmethod
+    def all_gather(self, x: jax.Array, axes: Sequence[str], dim: int) -> jax.Array:
+        """``x``'s blocks along ``dim`` from every device along ``axes``, side by side."""
+        ...
+
+    @abc.abstractmethod
+    def ppermute(
+        self, x: jax.Array, axes: Sequence[str], shift: int, wrap: bool, sources: Sequence[int] | None = None
+    ) -> jax.Array:
+        """Send ``x`` to the device ``shift`` places further along ``axes`` (zeros arrive where none is sent).
+
+        ``sources``: only the devices at these positions along ``axes`` send (None: all)."""
+        ...
+
+    @abc.abstractmethod
+    def zeros_traced(self, like: Any) -> jax.Array:
+        """Zeros of ``like`` (a ``jax.eval_shape`` result), typed varying along the mesh axes it varies along."""
+        ...
+
+
+class GlobalLowering(Lowering):
+    """Global arrays, nothing split: the eager lowering. Every axes tuple is empty, collectives are
+    identities and offsets zero, so the ops compute the plain global result."""
+
+    def axes(self, shape: Shape, tensor: str = "tensor") -> Axes:
+        return ((),) * shape.rank
+
+    def prepare(self, t: Tensor, axes: Axes | None = None, beside: Sequence[Tensor] = ()) -> jax.Array:
+        return t._data
+
+    def stored_gather(self, shape: Shape, axes: Axes) -> tuple[int, tuple[str, ...]] | None:
+        return None
+
+    def gather_stored(
+        self, arrays: list[jax.Array], gathers: Sequence[tuple[int, tuple[str, ...]] | None], *others: jax.Array
+    ) -> list[jax.Array]:
+        return arrays
+
+    def finish(
+        self,
+        array: jax.Array,
+        shape: Shape,
+        axes: Axes | None = None,
+        pending: Sequence[str] = (),
+        lazy: bool = False,
+        tensor: str = "output",
+    ) -> Tensor:
+        from meshdsl.tensor import Tensor
+
+        return Tensor(array, shape)
+
+    def keep(self, array: jax.Array, shape: Shape, axes: Axes) -> Tensor:
+        from meshdsl.tensor import Tensor
+
+        return Tensor(array, shape)
+
+    def with_layout(self, layout: Layout) -> Lowering:
+        return self
+
+    def vary_like(self, x: jax.Array, *others: jax.Array) -> jax.Array:
+        return x
+
+    def vary_operand(self, x: jax.Array, *others: jax.Array) -> jax.Array:
+        return x
+
+    def group_size(self, axes: Sequence[str]) -> int:
+        return 1
+
+    def axis_index(self, axes: Sequence[str]) -> Any:
+        return 0
+
+    def reduce_max(self, x: jax.Array, positions: tuple[int, ...], axes: Sequence[str]) -> jax.Array:
         return exact_max(x, 0, positions, ())
 
     def pmax(self, x: Any, axes: Sequence[str]) -> Any:
-        """Maximum across ``axes`` (not differentiated: for indices and stopped values)."""
         return x
 
     def pmin(self, x: Any, axes: Sequence[str]) -> Any:
@@ -232,12 +330,8 @@ class Lowering:
     def ppermute(
         self, x: jax.Array, axes: Sequence[str], shift: int, wrap: bool, sources: Sequence[int] | None = None
     ) -> jax.Array:
-        """Send ``x`` to the device ``shift`` places further along ``axes`` (zeros arrive where none is sent).
-
-        ``sources``: only the devices at these positions along ``axes`` send (None: all)."""
         sends = sources is None or 0 in sources
         return x if (shift == 0 or wrap) and sends else jax.numpy.zeros_like(x)
 
     def zeros_traced(self, like: Any) -> jax.Array:
-        """Zeros of ``like`` (a ``jax.eval_shape`` result), typed varying along the mesh axes it varies along."""
         return jnp.zeros(like.shape, like.dtype)

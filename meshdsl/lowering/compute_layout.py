@@ -1,4 +1,4 @@
-"""The layout an op computes in, when its operands' splits clash.
+"""The compute split of an op: the axes it computes with, when its operands' splits clash.
 
 Every tensor is laid out by its dims' names, so two operands always agree on a shared dim. But an
 op with several operands can meet two different dims split over the same mesh axis: in
@@ -20,7 +20,9 @@ from meshdsl.relayout import Axes
 from meshdsl.tensor import Tensor
 
 NameAxes = dict[str, tuple[str, ...]]
-ResultLayout = Callable[[NameAxes], tuple[Axes, tuple[str, ...]]]
+"""A compute split: per dim name, the mesh axes one op computes with (not a ``Layout``: one op's choice)."""
+ResultSplit = Callable[[NameAxes], tuple[Axes, tuple[str, ...]]]
+"""Given a compute split, the result's local split and pending sums."""
 
 
 def _moved(lowering: Lowering, shape: Shape, src: Axes, dst: Axes, pending: Sequence[str], itemsize: int) -> float:
@@ -29,7 +31,7 @@ def _moved(lowering: Lowering, shape: Shape, src: Axes, dst: Axes, pending: Sequ
     return sum(relayout.step_bytes(steps, start, shape.sizes, itemsize, lowering.axis_sizes))
 
 
-def choose(lowering: Lowering, operands: Sequence[Tensor], out: Shape, result: ResultLayout, itemsize: int) -> NameAxes:
+def choose(lowering: Lowering, operands: Sequence[Tensor], out: Shape, result: ResultSplit, itemsize: int) -> NameAxes:
     """Per dim name, the axes to compute with: the operands' own splits, each mesh axis kept by one dim.
 
     ``result`` maps such a choice to the result's local layout and pending sums.
@@ -47,16 +49,16 @@ def choose(lowering: Lowering, operands: Sequence[Tensor], out: Shape, result: R
     best: tuple[float, NameAxes] | None = None
     for owners in itertools.product(*clashes.values()):
         keep = dict(zip(clashes, owners))
-        layout = {n: tuple(a for a in axes if keep.get(a, n) == n) for n, axes in own.items()}
+        chosen = {n: tuple(a for a in axes if keep.get(a, n) == n) for n, axes in own.items()}
         cost = sum(
             _moved(
-                lowering, t.shape, lowering.layout_of(t), tuple(layout[n] for n in t.shape.names), t.pending, itemsize
+                lowering, t.shape, lowering.split_of(t), tuple(chosen[n] for n in t.shape.names), t.pending, itemsize
             )
             for t in operands
         )
-        out_axes, pending = result(layout)
+        out_axes, pending = result(chosen)
         cost += _moved(lowering, out, out_axes, lowering.axes(out), pending, itemsize)
         if best is None or cost < best[0]:
-            best = (cost, layout)
+            best = (cost, chosen)
     assert best is not None  # clashes is not empty, so at least one choice was priced
     return best[1]

@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, TypeVar
 import jax
 
 from meshdsl.errors import MeshDslError, ShapeError
-from meshdsl.lowering.base import Lowering
+from meshdsl.lowering.base import GlobalLowering, Lowering
 from meshdsl.tensor import Tensor, describe
 
 if TYPE_CHECKING:
     from meshdsl.layout import Layout
 
 _state = threading.local()
-_EAGER = Lowering()
+_EAGER = GlobalLowering()
 F = TypeVar("F", bound=Callable)
 
 
@@ -57,10 +57,26 @@ def use_layout(layout: Layout | str | dict) -> Iterator[Lowering]:
         yield lowering
 
 
+@contextlib.contextmanager
+def op_scope(name: str) -> Iterator[None]:
+    """The block as the meshdsl op ``name``: its collectives show under that name in ``md.explain``
+    (the ``md.<name>`` name scope) and every md error raised in it starts with ``name:``.
+
+    What :func:`op` does around a function; used directly only where the op's name is data (the
+    element-wise family, written once for all its names)."""
+    try:
+        with jax.named_scope(f"md.{name}"):
+            yield
+    except MeshDslError as e:
+        if re.match(rf"(md\.)?{name}\W|[\w.]+: ", str(e)):
+            raise
+        raise type(e)(f"{name}: {e}") from None
+
+
 def op(name: str) -> Callable[[F], F]:
-    """Mark a function as the meshdsl op ``name``: its collectives show under that name in
-    ``md.explain``; its arguments annotated ``Tensor`` must be md tensors; every md error it raises
-    starts with ``name:``."""
+    """Mark a function as the meshdsl op ``name``: it runs in :func:`op_scope` (its collectives show
+    under that name in ``md.explain``; every md error it raises starts with ``name:``), and its
+    arguments annotated ``Tensor`` must be md tensors. The one way an op is declared."""
 
     def wrap(fn: F) -> F:
         signature = inspect.signature(fn)
@@ -80,13 +96,8 @@ def op(name: str) -> Callable[[F], F]:
                             f"{name}: {p} must be an md tensor, got {describe(bound[p])}; wrap an array with "
                             "md.tensor(array, dims)"
                         )
-            try:
-                with jax.named_scope(f"md.{name}"):
-                    return fn(*args, **kwargs)
-            except MeshDslError as e:
-                if re.match(rf"(md\.)?{name}\W|[\w.]+: ", str(e)):
-                    raise
-                raise type(e)(f"{name}: {e}") from None
+            with op_scope(name):
+                return fn(*args, **kwargs)
 
         return run  # type: ignore[return-value]
 

@@ -9,16 +9,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-from jax.sharding import PartitionSpec
 
 from meshdsl.dims import Shape
 from meshdsl.layout import Layout
-from meshdsl.lowering.base import Lowering
+from meshdsl.lowering.base import GlobalLowering
 from meshdsl.mesh import Mesh
 from meshdsl.tensor import Tensor
 
 
-class GspmdLowering(Lowering):
+class GspmdLowering(GlobalLowering):
     """Global arrays on ``mesh`` with sharding constraints from ``layout``."""
 
     mesh: Mesh  # always a mesh here (the eager base lowering has none)
@@ -39,10 +38,8 @@ class GspmdLowering(Lowering):
     def hold_whole(self, array: jax.Array, shape: Shape, names: Sequence[str]) -> jax.Array:
         if not any(self.layout.axes_of(n) for n in names):
             return array
-        spec = [None if d in names else entry for d, entry in zip(shape.names, self.layout.spec(shape))]
-        return jax.lax.with_sharding_constraint(
-            array, jax.sharding.NamedSharding(self.mesh.jax_mesh, PartitionSpec(*spec))
-        )
+        spec = self.layout.spec_of(shape.names, whole=names)
+        return jax.lax.with_sharding_constraint(array, jax.sharding.NamedSharding(self.mesh.jax_mesh, spec))
 
     def with_layout(self, layout: Layout) -> GspmdLowering:
         return GspmdLowering(self.mesh, layout)

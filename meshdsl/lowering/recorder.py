@@ -14,11 +14,11 @@ from typing import Any
 import jax
 
 from meshdsl.dims import Shape
-from meshdsl.lowering.base import Lowering
+from meshdsl.lowering.base import GlobalLowering
 from meshdsl.lowering.context import use
 
 
-class ShapeRecorder(Lowering):
+class ShapeRecorder(GlobalLowering):
     """Global arrays, nothing split; ``shapes`` holds every tensor shape ops touched, in order."""
 
     def __init__(self) -> None:

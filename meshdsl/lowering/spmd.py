@@ -119,7 +119,7 @@ class SpmdLowering(Lowering):
 
     def prepare(self, t: Tensor, axes: Axes | None = None, beside: Sequence[Tensor] = ()) -> jax.Array:
         own = self.axes(t.shape)
-        src = self.layout_of(t)
+        src = self.split_of(t)
         varying = frozenset().union(*(self._varying_when_prepared(o) for o in beside if o is not t))
         x = self._relayout(t._data, t.shape, src, own if axes is None else axes, t.pending, varying)
         missing = tuple(sorted(varying - _varying_axes(x)))
@@ -129,7 +129,7 @@ class SpmdLowering(Lowering):
         """Axes an operand will vary along when an op has prepared it: those it varies along now,
         less the sums it still owes and the splits it holds beyond its rules' layout (a stored
         FSDP parameter, which its gather makes replicated along those axes)."""
-        held = {a for axes in self.layout_of(t) for a in axes}
+        held = {a for axes in self.split_of(t) for a in axes}
         ruled = {a for axes in self.axes(t.shape) for a in axes}
         return _varying_axes(t._data) - set(t.pending) - (held - ruled)
 

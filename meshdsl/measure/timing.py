@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import meshdsl as md
 from meshdsl.measure import fits
+from meshdsl.tensor import is_tensor
 
 if TYPE_CHECKING:  # a type only: train imports this module (to check its step fits)
     from meshdsl.train.step import Trainer
@@ -67,7 +68,7 @@ def abstract_state(trainer: Trainer) -> Any:
             return md.Tensor(jax.ShapeDtypeStruct(x.array.shape, x.array.dtype, sharding=sharding), x.shape)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
 
-    return jax.tree_util.tree_map(shaped, trainer.abstract_state(), is_leaf=lambda x: isinstance(x, md.Tensor))
+    return jax.tree_util.tree_map(shaped, trainer.abstract_state(), is_leaf=is_tensor)
 
 
 def abstract_like(tree: Any) -> Any:

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from meshdsl.dims import ShapeLike, as_shape
 from meshdsl.errors import ShapeError
-from meshdsl.lowering.context import current
+from meshdsl.lowering.context import current, op
 from meshdsl.tensor import Tensor, describe, dtype_of
 
 
+@op("full")
 def full(shape: ShapeLike, value: Any, dtype: Any = jnp.float32) -> Tensor:
     """A tensor of ``shape`` filled with ``value``."""
     dtype = dtype_of(dtype, "full")
@@ -21,12 +21,11 @@ def full(shape: ShapeLike, value: Any, dtype: Any = jnp.float32) -> Tensor:
         hasattr(value, "shape") and value.shape == ()
     ):
         raise ShapeError(f"full: value must be a number, got {describe(value)}")
-    with jax.named_scope("md.full"):
-        lowering = current()
-        shape = as_shape(shape)
-        axes = lowering.axes(shape)
-        local = [d.size // lowering.group_size(a) for d, a in zip(shape, axes)]
-        return lowering.finish(jnp.full(local, value, dtype), shape, axes)
+    lowering = current()
+    shape = as_shape(shape)
+    axes = lowering.axes(shape)
+    local = [d.size // lowering.group_size(a) for d, a in zip(shape, axes)]
+    return lowering.finish(jnp.full(local, value, dtype), shape, axes)
 
 
 def zeros(shape: ShapeLike, dtype: Any = jnp.float32) -> Tensor:

@@ -21,7 +21,7 @@ import numpy as np
 
 from meshdsl.dims import Dim, Shape
 from meshdsl.errors import ShapeError
-from meshdsl.lowering.context import current
+from meshdsl.lowering.context import current, op_scope
 from meshdsl.tensor import Tensor, describe, dtype_of
 
 
@@ -84,7 +84,7 @@ def _linear_pending(name: str, operands: Sequence[Any], lowering) -> tuple[str, 
         pending = summed[0].pending
         for x in tensors:
             if x is not summed[0]:
-                split = {a for axes in lowering.layout_of(x) for a in axes}
+                split = {a for axes in lowering.split_of(x) for a in axes}
                 if x.pending or split & set(pending):
                     return ()
         return pending
@@ -92,16 +92,16 @@ def _linear_pending(name: str, operands: Sequence[Any], lowering) -> tuple[str, 
 
 
 def _map(name: str, fn: Callable[..., jax.Array], *operands: Any) -> Tensor:
-    with jax.named_scope(f"md.{name}"):
+    with op_scope(name):
         lowering = current()
         out = broadcast_shape(operands, name)
         tensors = [x for x in operands if isinstance(x, Tensor)]
         pending = _linear_pending(name, operands, lowering)
-        layouts = {lowering.layout_of(x) for x in tensors}
-        if not pending and len(layouts) == 1 and all(x.shape == out and not x.pending for x in tensors):
-            # Operands alike in shape and layout (e.g. a parameter stored split for FSDP): stay there.
+        splits = {lowering.split_of(x) for x in tensors}
+        if not pending and len(splits) == 1 and all(x.shape == out and not x.pending for x in tensors):
+            # Operands alike in shape and split (e.g. a parameter stored split for FSDP): stay there.
             args = [x._data if isinstance(x, Tensor) else x for x in operands]
-            return lowering.keep(fn(*args), out, layouts.pop())
+            return lowering.keep(fn(*args), out, splits.pop())
         locals_ = []
         for x in operands:
             if isinstance(x, Tensor):

@@ -246,6 +246,7 @@ def shift(x: Tensor, offset: int, dim: DimLike, wrap: bool = False) -> Tensor:
     return lowering.finish(moved, x.shape)
 
 
+@op("range")
 def range(dim: Dim, dtype: Any = jnp.int32) -> Tensor:  # noqa: A001  (md.range, as Mesh-TF's mtf.range)
     """The tensor ``[0, 1, ..., dim.size - 1]`` along ``dim``."""
     if not isinstance(dim, Dim):
@@ -259,8 +260,7 @@ def range(dim: Dim, dtype: Any = jnp.int32) -> Tensor:  # noqa: A001  (md.range,
             f"range: {dim} counts to {dim.size - 1}, but {dtype.name} holds integers exactly only up to {exact}; "
             "use a wider dtype"
         )
-    with jax.named_scope("md.range"):
-        lowering = current()
-        shape = Shape([dim])
-        axes = lowering.axes(shape)
-        return lowering.finish(_local_iota(lowering, dim, axes[0], dtype), shape, axes)
+    lowering = current()
+    shape = Shape([dim])
+    axes = lowering.axes(shape)
+    return lowering.finish(_local_iota(lowering, dim, axes[0], dtype), shape, axes)

@@ -27,7 +27,7 @@ from jax.extend import source_info_util
 
 from meshdsl.dims import DimLike, Shape
 from meshdsl.errors import ConfigError, ShapeError
-from meshdsl.lowering.context import current
+from meshdsl.lowering.context import current, op
 from meshdsl.tensor import Tensor, describe, is_tensor
 
 _DATA_MOVEMENT = frozenset(
@@ -120,6 +120,7 @@ def _check_carry(init: Any, out: Any) -> None:
             )
 
 
+@op("scan")
 def scan(
     fn: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any, dim: DimLike, *, remat: bool | str = False
 ) -> tuple[Any, Any]:
@@ -131,97 +132,96 @@ def scan(
     which of them are stored all the same).
     """
     recompute, policy = remat_policy(remat)
-    with jax.named_scope("md.scan"):
-        lowering = current()
-        leaves, treedef = jax.tree_util.tree_flatten(xs, is_leaf=is_tensor)
-        tensors = [x for x in leaves if isinstance(x, Tensor)]
-        if not tensors:
-            raise ShapeError("md.scan: xs holds no md tensor to scan over")
-        try:
-            name = tensors[0].shape[dim].name
-        except ShapeError as e:
-            raise ShapeError(f"md.scan over {getattr(dim, 'name', dim)!r}: xs tensor {tensors[0].shape}: {e}") from None
-        length = tensors[0].shape[name].size
+    lowering = current()
+    leaves, treedef = jax.tree_util.tree_flatten(xs, is_leaf=is_tensor)
+    tensors = [x for x in leaves if isinstance(x, Tensor)]
+    if not tensors:
+        raise ShapeError("md.scan: xs holds no md tensor to scan over")
+    try:
+        name = tensors[0].shape[dim].name
+    except ShapeError as e:
+        raise ShapeError(f"md.scan over {getattr(dim, 'name', dim)!r}: xs tensor {tensors[0].shape}: {e}") from None
+    length = tensors[0].shape[name].size
 
-        def settle(carry: Any) -> Any:
-            """The carry in its own layout with no pending sums, so every step's carry has one type."""
-            return jax.tree_util.tree_map(
-                lambda t: lowering.finish(lowering.prepare(t), t.shape) if isinstance(t, Tensor) else t,
-                carry,
-                is_leaf=is_tensor,
+    def settle(carry: Any) -> Any:
+        """The carry in its own layout with no pending sums, so every step's carry has one type."""
+        return jax.tree_util.tree_map(
+            lambda t: lowering.finish(lowering.prepare(t), t.shape) if isinstance(t, Tensor) else t,
+            carry,
+            is_leaf=is_tensor,
+        )
+
+    init = settle(init)
+    prepared, slices = [], []
+    for x in leaves:
+        if not isinstance(x, Tensor) or name not in x.shape or x.shape[name].size != length:
+            raise ShapeError(
+                f"md.scan over {name}={length}: every tensor in xs needs that dim, got {getattr(x, 'shape', x)}"
             )
+        position = x.shape.index(name)
+        axes = tuple(() if i == position else a for i, a in enumerate(lowering.split_of(x)))
+        prepared.append(jax.numpy.moveaxis(lowering.prepare(x, axes), position, 0))
+        rest = axes[:position] + axes[position + 1 :]
+        slices.append((x.shape.without([name]), rest))
 
-        init = settle(init)
-        prepared, slices = [], []
-        for x in leaves:
-            if not isinstance(x, Tensor) or name not in x.shape or x.shape[name].size != length:
-                raise ShapeError(
-                    f"md.scan over {name}={length}: every tensor in xs needs that dim, got {getattr(x, 'shape', x)}"
-                )
-            position = x.shape.index(name)
-            axes = tuple(() if i == position else a for i, a in enumerate(lowering.layout_of(x)))
-            prepared.append(jax.numpy.moveaxis(lowering.prepare(x, axes), position, 0))
-            rest = axes[:position] + axes[position + 1 :]
-            slices.append((x.shape.without([name]), rest))
+    # Slices stored split in another layout than the rules (FSDP parameters) are gathered at the
+    # start of each step, all of a step's in one all-gather (see relayout.gather_together).
+    gathers = [lowering.stored_gather(shape, axes) for shape, axes in slices]
+    held = [(shape, axes if g is None else lowering.axes(shape)) for (shape, axes), g in zip(slices, gathers)]
+    # The gather's equations keep this call's stack (md.explain names the line calling md.scan), not
+    # that of whichever transformation traces the step again later.
+    called_from = source_info_util.current().traceback
 
-        # Slices stored split in another layout than the rules (FSDP parameters) are gathered at the
-        # start of each step, all of a step's in one all-gather (see relayout.gather_together).
-        gathers = [lowering.stored_gather(shape, axes) for shape, axes in slices]
-        held = [(shape, axes if g is None else lowering.axes(shape)) for (shape, axes), g in zip(slices, gathers)]
-        # The gather's equations keep this call's stack (md.explain names the line calling md.scan), not
-        # that of whichever transformation traces the step again later.
-        called_from = source_info_util.current().traceback
+    def loop_inputs(carry: Any, stacked: list) -> list:
+        # Varying along the carry's axes before the loop, not inside it: the body's ops then
+        # use the slices of ``xs`` as they are, and the backward pass reads them from ``xs``
+        # rather than from a stacked copy of every step's (varying) slice.
+        return [lowering.vary_operand(a, *_arrays(carry)) for a in stacked]
 
-        def loop_inputs(carry: Any, stacked: list) -> list:
-            # Varying along the carry's axes before the loop, not inside it: the body's ops then
-            # use the slices of ``xs`` as they are, and the backward pass reads them from ``xs``
-            # rather than from a stacked copy of every step's (varying) slice.
-            return [lowering.vary_operand(a, *_arrays(carry)) for a in stacked]
+    def step(carry: Any, local: list) -> tuple[Any, Any]:
+        with source_info_util.user_context(called_from):
+            local = lowering.gather_stored(list(local), gathers, *_arrays(init))
+        x = jax.tree_util.tree_unflatten(
+            treedef, [lowering.keep(a, shape, axes) for a, (shape, axes) in zip(local, held)]
+        )
+        out = fn(carry, x)
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise ShapeError(f"md.scan: fn(carry, x) must return (carry, y), got {describe(out)}")
+        return settle(out[0]), settle(out[1])
 
-        def step(carry: Any, local: list) -> tuple[Any, Any]:
-            with source_info_util.user_context(called_from):
-                local = lowering.gather_stored(list(local), gathers, *_arrays(init))
-            x = jax.tree_util.tree_unflatten(
-                treedef, [lowering.keep(a, shape, axes) for a, (shape, axes) in zip(local, held)]
-            )
-            out = fn(carry, x)
-            if not isinstance(out, (tuple, list)) or len(out) != 2:
-                raise ShapeError(f"md.scan: fn(carry, x) must return (carry, y), got {describe(out)}")
-            return settle(out[0]), settle(out[1])
+    def carry_out(carry: Any, stacked: list) -> Any:
+        return step(carry, loop_inputs(carry, stacked))[0]
 
-        def carry_out(carry: Any, stacked: list) -> Any:
-            return step(carry, loop_inputs(carry, stacked))[0]
+    # The loop's carry has one type, manual-axis (varying) type included, in and out. A carry
+    # made inside the function (md.zeros, a constant) is the same on every device, while the
+    # step's result may vary (a split slice of xs added to it): the initial carry is made to
+    # vary along every axis the step's carry varies along, found by tracing the step without
+    # running it (once more if that widens what the step sees).
+    stacked_slices = [jax.typeof(a).update(shape=a.shape[1:]) for a in prepared]
+    for _ in range(len(lowering.axis_sizes) + 1):
+        out = jax.eval_shape(carry_out, init, stacked_slices)
+        _check_carry(init, out)
+        wider = _vary_like(lowering.vary_operand, init, out)
+        if all(a is b for a, b in zip(_arrays(wider), _arrays(init))):
+            break
+        init = wider
+    arrays = loop_inputs(init, prepared)
 
-        # The loop's carry has one type, manual-axis (varying) type included, in and out. A carry
-        # made inside the function (md.zeros, a constant) is the same on every device, while the
-        # step's result may vary (a split slice of xs added to it): the initial carry is made to
-        # vary along every axis the step's carry varies along, found by tracing the step without
-        # running it (once more if that widens what the step sees).
-        stacked_slices = [jax.typeof(a).update(shape=a.shape[1:]) for a in prepared]
-        for _ in range(len(lowering.axis_sizes) + 1):
-            out = jax.eval_shape(carry_out, init, stacked_slices)
-            _check_carry(init, out)
-            wider = _vary_like(lowering.vary_operand, init, out)
-            if all(a is b for a, b in zip(_arrays(wider), _arrays(init))):
-                break
-            init = wider
-        arrays = loop_inputs(init, prepared)
+    def body(carry: Any, local: list) -> tuple[Any, Any]:
+        carry, y = step(carry, local)
+        return _vary_like(lowering.vary_like, carry, init), y
 
-        def body(carry: Any, local: list) -> tuple[Any, Any]:
-            carry, y = step(carry, local)
-            return _vary_like(lowering.vary_like, carry, init), y
+    if recompute:
+        body = jax.checkpoint(body, policy=policy)
+    elif any(g is not None for g in gathers):
+        body = jax.checkpoint(body, policy=_refetch_gathered)
+    carry, ys = jax.lax.scan(body, init, arrays)
 
-        if recompute:
-            body = jax.checkpoint(body, policy=policy)
-        elif any(g is not None for g in gathers):
-            body = jax.checkpoint(body, policy=_refetch_gathered)
-        carry, ys = jax.lax.scan(body, init, arrays)
+    def stack(t: Any) -> Any:
+        if not isinstance(t, Tensor):
+            return t
+        shape = Shape([tensors[0].shape[name], *t.shape])
+        layout = None if t.layout is None else ((),) + t.layout
+        return lowering.finish(t._data, shape, layout)
 
-        def stack(t: Any) -> Any:
-            if not isinstance(t, Tensor):
-                return t
-            shape = Shape([tensors[0].shape[name], *t.shape])
-            layout = None if t.layout is None else ((),) + t.layout
-            return lowering.finish(t._data, shape, layout)
-
-        return carry, jax.tree_util.tree_map(stack, ys, is_leaf=is_tensor)
+    return carry, jax.tree_util.tree_map(stack, ys, is_leaf=is_tensor)

@@ -183,11 +183,6 @@ def _collective(kind: str, axis: str) -> Callable[[jax.Array], jax.Array]:
     return shift
 
 
-def _buffer(kind: str, nbytes: int, n: int) -> int:
-    """The buffer ``bytes_moved`` prices (see meshdsl.collectives) for a local input of ``nbytes``."""
-    return nbytes * n if kind == Collective.ALL_GATHER.value else nbytes
-
-
 def collective_times(
     mesh: jax.sharding.Mesh, axis: str, kind: str, sizes: tuple[int, ...] = SIZES
 ) -> list[tuple[float, float]]:
@@ -203,7 +198,9 @@ def collective_times(
             jax.shard_map(_collective(kind, axis), mesh=mesh, in_specs=spec, out_specs=P(names), check_vma=False)
         )
         seconds = _time(functools.partial(fn, x))
-        out.append((bytes_moved(Collective(kind), _buffer(kind, local[0] * 4, n), n), seconds))
+        result = jax.eval_shape(fn, x)  # the global result: one device holds 1 / mesh.size of it
+        out_bytes = result.size * result.dtype.itemsize // mesh.size
+        out.append((float(bytes_moved(Collective(kind), local[0] * 4, out_bytes, n)), seconds))
     return out
 
 

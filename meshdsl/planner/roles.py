@@ -43,6 +43,7 @@ import meshdsl as md
 from meshdsl import model_protocol
 from meshdsl.errors import ConfigError
 from meshdsl.lowering.recorder import recorded_shapes
+from meshdsl.tensor import is_tensor
 
 ROLES = ("batch", "tensor", "fsdp")
 """The roles ``DIM_ROLES`` may give a dim."""
@@ -95,7 +96,6 @@ def roles(model: Any, params: Any, batch: Any) -> DimRoles:
     """The roles of ``model``'s dims, from ``params`` and ``batch`` (pytrees of md tensors, abstract
     values are enough) and one trace of ``model.loss`` on them. ConfigError for ``DIM_ROLES`` that
     name a dim the model lacks or a role not in :data:`ROLES`."""
-    is_tensor = lambda x: isinstance(x, md.Tensor)  # noqa: E731
     weights = [t for t in jax.tree_util.tree_leaves(params, is_leaf=is_tensor) if is_tensor(t)]
     inputs = [t.shape for t in jax.tree_util.tree_leaves(batch, is_leaf=is_tensor) if is_tensor(t)]
     seen = recorded_shapes(lambda p, b: model.loss(p, b).array, params, batch)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 import meshdsl as md
 from meshdsl.jaxpr_walk import called
-from meshdsl.lowering.base import Lowering
+from meshdsl.lowering.base import GlobalLowering
 from meshdsl.lowering.context import use
 from meshdsl.nn.attention_impl import traced_for
 from meshdsl.planner.memory import peak_bytes
@@ -47,7 +47,7 @@ class Traced:
 
 def abstract_batch(model: Any) -> Batch:
     """The synthetic batch of ``model``, traced once on global arrays (the same under every layout)."""
-    with use(Lowering()):
+    with use(GlobalLowering()):
         closed, shapes = jax.make_jaxpr(model.batch, return_shape=True)(jax.ShapeDtypeStruct((2,), jnp.uint32))
     made = block(closed.jaxpr)
     return Batch(shapes, peak_bytes(made, set(made.outputs)))

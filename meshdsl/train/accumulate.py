@@ -28,7 +28,7 @@ from meshdsl import model_protocol
 from meshdsl.dims import Dim, Shape
 from meshdsl.errors import ConfigError, ShapeError
 from meshdsl.lowering.context import current
-from meshdsl.tensor import Tensor
+from meshdsl.tensor import is_tensor
 
 BATCH = "batch"
 """The dim a batch is cut along when the model names no ``batch_dim``."""
@@ -40,19 +40,15 @@ def batch_dim_name(model: Any) -> str:
     return dim.name if isinstance(dim, Dim) else BATCH
 
 
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, Tensor)
-
-
 def split(batch: Any, n: int, name: str = BATCH) -> tuple[list[jax.Array], Callable[[list[jax.Array]], Any], int]:
     """The local arrays of ``batch``'s tensors as ``[n, ...]`` stacks cut along dim ``name``, the function
     that turns one slice of each back into a microbatch (md tensors of ``1 / n`` of the rows), and the
     batch size. ConfigError when a tensor has no such dim or ``n`` does not divide the rows a device holds."""
     lowering = current()
-    leaves, tree = jax.tree_util.tree_flatten(batch, is_leaf=_is_tensor)
+    leaves, tree = jax.tree_util.tree_flatten(batch, is_leaf=is_tensor)
     stacks, meta = [], []
     for t in leaves:
-        if not _is_tensor(t) or name not in t.shape:
+        if not is_tensor(t) or name not in t.shape:
             raise ConfigError(
                 f"--accumulate {n}: every tensor of the model's batch needs a dim {name!r} to cut, "
                 f"got {getattr(t, 'shape', t)}"
@@ -62,7 +58,7 @@ def split(batch: Any, n: int, name: str = BATCH) -> tuple[list[jax.Array], Calla
                     else ""
                 )
             )
-        axes = lowering.layout_of(t)
+        axes = lowering.split_of(t)
         a = lowering.prepare(t, axes)
         i = t.shape.index(name)
         size, local = t.shape[name].size, a.shape[i]

@@ -90,7 +90,7 @@ def value_and_grad(model: Any, params: Any, batch: Any, residuals: Any, dtype: A
         missing = tuple(a for a in axes if a not in relayout.varying_axes(p._data))
         if not missing or not relayout.narrower(p.dtype, dtype):
             return p
-        return lowering.keep(_vary_with_feedback(p._data, r, missing, n, dtype), p.shape, lowering.layout_of(p))
+        return lowering.keep(_vary_with_feedback(p._data, r, missing, n, dtype), p.shape, lowering.split_of(p))
 
     def loss(ps: list[md.Tensor], rs: list[jax.Array]) -> jax.Array:
         attached = [attach(p, r) for p, r in zip(ps, rs, strict=True)]
@@ -104,5 +104,5 @@ def value_and_grad(model: Any, params: Any, batch: Any, residuals: Any, dtype: A
 
     local = [lax.squeeze(r._data, (0,)) for r in stored]
     value, (grads, errors) = jax.value_and_grad(loss, argnums=(0, 1))(flat, local)
-    new = [lowering.keep(e[None], r.shape, lowering.layout_of(r)) for e, r in zip(errors, stored, strict=True)]
+    new = [lowering.keep(e[None], r.shape, lowering.split_of(r)) for e, r in zip(errors, stored, strict=True)]
     return value, jax.tree_util.tree_unflatten(tree, grads), jax.tree_util.tree_unflatten(tree, new)

@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import meshdsl as md
 from meshdsl.layout_spec import LAYOUTS as LAYOUTS
 from meshdsl.layout_spec import is_shipped as is_shipped
-from meshdsl.lowering.base import Lowering
+from meshdsl.lowering.base import GlobalLowering
 from meshdsl.lowering.context import use
 from meshdsl.lowering.recorder import recorded_shapes
+from meshdsl.tensor import is_tensor
 
 
 def model_dims(model: Any) -> set[str]:
@@ -104,7 +105,7 @@ def split_warnings(layout: md.Layout, mesh: md.Mesh, model: Any, name: str, warn
 def _traced(model: Any) -> tuple[list[str], list[md.Tensor], list[str]]:
     """The model's dims, its parameter tensors and its batch's dims, traced on global arrays (nothing computed)."""
     key = jax.ShapeDtypeStruct((2,), jnp.uint32)
-    with use(Lowering()):
-        params = jax.tree_util.tree_leaves(jax.eval_shape(model.init, key), is_leaf=lambda x: isinstance(x, md.Tensor))
-        batch = jax.tree_util.tree_leaves(jax.eval_shape(model.batch, key), is_leaf=lambda x: isinstance(x, md.Tensor))
+    with use(GlobalLowering()):
+        params = jax.tree_util.tree_leaves(jax.eval_shape(model.init, key), is_leaf=is_tensor)
+        batch = jax.tree_util.tree_leaves(jax.eval_shape(model.batch, key), is_leaf=is_tensor)
     return sorted(model_dims(model)), params, sorted({d.name for t in batch for d in t.shape})

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 import meshdsl as md
 from meshdsl import model_protocol, pipeline
-from meshdsl.lowering.base import Lowering
+from meshdsl.lowering.base import GlobalLowering
 from meshdsl.lowering.context import use
 from meshdsl.pipeline_config import PipelineConfig
 from meshdsl.train import accumulate as accumulation
@@ -101,7 +101,7 @@ class Trainer:
     def abstract_state(self) -> dict[str, Any]:
         """The state's global shapes and dtypes (``jax.eval_shape`` of init): nothing computed, any mesh, abstract
         too."""
-        with use(Lowering()):
+        with use(GlobalLowering()):
             return jax.eval_shape(self._init, jax.ShapeDtypeStruct((2,), jnp.uint32))
 
     def _init(self, key: jax.Array) -> dict[str, Any]:

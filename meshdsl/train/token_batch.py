@@ -24,7 +24,7 @@ import numpy as np
 import meshdsl as md
 from meshdsl import model_protocol
 from meshdsl.errors import ConfigError, MeshDslError
-from meshdsl.lowering.base import Lowering
+from meshdsl.lowering.base import GlobalLowering
 from meshdsl.lowering.context import use
 
 INPUT_NAMES = ("inputs", "input_ids", "tokens", "x")
@@ -56,7 +56,7 @@ def token_batch_of(model: Any, what: str) -> TokenBatch:
     ConfigError naming what ``--data`` needs when the batch has no such pair, ``what`` its first words
     (``"--data 'tokens.npy': model llama.py"``)."""
     try:
-        with use(Lowering()):
+        with use(GlobalLowering()):
             batch = jax.eval_shape(model.batch, jax.ShapeDtypeStruct((2,), jnp.uint32))
     except MeshDslError:
         raise
