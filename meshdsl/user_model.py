@@ -113,7 +113,7 @@ class UserModel:
         value = getattr(self.model, name)
         if name not in PARTS or not callable(value):
             return value
-        check = _is_model if name == "with_batch" else _is_loss if name == "post" else _is_tensor
+        check = _model_problem if name == "with_batch" else _loss_problem if name == "post" else _activations_problem
 
         def part(*args: Any) -> Any:
             return self._checked(name, args, check, PARTS[name])
@@ -140,7 +140,7 @@ class UserModel:
         return self._checked("batch", (key,), _is_tree)
 
     def loss(self, params: Any, batch: Any) -> Tensor:
-        return self._checked("loss", (params, batch), _is_loss)
+        return self._checked("loss", (params, batch), _loss_problem)
 
     def _checked(
         self, name: str, args: tuple, problem: Callable[[Any], str | None], arguments: tuple[str, ...] = ()
@@ -181,19 +181,19 @@ def _check_signature(model: Any, name: str, args: tuple[str, ...]) -> None:
         ) from None
 
 
-def _is_loss(out: Any) -> str | None:
+def _loss_problem(out: Any) -> str | None:
     """What is wrong with ``out`` as a loss, or None."""
     if isinstance(out, Tensor) and not out.shape.rank and jnp.issubdtype(out.dtype, jnp.floating):
         return None
     return f"{describe(out)}; meshdsl needs {LOSS}"
 
 
-def _is_tensor(out: Any) -> str | None:
+def _activations_problem(out: Any) -> str | None:
     """What is wrong with ``out`` as the activations a pipeline part passes on, or None."""
     return None if isinstance(out, Tensor) else f"{describe(out)}; meshdsl needs an md tensor (the activations)"
 
 
-def _is_model(out: Any) -> str | None:
+def _model_problem(out: Any) -> str | None:
     """What is wrong with ``out`` as the model ``with_batch`` returns, or None."""
     if all(callable(getattr(out, name, None)) for name in CALLS):
         return None
