@@ -13,6 +13,11 @@ all-to-all         ``(n - 1) / n * S``     the (equal) input/output
 collective-permute ``S``                   the sent buffer
 =================  ======================  ===========================
 
+A permute is the one collective whose devices need not all send: only the sources of its
+pairs do (a pipeline's warm-up sends from its first stage alone). Totals over several
+collectives are therefore taken per device and the busiest device's reported
+(:func:`busiest_device`): with every device sending, that is the plain sum.
+
 This module is the only place that formula lives: ``md.explain`` (from the traced program),
 the HLO reader (from the compiled program) and the planner all call :func:`bytes_moved`, so
 their figures agree to the last byte.
@@ -21,6 +26,8 @@ their figures agree to the last byte.
 from __future__ import annotations
 
 import enum
+from collections import Counter
+from collections.abc import Iterable
 
 
 class Collective(enum.Enum):
@@ -43,3 +50,17 @@ def bytes_moved(collective: Collective, buffer_bytes: float, group_size: int) ->
     if collective is Collective.ALL_REDUCE:
         return 2.0 * (n - 1) * buffer_bytes / n
     return (n - 1) * buffer_bytes / n
+
+
+def busiest_device(sends: Iterable[tuple[float, frozenset[int] | None]]) -> float:
+    """The most bytes any one device sends over ``sends``: pairs of the bytes each sending device sends
+    and which devices send (their partition ids; None: every device)."""
+    everyone = 0.0
+    per_device: Counter[int] = Counter()
+    for nbytes, senders in sends:
+        if senders is None:
+            everyone += nbytes
+        else:
+            for d in senders:
+                per_device[d] += nbytes
+    return everyone + max(per_device.values(), default=0.0)
