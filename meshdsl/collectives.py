@@ -26,7 +26,6 @@ their figures agree to the last byte.
 from __future__ import annotations
 
 import enum
-from collections import Counter
 from collections.abc import Iterable
 
 
@@ -56,11 +55,11 @@ def busiest_device(sends: Iterable[tuple[float, frozenset[int] | None]]) -> floa
     """The most bytes any one device sends over ``sends``: pairs of the bytes each sending device sends
     and which devices send (their partition ids; None: every device)."""
     everyone = 0.0
-    per_device: Counter[int] = Counter()
+    per_device: dict[int, float] = {}
     for nbytes, senders in sends:
         if senders is None:
             everyone += nbytes
         else:
             for d in senders:
-                per_device[d] += nbytes
+                per_device[d] = per_device.get(d, 0.0) + nbytes
     return everyone + max(per_device.values(), default=0.0)

@@ -303,7 +303,9 @@ class _Run:
         stored residuals."""
         (rest, w), unprepare = jax.vjp(self._prepared, self.params)
         m, p, v = self.m, self.p, self.v
-        slots = min(v * m, 2 * v * p - 1)
+        table = residual_slots(p, m, v)
+        slot_of = jnp.asarray(table, jnp.int32)
+        slots = int(table.max()) + 1
 
         def forward(wc: list[jax.Array], x: jax.Array) -> tuple[jax.Array, list[jax.Array | int], Any]:
             """The chunk's output, its vjp's residuals (an int ``i`` where one is the weight ``wc[i]``: not
@@ -322,8 +324,8 @@ class _Run:
 
         stored_like = jax.eval_shape(stored, self._chunk(w, 0), self.x_like)
         probe, tree = traced["probe"], traced["tree"]
-        # One slot per chunk-microbatch in flight, and a last one that idle forwards write to.
-        ring0 = [jnp.broadcast_to(self.lowering.zeros_traced(s), (slots + 1, *s.shape)) for s in stored_like]
+        # One slot per chunk-microbatch in flight (residual_slots says which).
+        ring0 = [jnp.broadcast_to(self.lowering.zeros_traced(s), (slots, *s.shape)) for s in stored_like]
         ring0 = [self.lowering.vary_like(r, self.lowering.zeros_traced(s)) for r, s in zip(ring0, stored_like)]
 
         def post(y: jax.Array, f: Any) -> tuple[jax.Array, Any, jax.Array]:
@@ -346,12 +348,14 @@ class _Run:
             if segment.forward:
                 f, j, seq = forward_item(t, self.stage, p, v)  # forward of microbatch f through chunk j
                 y, residuals, _ = forward(self._chunk(w, j), self._input(rest, segment, received, f, j))
-                slot = jnp.where(self._live(segment.forward), jnp.mod(seq, slots), slots)
-                stored = [a for a in residuals if not isinstance(a, int)]
-                ring = [
-                    lax.dynamic_update_index_in_dim(r, self.lowering.vary_like(a, r), slot, 0)
-                    for r, a in zip(ring, stored)
-                ]
+                slot = slot_of[self.stage, jnp.clip(seq, 0, v * m - 1)]
+                kept = [a for a in residuals if not isinstance(a, int)]
+                kept = [self.lowering.vary_like(a, r) for r, a in zip(ring, kept, strict=True)]
+                if len(segment.forward) < p:  # an idle forward leaves its slot as it is
+                    live = self._live(segment.forward)
+                    old = [lax.dynamic_index_in_dim(r, slot, 0, keepdims=False) for r in ring]
+                    kept = [jnp.where(live, a, o) for a, o in zip(kept, old, strict=True)]
+                ring = [lax.dynamic_update_index_in_dim(r, a, slot, 0) for r, a in zip(ring, kept, strict=True)]
                 if p - 1 in segment.forward:
                     last = self.last if v == 1 else self.last & (j == v - 1)
                     value, g_post, ct_y = self._when(last, lambda: post(y, f))
@@ -363,7 +367,7 @@ class _Run:
                 ct = ct_in if ct_y is None else jnp.where(last, ct_y, ct_in)
                 ct = jnp.where(self._live(segment.backward), ct, 0.0).astype(self.x_like.dtype)
                 # An idle backward reads a slot a forward wrote, with a zero cotangent: zero gradients, never NaN.
-                slot = jnp.mod(jnp.clip(seq, 0, v * m - 1), slots)
+                slot = slot_of[self.stage, jnp.clip(seq, 0, v * m - 1)]
                 loaded = iter(lax.dynamic_index_in_dim(r, slot, 0, keepdims=False) for r in ring)
                 wc = self._chunk(w, j)
                 leaves = [next(loaded) if a is None else wc[a] for a in probe]
@@ -419,6 +423,32 @@ def backward_item(t: Any, s: Any, p: int, v: int) -> tuple[Any, Any, Any]:
     group, rest = n // (v * p), n % (v * p)
     chunk = v - 1 - rest // p
     return group * p + rest % p, chunk, group * v * p + chunk * p + rest % p
+
+
+def residual_slots(stages: int, microbatches: int, virtual_stages: int = 1) -> np.ndarray:
+    """``slots[s, n]``: the ring slot where stage ``s`` keeps the residuals of its ``n``-th forward (1F1B and
+    interleaved), an int array ``[p, v M]``; the ring has ``slots.max() + 1`` slots.
+
+    A forward holds its slot from its tick to its backward's (both included: a tick writes its forward's
+    residuals before its backward reads). Slots are handed out in the order of the forwards, each the
+    lowest one free (greedy colouring of intervals: as many slots as a stage ever holds forwards at
+    once): ``min(M, 2p - 1)`` for 1F1B, ``min(v M, (v + 1) p - 1)`` interleaved.
+    """
+    p, m, v = stages, microbatches, virtual_stages
+    slots = np.zeros((p, v * m), np.int32)
+    for s in range(p):
+        backward_tick: dict[int, int] = {}
+        for t in range(v * m + (v + 2) * p):
+            mb, _, n = backward_item(t, s, p, v)
+            if 0 <= mb < m:
+                backward_tick[n] = t
+        held: list[tuple[int, int]] = []  # (backward tick, slot) of the forwards held
+        for n in range(v * m):
+            tick = n + s  # forward_item's n-th forward of stage s
+            held = [(end, slot) for end, slot in held if end >= tick]
+            slots[s, n] = min(set(range(len(held) + 1)) - {slot for _, slot in held})
+            held.append((backward_tick[n], int(slots[s, n])))
+    return slots
 
 
 @dataclasses.dataclass(frozen=True)
