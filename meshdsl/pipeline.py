@@ -21,10 +21,11 @@ Schedules (``p`` stages, ``M`` microbatches; :func:`timetable` says which stage 
   forward stored (recomputed only under the model's ``remat``). The first ``p - 1`` ticks hold
   forwards only, the last ``p - 1`` backwards only, and the program holds no other half: a step
   costs ``(M + p - 1)(F + B)`` like GPipe's. A stage keeps at most ``min(M, 2p - 1)``
-  microbatches' residuals.
+  microbatches' residuals, in a ring of that many slots (:func:`residual_slots`).
 * ``interleaved`` (Megatron-LM's, ``virtual_stages = v``): the layers cut into ``v p`` chunks,
   chunk ``k`` on stage ``k mod p``; the 1F1B code over chunks (:func:`forward_item`,
-  :func:`backward_item`), ``v M + p - 1`` chunk ticks each way: bubble ``(p - 1)/(v M + p - 1)``.
+  :func:`backward_item`), ``v M + p - 1`` chunk ticks each way: bubble ``(p - 1)/(v M + p - 1)``;
+  a ring of ``min(v M, (v + 1) p - 1)`` chunk-microbatches' residuals.
 
 The tick loop is cut into segments of ticks in which the same stages are live (each a ``scan``,
 or one inline tick): a segment computes a forward (or backward) only if some stage runs one, and
