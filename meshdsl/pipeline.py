@@ -21,7 +21,8 @@ Schedules (``p`` stages, ``M`` microbatches; :func:`timetable` says which stage 
   forward stored (recomputed only under the model's ``remat``). The first ``p - 1`` ticks hold
   forwards only, the last ``p - 1`` backwards only, and the program holds no other half: a step
   costs ``(M + p - 1)(F + B)`` like GPipe's. A stage keeps at most ``min(M, 2p - 1)``
-  microbatches' residuals, in a ring of that many slots (:func:`residual_slots`).
+  microbatches' residuals, in a ring of that many slots (:func:`residual_slots`) and a spare one
+  that idle forwards write to.
 * ``interleaved`` (Megatron-LM's, ``virtual_stages = v``): the layers cut into ``v p`` chunks,
   chunk ``k`` on stage ``k mod p``; the 1F1B code over chunks (:func:`forward_item`,
   :func:`backward_item`), ``v M + p - 1`` chunk ticks each way: bubble ``(p - 1)/(v M + p - 1)``;
@@ -325,8 +326,9 @@ class _Run:
 
         stored_like = jax.eval_shape(stored, self._chunk(w, 0), self.x_like)
         probe, tree = traced["probe"], traced["tree"]
-        # One slot per chunk-microbatch in flight (residual_slots says which).
-        ring0 = [jnp.broadcast_to(self.lowering.zeros_traced(s), (slots, *s.shape)) for s in stored_like]
+        # One slot per chunk-microbatch in flight (residual_slots says which), and a spare one that idle
+        # forwards write to (masking their writes instead costs XLA more temporaries than the slot).
+        ring0 = [jnp.broadcast_to(self.lowering.zeros_traced(s), (slots + 1, *s.shape)) for s in stored_like]
         ring0 = [self.lowering.vary_like(r, self.lowering.zeros_traced(s)) for r, s in zip(ring0, stored_like)]
 
         def post(y: jax.Array, f: Any) -> tuple[jax.Array, Any, jax.Array]:
@@ -350,13 +352,13 @@ class _Run:
                 f, j, seq = forward_item(t, self.stage, p, v)  # forward of microbatch f through chunk j
                 y, residuals, _ = forward(self._chunk(w, j), self._input(rest, segment, received, f, j))
                 slot = slot_of[self.stage, jnp.clip(seq, 0, v * m - 1)]
+                if len(segment.forward) < p:  # an idle forward writes to the spare slot
+                    slot = jnp.where(self._live(segment.forward), slot, slots)
                 kept = [a for a in residuals if not isinstance(a, int)]
-                kept = [self.lowering.vary_like(a, r) for r, a in zip(ring, kept, strict=True)]
-                if len(segment.forward) < p:  # an idle forward leaves its slot as it is
-                    live = self._live(segment.forward)
-                    old = [lax.dynamic_index_in_dim(r, slot, 0, keepdims=False) for r in ring]
-                    kept = [jnp.where(live, a, o) for a, o in zip(kept, old, strict=True)]
-                ring = [lax.dynamic_update_index_in_dim(r, a, slot, 0) for r, a in zip(ring, kept, strict=True)]
+                ring = [
+                    lax.dynamic_update_index_in_dim(r, self.lowering.vary_like(a, r), slot, 0)
+                    for r, a in zip(ring, kept, strict=True)
+                ]
                 if p - 1 in segment.forward:
                     last = self.last if v == 1 else self.last & (j == v - 1)
                     value, g_post, ct_y = self._when(last, lambda: post(y, f))
