@@ -667,24 +667,24 @@ def test_search_says_why_candidates_were_dropped_and_reads_small_memory(capsys) 
 def test_search_proposes_every_pipeline_schedule_and_prices_their_bubbles(tmp_path) -> None:
     """On stage=2, 1F1B, GPipe and interleaved (v = 2) are candidates; the traced programs price the
     bubble (GPipe and 1F1B run M + p - 1 stage ticks, interleaved v M + p - 1 ticks of half a stage,
-    so fewer layer FLOPs) and the memory (GPipe keeps every tick's residuals, 1F1B a ring of M)."""
+    so fewer layer FLOPs) and the memory (GPipe keeps every tick's residuals, 1F1B a ring of 2p - 1)."""
     from meshdsl.models import transformer
 
     from meshdsl import pipeline
 
-    model = transformer.Model(transformer.Config.preset("tiny", layers=4))
+    model = transformer.Model(transformer.Config.preset("tiny", layers=4, batch=32))
     optimizer = optim.make("adamw")
     r = _roles(model)
     mesh = {"stage": 2, "data": 4}
     found = {c.layout.pipeline: c for c in candidates(model, r, 8) if c.axis_sizes == mesh}
-    m = 2  # 2 rows per device: 2 microbatches
+    m = 4  # 8 rows per device: 4 microbatches (at most 2 x stages), 1F1B's ring full (2p - 1 = 3)
     want = [
         pipeline.PipelineConfig(m, "1f1b"),
         pipeline.PipelineConfig(m, "gpipe"),
         pipeline.PipelineConfig(m, "interleaved", 2),
     ]
     assert list(found) == want
-    assert found[want[2]].name == "[stage=2 data=4] batch:data; layers:stage | 2 microbatches, interleaved v=2"
+    assert found[want[2]].name == "[stage=2 data=4] batch:data; layers:stage | 4 microbatches, interleaved v=2"
     path = tmp_path / "interleaved.toml"
     path.write_text(found[want[2]].toml("test"))
     assert md.Layout.load(path).pipeline == want[2]
