@@ -23,11 +23,11 @@ What is counted, per device:
   enclosing loop (XLA's ``known_trip_count``; a loop condition runs one time more than its
   body). Computations reached through ``call``, fusions' and async ops' ``calls=`` run once per
   call. Each branch of a ``conditional`` is counted as if taken, so with collectives in
-  branches the totals are an upper bound.
+  branches the totals are an upper bound. Reduction functions (``to_apply`` of a collective,
+  ``reduce``, ``sort``, ...) are not entered: they compute, they do not communicate.
 * A ``collective-permute`` moves bytes only from the sources of its pairs: :func:`summary`
   totals each kind per device and reports the busiest device's
-  (:func:`meshdsl.collectives.busiest_device`), as ``md.explain`` does. Reduction functions (``to_apply`` of a collective,
-  ``reduce``, ``sort``, ...) are not entered: they compute, they do not communicate.
+  (:func:`meshdsl.collectives.busiest_device`), as ``md.explain`` does.
 """
 
 from __future__ import annotations
