@@ -13,6 +13,11 @@ all-to-all         ``(n - 1) / n * S``     the (equal) input/output
 collective-permute ``S``                   the sent buffer
 =================  ======================  ===========================
 
+A permute is the one collective whose devices need not all send: only the sources of its
+pairs do (a pipeline's warm-up sends from its first stage alone). Totals over several
+collectives are therefore taken per device and the busiest device's reported
+(:func:`busiest_device`): with every device sending, that is the plain sum.
+
 This module is the only place that rule lives, both halves of it: which buffer counts and the
 formula. :func:`bytes_moved` takes a collective's input and output bytes as the caller sees them
 and picks ``S`` itself, so ``md.explain`` (from the traced program), the HLO reader (from the
@@ -23,6 +28,7 @@ to the last byte. tests/test_collectives.py fails if a second copy of the formul
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from fractions import Fraction
 
 GRAD_REDUCE_DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
@@ -77,3 +83,17 @@ def bytes_moved(
         return buffer
     factor = Fraction(2 * (group_size - 1) if collective is Collective.ALL_REDUCE else group_size - 1, group_size)
     return factor * buffer
+
+
+def busiest_device(sends: Iterable[tuple[float, frozenset[int] | None]]) -> float:
+    """The most bytes any one device sends over ``sends``: pairs of the bytes each sending device sends
+    and which devices send (their partition ids; None: every device)."""
+    everyone = 0.0
+    per_device: dict[int, float] = {}
+    for nbytes, senders in sends:
+        if senders is None:
+            everyone += nbytes
+        else:
+            for d in senders:
+                per_device[d] = per_device.get(d, 0.0) + nbytes
+    return everyone + max(per_device.values(), default=0.0)

@@ -28,7 +28,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from meshdsl import hlo
-from meshdsl.collectives import Collective, bytes_moved, priced_buffer
+from meshdsl.collectives import Collective, busiest_device, bytes_moved, priced_buffer
 from meshdsl.compile import Backend, Compiled
 from meshdsl.errors import ConfigError
 from meshdsl.jaxpr_walk import as_compiled, walk
@@ -63,6 +63,8 @@ class Communication:
     source: str = ""
     """``FILE:LINE`` of the user's code that called the op (:func:`meshdsl.user_lines.user_line`);
     "" when no frame of it is known (a collective XLA's partitioner inserted)."""
+    senders: frozenset[int] | None = None
+    """The devices that send (row-major over the mesh's axes): a permute's sources; None: every device."""
 
 
 class Source(enum.Enum):
@@ -84,16 +86,20 @@ class Report:
 
     @property
     def total_bytes(self) -> float:
-        """Bytes moved per device by the whole program."""
-        return sum(r.bytes for r in self.rows)
+        """Bytes moved by the device that moves the most over the whole program (a permute counts on its
+        sources only: :func:`meshdsl.collectives.busiest_device`)."""
+        return busiest_device((r.bytes, r.senders) for r in self.rows)
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """``{collective: {"count": ..., "bytes": ...}}``, in the form :func:`meshdsl.hlo.summary` gives."""
+        """``{collective: {"count": ..., "bytes": ...}}``, in the form :func:`meshdsl.hlo.summary` gives: runs,
+        and the bytes the busiest device sends."""
         out: dict[str, dict[str, float]] = {}
-        for r in self.rows:
-            entry = out.setdefault(r.collective.value, {"count": 0, "bytes": 0.0})
-            entry["count"] += r.count
-            entry["bytes"] += r.bytes
+        for kind in dict.fromkeys(r.collective for r in self.rows):
+            mine = [r for r in self.rows if r.collective is kind]
+            out[kind.value] = {
+                "count": sum(r.count for r in mine),
+                "bytes": busiest_device((r.bytes, r.senders) for r in mine),
+            }
         return out
 
     def __str__(self) -> str:
@@ -148,19 +154,35 @@ def _communications(eqn: Any, times: int | None, axis_sizes: Mapping[str, int], 
             "trip count depends on data, so its bytes cannot be counted; use md.scan or lax.scan"
         )
     widen = cpu and collective in (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER)
+    senders = _senders(eqn.params["perm"], axes, axis_sizes) if collective is Collective.COLLECTIVE_PERMUTE else None
     rows = []
     for a, b in zip(eqn.invars, eqn.outvars, strict=True):
         given, got = _nbytes(a.aval, widen), _nbytes(b.aval, widen)
         buffer = int(priced_buffer(collective, given, got, n))
         moved = float(bytes_moved(collective, given, got, n) * times)
-        rows.append(Communication(op, tensor, collective, axes, buffer, times, moved, user_line(eqn.source_info)))
+        rows.append(
+            Communication(
+                op, tensor, collective, axes, buffer, times, moved, user_line(eqn.source_info), senders=senders
+            )
+        )
     return rows
+
+
+def _senders(perm: Sequence[tuple[int, int]], axes: tuple[str, ...], axis_sizes: Mapping[str, int]) -> frozenset[int]:
+    """The devices (row-major over ``axis_sizes``) that send in a ``ppermute`` over ``axes`` with pairs ``perm``
+    (positions along ``axes``, major to minor, as ``lax.ppermute`` numbers them)."""
+    names = list(axis_sizes)
+    coords = np.indices(tuple(axis_sizes.values())).reshape(len(names), -1)
+    position = np.zeros(coords.shape[1], dtype=int)
+    for a in axes:
+        position = position * axis_sizes[a] + coords[names.index(a)]
+    return frozenset(int(d) for d in np.flatnonzero(np.isin(position, [i for i, _ in perm])))
 
 
 def _merge(rows: list[Communication]) -> tuple[Communication, ...]:
     merged: dict[tuple, Communication] = {}
     for r in rows:
-        key = (r.op, r.tensor, r.collective, r.axes, r.buffer_bytes, r.source)
+        key = (r.op, r.tensor, r.collective, r.axes, r.buffer_bytes, r.source, r.senders)
         if key in merged:
             m = merged[key]
             merged[key] = dataclasses.replace(m, count=m.count + r.count, bytes=m.bytes + r.bytes)
@@ -204,7 +226,11 @@ def report_of_hlo(hlo_text: str, mesh: Mesh) -> Report:
     rows = []
     for c in hlo.collectives(hlo_text, num_devices=mesh.size):
         op, tensor = _scope(c.op_name)
-        rows.append(Communication(op, tensor, c.collective, axes(c), c.buffer_bytes, c.count, c.bytes_per_device))
+        rows.append(
+            Communication(
+                op, tensor, c.collective, axes(c), c.buffer_bytes, c.count, c.bytes_per_device, senders=c.senders
+            )
+        )
     return Report(_merge(rows), Source.COMPILED)
 
 

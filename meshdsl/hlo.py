@@ -26,6 +26,9 @@ What is counted, per device:
   call. Each branch of a ``conditional`` is counted as if taken, so with collectives in
   branches the totals are an upper bound. Reduction functions (``to_apply`` of a collective,
   ``reduce``, ``sort``, ...) are not entered: they compute, they do not communicate.
+* A ``collective-permute`` moves bytes only from the sources of its pairs: :func:`summary`
+  totals each kind per device and reports the busiest device's
+  (:func:`meshdsl.collectives.busiest_device`), as ``md.explain`` does.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from meshdsl.collectives import Collective, bytes_moved, input_bytes, priced_buffer
+from meshdsl.collectives import Collective, busiest_device, bytes_moved, input_bytes, priced_buffer
 
 _KINDS = {c.value: c for c in Collective}
 
@@ -86,6 +89,12 @@ class HloCollective:
         """Bytes one device sends over all :attr:`count` executions."""
         return float(bytes_moved(self.collective, self.in_bytes, self.out_bytes, self.group_size) * self.count)
 
+    @property
+    def senders(self) -> frozenset[int] | None:
+        """The partition ids that send: a permute's sources; None (every device) for the other kinds, and
+        for a permute whose pairs could not be read."""
+        return frozenset(a for a, _ in self.pairs) if self.pairs else None
+
 
 _Walk = Callable[[str], list[HloCollective]]
 """Collectives of one execution of the named computation."""
@@ -125,13 +134,20 @@ def collectives(hlo_text: str, *, num_devices: int | None = None) -> list[HloCol
 
 
 def summary(hlo_text: str, *, num_devices: int | None = None) -> dict[str, dict[str, float]]:
-    """Totals per collective kind present: ``{"all-reduce": {"count": runs, "bytes": bytes per device}}``."""
+    """Totals per collective kind present: ``{"all-reduce": {"count": runs, "bytes": bytes per device}}``.
+
+    ``bytes`` is what the busiest device sends (:func:`meshdsl.collectives.busiest_device`): a
+    permute counts only on its sources."""
+    found = collectives(hlo_text, num_devices=num_devices)
     totals: dict[str, dict[str, float]] = {}
-    for c in collectives(hlo_text, num_devices=num_devices):
-        kind = totals.setdefault(c.collective.value, {"count": 0, "bytes": 0.0})
-        kind["count"] += c.count
-        kind["bytes"] += c.bytes_per_device
-    return {k.value: totals[k.value] for k in Collective if k.value in totals}
+    for k in Collective:
+        mine = [c for c in found if c.collective is k]
+        if mine:
+            totals[k.value] = {
+                "count": sum(c.count for c in mine),
+                "bytes": busiest_device((c.bytes_per_device, c.senders) for c in mine),
+            }
+    return totals
 
 
 def _visit(instruction: _Instruction, walk: _Walk, devices: int | None) -> Iterator[HloCollective]:

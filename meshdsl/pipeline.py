@@ -21,10 +21,12 @@ Schedules (``p`` stages, ``M`` microbatches; :func:`timetable` says which stage 
   forward stored (recomputed only under the model's ``remat``). The first ``p - 1`` ticks hold
   forwards only, the last ``p - 1`` backwards only, and the program holds no other half: a step
   costs ``(M + p - 1)(F + B)`` like GPipe's. A stage keeps at most ``min(M, 2p - 1)``
-  microbatches' residuals.
+  microbatches' residuals, in a ring of that many slots (:func:`residual_slots`) and a spare one
+  that idle forwards write to.
 * ``interleaved`` (Megatron-LM's, ``virtual_stages = v``): the layers cut into ``v p`` chunks,
   chunk ``k`` on stage ``k mod p``; the 1F1B code over chunks (:func:`forward_item`,
-  :func:`backward_item`), ``v M + p - 1`` chunk ticks each way: bubble ``(p - 1)/(v M + p - 1)``.
+  :func:`backward_item`), ``v M + p - 1`` chunk ticks each way: bubble ``(p - 1)/(v M + p - 1)``;
+  a ring of ``min(v M, (v + 1) p - 1)`` chunk-microbatches' residuals.
 
 The tick loop is cut into segments of ticks in which the same stages are live (each a ``scan``,
 or one inline tick): a segment computes a forward (or backward) only if some stage runs one, and
@@ -310,7 +312,9 @@ class _Run:
         stored residuals."""
         (rest, w), unprepare = jax.vjp(self._prepared, self.params)
         m, p, v = self.m, self.p, self.v
-        slots = min(v * m, 2 * v * p - 1)
+        table = residual_slots(p, m, v)
+        slot_of = jnp.asarray(table, jnp.int32)
+        slots = int(table.max()) + 1
 
         def forward(wc: list[jax.Array], x: jax.Array) -> tuple[jax.Array, list[jax.Array | int], Any]:
             """The chunk's output, its vjp's residuals (an int ``i`` where one is the weight ``wc[i]``: not
@@ -331,7 +335,8 @@ class _Run:
 
         stored_like = jax.eval_shape(stored, self._chunk(w, 0), self.x_like)
         probe, tree = traced["probe"], traced["tree"]
-        # One slot per chunk-microbatch in flight, and a last one that idle forwards write to.
+        # One slot per chunk-microbatch in flight (residual_slots says which), and a spare one that idle
+        # forwards write to (masking their writes instead costs XLA more temporaries than the slot).
         ring0 = [jnp.broadcast_to(self.lowering.zeros_traced(s), (slots + 1, *s.shape)) for s in stored_like]
         ring0 = [self.lowering.vary_like(r, self.lowering.zeros_traced(s)) for r, s in zip(ring0, stored_like)]
 
@@ -355,11 +360,13 @@ class _Run:
             if segment.forward:
                 f, j, seq = forward_item(t, self.stage, p, v)  # forward of microbatch f through chunk j
                 y, residuals, _ = forward(self._chunk(w, j), self._input(rest, segment, received, f, j))
-                slot = jnp.where(self._live(segment.forward), jnp.mod(seq, slots), slots)
-                stored = [a for a in residuals if not isinstance(a, int)]
+                slot = slot_of[self.stage, jnp.clip(seq, 0, v * m - 1)]
+                if len(segment.forward) < p:  # an idle forward writes to the spare slot
+                    slot = jnp.where(self._live(segment.forward), slot, slots)
+                kept = [a for a in residuals if not isinstance(a, int)]
                 ring = [
                     lax.dynamic_update_index_in_dim(r, self.lowering.vary_like(a, r), slot, 0)
-                    for r, a in zip(ring, stored)
+                    for r, a in zip(ring, kept, strict=True)
                 ]
                 if p - 1 in segment.forward:
                     last = self.last if v == 1 else self.last & (j == v - 1)
@@ -372,7 +379,7 @@ class _Run:
                 ct = ct_in if ct_y is None else jnp.where(last, ct_y, ct_in)
                 ct = jnp.where(self._live(segment.backward), ct, 0.0).astype(self.x_like.dtype)
                 # An idle backward reads a slot a forward wrote, with a zero cotangent: zero gradients, never NaN.
-                slot = jnp.mod(jnp.clip(seq, 0, v * m - 1), slots)
+                slot = slot_of[self.stage, jnp.clip(seq, 0, v * m - 1)]
                 loaded = iter(lax.dynamic_index_in_dim(r, slot, 0, keepdims=False) for r in ring)
                 wc = self._chunk(w, j)
                 leaves = [next(loaded) if a is None else wc[a] for a in probe]
@@ -428,6 +435,32 @@ def backward_item(t: Any, s: Any, p: int, v: int) -> tuple[Any, Any, Any]:
     group, rest = n // (v * p), n % (v * p)
     chunk = v - 1 - rest // p
     return group * p + rest % p, chunk, group * v * p + chunk * p + rest % p
+
+
+def residual_slots(stages: int, microbatches: int, virtual_stages: int = 1) -> np.ndarray:
+    """``slots[s, n]``: the ring slot where stage ``s`` keeps the residuals of its ``n``-th forward (1F1B and
+    interleaved), an int array ``[p, v M]``; the ring has ``slots.max() + 1`` slots.
+
+    A forward holds its slot from its tick to its backward's (both included: a tick writes its forward's
+    residuals before its backward reads). Slots are handed out in the order of the forwards, each the
+    lowest one free (greedy colouring of intervals: as many slots as a stage ever holds forwards at
+    once): ``min(M, 2p - 1)`` for 1F1B, ``min(v M, (v + 1) p - 1)`` interleaved.
+    """
+    p, m, v = stages, microbatches, virtual_stages
+    slots = np.zeros((p, v * m), np.int32)
+    for s in range(p):
+        backward_tick: dict[int, int] = {}
+        for t in range(v * m + (v + 2) * p):
+            mb, _, n = backward_item(t, s, p, v)
+            if 0 <= mb < m:
+                backward_tick[n] = t
+        held: list[tuple[int, int]] = []  # (backward tick, slot) of the forwards held
+        for n in range(v * m):
+            tick = n + s  # forward_item's n-th forward of stage s
+            held = [(end, slot) for end, slot in held if end >= tick]
+            slots[s, n] = min(set(range(len(held) + 1)) - {slot for _, slot in held})
+            held.append((backward_tick[n], int(slots[s, n])))
+    return slots
 
 
 @dataclasses.dataclass(frozen=True)

@@ -86,6 +86,23 @@ def test_shard_map_program_collectives_match_hand_count():
 
 
 @needs_8_devices
+def test_permute_bytes_are_what_the_busiest_sender_sends():
+    def f(x):
+        # x is the local f32[2,8] block: S = 64 bytes. Position 0 along a sends in two of the three permutes,
+        # 1 and 2 in one each, 3 in none: the busiest device sends 2 S, not the 3 S the permutes hold.
+        once = lax.ppermute(x, "a", [(0, 1)])
+        twice = lax.ppermute(x * 2, "a", [(0, 1), (1, 2)])
+        other = lax.ppermute(x * 3, "a", [(2, 3)])
+        return once + twice + other
+
+    program = jax.jit(jax.shard_map(f, mesh=_mesh(), in_specs=P("a", "b"), out_specs=P("a", "b")))
+    x = jnp.ones((8, 16), jnp.float32)
+    want = {"collective-permute": {"count": 3, "bytes": 2 * 64.0}}
+    assert summary(program.lower(x).compile().as_text()) == want
+    assert report_of_jaxpr(jax.make_jaxpr(program)(x).jaxpr, {"a": 4, "b": 2}, cpu=True).summary() == want
+
+
+@needs_8_devices
 @pytest.mark.parametrize(
     ("spec", "group"),
     # Device (a, b) of the 4 x 2 mesh has partition id 2a + b: over a, ids step by 2; over (b, a), b is major.

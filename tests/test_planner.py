@@ -710,3 +710,38 @@ def test_a_gpu_profile_prices_fused_attention_on_a_cpu_host() -> None:
     slower = predict(model, adamw, {"data": 1}, layout, dataclasses.replace(gpu, attention_flops={"bfloat16": rate}))
     extra = fused.work.attention_flops * (1 / rate - 1 / gpu.matmul_rate("bfloat16"))
     assert slower.compute_s == pytest.approx(fused.compute_s + extra, rel=1e-9)
+
+
+def test_search_proposes_every_pipeline_schedule_and_prices_their_bubbles(tmp_path) -> None:
+    """On stage=2, 1F1B, GPipe and interleaved (v = 2) are candidates; the traced programs price the
+    bubble (GPipe and 1F1B run M + p - 1 stage ticks, interleaved v M + p - 1 ticks of half a stage,
+    so fewer layer FLOPs) and the memory (GPipe keeps every tick's residuals, 1F1B a ring of 2p - 1)."""
+    from meshdsl.models import transformer
+
+    from meshdsl import pipeline
+
+    model = transformer.Model(transformer.Config.preset("tiny", layers=4, batch=32))
+    optimizer = optim.make("adamw")
+    r = _roles(model)
+    mesh = {"stage": 2, "data": 4}
+    found = {c.layout.pipeline: c for c in candidates(model, r, 8) if c.axis_sizes == mesh}
+    m = 4  # 8 rows per device: 4 microbatches (at most 2 x stages), 1F1B's ring full (2p - 1 = 3)
+    want = [
+        pipeline.PipelineConfig(m, "1f1b"),
+        pipeline.PipelineConfig(m, "gpipe"),
+        pipeline.PipelineConfig(m, "interleaved", 2),
+    ]
+    assert list(found) == want
+    assert found[want[2]].name == "[stage=2 data=4] batch:data; layers:stage | 4 microbatches, interleaved v=2"
+    path = tmp_path / "interleaved.toml"
+    path.write_text(found[want[2]].toml("test"))
+    assert md.Layout.load(path).pipeline == want[2]
+    # Eight stages cannot hold 2 x 8 chunks of 4 layers: no interleaved candidate there.
+    assert {c.layout.pipeline.schedule for c in candidates(model, r, 8) if c.axis_sizes.get("stage") == 8} <= {
+        "1f1b",
+        "gpipe",
+    }
+    priced = {config: predict(model, optimizer, mesh, found[config].layout, CPU) for config in want}
+    one_f_one_b, gpipe, interleaved = (priced[c] for c in want)
+    assert one_f_one_b.work.matmul_flops == gpipe.work.matmul_flops > interleaved.work.matmul_flops
+    assert one_f_one_b.memory.peak_temporaries < gpipe.memory.peak_temporaries

@@ -21,6 +21,7 @@ from typing import Any
 
 import meshdsl as md
 from meshdsl import model_protocol
+from meshdsl.collectives import Collective
 from meshdsl.explain import Report, report_of_jaxpr
 from meshdsl.planner import memory as memory_model
 from meshdsl.planner.flops import Work, work
@@ -103,9 +104,13 @@ def price(traced: Traced, model: Any, profile: DeviceProfile) -> Prediction:
         + done.memory_bytes / profile.memory_bandwidth
     )
     comm: dict[str, float] = {}
+    permutes = [r.bytes for r in report.rows if r.collective is Collective.COLLECTIVE_PERMUTE]
+    # Permutes whose sources differ (a pipeline's ticks) are priced as the busiest device sends them.
+    scale = report.summary()[Collective.COLLECTIVE_PERMUTE.value]["bytes"] / sum(permutes) if any(permutes) else 1.0
     for r in report.rows:
         link = profile.link(r.collective.value, span(r.axes, sizes))
-        comm[r.collective.value] = comm.get(r.collective.value, 0.0) + link.seconds(r.bytes, r.count)
+        nbytes = r.bytes * scale if r.collective is Collective.COLLECTIVE_PERMUTE else r.bytes
+        comm[r.collective.value] = comm.get(r.collective.value, 0.0) + link.seconds(nbytes, r.count)
     return Prediction(dict(sizes), traced.layout, report, mem, done, compute, comm)
 
 

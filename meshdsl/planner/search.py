@@ -12,9 +12,13 @@ factorisation ``N = stage x data x model`` (axes of size 1 left out), and on it
   computing everything (on a small model no communication can beat any split);
 * parameter rules: none, or FSDP: the parameter dim(s) found in the most parameter bytes (of a
   size ``data`` divides, not already on ``model``) stored split over ``data``;
-* ``stage``: the stacked layers split into pipeline stages (1F1B), for models that can be
-  pipelined, with each Megatron group (or tensor-parallel dim) on ``model`` and as many
-  microbatches as stages times two (or fewer, as the local batch allows).
+* ``stage``: the stacked layers split into pipeline stages, for models that can be pipelined,
+  with each Megatron group (or tensor-parallel dim) on ``model`` and as many microbatches as
+  stages times two (or fewer, as the local batch allows), under each schedule: 1F1B, GPipe, and
+  interleaved 1F1B with 2 virtual stages where the microbatches are a multiple of the stages and
+  twice the stages divide the layers. The trace prices each schedule's bubble (every stage runs
+  every tick of its timetable, ``md.pipeline.ticks``: the interleaved one has fewer, each a chunk)
+  and its memory (GPipe's residuals of every tick, 1F1B's ring of ``md.pipeline.residual_slots``).
 
 Pruning runs cheapest first: a rule whose axes do not divide its dim, then a state (parameters
 plus optimizer state, exact from the shapes) over the memory limit, are dropped before anything
@@ -62,6 +66,10 @@ class Candidate:
         mesh = " ".join(f"{a}={n}" for a, n in self.axis_sizes.items())
         params = f" | params {self.layout.params}" if self.layout.params is not None else ""
         pipe = f" | {self.layout.pipeline.microbatches} microbatches" if "stage" in self.axis_sizes else ""
+        schedule = self.layout.pipeline.schedule
+        if pipe and schedule != "1f1b":
+            v = self.layout.pipeline.virtual_stages
+            pipe += f", {schedule}" + (f" v={v}" if v > 1 else "")
         return f"[{mesh}] {str(self.layout) or 'replicated'}{params}{pipe}"
 
     def toml(self, description: str) -> str:
@@ -85,6 +93,8 @@ class Candidate:
         if "stage" in self.axis_sizes:
             p = self.layout.pipeline
             lines += ["", "[pipeline]", f"microbatches = {p.microbatches}", f'schedule = "{p.schedule}"']
+            if p.virtual_stages > 1:
+                lines.append(f"virtual_stages = {p.virtual_stages}")
         return "\n".join(lines) + "\n"
 
 
@@ -155,6 +165,17 @@ def _microbatches(local_batch: int, stages: int) -> int:
     return max(m for m in range(1, 2 * stages + 1) if local_batch % m == 0)
 
 
+def _pipelines(layers: int, local_batch: int, stages: int) -> list[dict[str, Any]]:
+    """The ``[pipeline]`` tables tried on ``stages`` stages: 1F1B and GPipe over :func:`_microbatches`, and
+    interleaved with 2 virtual stages where those microbatches are a multiple of the stages and ``2 stages``
+    divide the ``layers``."""
+    m = _microbatches(local_batch, stages)
+    out: list[dict[str, Any]] = [{"microbatches": m, "schedule": s} for s in ("1f1b", "gpipe")]
+    if m % stages == 0 and layers % (2 * stages) == 0:
+        out.append({"microbatches": m, "schedule": "interleaved", "virtual_stages": 2})
+    return out
+
+
 def _data_choices(r: DimRoles) -> list[tuple[str, ...]]:
     """The batch dims together, and each expert dim beside those batch dims it never meets."""
     return [r.batch] + [tuple(b for b in r.batch if not r.meet(b, e)) + (e,) for e in r.expert]
@@ -175,19 +196,16 @@ def candidates(model: Any, r: DimRoles, devices: int, pipeline: bool = True) -> 
                 continue
             rules = {d: "data" for d in on_data} | {d: "model" for d in on_model}
             param_choices: list[dict[str, str] | None] = [None]
-            pipe = None
-            if "stage" in sizes:
-                assert r.stage is not None  # a stage axis is only proposed for a model with a stage dim
+            pipes: list[dict[str, Any] | None] = [None]
+            if "stage" in sizes and r.stage is not None:  # a stage mesh only for a model with a stage dim
                 rules[r.stage] = "stage"
-                pipe = {
-                    "microbatches": _microbatches(model.batch_dim.size // sizes.get("data", 1), sizes["stage"]),
-                    "schedule": "1f1b",
-                }
+                local_batch = model.batch_dim.size // sizes.get("data", 1)
+                pipes = list(_pipelines(r.sizes[r.stage], local_batch, sizes["stage"]))
             elif sizes.get("data", 1) > 1:
                 param_choices += [
                     {d: "model" for d in on_model} | {f: "data"} for f in r.best_fsdp(on_model, sizes["data"])
                 ]
-            for params in param_choices:
+            for params, pipe in itertools.product(param_choices, pipes):
                 out.append(Candidate(dict(sizes), md.Layout(rules, params=params, mesh_axes=sizes, pipeline=pipe)))
     return out
 
