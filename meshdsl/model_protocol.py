@@ -22,6 +22,7 @@ The functions below are the only places that probe a model for these parts, so t
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import jax
@@ -85,15 +86,17 @@ class Pipelined(Model, Protocol):
     def with_batch(self, size: int) -> Pipelined: ...
 
 
-def missing(model: Any) -> list[str]:
-    """The methods of :data:`REQUIRED` that ``model`` (an instance or a class) lacks or cannot call."""
-    return [name for name in REQUIRED if not callable(getattr(model, name, None))]
+def missing(model: Any, needed: Sequence[str] = REQUIRED) -> list[str]:
+    """The methods of ``needed`` (the core, :data:`REQUIRED`) that ``model`` (an instance or a class)
+    lacks or cannot call."""
+    return [name for name in needed if not callable(getattr(model, name, None))]
 
 
-def check(model: Any, name: str) -> None:
+def check(model: Any, name: str, needed: Sequence[str] = REQUIRED) -> None:
     """ConfigError, in one line naming the model ``name`` (its file, module or class) and the methods,
-    unless ``model`` has the core of :class:`Model`."""
-    lacking = missing(model)
+    unless ``model`` has the methods ``needed`` of :class:`Model`'s core (a ``Trainer`` fed batches
+    needs no ``batch``)."""
+    lacking = missing(model, needed)
     if lacking:
         raise ConfigError(
             f"model {name} has no {', '.join(f'{m}()' for m in lacking)}: every model defines "

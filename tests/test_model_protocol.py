@@ -167,3 +167,27 @@ def test_capabilities_of_the_shipped_and_a_core_model(core_file: Path) -> None:
     assert (counts.unit, counts.examples) == ("tokens", c.batch * c.length)
     assert model_protocol.step_counts(core) == model_protocol.StepCounts(None, None, "examples")
     assert model_protocol.layouts(mlp) == tuple(load_module("mlp").Model.LAYOUTS)
+
+
+def test_a_trainer_fed_batches_needs_no_batch_method() -> None:
+    """A model without ``batch`` trains on batches the caller gives (SGD on a linear loss: numpy's
+    update); given a data key instead, the step says the model has no batch()."""
+
+    class Fed:
+        config = None
+
+        def init(self, key: jax.Array) -> dict:
+            return {"w": md.zeros([md.Dim("d", 3)])}
+
+        def loss(self, params: dict, batch: dict) -> md.Tensor:
+            return md.reduce_mean(md.reduce_sum(params["w"] * batch["x"], "d"))
+
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    mesh = md.Mesh({"data": 2}, jax.devices()[:2])
+    trainer = Trainer(Fed(), optim.sgd(0.5), mesh, md.Layout("batch:data"), donate=False)
+    state = trainer.init(jax.random.key_data(jax.random.key(0)))
+    state, loss = trainer.step(state, {"x": md.tensor(x, ["batch", "d"])})
+    assert float(loss) == 0.0
+    np.testing.assert_allclose(np.asarray(state["params"]["w"].array), -0.5 * x.mean(0), rtol=1e-6)
+    with pytest.raises(md.ConfigError, match=r"has no batch\(\)"):
+        trainer.step(state, jax.random.key_data(jax.random.key(1)))

@@ -30,6 +30,9 @@ from meshdsl.train import feedback
 from meshdsl.train.optim import Optimizer, global_norm
 from meshdsl.user_model import describe_model
 
+TRAINER_NEEDS = ("init", "loss")
+"""What a :class:`Trainer` calls always; ``batch`` only for a step given a data key instead of a batch."""
+
 
 @dataclasses.dataclass
 class Trainer:
@@ -56,8 +59,13 @@ class Trainer:
     """Keep each device's rounding error of the compressed gradient sum (``grad_reduce_dtype``) in
     ``state["error_feedback"]`` and add it to the next step's gradient (:mod:`meshdsl.train.feedback`)."""
 
+    def _batch(self, key: jax.Array) -> Any:
+        """The model's batch for ``key``; ConfigError naming the model when it has no ``batch``."""
+        model_protocol.check(self.model, describe_model(self.model), ("batch",))
+        return self.model.batch(key)
+
     def __post_init__(self) -> None:
-        model_protocol.check(self.model, describe_model(self.model))
+        model_protocol.check(self.model, describe_model(self.model), TRAINER_NEEDS)
         self.pipeline = self.pipeline or self.layout.pipeline
         self.pipelined = pipelined(self.model, self.layout, self.pipeline, self.backend)
         check_accumulate(self.accumulate, self.pipelined)
@@ -122,7 +130,7 @@ class Trainer:
         return jax.value_and_grad(lambda p: self.model.loss(p, batch).array)(params)
 
     def _step(self, state: dict[str, Any], data: Any) -> tuple[dict[str, Any], Any]:
-        batch = self.model.batch(jax.random.fold_in(data, state["step"])) if _is_key(data) else data
+        batch = self._batch(jax.random.fold_in(data, state["step"])) if _is_key(data) else data
         if self.error_feedback:
             loss, grads, errors = feedback.value_and_grad(
                 self.model, state["params"], batch, state["error_feedback"], self.grad_reduce_dtype
@@ -138,7 +146,7 @@ class Trainer:
         return (new, {"loss": loss, "grad_norm": norm}) if self.metrics else (new, loss)
 
     def _evaluate(self, state: dict[str, Any], data: Any, index: jax.Array) -> jax.Array:
-        batch = self.model.batch(jax.random.fold_in(data, index)) if _is_key(data) else data
+        batch = self._batch(jax.random.fold_in(data, index)) if _is_key(data) else data
         return accumulation.evaluate(self.model, state["params"], batch, self.accumulate)
 
 
