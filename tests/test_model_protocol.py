@@ -191,3 +191,18 @@ def test_a_trainer_fed_batches_needs_no_batch_method() -> None:
     np.testing.assert_allclose(np.asarray(state["params"]["w"].array), -0.5 * x.mean(0), rtol=1e-6)
     with pytest.raises(md.ConfigError, match=r"has no batch\(\)"):
         trainer.step(state, jax.random.key_data(jax.random.key(1)))
+
+
+def test_the_command_line_builds_each_model_once(core_file: Path, tmp_path: Path, capsys) -> None:
+    """``meshdsl train`` and ``meshdsl bench`` run the model their check built."""
+    from meshdsl.cli import main
+
+    built = load_module(str(core_file)).BUILT
+    before = len(built)
+    assert main(["train", "--model", str(core_file), "--preset", "tiny", "--layout", "batch:data", "--steps", "1"]) == 0
+    assert len(built) - before == 1, "train"
+    before = len(built)
+    args = ["--model", str(core_file), "--preset", "tiny", "--layouts", "batch:data", "--rounds", "1", "--no-gspmd"]
+    assert main(["bench", *args, "--steps-per-round", "1", "--out", str(tmp_path / "b")]) == 0
+    assert len(built) - before == 1, "bench"
+    capsys.readouterr()

@@ -9,7 +9,8 @@ in order (``meshdsl.cli.main``):
 2. ``config(args)``: what it runs, built from the parsed flags (a ``RunConfig``, a dict of
    ``--set`` overrides, or nothing);
 3. ``check(args, config)``: every mistake that shows before a device is used, raised as an md
-   error (:mod:`meshdsl.errors`), so nothing has run and no file is touched;
+   error (:mod:`meshdsl.errors`), so nothing has run and no file is touched; it may return what
+   ``run`` is given instead of the config (``train`` returns the config with the model it built);
 4. the devices are chosen (``--devices``, or the command's own ``devices(args)``) and started,
    and the multi-process run joined, unless ``uses_devices`` is False;
 5. ``run(args, config)``: the work; its exit status, or None for 0.
@@ -89,8 +90,10 @@ class Command:
     """Does the work (after ``check``, on started devices); the exit status, or None for 0."""
     config: Callable[[argparse.Namespace], Any] = _nothing
     """What it runs, from the parsed flags; passed to ``check`` and ``run``."""
-    check: Callable[[argparse.Namespace, Any], None] = _no_check
-    """Raises the md error for each mistake that shows before any device is used."""
+    check: Callable[[argparse.Namespace, Any], Any] = _no_check
+    """Raises the md error for each mistake that shows before any device is used; returns what ``run``
+    is given instead of the config (what checking built, e.g. the model, so ``run`` builds it once),
+    or None for the config itself."""
     devices: Callable[[argparse.Namespace], int | None] = _nothing
     """CPU devices to simulate when ``--devices`` is not given (None: XLA_FLAGS' count, else 8)."""
     uses_devices: bool = True
@@ -137,5 +140,5 @@ def check(args: argparse.Namespace) -> Any:
     shows before any device is used."""
     command = commands()[args.command]
     built = command.config(args)
-    command.check(args, built)
-    return built
+    checked = command.check(args, built)
+    return built if checked is None else checked

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 from meshdsl.commands import Command, flags
 
@@ -77,22 +78,30 @@ def config(args: argparse.Namespace) -> BenchConfig:
     )
 
 
-def check(args: argparse.Namespace, bench: BenchConfig) -> None:
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """A checked benchmark and the models checking it built, by name (``run`` then builds none)."""
+
+    bench: BenchConfig
+    models: list[tuple[str, Any]]
+
+
+def check(args: argparse.Namespace, bench: BenchConfig) -> Checked:
     """``bench.run.check``'s mistakes."""
     from meshdsl.bench.run import check as check_bench
 
-    check_bench(bench)
+    return Checked(bench, check_bench(bench))
 
 
-def run(args: argparse.Namespace, bench: BenchConfig) -> None:
-    """Benchmark; in a multi-process run only process 0 prints and writes."""
+def run(args: argparse.Namespace, checked: Checked) -> None:
+    """Benchmark the models the check built; in a multi-process run only process 0 prints and writes."""
     from meshdsl import distributed
     from meshdsl.bench.run import run as run_bench
 
     if distributed.is_primary():
-        run_bench(bench)
+        run_bench(checked.bench, models=checked.models)
     else:
-        run_bench(bench, out=lambda line: None, warn=lambda line: None)
+        run_bench(checked.bench, out=lambda line: None, warn=lambda line: None, models=checked.models)
 
 
 COMMAND = Command(

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from meshdsl.commands import Command, flags
 
@@ -202,7 +203,15 @@ def config(args: argparse.Namespace) -> RunConfig:
     )
 
 
-def check(args: argparse.Namespace, run: RunConfig) -> None:
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """A checked run and the model checking it built (``train`` then builds none)."""
+
+    run: RunConfig
+    model: Any
+
+
+def check(args: argparse.Namespace, run: RunConfig) -> Checked:
     """ConfigError for flags that would be ignored or overflow (``--seed`` beyond 64 bits, ``--schedule``
     for a layout without a pipeline, ``--grad-reduce-dtype`` under ``--backend gspmd``), then
     ``train.loop.check``'s mistakes."""
@@ -222,14 +231,14 @@ def check(args: argparse.Namespace, run: RunConfig) -> None:
             f"--schedule {args.schedule}: layout {args.layout!r} has no pipeline (no rule splits layers over a "
             "stage axis), so there is no schedule to choose"
         )
-    check_run(run)
+    return Checked(run, check_run(run))
 
 
-def run(args: argparse.Namespace, config: RunConfig) -> None:
-    """Train (its lines on stdout, warnings on stderr)."""
+def run(args: argparse.Namespace, checked: Checked) -> None:
+    """Train (its lines on stdout, warnings on stderr) the model the check built."""
     from meshdsl.train.loop import train
 
-    train(config, sys.stdout, err=sys.stderr)
+    train(checked.run, sys.stdout, err=sys.stderr, model=checked.model)
 
 
 COMMAND = Command("train", "train a model under a layout", add_arguments, run, config=config, check=check, order=10)
