@@ -33,7 +33,7 @@ import numpy as np
 import tensorstore as ts
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshdsl import outputs
+from meshdsl import output_paths
 from meshdsl.dims import Dim, Shape
 from meshdsl.dirlock import DirLock
 from meshdsl.errors import ConfigError, DataError, LayoutError, MeshDslError, WriteError
@@ -222,8 +222,8 @@ def _write(tmp: Path, arrays: list[tuple[dict[str, Any], Any]]) -> None:
 def _check_target(path: Path) -> None:
     """ConfigError unless a checkpoint can be committed at ``path`` without losing anything: ``path``
     is new, an empty directory or a checkpoint (to replace), and its directory is writable."""
-    outputs.check_dir(path, "checkpoint")
-    outputs.check_dir(path.parent, f"checkpoint {str(path)!r}: its directory")
+    output_paths.check_dir(path, "checkpoint")
+    output_paths.check_dir(path.parent, f"checkpoint {str(path)!r}: its directory")
     if path.is_dir() and not (path / MANIFEST).is_file() and any(path.iterdir()):
         raise ConfigError(
             f"checkpoint {str(path)!r} is a directory that holds files but no {MANIFEST}; saving would replace it, so "

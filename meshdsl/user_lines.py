@@ -38,9 +38,8 @@ def _under(path: Path, folders: tuple[Path, ...]) -> Path | None:
 
 @functools.cache
 def _meshdsl() -> tuple[Path, ...]:
-    import meshdsl
-
-    return _folders(meshdsl.__path__)
+    """meshdsl's own folder (this module's)."""
+    return (Path(__file__).resolve().parent,)
 
 
 @functools.cache

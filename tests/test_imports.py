@@ -3,7 +3,7 @@
 The graph is read from the source (``ast``), not from ``sys.modules``: an import inside a function
 counts as much as one at the top of a file, since the circle it closes is only hidden until the
 function runs. ``models/`` is read as ``meshdsl.models``, the name it is installed under. An edge
-goes to the module an import names: ``from meshdsl import outputs`` to ``meshdsl.outputs``,
+goes to the module an import names: ``from meshdsl import output_paths`` to ``meshdsl.output_paths``,
 ``from meshdsl.layout import Layout`` to ``meshdsl.layout``, ``import meshdsl as md`` to the package
 ``meshdsl`` (its ``__init__``). An import under ``if TYPE_CHECKING:`` is left out (it never runs), and
 the loader's imports of the shipped models by name (``importlib``, which ``ast`` cannot see) are added.

@@ -76,16 +76,16 @@ DRY = Sizes(
 
 def check(args: argparse.Namespace) -> None:
     """The report's files and folder can be written (before any device is used); ConfigError if not."""
-    from meshdsl import outputs
+    from meshdsl import output_paths
     from meshdsl.errors import ConfigError
 
     if Path(args.out).suffix != ".md":
         raise ConfigError(
             f"--out {args.out!r}: the report is markdown, name it FILE.md (its .json and folder FILE/ go beside it)"
         )
-    outputs.check_file(args.out, "--out")
-    outputs.check_file(_json_path(args.out), "--out's .json")
-    outputs.check_dir(Path(args.out).with_suffix(""), "--out's folder")
+    output_paths.check_file(args.out, "--out")
+    output_paths.check_file(_json_path(args.out), "--out's .json")
+    output_paths.check_dir(Path(args.out).with_suffix(""), "--out's folder")
 
 
 def _json_path(out: str | Path) -> Path:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import meshdsl as md
-from meshdsl import hlo, hlo_flops, model_protocol, outputs
+from meshdsl import hlo, hlo_flops, model_protocol, output_paths
 from meshdsl.bench import analytic, baselines
 from meshdsl.bench.report import write_reports
 from meshdsl.errors import ConfigError
@@ -244,7 +244,7 @@ def check(cfg: BenchConfig, models: list[tuple[str, Any]] | None = None) -> list
     for model_name, model in models:
         for spec in _layout_specs(cfg.layouts, model, model_name):
             load_layout(spec)
-    outputs.check_dir(cfg.out, "--out")
+    output_paths.check_dir(cfg.out, "--out")
     return models
 
 
@@ -486,6 +486,6 @@ def run(
     peak = device_peak_bytes()
     summaries = [{**entry.summary(), "device_peak_bytes_in_use": peak} for entry, _, _ in prepared]
     if jax.process_index() == 0:  # a multi-process run: process 0 writes the reports
-        with outputs.writing(f"the reports in --out {cfg.out!r}", "the table above holds the results"):
+        with output_paths.writing(f"the reports in --out {cfg.out!r}", "the table above holds the results"):
             out(write_reports(summaries, Path(cfg.out), lines))
     return summaries

@@ -17,27 +17,27 @@ def add_arguments(calibrate: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace, config: None) -> None:
     """``--out`` can be written (the default's name needs the device: checked again in :func:`run`)."""
-    from meshdsl import outputs
+    from meshdsl import output_paths
 
     if args.out is not None:
-        outputs.check_file(args.out, "--out")
+        output_paths.check_file(args.out, "--out")
 
 
 def run(args: argparse.Namespace, config: None) -> None:
     """Measure, print each measurement, write the profile."""
     import jax
 
-    from meshdsl import outputs
+    from meshdsl import output_paths
     from meshdsl.planner.calibrate import calibrate
 
     device = jax.devices()[0]
     name = args.name or ("cpu-sim" if device.platform == "cpu" else device.device_kind.lower().replace(" ", "-"))
     path = Path(args.out or f"{name}.json")
-    outputs.check_file(path, "--out")
+    output_paths.check_file(path, "--out")
     print(f"meshdsl calibrate: {len(jax.devices())} x {device.device_kind} ({device.platform})")
     profile, raw = calibrate(name, print)
     lost = "the measurements above were not saved; calibrate again with another --out"
-    with outputs.writing(f"--out {str(path)!r}", lost):
+    with output_paths.writing(f"--out {str(path)!r}", lost):
         profile.save(path, measurements=raw)
     print(f"wrote {path}")
 

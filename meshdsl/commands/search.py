@@ -47,7 +47,7 @@ def check(args: argparse.Namespace, overrides: dict[str, object]) -> None:
     """The counts and memory are in range, ``--out`` can be written, the model, optimizer and profile load."""
     import math
 
-    from meshdsl import outputs
+    from meshdsl import output_paths
     from meshdsl.errors import ConfigError
     from meshdsl.model_loader import build_model
     from meshdsl.planner.profile import load_profile
@@ -66,8 +66,8 @@ def check(args: argparse.Namespace, overrides: dict[str, object]) -> None:
     if gb is not None and not (math.isfinite(gb) and gb > 0):
         raise ConfigError(f"--memory-gb {gb}: the memory per device must be a positive number of GB")
     if args.out is not None:
-        outputs.check_file(args.out, "--out")
-        outputs.check_not_input(args.out, "--out", {"--profile": args.profile})
+        output_paths.check_file(args.out, "--out")
+        output_paths.check_not_input(args.out, "--out", {"--profile": args.profile})
     build_model(args.model, args.preset, **overrides)
     optim.make(args.optimizer)
     if args.profile is not None:
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> None:
 
     import jax
 
-    from meshdsl import outputs
+    from meshdsl import output_paths
     from meshdsl.errors import ConfigError
     from meshdsl.measure.fits import readable
     from meshdsl.model_loader import build_model
@@ -131,8 +131,8 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> None:
     if args.measure and len(times) > 1:
         print(verdict([p.step_s for _, p in result.ranked[:k]], times))
     if args.out:
-        with outputs.writing(f"--out {args.out!r}", "the ranking above is the search's result"):
-            write_layout(*result.best, outputs.parent(args.out), profile)
+        with output_paths.writing(f"--out {args.out!r}", "the ranking above is the search's result"):
+            write_layout(*result.best, output_paths.parent(args.out), profile)
         print(f"wrote the best layout to {args.out}")
 
 

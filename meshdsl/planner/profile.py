@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from meshdsl import outputs
+from meshdsl import output_paths
 from meshdsl.collectives import Collective
 from meshdsl.errors import ConfigError
 from meshdsl.measure.peaks import peak_flops
@@ -119,7 +119,7 @@ class DeviceProfile:
     def save(self, path: str | Path, measurements: list[dict[str, Any]] | None = None) -> None:
         """Write as JSON; ``measurements``: calibration's raw points, kept beside the fit for reference."""
         data = self.to_json() | ({"measurements": measurements} if measurements else {})
-        outputs.parent(path).write_text(json.dumps(data, indent=2) + "\n")
+        output_paths.parent(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
 def shipped() -> list[str]:

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from meshdsl import outputs
+from meshdsl import output_paths
 from meshdsl.errors import ConfigError
 
 TAGS = {
@@ -44,12 +44,12 @@ def loss_curve_path(log_json: str | Path) -> Path | None:
 def check(log_json: str | None, tensorboard: str | None) -> None:
     """ConfigError (naming the flag) unless the JSON log, its PNG and the TensorBoard folder can be written."""
     if log_json is not None:
-        outputs.check_file(log_json, "--log-json")
+        output_paths.check_file(log_json, "--log-json")
         png = loss_curve_path(log_json)
         if png is not None:
-            outputs.check_file(png, "--log-json's loss curve")
+            output_paths.check_file(png, "--log-json's loss curve")
     if tensorboard is not None:
-        outputs.check_dir(tensorboard, "--tensorboard")
+        output_paths.check_dir(tensorboard, "--tensorboard")
 
 
 def earlier_records(log_json: str | Path, first: int) -> list[dict[str, Any]]:
@@ -89,7 +89,7 @@ class Logs:
         self.log_json, self.png = log_json, None if log_json is None else loss_curve_path(log_json)
         kept = earlier_records(log_json, first) if log_json is not None and first else []
         try:
-            self.json = open(outputs.parent(log_json), "w") if log_json is not None else None
+            self.json = open(output_paths.parent(log_json), "w") if log_json is not None else None
             if self.json is not None and kept:
                 self.json.write("".join(json.dumps(r) + "\n" for r in kept))
                 self.json.flush()
@@ -113,7 +113,7 @@ class Logs:
             self.eval_curve.append((step, record["eval_loss"]))
         intact = "the lines of the steps before it are in it"
         if self.json is not None:
-            with outputs.writing(f"--log-json {self.log_json!r} at step {step}", intact):
+            with output_paths.writing(f"--log-json {self.log_json!r} at step {step}", intact):
                 try:
                     self.json.write(json.dumps({"step": step, **record}) + "\n")
                     self.json.flush()
@@ -121,7 +121,7 @@ class Logs:
                     self._drop_json()
                     raise
         if self.board is not None:
-            with outputs.writing(f"--tensorboard event file at step {step}", "the steps before it are in it"):
+            with output_paths.writing(f"--tensorboard event file at step {step}", "the steps before it are in it"):
                 for key, value in record.items():
                     if key in TAGS and math.isfinite(value):
                         self.board.add_scalar(TAGS[key], value, step)
@@ -140,7 +140,7 @@ class Logs:
     def close(self) -> Path | None:
         """Close the sinks and draw the loss curve (when there is a JSON log); the PNG's path, or None."""
         if self.json is not None:
-            with outputs.writing(
+            with output_paths.writing(
                 f"--log-json {self.log_json!r} at the end", "the lines of the steps before it are in it"
             ):
                 try:
@@ -151,8 +151,10 @@ class Logs:
             self.board.close()
         if self.png is None or not self.curve:
             return None
-        with outputs.writing(f"the loss curve {str(self.png)!r}", f"--log-json {self.log_json!r} holds every step"):
-            return loss_curve(self.curve, self.eval_curve, outputs.parent(self.png))
+        with output_paths.writing(
+            f"the loss curve {str(self.png)!r}", f"--log-json {self.log_json!r} holds every step"
+        ):
+            return loss_curve(self.curve, self.eval_curve, output_paths.parent(self.png))
 
 
 def loss_curve(train: list[tuple[int, float]], evaluation: list[tuple[int, float]], path: Path) -> Path:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import meshdsl as md
-from meshdsl import distributed, model_protocol, models, outputs
+from meshdsl import distributed, model_protocol, models, output_paths
 from meshdsl.errors import ConfigError, TrainingError
 from meshdsl.layout_spec import is_shipped, layout_path, load_layout
 from meshdsl.measure.peaks import peak_flops
@@ -200,7 +200,7 @@ def check(run: RunConfig, model: Any = None) -> Any:
         token_file(run, model)
     if run.checkpoint_dir is not None:
         md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
-        outputs.check_dir(run.checkpoint_dir, "--checkpoint-dir")
+        output_paths.check_dir(run.checkpoint_dir, "--checkpoint-dir")
     logs.check(run.log_json, run.tensorboard)
     model_file = run.model if run.model.endswith(".py") else None
     inputs = {"--data": run.data, "--layout": layout_path(run.layout), "--model": model_file}
@@ -209,10 +209,10 @@ def check(run: RunConfig, model: Any = None) -> Any:
         ("--tensorboard", run.tensorboard),
         ("--checkpoint-dir", run.checkpoint_dir),
     ):
-        outputs.check_not_input(path, flag, inputs)
+        output_paths.check_not_input(path, flag, inputs)
     if run.profile_steps is not None:
         settings.profile_steps(run.profile_steps, run.steps)
-        outputs.check_dir(_profile_dir(run), "--profile-dir")
+        output_paths.check_dir(_profile_dir(run), "--profile-dir")
     elif run.profile_dir is not None:
         raise ConfigError("--profile-dir needs --profile-steps A:B (the steps to trace)")
     return model
