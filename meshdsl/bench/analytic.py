@@ -96,7 +96,7 @@ def _parameter(t: md.Tensor, layout: md.Layout, mesh: md.Mesh, grad_reduce_dtype
         compressed = compression.sum_bytes(shard // t.dtype.itemsize, _size(batch, mesh), grad_reduce_dtype)
         return {"parameter gathers": Fraction(0), "gradient sums": Fraction(compressed)}
     a, scattered = _size(gathered, mesh), gathered & batch
-    gathers = bytes_moved(Collective.ALL_GATHER, shard, shard * a, a) * (2 if "layers" in t.shape else 1)
+    gathers = bytes_moved(Collective.ALL_GATHER, Fraction(shard, a), shard, a) * (2 if "layers" in t.shape else 1)
     summed, s = grad / _size(gathered - batch, mesh), _size(scattered, mesh)
     sums = bytes_moved(Collective.REDUCE_SCATTER, summed, summed / s, s)
     return {"parameter gathers": gathers, "gradient sums": sums + _ar(grad / a, _size(batch - gathered, mesh))}

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import jax
 
-from meshdsl.errors import MeshDslError, ShapeError
+from meshdsl.errors import MeshDslError, ModelError, ShapeError
 from meshdsl.lowering.base import GlobalLowering, Lowering
 from meshdsl.tensor import Tensor, describe
 
@@ -68,7 +68,8 @@ def op_scope(name: str) -> Iterator[None]:
         with jax.named_scope(f"md.{name}"):
             yield
     except MeshDslError as e:
-        if re.match(rf"(md\.)?{name}\W|[\w.]+: ", str(e)):
+        # Already named: by this op, by another one, or by the user's file and line (ModelError).
+        if isinstance(e, ModelError) or re.match(rf"(md\.)?{name}\W|[\w.]+: ", str(e)):
             raise
         raise type(e)(f"{name}: {e}") from None
 
