@@ -11,6 +11,7 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -178,7 +179,13 @@ def test_two_trainers_on_one_directory_never_crash_or_overwrite(tmp_path: Path) 
         for line in first.stdout:
             if line.startswith("saved checkpoint"):
                 break
-        second = _meshdsl(*TRAINER[:-4], "--resume", "--checkpoint-dir", "ck", cwd=tmp_path)
+        # Paused while the second starts (a loaded machine could otherwise finish all 40 steps first);
+        # a stopped process still holds its lock.
+        os.kill(first.pid, signal.SIGSTOP)
+        try:
+            second = _meshdsl(*TRAINER[:-4], "--resume", "--checkpoint-dir", "ck", cwd=tmp_path)
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
         out, err = first.communicate(timeout=HANG_GUARD_S)
     finally:
         first.kill()
