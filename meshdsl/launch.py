@@ -272,7 +272,7 @@ def _supervise(
                 for child in children:
                     _signal(child, sig)
                 stop_at = stop_at or time.monotonic() + grace
-            failed = [(rank, code) for rank, code in enumerate(now) if code not in (None, 0)]
+            failed = _failures(now)
             if stop_at is None:
                 for rank, child in enumerate(children):
                     if _stopped(child):
@@ -308,11 +308,21 @@ def _supervise(
             signal.signal(s, handler)
     codes = [c.wait() for c in children]
     forward.join()
+    if first is None and _failures(codes):  # every failure came after the last look (or before the first)
+        first = _failures(codes)[0][0]
     if any(codes):
         omitted = ", ".join(f"{n} from process {r}" for r, n in sorted(forward.omitted.items()))
         note = f" (JAX runtime lines omitted: {omitted}; --verbose shows them)" if omitted else ""
         _say(err, forward, _summary(codes, None if interrupts else first, frozen) + note)
     return codes, None if interrupts else first
+
+
+def _failures(codes: Sequence[int | None]) -> list[tuple[int, int]]:
+    """``(rank, code)`` of the processes that failed, the likely first first. Deaths one look sees
+    together are ordered by rank, a SIGABRT last: it is how a survivor ends when it notices a peer
+    gone (JAX's coordinator, gloo), so another death beside it came first."""
+    failed = [(rank, code) for rank, code in enumerate(codes) if code is not None and code != 0]
+    return sorted(failed, key=lambda failure: (failure[1] == -signal.SIGABRT, failure[0]))
 
 
 def _stopped(child: subprocess.Popen) -> bool:

@@ -308,6 +308,21 @@ def test_launcher_stops_processes_that_outlive_a_failure(monkeypatch: pytest.Mon
     )
 
 
+def test_a_peer_that_aborted_beside_a_killed_one_is_not_blamed() -> None:
+    """Process 1 killed and process 0 aborting because of it, both ended by the launcher's first look:
+    process 1 is named first (a SIGABRT is how a survivor ends when it notices a peer gone)."""
+    children = [subprocess.Popen(["sh", "-c", f"kill -{s} $$"], start_new_session=True) for s in ("ABRT", "KILL")]
+    for child in children:  # both ended (zombies, not yet reaped) before the launcher looks
+        while Path(f"/proc/{child.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+            time.sleep(0.01)
+    err = io.StringIO()
+    codes, first = launch_module._supervise(children, 0.5, err, launch_module._Forwarder(io.StringIO(), err))
+    assert codes == [-signal.SIGABRT, -signal.SIGKILL] and first == 1
+    assert err.getvalue().splitlines()[-1] == (
+        "meshdsl launch: process 1 was killed by SIGKILL first; then, because of it: process 0 was killed by SIGABRT"
+    )
+
+
 def test_describe_exit() -> None:
     assert describe(2) == "exited with code 2"
     assert describe(-signal.SIGKILL) == "was killed by SIGKILL"
