@@ -97,6 +97,7 @@ CASES = {
     "reduce a dim of another size": (md.ShapeError, lambda: md.reduce_max(X, D("a", 5)), ["a=5", "a=4"]),
     "reduce over an int": (md.ShapeError, lambda: md.reduce_mean(X, 5), ["reduce_mean", "dims", "int 5"]),
     "softmax over None": (md.ShapeError, lambda: md.softmax(X, None), ["softmax", "dims", "None"]),
+    "log_softmax over None": (md.ShapeError, lambda: md.log_softmax(X, None), ["log_softmax", "dims", "None"]),
     "truth value of a tensor": (md.ShapeError, lambda: bool(X > 0), ["truth value", "[a=4, b=8]"]),
     "reduce a dim twice": (md.ShapeError, lambda: md.reduce_sum(X, ["a", "a"]), ["reduce_sum", "'a'", "twice"]),
     "softmax over an unknown dim": (md.ShapeError, lambda: md.softmax(X, "c"), ["softmax", "'c'"]),

@@ -149,5 +149,6 @@ def _softmax_jvp(
 
 @op("log_softmax")
 def log_softmax(x: Tensor, dims: SomeDims) -> Tensor:
-    """log(softmax(x)) over ``dims``, computed stably."""
-    return x - logsumexp(x, dims)
+    """log(softmax(x)) over ``dims``, computed stably. Like ``softmax``, it needs its dims named:
+    ``None`` (all dims, for the reductions) is refused rather than normalising over the batch."""
+    return x - logsumexp(x, resolve(dims, x.shape))
