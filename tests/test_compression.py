@@ -90,17 +90,26 @@ def _grad_fn(w: md.Tensor, x: md.Tensor) -> md.Tensor:
     return jax.grad(lambda w: md.reduce_sum(w * x).array)(w)
 
 
+@pytest.mark.parametrize("x_enters", ["as an argument", "closed over"])
 @pytest.mark.parametrize("dtype", [None, *compression.DTYPES])
-def test_bytes_hlo_equal_explain_equal_formula(mesh, dtype):
+def test_bytes_hlo_equal_explain_equal_formula(mesh, dtype, x_enters):
     """The gradient sum's collectives in the compiled program equal md.explain's, and their bytes the
     formula: a ring all-reduce of the gradient in float32 (bfloat16: XLA on CPU widens the sum to
     float32; priced as on a GPU it is 2 bytes an element), and for the scaled formats the scale's
-    4-byte all-reduce plus an all-to-all and an all-gather of the (padded) gradient in the format."""
-    compiled = md.compile(_grad_fn, mesh, "batch:data", grad_reduce_dtype=dtype)
+    4-byte all-reduce plus an all-to-all and an all-gather of the (padded) gradient in the format.
+    ``x`` closed over is a replicated constant the lowering slices to each device's rows: its
+    gradient sum is compressed all the same (it was JAX's implicit float32 sum once), and equal to
+    the argument's."""
     w = md.tensor(np.zeros(D, np.float32), ["d"])
-    x = md.tensor(np.ones((N, D), np.float32), ["batch", "d"])
-    from_hlo = hlo.summary(compiled.lower(w, x).compile().as_text())
-    explained = md.explain(_grad_fn, mesh, "batch:data", w, x, grad_reduce_dtype=dtype)
+    x = md.tensor(np.arange(N * D, dtype=np.float32).reshape(N, D) % 7, ["batch", "d"])
+    fn, args = (_grad_fn, (w, x)) if x_enters == "as an argument" else (lambda w: _grad_fn(w, x), (w,))
+    compiled = md.compile(fn, mesh, "batch:data", grad_reduce_dtype=dtype)
+    np.testing.assert_array_equal(
+        compiled(*args).numpy(), md.compile(_grad_fn, mesh, "batch:data", grad_reduce_dtype=dtype)(w, x).numpy()
+    )
+    np.testing.assert_allclose(compiled(*args).numpy(), x.numpy().sum(axis=0), rtol=0.2)
+    from_hlo = hlo.summary(compiled.lower(*args).compile().as_text())
+    explained = md.explain(fn, mesh, "batch:data", *args, grad_reduce_dtype=dtype)
     assert explained.summary() == from_hlo
     if compression.scaled(dtype):
         # the scale's pmax, AR(4) = 2 * 3/4 * 4, then 3/4 of the 28 padded elements each way
@@ -111,7 +120,7 @@ def test_bytes_hlo_equal_explain_equal_formula(mesh, dtype):
         formula = bytes_moved(Collective.ALL_REDUCE, 4 * D, 4 * D, N)
     assert explained.total_bytes == pytest.approx(formula)
     if dtype == "bfloat16":
-        on_gpu = md.explain(_grad_fn, mesh, "batch:data", w, x, grad_reduce_dtype=dtype, platform="gpu")
+        on_gpu = md.explain(fn, mesh, "batch:data", *args, grad_reduce_dtype=dtype, platform="gpu")
         assert on_gpu.total_bytes == pytest.approx(bytes_moved(Collective.ALL_REDUCE, 2 * D, 2 * D, N))
     if dtype in ("float8_e4m3fn", "float8_e5m2"):
         assert formula < bytes_moved(Collective.ALL_REDUCE, 2 * D, 2 * D, N)  # under a 16-bit sum's bytes

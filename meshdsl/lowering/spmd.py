@@ -128,10 +128,12 @@ class SpmdLowering(Lowering):
     def _varying_when_prepared(self, t: Tensor) -> frozenset[str]:
         """Axes an operand will vary along when an op has prepared it: those it varies along now,
         less the sums it still owes and the splits it holds beyond its rules' layout (a stored
-        FSDP parameter, which its gather makes replicated along those axes)."""
+        FSDP parameter, which its gather makes replicated along those axes), plus every axis its
+        rules split it along (a replicated operand, such as a tensor the function closes over, is
+        sliced to its block there: the slice varies)."""
         held = {a for axes in self.split_of(t) for a in axes}
         ruled = {a for axes in self.axes(t.shape) for a in axes}
-        return _varying_axes(t._data) - set(t.pending) - (held - ruled)
+        return (_varying_axes(t._data) - set(t.pending) - (held - ruled)) | ruled
 
     def stored_gather(self, shape: Shape, axes: Axes) -> tuple[int, tuple[str, ...]] | None:
         steps = relayout.plan(axes, self.axes(shape), (), shape.sizes, self.axis_sizes)
