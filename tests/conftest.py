@@ -65,3 +65,26 @@ settings.register_profile(
     "explore", derandomize=False, max_examples=100, phases=[Phase.explicit, Phase.generate], **_COMMON
 )
 settings.load_profile("meshdsl")
+
+# The test files that take longest, longest first (pytest --durations=0 summed per file, JAX 0.12).
+# Under --dist loadfile a file runs whole on one worker, and xdist hands files out in collection
+# order (addopts passes --no-loadscope-reorder, which would otherwise order them by test count and
+# start the random programs, few tests but minutes each, last, leaving one worker idle at the end).
+LONGEST_FILES = (
+    "test_programs.py",
+    "test_programs_more.py",
+    "test_pipeline.py",
+    "test_planner.py",
+    "test_cli.py",
+    "test_training.py",
+    "test_llm_layers.py",
+    "test_indexing.py",
+    "test_bench.py",
+    "test_multiprocess.py",
+)
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    """The longest files first (a stable sort: every file's tests keep their order)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
