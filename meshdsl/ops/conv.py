@@ -103,23 +103,23 @@ def conv2d(
     lowering.axes(out, "conv2d result")  # a clear LayoutError if the layout cannot hold the result
     batch = [n for n in x.shape.names if n not in (h, w, c)]
 
-    def result(layout: compute_layout.NameAxes):
-        return tuple(layout[n] for n in out.names), layout[c]
+    def result(split: compute_layout.NameAxes):
+        return tuple(split[n] for n in out.names), split[c]
 
     itemsize = np.dtype(jnp.result_type(x.dtype, kernel.dtype)).itemsize
-    layout = dict(compute_layout.choose(lowering, [x, kernel], out, result, itemsize))
-    layout[kh] = layout[kw] = ()
+    split = dict(compute_layout.choose(lowering, [x, kernel], out, result, itemsize))
+    split[kh] = split[kw] = ()
     for name in (h, w):  # windows a halo cannot serve: gather the dim instead
-        if layout[name] and windows[name].halo(lowering.group_size(layout[name])) is None:
-            layout[name] = ()
+        if split[name] and windows[name].halo(lowering.group_size(split[name])) is None:
+            split[name] = ()
 
     # Where XLA partitions the program (gspmd), its partitioner miscomputes convolutions split
     # along a windowed dim (docs/design.md, gspmd): there the convolution holds those dims whole.
     windowed = [n for n in (h, w) if sizes[n] > 1 or windows[n].stride > 1]
     xa = lowering.hold_whole(
-        lowering.prepare(x, tuple(layout[n] for n in x.shape.names), beside=[kernel]), x.shape, windowed
+        lowering.prepare(x, tuple(split[n] for n in x.shape.names), beside=[kernel]), x.shape, windowed
     )
-    ka = lowering.prepare(kernel, tuple(layout[n] for n in kernel.shape.names), beside=[x])
+    ka = lowering.prepare(kernel, tuple(split[n] for n in kernel.shape.names), beside=[x])
     # Local NHWC / HWIO arrays: the batch dims flattened into one.
     order = [*batch, h, w, c]
     xa = jnp.transpose(xa, [x.shape.index(n) for n in order])
@@ -129,12 +129,12 @@ def conv2d(
     pads = []
     for axis, name in ((1, h), (2, w)):
         window = windows[name]
-        if layout[name]:
-            halo = window.halo(lowering.group_size(layout[name]))
+        if split[name]:
+            halo = window.halo(lowering.group_size(split[name]))
             assert halo is not None  # the dims a halo cannot serve were gathered above
             before, after = halo
             with jax.named_scope(str(x.shape)):  # md.explain's tensor column
-                xa = extend(lowering, xa, layout[name], axis, before, after, 0.0)
+                xa = extend(lowering, xa, split[name], axis, before, after, 0.0)
             pads.append((0, 0))
         else:
             pads.append((window.lo, window.hi))
@@ -142,5 +142,5 @@ def conv2d(
     y = lax.conv_general_dilated(xa, ka, strides, pads, dimension_numbers=("NHWC", "HWIO", "NHWC"))
     y = jnp.reshape(y, (*local_batch, *y.shape[1:]))
     y = lowering.hold_whole(jnp.transpose(y, [order.index(c if n == o else n) for n in out.names]), out, windowed)
-    out_axes, pending = result(layout)
+    out_axes, pending = result(split)
     return lowering.finish(y, out, out_axes, pending, lazy=True)

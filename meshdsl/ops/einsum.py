@@ -74,16 +74,16 @@ def einsum(*tensors: Tensor, out: Sequence[DimLike] | Shape | str | None = None)
     out_shape = _output_shape(tensors, out)
     summed = [n for n in dict.fromkeys(n for t in tensors for n in t.shape.names) if n not in out_shape]
 
-    def result(layout: compute_layout.NameAxes):
-        return tuple(layout[n] for n in out_shape.names), tuple(a for n in summed for a in layout[n])
+    def result(split: compute_layout.NameAxes):
+        return tuple(split[n] for n in out_shape.names), tuple(a for n in summed for a in split[n])
 
     itemsize = np.dtype(jnp.result_type(*(t.dtype for t in tensors))).itemsize
-    layout = compute_layout.choose(lowering, tensors, out_shape, result, itemsize)
+    split = compute_layout.choose(lowering, tensors, out_shape, result, itemsize)
     letters = {
         n: string.ascii_letters[i] for i, n in enumerate(dict.fromkeys(n for t in tensors for n in t.shape.names))
     }
     spec = ",".join("".join(letters[n] for n in t.shape.names) for t in tensors)
     spec += "->" + "".join(letters[n] for n in out_shape.names)
-    arrays = [lowering.prepare(t, tuple(layout[n] for n in t.shape.names), beside=tensors) for t in tensors]
-    out_axes, pending = result(layout)
+    arrays = [lowering.prepare(t, tuple(split[n] for n in t.shape.names), beside=tensors) for t in tensors]
+    out_axes, pending = result(split)
     return lowering.finish(jnp.einsum(spec, *arrays), out_shape, out_axes, pending, lazy=True)

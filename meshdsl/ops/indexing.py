@@ -89,13 +89,13 @@ def gather(weights: Tensor, indices: Tensor, dim: DimLike) -> Tensor:
         )
     out = indices.shape + rest
 
-    def result(layout: compute_layout.NameAxes):
-        return tuple(layout[n] for n in out.names), layout[d.name]
+    def result(split: compute_layout.NameAxes):
+        return tuple(split[n] for n in out.names), split[d.name]
 
-    layout = compute_layout.choose(lowering, [weights, indices], out, result, weights.dtype.itemsize)
-    w = lowering.prepare(weights, tuple(layout[n] for n in weights.shape.names), beside=[indices])
-    idx = lowering.prepare(indices, tuple(layout[n] for n in indices.shape.names), beside=[weights])
-    size, offset = lowering.shard(d.size, layout[d.name])
+    split = compute_layout.choose(lowering, [weights, indices], out, result, weights.dtype.itemsize)
+    w = lowering.prepare(weights, tuple(split[n] for n in weights.shape.names), beside=[indices])
+    idx = lowering.prepare(indices, tuple(split[n] for n in indices.shape.names), beside=[weights])
+    size, offset = lowering.shard(d.size, split[d.name])
     position = weights.shape.index(d.name)
     local = idx - offset
     local = jnp.where(local < 0, size, local)  # 'fill' mode would wrap a negative index
@@ -106,7 +106,7 @@ def gather(weights: Tensor, indices: Tensor, dim: DimLike) -> Tensor:
         *builtins.range(position),
         *builtins.range(position + k, taken.ndim),
     ]
-    out_axes, pending = result(layout)
+    out_axes, pending = result(split)
     return lowering.finish(jnp.transpose(taken, perm), out, out_axes, pending, lazy=True)
 
 
