@@ -7,7 +7,10 @@ op family (:data:`programs.FAMILIES`). The chains are compiled together into one
 :func:`harness.check` proves, for both backends: values against the float64 reference, the
 gradient taken inside md.compile against jax.grad of the jax.numpy reference in float64,
 shardings, and for spmd md.explain == the compiled HLO; in every other example (a drawn flag)
-also the gradient taken around md.compile, which costs a third of a check.
+also the gradient taken around md.compile, which costs a third of a check. Each chain's first input
+is, for a drawn half of the chains, closed over instead of passed (a constant on the default device,
+as in a user's loss): the lowering slices it to each device's block, and an operand beside it that
+the layout replicates gets its gradient summed as an argument's would be.
 
 A CI run checks ``2 * CHAINS * EXAMPLES`` = 600 programs (a program: one drawn chain checked end
 to end): half here, half in tests/test_programs_more.py (other draws of the same generator, in a
@@ -19,6 +22,8 @@ with ``pytest -rP``) and asserts it. Deeper runs: ``pytest tests/test_programs.p
 
 Every defect the generator found is a named regression test below.
 """
+
+from typing import Any
 
 import harness
 import jax
@@ -45,13 +50,43 @@ ATTEMPTS = 8
 _checked = [0]
 
 
-def _check(program: P.Program, mesh, layout, seed: int, around: bool = True) -> bool:
-    """harness.check of ``program`` (False if no input values kept the values its ops compare apart)."""
+def _closing_over(program: P.Program, args: list[md.Tensor], closed: frozenset[int]) -> tuple:
+    """``program``'s functions with the inputs at ``closed`` taken from the enclosing scope, as a
+    user's loss closes over a constant (a global array on the default device, which the lowering
+    slices to each device's block), and the arguments left to pass."""
+
+    def merge(rest: tuple, fixed: dict[int, Any]) -> list:
+        given = iter(rest)
+        return [fixed[i] if i in fixed else next(given) for i in range(len(args))]
+
+    def reference(*rest: Named) -> tuple:
+        # the constants in the float type the reference runs in (float64, or float32 for its noise floor)
+        floats = [r.array.dtype for r in rest if jnp.issubdtype(r.array.dtype, jnp.floating)]
+        dtype = floats[0] if floats else np.float64
+        values = {i: args[i].numpy() for i in closed}
+        fixed = {
+            i: Named(v.astype(dtype) if np.issubdtype(v.dtype, np.floating) else v, args[i].names)
+            for i, v in values.items()
+        }
+        return program.ref_fn(*merge(rest, fixed))
+
+    fixed = {i: args[i] for i in closed}
+    passed = [a for i, a in enumerate(args) if i not in closed]
+    return (lambda *rest: program.md_fn(*merge(rest, fixed))), reference, passed
+
+
+def _check(
+    program: P.Program, mesh, layout, seed: int, around: bool = True, closed: frozenset[int] = frozenset()
+) -> bool:
+    """harness.check of ``program``, the inputs at ``closed`` closed over (False if no input values
+    kept the values its ops compare apart)."""
     for attempt in range(ATTEMPTS):
-        args = program.make_inputs(np.random.default_rng([seed, attempt]))
+        fn, reference, args = _closing_over(
+            program, program.make_inputs(np.random.default_rng([seed, attempt])), closed
+        )
         try:
             with P.margins():
-                assert harness.check(program.md_fn, args, program.ref_fn, mesh, layout, around=around)
+                assert harness.check(fn, args, reference, mesh, layout, around=around)
             return True
         except P.NearKink:
             continue
@@ -78,11 +113,14 @@ def check_random_program(data: st.DataObject, seed: int) -> None:
     around = data.draw(st.booleans(), label="grad around md.compile")
     ctx = P.Context(data.draw, mesh, pool, rules)
     program = P.Program([data.draw(P.chains(ctx), label=f"chain {i}") for i in range(CHAINS)])
+    closing = data.draw(st.lists(st.booleans(), min_size=CHAINS, max_size=CHAINS), label="chains closing over x")
+    starts = np.cumsum([0, *(len(c.inputs) for c in program.chains)])[:-1]
+    closed = frozenset(int(s) for s, c in zip(starts, closing) if c)
     layout = P.legal_layout(rules, mesh, program.shapes())
     note(f"layout: {layout}")
     P.fill_randoms(program.randoms())
     try:
-        checked = _check(program, mesh, layout, seed, around)
+        checked = _check(program, mesh, layout, seed, around, closed)
     except Exception as e:
         if not isinstance(e, UnsatisfiedAssumption):
             note(f"chains that fail alone: {_failing_alone(program, mesh, layout, seed)}")
