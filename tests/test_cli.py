@@ -119,11 +119,18 @@ FIELDS = {
 }
 
 
-def test_bench_measures_what_explain_predicts(tmp_path):
-    rows = run(
-        BenchConfig(models=["transformer"], preset="tiny", rounds=2, steps_per_round=1, out=str(tmp_path)),
+@pytest.fixture(scope="module")
+def transformer_rows(tmp_path_factory) -> list[dict]:
+    """``meshdsl bench``'s rows for the tiny Transformer under the four default layouts (run once)."""
+    out = tmp_path_factory.mktemp("bench")
+    return run(
+        BenchConfig(models=["transformer"], preset="tiny", rounds=2, steps_per_round=1, out=str(out)),
         out=lambda s: None,
     )
+
+
+def test_bench_measures_what_explain_predicts(transformer_rows):
+    rows = transformer_rows
     assert {r["layout"] for r in rows} == {"data_parallel", "megatron", "dp_tp", "fsdp"}
     for r in rows:
         assert FIELDS <= set(r), FIELDS - set(r)
@@ -219,14 +226,20 @@ def test_training_on_a_token_file_learns(tmp_path):
     assert losses[-1] < 0.8 * losses[0]
 
 
-def test_bench_shows_bf16_gradient_reduction_halving_the_bytes(tmp_path):
+def test_bench_shows_bf16_gradient_reduction_halving_the_bytes(tmp_path, transformer_rows):
     """The gradient all-reduce in bf16 moves half the bytes on an accelerator; XLA on CPU widens it
     to f32, so the CPU's HLO moves what f32 does, and the bench reports both."""
-    cfg = dict(
-        models=["transformer"], preset="tiny", layouts=["data_parallel"], rounds=1, steps_per_round=1, out=str(tmp_path)
+    (f32,) = [r for r in transformer_rows if r["layout"] == "data_parallel"]
+    cfg = BenchConfig(
+        models=["transformer"],
+        preset="tiny",
+        layouts=["data_parallel"],
+        rounds=1,
+        steps_per_round=1,
+        out=str(tmp_path),
+        grad_reduce_dtype="bfloat16",
     )
-    (f32,) = run(BenchConfig(**cfg), out=lambda s: None)
-    (bf16,) = run(BenchConfig(**cfg, grad_reduce_dtype="bfloat16"), out=lambda s: None)
+    (bf16,) = run(cfg, out=lambda s: None)
     loss = 2 * 7 / 8 * 4  # the f32 loss all-reduce, the one sum left in f32
     assert f32["predicted_bytes_per_device_on_accelerator"] == f32["collective_bytes_per_device"]
     assert bf16["collective_bytes_per_device"] == f32["collective_bytes_per_device"]

@@ -206,8 +206,10 @@ RULES4 = {"layers": "stage", "batch": "data"}
 @functools.cache
 def _four_stages(schedule: str, microbatches: int) -> tuple:
     """The tiny Transformer (8 layers, 2 per stage, one row per microbatch and device) on stage=4 data=2:
-    the model, the compiled step and explain's summary."""
-    model = _tiny(layers=8, batch=2 * microbatches)
+    the model, the compiled step and explain's summary. The model notes where its embedding and head
+    run (:class:`_Recording`: host callbacks, no FLOPs and no collectives), so one compiled step serves
+    the tests of values, transfers, FLOPs and placement alike."""
+    model = _Recording(transformer.Config.preset("tiny", layers=8, batch=2 * microbatches))
     params, batch = _shapes(model)
     config = _config(schedule, microbatches, 8, 4)
     step = lambda p, b: pipeline.value_and_grad(model, p, b, config)  # noqa: E731
@@ -337,10 +339,8 @@ class _Recording(transformer.Model):
 
 @pytest.mark.parametrize("schedule", pipeline.SCHEDULES)
 def test_embedding_runs_only_on_the_first_stage_and_head_only_on_the_last(schedule):
-    model = _Recording(transformer.Config.preset("tiny", layers=8))
-    params, batch = jax.jit(lambda: (model.init(jax.random.key(0)), model.batch(jax.random.key(1))))()
-    config = _config(schedule, 4, 8, 4)
-    step = md.compile(lambda p, b: pipeline.value_and_grad(model, p, b, config), md.Mesh(MESH4), RULES4)
+    step = _four_stages(schedule, 4)[1]
+    _, params, batch, _ = _case(layers=8)
     _CALLS.clear()
     jax.block_until_ready(step(params, batch))
     jax.effects_barrier()

@@ -4,20 +4,23 @@ Each example draws a mesh (``x8``, ``data4_model2``, ``data2_model4``, ``a2_b2_c
 dims with sizes 2-16, their layout (unsplit, one axis, an ordered pair or triple of axes, some
 axes held by two dims: see :mod:`programs`), and :data:`CHAINS` chains of 2-3 steps from every
 op family (:data:`programs.FAMILIES`). The chains are compiled together into one function and
-:func:`harness.check` proves, for both backends: values against the float64 reference, the
-gradient taken inside md.compile against jax.grad of the jax.numpy reference in float64,
-shardings, and for spmd md.explain == the compiled HLO; in every other example (a drawn flag)
-also the gradient taken around md.compile, which costs a third of a check. Each chain's first input
+:func:`harness.check` proves, for the spmd backend and, in every other example (a drawn flag),
+the gspmd one too: values against the float64 reference, the gradient taken inside md.compile
+against jax.grad of the jax.numpy reference in float64, shardings, and for spmd md.explain == the
+compiled HLO; in every other example (another drawn flag) also the gradient taken around
+md.compile, which costs a third of a check. The spmd backend is meshdsl's own collectives, so it
+gets every program; gspmd (sharding constraints, XLA's partitioner) half of them, which keeps the
+suite near 15 minutes. Each chain's first input
 is, for a drawn half of the chains, closed over instead of passed (a constant on the default device,
 as in a user's loss): the lowering slices it to each device's block, and an operand beside it that
 the layout replicates gets its gradient summed as an argument's would be.
 
 A CI run checks ``2 * CHAINS * EXAMPLES`` = 600 programs (a program: one drawn chain checked end
-to end): half here, half in tests/test_programs_more.py (other draws of the same generator, in a
-file of its own so that pytest-xdist, one file a worker, runs the halves side by side: on JAX 0.12
-one half alone takes about 3 minutes); :func:`test_programs_were_checked` prints the count (shown
-with ``pytest -rP``) and asserts it. Deeper runs: ``pytest tests/test_programs.py --hypothesis-profile=fuzz``
-(10x the programs, unseeded) and
+to end; about 300 of them on gspmd too): half here, half in tests/test_programs_more.py (other
+draws of the same generator, in a file of its own so that pytest-xdist, one file a worker, runs the
+halves side by side: on JAX 0.12 one half alone takes about 3 minutes);
+:func:`test_programs_were_checked` prints the count (shown with ``pytest -rP``) and asserts it.
+Deeper runs: ``pytest tests/test_programs.py --hypothesis-profile=fuzz`` (10x the programs, unseeded) and
 ``--hypothesis-profile=explore --hypothesis-seed=N`` (CI's count, other programs, reproducible).
 
 Every defect the generator found is a named regression test below.
@@ -76,17 +79,23 @@ def _closing_over(program: P.Program, args: list[md.Tensor], closed: frozenset[i
 
 
 def _check(
-    program: P.Program, mesh, layout, seed: int, around: bool = True, closed: frozenset[int] = frozenset()
+    program: P.Program,
+    mesh,
+    layout,
+    seed: int,
+    around: bool = True,
+    closed: frozenset[int] = frozenset(),
+    backends: tuple[str, ...] = harness.BACKENDS,
 ) -> bool:
-    """harness.check of ``program``, the inputs at ``closed`` closed over (False if no input values
-    kept the values its ops compare apart)."""
+    """harness.check of ``program`` on ``backends``, the inputs at ``closed`` closed over (False if no
+    input values kept the values its ops compare apart)."""
     for attempt in range(ATTEMPTS):
         fn, reference, args = _closing_over(
             program, program.make_inputs(np.random.default_rng([seed, attempt])), closed
         )
         try:
             with P.margins():
-                assert harness.check(fn, args, reference, mesh, layout, around=around)
+                assert harness.check(fn, args, reference, mesh, layout, around=around, backends=backends)
             return True
         except P.NearKink:
             continue
@@ -111,6 +120,7 @@ def check_random_program(data: st.DataObject, seed: int) -> None:
     pool = data.draw(S.dim_pool(5), label="dims")
     rules = data.draw(P.pool_rules(mesh, pool), label="pool rules")
     around = data.draw(st.booleans(), label="grad around md.compile")
+    backends = ("spmd", "gspmd") if data.draw(st.booleans(), label="gspmd too") else ("spmd",)
     ctx = P.Context(data.draw, mesh, pool, rules)
     program = P.Program([data.draw(P.chains(ctx), label=f"chain {i}") for i in range(CHAINS)])
     closing = data.draw(st.lists(st.booleans(), min_size=CHAINS, max_size=CHAINS), label="chains closing over x")
@@ -120,7 +130,7 @@ def check_random_program(data: st.DataObject, seed: int) -> None:
     note(f"layout: {layout}")
     P.fill_randoms(program.randoms())
     try:
-        checked = _check(program, mesh, layout, seed, around, closed)
+        checked = _check(program, mesh, layout, seed, around, closed, backends)
     except Exception as e:
         if not isinstance(e, UnsatisfiedAssumption):
             note(f"chains that fail alone: {_failing_alone(program, mesh, layout, seed)}")
@@ -129,6 +139,7 @@ def check_random_program(data: st.DataObject, seed: int) -> None:
         reject()
     _checked[0] += CHAINS
     event("grad around md.compile" if around else "grad inside md.compile only")
+    event("spmd and gspmd" if len(backends) == 2 else "spmd only")
 
 
 def assert_programs_were_checked(test: str) -> None:
