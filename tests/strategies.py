@@ -117,6 +117,12 @@ def legal_axes(draw, mesh: md.Mesh, shape: Sequence[int], exclude: Sequence[str]
     return tuple(out)
 
 
+def backends() -> st.SearchStrategy[tuple[str, ...]]:
+    """The backends an example is checked on: spmd (meshdsl's own collectives) always, gspmd (sharding
+    constraints, XLA's partitioner) in about half the examples, which keeps the suite near 15 minutes."""
+    return st.sampled_from([harness.BACKENDS, ("spmd",)])
+
+
 def rngs() -> st.SearchStrategy[np.random.Generator]:
     """A numpy generator for input values (values need no shrinking, only a reproducible seed)."""
     return st.integers(0, 2**16).map(np.random.default_rng)

@@ -115,7 +115,7 @@ def test_concat_family(mesh, pool, data, rng):
     def ref(*ts):
         return {key: ref_ops[key](*ts[s]) for key, s in zip(keys, spans)}
 
-    assume(harness.check(fn, args, ref, mesh, layout))
+    assume(harness.check(fn, args, ref, mesh, layout, backends=data.draw(S.backends(), label="backends")))
     event(f"dim split over {len(layout.rules.get(dim, ()))} axes")
 
 

@@ -76,7 +76,7 @@ def test_einsum(mesh, pool, data, rng):
         }
 
     args = [harness.rand(rng, d) for d in (xs, ys, xs, ys, xs, ys, zs)]
-    assume(harness.check(fn, args, ref, mesh, layout))
+    assume(harness.check(fn, args, ref, mesh, layout, backends=data.draw(S.backends(), label="backends")))
 
 
 @settings(max_examples=S.examples(20))
@@ -100,7 +100,7 @@ def test_einsum_partial_sums_added_lazily(mesh, pool, data, rng):
         return R.einsum(out, a, b) + R.einsum(out, c, d) - 2.0 * R.einsum(out, e, f) * w
 
     args = [harness.rand(rng, d) for d in (xs, ys, xs, ys, xs, ys)] + [harness.rand(rng, {n: pool[n] for n in ws})]
-    assume(harness.check(fn, args, ref, mesh, layout))
+    assume(harness.check(fn, args, ref, mesh, layout, backends=data.draw(S.backends(), label="backends")))
 
 
 # ---- communication, by hand ----

@@ -54,7 +54,11 @@ def test_unary_ops(mesh, pool, data, rng):
     shape = data.draw(S.sub_shape(pool), label="shape")
     layout = data.draw(S.layouts(mesh, pool), label="layout")
     x, p = harness.rand(rng, shape), harness.rand(rng, shape, "positive")
-    assume(harness.check(unary_all, [x, p], unary_all_ref, mesh, layout))
+    assume(
+        harness.check(
+            unary_all, [x, p], unary_all_ref, mesh, layout, backends=data.draw(S.backends(), label="backends")
+        )
+    )
 
 
 # ---- binary ops with broadcasting by name ----
@@ -135,7 +139,11 @@ def test_binary_ops_broadcast_by_name(mesh, pool, data, rng):
         harness.rand(rng, xs, "int"),
         harness.rand(rng, ys, "int"),
     ]
-    assume(harness.check(binary_all, args, binary_all_ref, mesh, layout))
+    assume(
+        harness.check(
+            binary_all, args, binary_all_ref, mesh, layout, backends=data.draw(S.backends(), label="backends")
+        )
+    )
 
 
 def test_integer_tensors_and_broadcast_order():

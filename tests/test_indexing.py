@@ -70,7 +70,7 @@ def test_one_hot_and_range(mesh, pool, classes, data, rng):
         }
 
     args = [ints(rng, shape, -2, classes + 2) for _ in range(3)]
-    assume(harness.check(fn, args, ref, mesh, layout))
+    assume(harness.check(fn, args, ref, mesh, layout, backends=data.draw(S.backends(), label="backends")))
     assert summary(fn, mesh, layout, *args) == {}
     event(f"classes split over {len(layout.rules.get('classes', ()))} axes")
 
@@ -135,7 +135,7 @@ def test_gather(mesh, pool, vocab, data, rng):
         ints(rng, idx_dims, -3, vocab + 3),
         harness.rand(rng, w_dims),
     ]
-    assume(harness.check(fn, args, ref, mesh, layout))
+    assume(harness.check(fn, args, ref, mesh, layout, backends=data.draw(S.backends(), label="backends")))
     clash = set(layout.rules.get("vocab", ())) & {a for n in idx_names for a in layout.rules.get(n, ())}
     event(
         "vocab split" + (", clashing with an index dim" if clash else "")
@@ -323,7 +323,7 @@ def test_top_k_and_argmax(mesh, pool, data, rng):
         return {"values": values, "indices": indices, "argmax": R.argmax(y, dim)}
 
     args = [harness.rand(rng, shape, kind), harness.rand(rng, shape, kind)]
-    assume(harness.check(fn, args, ref, mesh, layout))
+    assume(harness.check(fn, args, ref, mesh, layout, backends=data.draw(S.backends(), label="backends")))
     g = S.group_size(mesh, layout, dim)
     event(
         "reduced dim unsplit" if g == 1 else "k within the block" if shape[dim] // g >= k else "k larger than a block"
@@ -422,7 +422,7 @@ def test_cumsum_and_shift(mesh, pool, data, rng):
         return {**out, **{f"shift {o} wrap={w}": R.shift(x, o, dim, w) for x, o, w in zip(xs, offsets, wraps)}}
 
     args = [harness.rand(rng, shape) for _ in range(2 + len(offsets))]
-    assume(harness.check(fn, args, ref, mesh, layout))
+    assume(harness.check(fn, args, ref, mesh, layout, backends=data.draw(S.backends(), label="backends")))
     moved = summary(shifts, mesh, layout, *args[2:])
     assert set(moved) <= {"collective-permute"}, moved
     assert moved.get("collective-permute", {"count": 0})["count"] <= 2 * len(offsets)

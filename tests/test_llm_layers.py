@@ -263,8 +263,11 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_llm_layers(name):
+    """Values and gradients on both backends under each layout; the gradient taken around md.compile
+    (a third more compiling) under every other layout."""
     mesh_name, rules = LAYOUTS[name]
-    assert harness.check(program, _args(), ref_program, harness.mesh(mesh_name), rules, around=True)
+    around = list(LAYOUTS).index(name) % 2 == 0
+    assert harness.check(program, _args(), ref_program, harness.mesh(mesh_name), rules, around=around)
 
 
 def test_grouped_query_attention_runs_the_fused_kernel_with_fewer_kv_heads(monkeypatch):

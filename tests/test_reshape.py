@@ -104,7 +104,7 @@ def test_reshape_family(mesh, pool, data, rng):
         return {k: ref_ops[k](t) for k, t in zip(keys, ts)}
 
     args = [harness.rand(rng, x) for _ in keys]
-    assume(harness.check(fn, args, ref, mesh, layout))
+    assume(harness.check(fn, args, ref, mesh, layout, backends=data.draw(S.backends(), label="backends")))
     event_collectives(fn, mesh, layout, args)
 
 
