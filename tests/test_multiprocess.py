@@ -198,7 +198,10 @@ def test_killed_process_stops_the_run() -> None:
     output = "".join(lines)
     assert killed and stopped, output
     assert code == 128 + signal.SIGKILL, output  # the first failure's status, not the hang guard's kill
-    assert "meshdsl launch: process 1 was killed by SIGKILL; stopping the others" in output
+    # "stopping the others" comes only if the launcher saw process 1 dead while process 0 still ran;
+    # where process 0 aborted within the same look, the last line alone names process 1 first
+    stopping = re.findall(r"meshdsl launch: process (\d) was killed by SIGKILL; stopping the others", output)
+    assert stopping in ([], ["1"]), output
     assert re.search(
         r"meshdsl launch: process 1 was killed by SIGKILL first; then, because of it: process 0 was killed by SIGABRT",
         output,
