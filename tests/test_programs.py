@@ -10,10 +10,10 @@ against jax.grad of the jax.numpy reference in float64, shardings, and for spmd 
 compiled HLO; in every other example (another drawn flag) also the gradient taken around
 md.compile, which costs a third of a check. The spmd backend is meshdsl's own collectives, so it
 gets every program; gspmd (sharding constraints, XLA's partitioner) half of them, which keeps the
-suite near 15 minutes. Each chain's first input
-is, for a drawn half of the chains, closed over instead of passed (a constant on the default device,
-as in a user's loss): the lowering slices it to each device's block, and an operand beside it that
-the layout replicates gets its gradient summed as an argument's would be.
+suite near 15 minutes. Each chain's first input is, for a drawn half of the chains, closed over
+instead of passed (a constant on the default device, as in a user's loss): the lowering slices it
+to each device's block, and an operand beside it that the layout replicates gets its gradient
+summed as an argument's would be.
 
 A CI run checks ``2 * CHAINS * EXAMPLES`` = 500 programs (a program: one drawn chain checked end
 to end; about 250 of them on gspmd too): half here, half in tests/test_programs_more.py (other
