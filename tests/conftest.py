@@ -67,9 +67,9 @@ settings.register_profile(
 settings.load_profile("meshdsl")
 
 # The test files that take longest, longest first (pytest --durations=0 summed per file, JAX 0.12).
-# Under --dist loadfile a file runs whole on one worker, and xdist hands files out in collection
-# order (addopts passes --no-loadscope-reorder, which would otherwise order them by test count and
-# start the random programs, few tests but minutes each, last, leaving one worker idle at the end).
+# Under --dist loadfile a file runs whole on one worker, and with --no-loadscope-reorder (addopts)
+# xdist hands files out in collection order. Its default orders them by test count, which started
+# the random programs (few tests, minutes each) last and left one worker idle at the end.
 LONGEST_FILES = (
     "test_programs.py",
     "test_programs_more.py",

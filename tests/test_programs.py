@@ -120,7 +120,7 @@ def check_random_program(data: st.DataObject, seed: int) -> None:
     pool = data.draw(S.dim_pool(5), label="dims")
     rules = data.draw(P.pool_rules(mesh, pool), label="pool rules")
     around = data.draw(st.booleans(), label="grad around md.compile")
-    backends = ("spmd", "gspmd") if data.draw(st.booleans(), label="gspmd too") else ("spmd",)
+    backends = data.draw(S.backends(), label="backends")
     ctx = P.Context(data.draw, mesh, pool, rules)
     program = P.Program([data.draw(P.chains(ctx), label=f"chain {i}") for i in range(CHAINS)])
     closing = data.draw(st.lists(st.booleans(), min_size=CHAINS, max_size=CHAINS), label="chains closing over x")
@@ -139,7 +139,7 @@ def check_random_program(data: st.DataObject, seed: int) -> None:
         reject()
     _checked[0] += CHAINS
     event("grad around md.compile" if around else "grad inside md.compile only")
-    event("spmd and gspmd" if len(backends) == 2 else "spmd only")
+    event(" and ".join(backends))
 
 
 def assert_programs_were_checked(test: str) -> None:
