@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 
 def add_arguments(bench: argparse.ArgumentParser) -> None:
     """``bench``'s flags."""
-    flags.add_model(bench, many=True)
-    flags.add_preset(bench)
+    flags.add_model(bench)
+    flags.add_settings(bench, "preset")
     bench.add_argument(
         "--layouts",
         nargs="+",
@@ -26,9 +26,7 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--rounds", type=int, default=5, help="interleaved rounds (layout A, B, C, A, B, C, ...)")
     bench.add_argument("--steps-per-round", type=int, default=3)
     bench.add_argument("--baseline", choices=["jax"], default=None, help="also time a hand-written plain-JAX version")
-    flags.add_optimizer(bench)
-    flags.add_grad_reduce_dtype(bench)
-    flags.add_set(bench)
+    flags.add_settings(bench, "optimizer", "grad_reduce_dtype", "overrides")
     bench.add_argument(
         "--microbatches",
         type=int,
@@ -70,7 +68,7 @@ def config(args: argparse.Namespace) -> BenchConfig:
         optimizer=args.optimizer,
         out=args.out,
         grad_reduce_dtype=args.grad_reduce_dtype,
-        overrides=flags.overrides(args.set),
+        overrides=flags.overrides(args.overrides),
         microbatches=args.microbatches,
         schedules=args.schedule,
         virtual_stages=args.virtual_stages,

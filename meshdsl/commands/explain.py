@@ -11,23 +11,18 @@ from meshdsl.commands import Command, flags
 
 def add_arguments(explain: argparse.ArgumentParser) -> None:
     """``explain``'s flags."""
-    flags.add_model(explain)
-    flags.add_preset(explain)
-    flags.add_layout(explain)
-    flags.add_optimizer(explain)
+    flags.add_settings(explain, "model", "preset", "layout", "optimizer")
     flags.add_profile(explain)
     explain.add_argument("--no-compile", action="store_true", help="skip compiling the step for its own memory figure")
-    flags.add_backend(
-        explain,
-        help="spmd: meshdsl's plan, traced; gspmd: the collectives XLA's partitioner chose, measured from the "
-        "compiled step",
+    backend = (
+        "spmd: meshdsl's plan, traced; gspmd: the collectives XLA's partitioner chose, measured from the compiled step"
     )
-    flags.add_set(explain)
+    flags.add_settings(explain, "backend", "overrides", helps={"backend": backend})
 
 
 def config(args: argparse.Namespace) -> dict[str, object]:
     """The model's ``--set`` overrides."""
-    return flags.overrides(args.set)
+    return flags.overrides(args.overrides)
 
 
 def check(args: argparse.Namespace, overrides: dict[str, object]) -> None:

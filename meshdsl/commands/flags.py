@@ -1,7 +1,10 @@
 """The flags several commands take, each defined once, and what they mean once parsed.
 
-A command's ``add_arguments`` calls these in the order its ``--help`` lists them; a flag only one
-command takes is defined in that command's module.
+The settings of a run are the fields of :class:`meshdsl.train.config.RunConfig`, each defined
+there once (default, help, resume behaviour); :func:`add_settings` makes their flags, for ``train``
+and for each command that shares one (``--model``, ``--preset``, ``--set``, ``--layout``,
+``--optimizer``, ``--backend``, ``--grad-reduce-dtype``). A flag only one command takes is defined in
+that command's module.
 """
 
 from __future__ import annotations
@@ -10,9 +13,8 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from meshdsl.collectives import GRAD_REDUCE_DTYPES
+from meshdsl.train.config import COMPUTE_DTYPES
 
-COMPUTE_DTYPES = ("float32", "bfloat16")
 MODEL_HELP = (
     "a shipped model (mlp, transformer, moe, convnet, llama), a Python file (path/to/my_model.py) "
     "or an importable module (mypkg.my_model)"
@@ -60,48 +62,57 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_model(parser: argparse.ArgumentParser, many: bool = False) -> None:
-    """``--model M`` (``many``: ``--model M [M ...]``, a list)."""
-    if many:
-        parser.add_argument(
-            "--model", nargs="+", default=["transformer"], help="models to benchmark, each " + MODEL_HELP
-        )
-    else:
-        parser.add_argument("--model", default="transformer", help=MODEL_HELP)
+SHARED_HELP = {"model": MODEL_HELP, "preset": PRESET_HELP, "overrides": SET_HELP, "layout": LAYOUT_HELP}
+"""The help of the settings several commands take, beside their :class:`~meshdsl.train.config.RunConfig` fields."""
 
 
-def add_preset(parser: argparse.ArgumentParser) -> None:
-    """``--preset P``."""
-    parser.add_argument("--preset", default="small", help=PRESET_HELP)
+def add_settings(
+    parser: argparse.ArgumentParser, *names: str, given_only: bool = False, helps: dict[str, str] | None = None
+) -> None:
+    """The flags of the :class:`~meshdsl.train.config.RunConfig` fields ``names`` (none: every field, in
+    their order), each as its field defines it: flag, type, choices, default (shown by ``--help``) and help.
+    ``given_only``: a flag not on the command line leaves no attribute (so ``config`` knows what was given);
+    else it holds the field's default."""
+    from meshdsl.train import config
+
+    for name in names or tuple(config.settings()):
+        setting, default = config.setting_of(name), config.default_of(name)
+        text = (helps or {}).get(name) or setting.help or SHARED_HELP[name]
+        shown = setting.default_words or (None if default is None or default is False or default == {} else default)
+        if setting.table:
+            shown = f"the layout file's [train] {name}, else {shown}"
+        kwargs: dict[str, Any] = {
+            "dest": name,
+            "help": (text if shown is None else f"{text} (default: {shown})").replace("%", "%%"),
+            "default": argparse.SUPPRESS if given_only else default,
+        }
+        annotation = str(config.settings()[name].type)
+        if annotation == "bool":
+            kwargs["action"] = "store_true"
+        elif name == "overrides":
+            kwargs.update(action="append", metavar=setting.metavar, default=argparse.SUPPRESS if given_only else [])
+        else:
+            kwargs.update(metavar=setting.metavar, choices=setting.choices)
+            kwargs["type"] = float if "float" in annotation else int if "int" in annotation else str
+        parser.add_argument(config.flag_of(name), **kwargs)
 
 
-def add_set(parser: argparse.ArgumentParser) -> None:
-    """``--set FIELD=VALUE``, repeatable: read with :func:`overrides`."""
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help=SET_HELP)
+def settings_given(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings ``args`` holds (those of :func:`add_settings`), ``--set``'s items read as overrides."""
+    from meshdsl.train import config
+
+    given = {name: getattr(args, name) for name in config.settings() if hasattr(args, name)}
+    if "overrides" in given:
+        given["overrides"] = overrides(given["overrides"])
+    return given
 
 
-def add_layout(parser: argparse.ArgumentParser) -> None:
-    """``--layout L``: one layout."""
-    parser.add_argument("--layout", default="data_parallel", help=LAYOUT_HELP)
+def add_model(parser: argparse.ArgumentParser) -> None:
+    """``--model M [M ...]``: several models (``bench``)."""
+    from meshdsl.train.config import default_of
 
-
-def add_optimizer(parser: argparse.ArgumentParser) -> None:
-    """``--optimizer O``."""
-    parser.add_argument("--optimizer", default="adamw", help="sgd, adamw or adafactor")
-
-
-def add_backend(parser: argparse.ArgumentParser, help: str | None = None) -> None:
-    """``--backend {spmd,gspmd}``."""
-    parser.add_argument("--backend", default="spmd", choices=["spmd", "gspmd"], help=help)
-
-
-def add_grad_reduce_dtype(parser: argparse.ArgumentParser) -> None:
-    """``--grad-reduce-dtype float16 | bfloat16 | float8_e4m3fn | float8_e5m2``."""
     parser.add_argument(
-        "--grad-reduce-dtype",
-        default=None,
-        choices=GRAD_REDUCE_DTYPES,
-        help="sum gradients across devices in this dtype (float16 and 8-bit: with a per-tensor scale)",
+        "--model", nargs="+", default=[default_of("model")], help="models to benchmark, each " + MODEL_HELP
     )
 
 

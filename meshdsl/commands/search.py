@@ -11,8 +11,7 @@ from meshdsl.commands import Command, flags
 
 def add_arguments(search: argparse.ArgumentParser) -> None:
     """``search``'s flags (its ``--devices``, the count to plan for, is ``args.plan_devices``)."""
-    flags.add_model(search)
-    flags.add_preset(search)
+    flags.add_settings(search, "model", "preset")
     search.add_argument(
         "--devices", dest="plan_devices", type=int, default=None, help="devices to plan for (default: those at hand)"
     )
@@ -20,7 +19,7 @@ def add_arguments(search: argparse.ArgumentParser) -> None:
         "--memory-gb", type=float, default=None, help="memory per device in GB (default: the profile's)"
     )
     flags.add_profile(search)
-    flags.add_optimizer(search)
+    flags.add_settings(search, "optimizer")
     search.add_argument("--top", type=int, default=5, help="candidates to print")
     search.add_argument("--out", default=None, metavar="FILE", help="write the best layout as a TOML file")
     search.add_argument(
@@ -30,12 +29,12 @@ def add_arguments(search: argparse.ArgumentParser) -> None:
         "--rounds", type=int, default=5, help="with --measure: interleaved timing rounds (2 steps each)"
     )
     search.add_argument("--no-pipeline", action="store_true", help="leave out pipelined (layers: stage) candidates")
-    flags.add_set(search)
+    flags.add_settings(search, "overrides")
 
 
 def config(args: argparse.Namespace) -> dict[str, object]:
     """The model's ``--set`` overrides."""
-    return flags.overrides(args.set)
+    return flags.overrides(args.overrides)
 
 
 def devices(args: argparse.Namespace) -> int | None:

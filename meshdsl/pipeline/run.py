@@ -99,7 +99,7 @@ class _Run:
         self.m, self.v, self.schedule = config.microbatches, config.virtual_stages, config.schedule
         self.stage_axes, self.p = stages(lowering, model.layers)
         if self.schedule == "interleaved":
-            _check_interleaved(self.p, self.m, self.v, model.layers)
+            check_interleaved(self.p, self.m, self.v, model.layers)
         self.stage = lowering.axis_index(self.stage_axes)
         self.first = self.stage == 0
         self.last = self.stage == self.p - 1
@@ -400,8 +400,10 @@ class _Run:
         return self._psum_stages(total) / m, grads
 
 
-def _check_interleaved(p: int, m: int, v: int, layers: Dim) -> None:
-    """ConfigError unless ``p`` stages of ``v`` chunks can run ``m`` microbatches interleaved."""
+def check_interleaved(p: int, m: int, v: int, layers: Dim) -> None:
+    """ConfigError unless ``p`` stages of ``v`` chunks can run ``m`` microbatches interleaved. Called
+    before the step is built with the stages of the layout's mesh (``train.step.pipelined``): a trace
+    without a mesh (the output shapes' ``GlobalLowering``) sees 1 stage."""
     if m % p:
         raise ConfigError(
             f"pipeline: the interleaved schedule runs microbatches in groups of the {p} stages: "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import math
 import sys
 import time
@@ -24,70 +23,13 @@ from meshdsl.model import protocol as model_protocol
 from meshdsl.model.loader import build_model, load_module
 from meshdsl.runtime import distributed, output_paths
 from meshdsl.runtime.layout_spec import is_shipped, layout_path, load_layout
-from meshdsl.train import feedback, logs, optim, settings
-from meshdsl.train.data import EVAL_FRACTION, TokenFile
+from meshdsl.train import feedback, logs, optim, resolve, resume, settings
+from meshdsl.train.config import RunConfig
+from meshdsl.train.data import TokenFile
 from meshdsl.train.progress import Progress, Step, Summary, peak_bytes
 from meshdsl.train.rules import split_warnings, unused_rules
 from meshdsl.train.step import Trainer, check_accumulate, pipelined
 from meshdsl.train.token_batch import token_batch_of
-
-
-@dataclasses.dataclass
-class RunConfig:
-    """What ``meshdsl train`` runs; every field has a command-line flag."""
-
-    model: str = "transformer"
-    """A shipped model's name, a Python file or an importable module (:mod:`meshdsl.model.loader`)."""
-    preset: str = "small"
-    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Config fields set by ``--set FIELD=VALUE``."""
-    layout: str = "data_parallel"
-    steps: int = 200
-    optimizer: str = "adamw"
-    learning_rate: float | None = None
-    backend: str = "spmd"
-    seed: int = 0
-    data: str | None = None
-    eval_fraction: float = EVAL_FRACTION
-    """The tail of the token file held out for evaluation (never trained on)."""
-    compute_dtype: str | None = None
-    remat: bool = False
-    grad_reduce_dtype: str | None = None
-    grad_error_feedback: bool = False
-    """Error feedback for the compressed gradient sum (``Trainer(error_feedback=True)``)."""
-    log_json: str | None = None
-    checkpoint_dir: str | None = None
-    save_every: int = 0
-    keep: int = 3
-    resume: bool = False
-    microbatches: int | None = None
-    schedule: str | None = None
-    virtual_stages: int | None = None
-    lr_schedule: str | None = None
-    """constant, cosine, linear or wsd (:func:`meshdsl.train.optim.schedule`); None: the layout's
-    ``[train]`` table, else constant. So for ``warmup_steps``, ``min_lr_ratio``, ``accumulate`` and
-    ``learning_rate`` (see :mod:`meshdsl.train.settings`)."""
-    warmup_steps: int | None = None
-    min_lr_ratio: float | None = None
-    accumulate: int | None = None
-    """Microbatches each step's batch is cut into (gradient accumulation)."""
-    eval_every: int = 0
-    """Evaluate every N steps and after the last (0: never)."""
-    eval_steps: int = 10
-    """Batches each evaluation averages the loss over."""
-    log_every: int = 10
-    """Off a terminal, print a line every N steps (and the first, the last and each evaluation)."""
-    tensorboard: str | None = None
-    profile_steps: str | None = None
-    """``"A:B"``: record a ``jax.profiler`` trace of steps A to B into ``profile_dir``."""
-    profile_dir: str | None = None
-    """Where the trace goes (None: ``tensorboard`` when given, else ``profile``)."""
-    allow_nan: bool = False
-    """Train on past a NaN or infinite loss instead of stopping."""
-
-
-RESUMABLE_CHANGES = ("remat", "remat_policy", "loss_chunk")
-"""Config fields a resumed run may change: what is recomputed or chunked, not what is computed."""
 
 
 def _model(run: RunConfig) -> Any:
@@ -104,20 +46,8 @@ def _model(run: RunConfig) -> Any:
     return build_model(run.model, run.preset, **run.overrides, **{k: v for k, v in flags.items() if v is not None})
 
 
-def resolved(run: RunConfig) -> RunConfig:
-    """``run`` with the settings its flags leave None taken from its layout's ``[train]`` table, else the defaults."""
-    table = settings.train_table(layout_path(run.layout))
-    fields = {k: getattr(run, k) for k in settings.KEYS}
-    chosen: dict[str, Any] = {
-        k: v if v is not None else table.get(k, settings.DEFAULTS.get(k)) for k, v in fields.items()
-    }
-    return dataclasses.replace(run, **chosen)
-
-
 def _optimizer(run: RunConfig) -> optim.Optimizer:
-    run = resolved(run)
     kwargs = {} if run.learning_rate is None else {"learning_rate": run.learning_rate}
-    assert run.lr_schedule is not None and run.warmup_steps is not None and run.min_lr_ratio is not None  # resolved
     multiplier = optim.schedule(run.lr_schedule, run.steps, run.warmup_steps, run.min_lr_ratio)
     # a constant rate without warmup stays a number: the very program (and losses) of a run without a schedule
     steady = run.lr_schedule == "constant" and not run.warmup_steps
@@ -125,10 +55,9 @@ def _optimizer(run: RunConfig) -> optim.Optimizer:
 
 
 def build_trainer(run: RunConfig, mesh: md.Mesh | None = None, model: Any = None) -> Trainer:
-    """The trainer ``run`` asks for, its settings left None taken as :func:`resolved` takes them;
+    """The trainer ``run`` asks for, its settings decided first (:func:`meshdsl.train.resolve.settle`);
     ``model``: the model ``run`` names, when already built (by :func:`check`)."""
-    run = resolved(run)
-    assert run.accumulate is not None  # resolved
+    run = resolve.settle(run).run
     layout = load_layout(run.layout)
     pipeline = layout.pipeline.replace(run.microbatches, run.schedule, run.virtual_stages)
     return Trainer(
@@ -168,29 +97,29 @@ def token_file(run: RunConfig, model: Any) -> TokenFile:
     return TokenFile(run.data, spec, vocab, seed=run.seed, eval_fraction=run.eval_fraction)
 
 
-def check(run: RunConfig, model: Any = None) -> Any:
-    """Raise the md error for each mistake in ``run`` that shows before any device is used; return the
-    model ``run`` names (built to check it, so :func:`train` builds it once; ``model``: that model, when a
-    caller's earlier check built it).
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A run ready to build: its settings decided and checked, its model built."""
 
-    Checked: the step count and learning rate, the schedule (also from the layout's ``[train]``),
-    accumulation, evaluation, logging and profiling flags, model, preset, optimizer, layout (file
-    and pipeline), the token file, and that the checkpoint dir, ``log_json`` (and its PNG),
-    ``tensorboard`` and the profile folder can be written. Nothing is compiled, created or
-    changed, so a mistake costs no work and loses no file.
+    run: RunConfig
+    model: Any
+    settled: resolve.Settled
+
+
+def prepare(run: RunConfig, model: Any = None) -> Prepared:
+    """``run``'s settings decided and checked in one place (:func:`meshdsl.train.resolve.settle`: flag,
+    layout file, resumed checkpoint, default), then the mistakes that need the model; ``model``: the
+    model ``run`` names, when a caller's earlier check built it.
+
+    Checked: every setting (named as the flag or layout-file key that set it), the settings the run
+    would ignore, those a resume may not change, the model, preset, optimizer, layout (file and
+    pipeline), the token file (and the resumed checkpoint's place in it), and that the checkpoint
+    dir, ``log_json`` (and its PNG), ``tensorboard`` and the profile folder can be written. Nothing
+    is compiled, created or changed, so a mistake costs no work and loses no file.
     """
-    if run.steps < 1:
-        raise ConfigError(f"--steps {run.steps}: train at least 1 step")
+    settled = resolve.settle(run)
+    run = settled.run
     layout = load_layout(run.layout)
-    run = resolved(run)
-    lr = run.learning_rate
-    if lr is not None and not (math.isfinite(lr) and lr > 0):
-        raise ConfigError(f"--learning-rate {lr}: the learning rate must be a positive, finite number")
-    if (run.resume or run.save_every) and run.checkpoint_dir is None:
-        raise ConfigError("--resume and --save-every need --checkpoint-dir")
-    settings.positive(run.eval_every, "--eval-every", "the steps between evaluations (0: none)", zero=True)
-    settings.positive(run.eval_steps, "--eval-steps", "the batches an evaluation averages over")
-    settings.positive(run.log_every, "--log-every", "the steps between printed lines")
     model = _model(run) if model is None else model
     _optimizer(run)
     pipeline = layout.pipeline.replace(run.microbatches, run.schedule, run.virtual_stages)
@@ -198,8 +127,11 @@ def check(run: RunConfig, model: Any = None) -> Any:
     check_accumulate(run.accumulate, is_pipelined)
     if run.grad_error_feedback:
         feedback.check(layout, run.grad_reduce_dtype, is_pipelined, run.accumulate, run.backend)
-    if run.data is not None:
-        token_file(run, model)
+    tokens = token_file(run, model) if run.data is not None else None
+    if settled.checkpoint is not None:
+        saved = md.checkpoint.read_manifest(settled.checkpoint)["metadata"]
+        resume.check_config(settled.checkpoint, saved, model, run.model)
+        _check_data(settled.checkpoint, saved.get("data_state"), tokens, settled.start)
     if run.checkpoint_dir is not None:
         md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
         output_paths.check_dir(run.checkpoint_dir, "--checkpoint-dir")
@@ -213,11 +145,14 @@ def check(run: RunConfig, model: Any = None) -> Any:
     ):
         output_paths.check_not_input(path, flag, inputs)
     if run.profile_steps is not None:
-        settings.profile_steps(run.profile_steps, run.steps)
         output_paths.check_dir(_profile_dir(run), "--profile-dir")
-    elif run.profile_dir is not None:
-        raise ConfigError("--profile-dir needs --profile-steps A:B (the steps to trace)")
-    return model
+    return Prepared(run, model, settled)
+
+
+def check(run: RunConfig, model: Any = None) -> Any:
+    """Raise the md error for each mistake in ``run`` that shows before any device is used
+    (:func:`prepare`); return the model ``run`` names, built to check it."""
+    return prepare(run, model).model
 
 
 def _profile_dir(run: RunConfig) -> str:
@@ -230,101 +165,35 @@ def rule_warnings(spec: str, layout: md.Layout, name: str, model: Any) -> list[s
     return [] if is_shipped(layout_path(spec)) else unused_rules(layout, model, name)
 
 
-def _run_metadata(run: RunConfig, model: Any) -> dict[str, Any]:
-    """What a checkpoint records about the run beside its state: model, config, optimizer, seed, data."""
-    config = json.loads(json.dumps(dataclasses.asdict(model.config)))
-    return {
-        "model": run.model,
-        "preset": run.preset,
-        "config": config,
-        "optimizer": run.optimizer,
-        "learning_rate": run.learning_rate,
-        "seed": run.seed,
-        "data": run.data,
-        "layout": run.layout,
-        "lr_schedule": _schedule_of(run),
-    }
-
-
-def _schedule_of(run: RunConfig) -> dict[str, Any]:
-    """What fixes the learning rate of every step: the schedule, its warmup, final ratio and (for a
-    decaying one) length."""
-    decays = run.lr_schedule != "constant"
-    return {
-        "kind": run.lr_schedule,
-        "warmup_steps": run.warmup_steps,
-        "min_lr_ratio": run.min_lr_ratio if decays else None,
-        "steps": run.steps if decays else None,
-    }
-
-
-def _check_resumable(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -> None:
-    """ConfigError unless the checkpoint was saved by the same model, optimizer and config (bar RESUMABLE_CHANGES)."""
-    if not isinstance(saved.get("step"), int):
-        raise md.DataError(
-            f"checkpoint {path} records no training step in its metadata; it was not saved by meshdsl train"
-        )
-    if path.name != f"step_{saved['step']}":
-        raise md.DataError(
-            f"checkpoint {path} records step {saved['step']} in its manifest, not the {path.name} of its name; was "
-            f"step_{saved['step']} renamed? Rename it back or remove it"
-        )
-    if saved.get("model") != mine["model"] or saved.get("optimizer") != mine["optimizer"]:
-        raise ConfigError(
-            f"checkpoint {path} holds model {saved.get('model')!r} with optimizer {saved.get('optimizer')!r}; "
-            f"this run has model {mine['model']!r} with optimizer {mine['optimizer']!r}"
-        )
-    config = saved.get("config") or {}
-    diffs = [
-        f"{k}={config.get(k)!r} (this run: {v!r})"
-        for k, v in mine["config"].items()
-        if k not in RESUMABLE_CHANGES and config.get(k) != v
-    ]
-    if diffs:
-        raise ConfigError(f"checkpoint {path} was saved with a different {mine['model']} config: {', '.join(diffs)}")
-    theirs = saved.get("lr_schedule")
-    if theirs is not None and theirs != mine["lr_schedule"]:
-        said = lambda s: ", ".join(f"{k} {v}" for k, v in s.items() if v is not None)  # noqa: E731
-        raise ConfigError(
-            f"checkpoint {path} was trained under learning-rate schedule {said(theirs)}; this run asks for "
-            f"{said(mine['lr_schedule'])}, so the learning rate would not continue as it was: "
-            f"pass the same schedule flags"
-        )
-
-
 def _start(
-    run: RunConfig, trainer: Trainer, manager: md.checkpoint.CheckpointManager | None, out: TextIO
+    run: RunConfig,
+    trainer: Trainer,
+    manager: md.checkpoint.CheckpointManager | None,
+    out: TextIO,
+    expected: Path | None,
 ) -> tuple[Any, jax.Array, int]:
-    """State, data key and first step: fresh, or from the latest checkpoint when resuming."""
+    """State, data key and first step: fresh, or from the latest checkpoint when resuming (``expected``,
+    the one :func:`prepare` compared the run with)."""
     key = jax.random.key(run.seed)
     data_key = jax.random.key_data(jax.random.fold_in(key, 1))
     found = manager.latest() if manager is not None else None
-    if found is not None and not run.resume:
-        raise ConfigError(
-            f"checkpoint dir {run.checkpoint_dir!r} already holds {found.name}; pass --resume to continue that run, "
-            "or choose another dir"
-        )
     if found is None:
         if run.resume:
             out.write(f"no checkpoint in {run.checkpoint_dir}; starting from step 0\n")
         return trainer.init(jax.random.key_data(key)), data_key, 0
+    if found != expected:
+        raise ConfigError(f"checkpoint dir {run.checkpoint_dir!r} changed while this run started: it now holds {found}")
     saved = md.checkpoint.read_manifest(found)["metadata"]
-    _check_resumable(found, saved, _run_metadata(run, trainer.model))
-    if saved["step"] > run.steps:
-        raise ConfigError(
-            f"checkpoint {found} is at step {saved['step']}, past --steps {run.steps}; pass --steps "
-            f"{saved['step'] + 1} or more to continue"
-        )
     like = {**jax.eval_shape(trainer.init, jax.random.key_data(key)), "data_key": data_key}
     state, _ = md.checkpoint.restore(found, trainer.mesh, trainer.layout.param_layout, like=like)
     out.write(f"resuming from {found} at step {saved['step']}\n")
     return state, state.pop("data_key"), int(saved["step"])
 
 
-def _check_data(found: Path, tokens: TokenFile | None, step: int) -> None:
-    """ConfigError unless the checkpoint ``found`` was trained on the data this run reads (same file, seed
-    and windows; see :meth:`TokenFile.check_state`), so the resumed run reads its next unseen batch."""
-    saved = md.checkpoint.read_manifest(found)["metadata"].get("data_state")
+def _check_data(found: Path, saved: dict[str, Any] | None, tokens: TokenFile | None, step: int) -> None:
+    """ConfigError unless the checkpoint ``found`` (its ``data_state``: ``saved``) was trained on the data this
+    run reads (same file, seed and windows; see :meth:`TokenFile.check_state`), so the resumed run reads its
+    next unseen batch."""
     if tokens is None and saved is not None:
         raise ConfigError(f"checkpoint {found} was trained on a token file; pass --data to continue it")
     if tokens is not None:
@@ -433,29 +302,29 @@ def train(
     (:mod:`meshdsl.measure.fits`). ``model``: what ``check(run)`` returned, when the caller checked first
     (the model is then not built again).
     """
-    model = check(run, model)
-    run = resolved(run)
+    prepared = prepare(run, model)
+    run, model = prepared.run, prepared.model
     if run.checkpoint_dir is None:
-        return _train(run, model, out, mesh, err, None)
+        return _train(prepared, out, mesh, err, None)
     manager = md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
     note = manager.acquire()
     if note is not None:
         err.write(f"meshdsl train: note: {note}\n")
     try:
-        return _train(run, model, out, mesh, err, manager)
+        return _train(prepared, out, mesh, err, manager)
     finally:
         manager.release()
 
 
 def _train(
-    run: RunConfig,
-    model: Any,
+    prepared: Prepared,
     out: TextIO,
     mesh: md.Mesh | None,
     err: TextIO,
     manager: md.checkpoint.CheckpointManager | None,
 ) -> list[float]:
-    """:func:`train` after its checks (which built ``model``), with the checkpoint dir (if any) locked."""
+    """:func:`train` after :func:`prepare`, with the checkpoint dir (if any) locked."""
+    run, model = prepared.run, prepared.model
     primary = distributed.is_primary()
     if not primary:
         out = err = io.StringIO()
@@ -466,6 +335,7 @@ def _train(
         err.write(f"meshdsl train: warning: {warning}\n")
     tokens = None if run.data is None else token_file(run, model)
     out.write(_header(run, mesh, layout))
+    out.writelines(f"{note}\n" for note in prepared.settled.notes)
     eval_batch = _eval_batches(run, trainer, tokens) if run.eval_every else None
     out.write(f"compiling the train step{' and the eval step' if eval_batch else ''} ...\n")
     out.flush()
@@ -475,15 +345,11 @@ def _train(
     # as every process's copy of one array.
     like = jax.random.key_data(jax.random.key(run.seed)) if tokens is None else tokens.abstract_batch(mesh, layout)
     compile_checked(trainer, like, f"a training step of {run.model} {run.preset} under {run.layout}")
-    state, data_key, first = _start(run, trainer, manager, out)
-    if first:  # resumed, so from a checkpoint the manager found
-        found = manager.latest() if manager is not None else None
-        assert found is not None
-        _check_data(found, tokens, first)
+    state, data_key, first = _start(run, trainer, manager, out, prepared.settled.checkpoint)
     if first == run.steps:
         out.write(f"nothing to train: the checkpoint is at step {first}, which is --steps\n")
         return []
-    metadata = _run_metadata(run, model)
+    metadata = resume.record(run, model)
     counts = model_protocol.step_counts(model)
     unit, examples, flops = counts.unit, counts.examples, counts.flops
     if examples is None:

@@ -10,7 +10,9 @@ A layout TOML file may set the schedule and accumulation beside its mesh and rul
     learning_rate = 3e-4
     accumulate = 4
 
-A flag given on the command line wins over the table; what neither sets takes :data:`DEFAULTS`.
+A flag given on the command line wins over the table; what neither sets takes a resumed
+checkpoint's value, else the field's default (:mod:`meshdsl.train.resolve`). Which keys a table may
+set is each field's ``table`` (:mod:`meshdsl.train.config`).
 """
 
 from __future__ import annotations
@@ -20,18 +22,20 @@ from pathlib import Path
 from typing import Any
 
 from meshdsl.errors import ConfigError, LayoutError
+from meshdsl.train import config
 
-KEYS: dict[str, tuple[type, ...]] = {
-    "lr_schedule": (str,),
-    "warmup_steps": (int,),
-    "min_lr_ratio": (int, float),
-    "learning_rate": (int, float),
-    "accumulate": (int,),
-}
-"""The keys of a ``[train]`` table and the TOML types each takes."""
-DEFAULTS: dict[str, Any] = {"lr_schedule": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0, "accumulate": 1}
-"""What a run uses for a setting neither its flags nor its layout's ``[train]`` give (the learning
-rate's default is the optimizer's own)."""
+
+def _types(name: str) -> tuple[type, ...]:
+    """The TOML types a ``[train]`` key takes: those of its :class:`RunConfig` field."""
+    annotation = str(config.settings()[name].type)
+    if "float" in annotation:
+        return (int, float)
+    return (int,) if "int" in annotation else (str,)
+
+
+KEYS: dict[str, tuple[type, ...]] = {name: _types(name) for name in config.table_keys()}
+"""The keys of a ``[train]`` table (the :class:`RunConfig` fields whose ``Setting.table`` is set) and the
+TOML types each takes."""
 
 
 def train_table(path: Path | None) -> dict[str, Any]:

@@ -15,6 +15,7 @@ only its rows, and a run resumed at step ``s`` sees the batches an uninterrupted
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -26,6 +27,7 @@ from meshdsl.lowering.base import GlobalLowering
 from meshdsl.lowering.context import use
 from meshdsl.model import protocol as model_protocol
 from meshdsl.model.user import describe_model
+from meshdsl.pipeline import run
 from meshdsl.pipeline.config import PipelineConfig
 from meshdsl.train import accumulate as accumulation
 from meshdsl.train import feedback
@@ -178,6 +180,10 @@ def pipelined(model: Any, layout: md.Layout, config: PipelineConfig, backend: st
         raise md.ConfigError(f"the layout pipelines ({why}), but {e}") from None
     if backend != "spmd":
         raise md.ConfigError(f"pipelining ({why}) needs the spmd backend, not {backend}")
+    sizes = layout.mesh_axes or {}
+    if config.schedule == "interleaved" and split and all(sizes.get(a, -1) > 0 for a in split):
+        stages = math.prod(sizes[a] for a in split)
+        run.check_interleaved(stages, config.microbatches, config.virtual_stages, model.layers)
     return True
 
 
