@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from meshdsl import commands
+from meshdsl.commands import flags
 from meshdsl.runtime.devices import check_environment, simulate_devices, start_backend
 
 
@@ -39,7 +40,13 @@ def check(args: argparse.Namespace) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``meshdsl argv``; the exit status."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    hint = flags.misplaced(parser, args.command, extra) if extra else None
+    if hint is not None:
+        print(f"meshdsl {args.command}: error: {hint}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     command = commands.commands()[args.command]
     from meshdsl.errors import MeshDslError
     from meshdsl.runtime import distributed

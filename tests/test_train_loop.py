@@ -307,7 +307,9 @@ def test_a_resumed_schedule_continues_exactly(tmp_path):
     for part in (tmp_path / "b" / "step_6").iterdir():
         part.unlink() if part.is_file() else __import__("shutil").rmtree(part)
     (tmp_path / "b" / "step_6").rmdir()
-    with pytest.raises(md.ConfigError, match="learning-rate schedule kind wsd.*this run asks for kind cosine"):
+    with pytest.raises(
+        md.ConfigError, match="--lr-schedule cosine: checkpoint .*step_3 was trained with lr schedule wsd"
+    ):
         train(
             RunConfig(**{**common, "lr_schedule": "cosine"}, checkpoint_dir=str(tmp_path / "b"), resume=True),
             io.StringIO(),
@@ -342,6 +344,7 @@ def test_the_train_table_of_a_layout_file_sets_the_schedule(tmp_path):
             lr_schedule="constant",
             warmup_steps=0,
             log_json=str(tmp_path / "f.jsonl"),
+            given=frozenset({"lr_schedule", "warmup_steps"}),  # as flags at their defaults
         ),
         io.StringIO(),
     )

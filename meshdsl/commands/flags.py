@@ -66,6 +66,17 @@ SHARED_HELP = {"model": MODEL_HELP, "preset": PRESET_HELP, "overrides": SET_HELP
 """The help of the settings several commands take, beside their :class:`~meshdsl.train.config.RunConfig` fields."""
 
 
+def misplaced(top: argparse.ArgumentParser, command: str, extra: Sequence[str]) -> str | None:
+    """The error for a flag of ``meshdsl`` itself (``--devices``, ...) given after the command ``command``,
+    which argparse only calls unrecognized; None when ``extra`` (the unrecognized arguments) holds none."""
+    own = {s for action in top._actions for s in action.option_strings if s not in ("-h", "--help")}
+    found = [a for a in extra if a.split("=")[0] in own]
+    if not found:
+        return None
+    flag = found[0].split("=")[0]
+    return f"{flag} is a flag of meshdsl itself: give it before the command, e.g. meshdsl {flag} ... {command} ..."
+
+
 def add_settings(
     parser: argparse.ArgumentParser, *names: str, given_only: bool = False, helps: dict[str, str] | None = None
 ) -> None:

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace, prepared: Prepared) -> None:
     """Train (its lines on stdout, warnings on stderr) the run the check prepared."""
     from meshdsl.train.loop import train
 
-    train(prepared.run, sys.stdout, err=sys.stderr, model=prepared.model)
+    train(prepared.settled.asked, sys.stdout, err=sys.stderr, model=prepared.model)
 
 
 COMMAND = Command("train", "train a model under a layout", add_arguments, run, config=config, check=check, order=10)

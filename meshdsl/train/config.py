@@ -266,15 +266,14 @@ class RunConfig:
         needs=Needs("profile_steps", lambda v: v is not None, "--profile-steps A:B (the steps to trace)"),
     )
     allow_nan: bool = setting(False, "train on past a NaN or infinite loss (default: stop, naming the step)", resume=C)
-    given: frozenset[str] | None = None
-    """The fields set on purpose (the command line's flags); None: those that differ from their defaults.
-    A setting not given takes the layout file's ``[train]`` value, a resumed checkpoint's, else its default."""
+    given: frozenset[str] = frozenset()
+    """Fields set on purpose even where they equal their defaults (the command line's flags). A setting
+    not given (nor different from its default) takes the layout file's ``[train]`` value, a resumed
+    checkpoint's, else its default."""
 
     def is_given(self, name: str) -> bool:
-        """Whether ``name`` was set on purpose (see ``given``)."""
-        if self.given is not None:
-            return name in self.given
-        return bool(getattr(self, name) != default_of(name))
+        """Whether ``name`` was set on purpose: named in ``given``, or not at its default."""
+        return name in self.given or bool(getattr(self, name) != default_of(name))
 
 
 def settings() -> dict[str, dataclasses.Field[Any]]:

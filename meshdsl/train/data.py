@@ -226,9 +226,11 @@ def _scan(path: Path, tokens: np.ndarray, vocab: int) -> int:
             i = int(bad[0])
             value = int(chunk[i])
             kind = f"negative id {value}" if value < 0 else f"id {value}"
+            largest = int(np.max(tokens))
+            fix = f"; pass --set vocab={largest + 1} for a model that reads ids up to {largest}" if value >= 0 else ""
             raise DataError(
                 f"token file {str(path)!r} holds {kind} at position {begin + i}, "
-                f"outside the model's vocab of {vocab} (ids 0 to {vocab - 1})"
+                f"outside the model's vocab of {vocab} (ids 0 to {vocab - 1}){fix}"
             )
         crc = zlib.crc32(np.ascontiguousarray(chunk).data, crc)
     _scanned[key] = crc

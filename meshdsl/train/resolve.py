@@ -29,6 +29,9 @@ class Settled:
 
     run: RunConfig
     """Every setting decided (``given``: those set by a flag or the layout file)."""
+    asked: RunConfig
+    """The run as given, before settling (what ``train`` is passed again: settling it once more
+    gives the same run and notes)."""
     sources: dict[str, str]
     """Where each setting not at its default came from, as errors name it (``--steps 5``)."""
     checkpoint: Path | None = None
@@ -68,7 +71,7 @@ def settle(run: RunConfig) -> Settled:
         _check_needed(name, values, sources)
     settled = RunConfig(**values, given=frozenset(sources))  # type: ignore[arg-type]
     _check_together(settled, sources, found, start)
-    return Settled(settled, sources, found, start, notes)
+    return Settled(settled, run, sources, found, start, notes)
 
 
 def _flag_said(name: str, value: Any) -> str:
