@@ -431,7 +431,7 @@ FLAG_CASES = {
     ),
     "grad reduce dtype under gspmd": (
         ["train", *MLP, "--backend", "gspmd", "--grad-reduce-dtype", "bfloat16"],
-        ["--grad-reduce-dtype bfloat16 is for --backend spmd", "under gspmd XLA chooses"],
+        ["--grad-reduce-dtype bfloat16:", "without --backend spmd", "under gspmd XLA chooses"],
     ),
     "launch a schedule without a pipeline": (
         ["launch", "--local", "2", "--", "train", *MLP, "--schedule", "1f1b"],

@@ -403,7 +403,7 @@ def test_a_nan_loss_stops_the_run_naming_the_step(tmp_path, capsys):
         (["--profile-steps", "3:2"], "--profile-steps 3:2"),
         (["--profile-steps", "1:9"], "--profile-steps 1:9"),
         (["--profile-steps", "x"], "--profile-steps 'x'"),
-        (["--profile-dir", "p"], "--profile-dir needs --profile-steps"),
+        (["--profile-dir", "p"], "--profile-dir p: the run would ignore it without --profile-steps"),
         (["--tensorboard", "afile"], "--tensorboard 'afile'"),
         (["--profile-steps", "1:2", "--profile-dir", "afile/x"], "--profile-dir 'afile/x'"),
         (["--log-json", "adir/log.jsonl"], "--log-json's loss curve"),
@@ -491,12 +491,10 @@ def test_accumulation_of_a_batch_without_a_batch_dim_says_how_to_name_it():
 def test_resume_may_change_what_is_recomputed_or_chunked_not_what_is_computed():
     """A checkpoint saved before ``remat_policy`` and ``loss_chunk`` existed (or with other values)
     resumes; another ``d_model`` is refused, naming it."""
-    from meshdsl.train.loop import _check_resumable
+    from meshdsl.train.resume import check_config
 
-    saved = {"step": 3, "model": "transformer", "optimizer": "adamw", "config": {"d_model": 32, "remat": False}}
-    mine = {"model": "transformer", "optimizer": "adamw", "lr_schedule": {}, "config": {"d_model": 32, "remat": True}}
-    mine["config"] |= {"remat_policy": "dots", "loss_chunk": 8}
-    _check_resumable(Path("ckpt/step_3"), saved, mine)
-    mine["config"]["d_model"] = 64
+    saved = {"step": 3, "config": {"d_model": 32, "remat": False}}
+    mine = {"d_model": 32, "remat": True, "remat_policy": "dots", "loss_chunk": 8}
+    check_config(Path("ckpt/step_3"), saved, mine, "transformer")
     with pytest.raises(md.ConfigError, match=r"different transformer config: d_model=32 \(this run: 64\)$"):
-        _check_resumable(Path("ckpt/step_3"), saved, mine)
+        check_config(Path("ckpt/step_3"), saved, {**mine, "d_model": 64}, "transformer")

@@ -76,12 +76,12 @@ def run(args: argparse.Namespace, config: None) -> int:
     command = child_command(args.run)
     child = commands.parser().parse_args(command)
     try:
-        commands.check(child)
+        checked = commands.check(child)
     except MeshDslError as e:
         print(f"meshdsl {child.command}: error: {e}", file=sys.stderr)
         return 2
     if args.local >= 1 and child.command == "train":
-        check_fits(commands.config(child), args.local, split_devices(args.local, args.devices_per_process))
+        check_fits(checked.run, args.local, split_devices(args.local, args.devices_per_process))
     return launch(command, args.local, args.devices_per_process, heartbeat=args.heartbeat_timeout, verbose=args.verbose)
 
 

@@ -80,6 +80,10 @@ def _whole(least: int, what: str) -> Callable[[Any], str | None]:
     return check
 
 
+def _steps(value: Any) -> str | None:
+    return _whole(1, "the step count")(value) and "train at least 1 step"
+
+
 def _positive_rate(value: Any) -> str | None:
     ok = value is None or (isinstance(value, (int, float)) and math.isfinite(value) and value > 0)
     return None if ok else "the learning rate must be a positive, finite number"
@@ -115,7 +119,7 @@ class RunConfig:
     overrides: dict[str, Any] = setting({}, "", flag="--set", metavar="FIELD=VALUE")
     """Config fields set by ``--set FIELD=VALUE`` (the checkpoint's whole model config is compared on resume)."""
     layout: str = setting("data_parallel", "", resume=C)
-    steps: int = setting(200, "steps to train (a resumed run: up to this step)", resume=C, check=_whole(1, "train"))
+    steps: int = setting(200, "steps to train (a resumed run: up to this step)", resume=C, check=_steps)
     optimizer: str = setting("adamw", "sgd, adamw or adafactor", resume=M)
     learning_rate: float | None = setting(
         None, "peak learning rate", resume=M, table=True, check=_positive_rate, default_words="the optimizer's own"
@@ -290,7 +294,9 @@ def setting_of(name: str) -> Setting:
 def default_of(name: str) -> Any:
     """The default of field ``name``."""
     field = settings()[name]
-    return field.default_factory() if field.default is dataclasses.MISSING else field.default  # type: ignore[misc]
+    if field.default is dataclasses.MISSING:
+        return field.default_factory()  # type: ignore[operator]
+    return field.default
 
 
 def flag_of(name: str) -> str:

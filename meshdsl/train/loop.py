@@ -130,7 +130,7 @@ def prepare(run: RunConfig, model: Any = None) -> Prepared:
     tokens = token_file(run, model) if run.data is not None else None
     if settled.checkpoint is not None:
         saved = md.checkpoint.read_manifest(settled.checkpoint)["metadata"]
-        resume.check_config(settled.checkpoint, saved, model, run.model)
+        resume.check_config(settled.checkpoint, saved, resume.config_of(model), run.model)
         _check_data(settled.checkpoint, saved.get("data_state"), tokens, settled.start)
     if run.checkpoint_dir is not None:
         md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)

@@ -69,7 +69,7 @@ def settle(run: RunConfig) -> Settled:
         start = int(saved["step"])
     for name in sources:
         _check_needed(name, values, sources)
-    settled = RunConfig(**values, given=frozenset(sources))  # type: ignore[arg-type]
+    settled = RunConfig(**values, given=frozenset(sources))
     _check_together(settled, sources, found, start)
     return Settled(settled, run, sources, found, start, notes)
 

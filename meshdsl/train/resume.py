@@ -38,8 +38,14 @@ def record(run: RunConfig, model: Any) -> dict[str, Any]:
     """What a checkpoint records about the run beside its state: each recorded setting and the model's config."""
     return {
         **{name: getattr(run, name) for name in recorded_names()},
-        "config": json.loads(json.dumps(dataclasses.asdict(model.config))),
+        "config": config_of(model),
     }
+
+
+def config_of(model: Any) -> dict[str, Any]:
+    """``model``'s config as a checkpoint records it (JSON values)."""
+    found: dict[str, Any] = json.loads(json.dumps(dataclasses.asdict(model.config)))
+    return found
 
 
 def recorded(found: Path) -> dict[str, Any]:
@@ -108,10 +114,10 @@ def merge(found: Path, saved: dict[str, Any], values: dict[str, Any], sources: d
     return tuple(notes)
 
 
-def check_config(found: Path, saved: dict[str, Any], model: Any, name: str) -> None:
-    """ConfigError unless ``model``'s config is the one the checkpoint was saved with (bar RESUMABLE_CHANGES)."""
+def check_config(found: Path, saved: dict[str, Any], mine: dict[str, Any], name: str) -> None:
+    """ConfigError unless the config ``mine`` (:func:`config_of` the model ``name``) is the one the checkpoint
+    ``found`` (its metadata: ``saved``) was saved with, bar RESUMABLE_CHANGES."""
     theirs = saved.get("config") or {}
-    mine = json.loads(json.dumps(dataclasses.asdict(model.config)))
     diffs = [
         f"{k}={theirs.get(k)!r} (this run: {v!r})"
         for k, v in mine.items()
