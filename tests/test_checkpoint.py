@@ -213,7 +213,13 @@ def test_resumed_under_fsdp_on_4_devices_it_continues_the_killed_run(killed_run,
     with pytest.raises(md.ConfigError, match=r"different transformer config: .*d_model=32 \(this run: 128\)"):
         train(
             RunConfig(
-                model="transformer", preset="small", layout="fsdp", steps=12, checkpoint_dir=str(directory), resume=True
+                model="transformer",
+                preset="tiny",
+                overrides={"d_model": 128},
+                layout="fsdp",
+                steps=12,
+                checkpoint_dir=str(directory),
+                resume=True,
             ),
             log,
         )
