@@ -72,6 +72,10 @@ IGNORED = {
         ["pipeline: 4 stages x 3 virtual stages do not divide layers (2)"],
     ),
     "a run flag after the command": (["--devices", "2"], ["--devices is a flag of meshdsl itself", "before"]),
+    "token ids beyond the vocab": (
+        ["--model", "transformer", "--data", "ids.npy"],
+        ["holds id 64 at position 64", "pass --set vocab=300 for a model that reads ids up to 299"],
+    ),
 }
 
 
@@ -81,6 +85,7 @@ def test_a_flag_the_run_would_ignore_or_a_wrong_value_is_one_line(flags, expecte
     table = '[mesh]\ndata = -1\n[rules]\nbatch = "data"\n[train]\n'
     (tmp_path / "ratio.toml").write_text(table + "min_lr_ratio = 0.1\n")
     (tmp_path / "bad.toml").write_text(table + "learning_rate = -0.1\n")
+    np.save(tmp_path / "ids.npy", np.arange(4000, dtype=np.int32) % 300)
     before = snapshot(tmp_path)
     code = main(["train", *MLP, "--steps", "2", *flags])
     out, err = capsys.readouterr()

@@ -57,7 +57,11 @@ def _optimizer(run: RunConfig) -> optim.Optimizer:
 def build_trainer(run: RunConfig, mesh: md.Mesh | None = None, model: Any = None) -> Trainer:
     """The trainer ``run`` asks for, its settings decided first (:func:`meshdsl.train.resolve.settle`);
     ``model``: the model ``run`` names, when already built (by :func:`check`)."""
-    run = resolve.settle(run).run
+    return _trainer(resolve.settle(run).run, mesh, model)
+
+
+def _trainer(run: RunConfig, mesh: md.Mesh | None, model: Any) -> Trainer:
+    """:func:`build_trainer` of a settled ``run``."""
     layout = load_layout(run.layout)
     pipeline = layout.pipeline.replace(run.microbatches, run.schedule, run.virtual_stages)
     return Trainer(
@@ -328,7 +332,7 @@ def _train(
     primary = distributed.is_primary()
     if not primary:
         out = err = io.StringIO()
-    trainer = build_trainer(run, mesh, model)
+    trainer = _trainer(run, mesh, model)
     mesh, layout = trainer.mesh, trainer.layout
     warnings = rule_warnings(run.layout, layout, run.model, model)
     for warning in [*warnings, *split_warnings(layout, mesh, model, run.model, warned=bool(warnings))]:
