@@ -227,7 +227,8 @@ def _scan(path: Path, tokens: np.ndarray, vocab: int) -> int:
             value = int(chunk[i])
             kind = f"negative id {value}" if value < 0 else f"id {value}"
             largest = int(np.max(tokens))
-            fix = f"; pass --set vocab={largest + 1} for a model that reads ids up to {largest}" if value >= 0 else ""
+            fits = 0 <= value and largest < 2**31  # ids an int32 token batch holds
+            fix = f"; pass --set vocab={largest + 1} for a model that reads ids up to {largest}" if fits else ""
             raise DataError(
                 f"token file {str(path)!r} holds {kind} at position {begin + i}, "
                 f"outside the model's vocab of {vocab} (ids 0 to {vocab - 1}){fix}"
