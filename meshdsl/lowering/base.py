@@ -196,6 +196,11 @@ class Lowering(abc.ABC):
         """This lowering under other layout rules ."""
         ...
 
+    def attention_strategy(self, memory: str) -> str:
+        """How attention runs where the keys' dim ``memory`` is split (the layout's ``[attention]``
+        strategy for its axes); on global arrays nothing is split: ``all_gather``."""
+        return "all_gather"
+
     def linear_sums(self) -> Lowering:
         """This lowering for a custom rule's tangent, whose gradient sums must be linear (here: itself)."""
         return self

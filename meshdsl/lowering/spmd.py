@@ -196,6 +196,9 @@ class SpmdLowering(Lowering):
     def keep(self, array: jax.Array, shape: Shape, axes: Axes) -> Tensor:
         return Tensor(array, shape, (), axes)
 
+    def attention_strategy(self, memory: str) -> str:
+        return self.layout.attention_strategy(self.layout.axes_of(memory))
+
     def with_layout(self, layout: Layout) -> SpmdLowering:
         return SpmdLowering(self.mesh, layout, self.grad_reduce_dtype)
 

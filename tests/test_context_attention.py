@@ -1,0 +1,126 @@
+"""Attention over a split sequence (a layout's ``[attention]`` strategy): ``ring`` and ``all_to_all``
+give the values and gradients of attention on the global arrays (numpy, float64), causal or not,
+grouped-query or not, with a padding mask that hides every key of some rows; md.explain counts
+their permutes and all-to-alls as the compiled HLO does (the harness); the layout option's
+mistakes are named."""
+
+import harness
+import numpy as np
+import pytest
+from reference import Named, xp_of
+
+import meshdsl as md
+
+MASKED = -0.7 * float(np.finfo(np.float32).max)
+MESH = {"data": 2, "context": 4}
+RULES = "batch:data; length:context; memory:context"
+
+
+def _attend_ref(q: Named, k: Named, v: Named, mask: Named | None, causal: bool, grouped: bool) -> Named:
+    """softmax(q k / sqrt(d)) v on the global arrays, masked logits ``MASKED`` (one device's rule)."""
+    xp = xp_of(q, k, v)
+    qa = q.to(["batch", "kv", "group", "length", "d_kv"] if grouped else ["batch", "kv", "length", "d_kv"]).array
+    if not grouped:
+        qa = qa[:, :, None]
+    ka, va = k.to("batch kv memory d_kv").array, v.to("batch kv memory d_kv").array
+    scores = xp.einsum("bkgtd,bksd->bkgts", qa, ka) * qa.shape[-1] ** -0.5
+    t, s = scores.shape[-2:]
+    allowed = np.ones((1, 1, 1, t, s), bool)
+    if causal:
+        allowed = allowed & (np.arange(t)[:, None] >= np.arange(s)[None, :])
+    if mask is not None:
+        allowed = allowed & mask.to("batch memory").array[:, None, None, None, :]
+    scores = xp.where(allowed, scores, MASKED)
+    probs = xp.exp(scores - xp.max(scores, axis=-1, keepdims=True))
+    probs = probs / xp.sum(probs, axis=-1, keepdims=True)
+    out = xp.einsum("bkgts,bksd->bkgtd", probs, va)
+    names = ["batch", "kv", "group", "length", "d_kv"]
+    return Named(out if grouped else out[:, :, 0], names if grouped else [n for n in names if n != "group"])
+
+
+def _inputs(kv: int, group: int | None, masked: bool, length: int = 16) -> list[md.Tensor]:
+    rng = np.random.default_rng(kv * 10 + (group or 0))
+    heads = [("kv", kv)] + ([("group", group)] if group else [])
+    q = md.tensor(
+        rng.standard_normal((2, *(s for _, s in heads), length, 4)).astype(np.float32),
+        harness.dims([("batch", 2), *heads, ("length", length), ("d_kv", 4)]),
+    )
+    k, v = (
+        md.tensor(
+            rng.standard_normal((2, kv, length, 4)).astype(np.float32),
+            harness.dims([("batch", 2), ("kv", kv), ("memory", length), ("d_kv", 4)]),
+        )
+        for _ in "kv"
+    )
+    args = [q, k, v]
+    if masked:  # row 1 sees its first 5 keys (its early queries then every key masked under causal)... and none
+        pad = np.arange(length)[None, :] < np.array([length, 0])[:, None]
+        pad[1, 9:12] = True
+        args.append(md.tensor(pad, harness.dims([("batch", 2), ("memory", length)])))
+    return args
+
+
+CASES = [  # (strategy, causal, kv heads, query group, padding mask)
+    ("ring", False, 4, None, True),
+    ("ring", True, 4, None, False),
+    ("ring", True, 2, 2, True),
+    ("ring", False, 2, 2, False),
+    ("all_to_all", False, 4, 2, True),
+    ("all_to_all", True, 4, None, True),
+    ("all_to_all", True, 2, 4, True),  # 2 kv heads on 4 devices: each its share of every kv head's group
+    ("all_gather", True, 2, 2, True),
+]
+
+
+@pytest.mark.parametrize("strategy, causal, kv, group, masked", CASES)
+def test_strategy_equals_attention_on_global_arrays(strategy, causal, kv, group, masked):
+    args = _inputs(kv, group, masked)
+
+    def fn(q, k, v, mask=None):
+        return md.nn.dot_product_attention(q, k, v, heads="kv", causal=causal, mask=mask)
+
+    def ref(q, k, v, mask=None):
+        return _attend_ref(q, k, v, mask, causal, group is not None)
+
+    layout = md.Layout(RULES, attention={"context": strategy})
+    backends = ("spmd", "gspmd") if strategy == "all_gather" else ("spmd",)
+    assert harness.check(fn, args, ref, md.Mesh(MESH), layout, backends=backends)
+
+
+def test_rows_with_every_key_masked_average_the_values_as_on_one_device():
+    """NaN-free, and the mean of every value (as ``jax.nn.dot_product_attention`` on one device)."""
+    q, k, v, mask = _inputs(4, None, True)
+    fn = md.compile(
+        lambda q, k, v, m: md.nn.dot_product_attention(q, k, v, heads="kv", causal=True, mask=m),
+        md.Mesh(MESH),
+        md.Layout(RULES, attention={"context": "ring"}),
+    )
+    out = np.asarray(fn(q, k, v, md.tensor(np.zeros((2, 16), bool), mask.shape.dims)).array)
+    np.testing.assert_allclose(out, np.broadcast_to(v.numpy().mean(2, keepdims=True), out.shape), rtol=1e-5, atol=1e-6)
+
+
+def test_layouts_differing_only_in_attention_differ():
+    a, b = md.Layout(RULES), md.Layout(RULES, attention={"context": "ring"})
+    assert a != b and hash(a) != hash(b) and len({a, b, md.Layout(b)}) == 2
+    assert md.Layout(b) == b and "ring" in repr(b)
+
+
+def test_attention_mistakes_are_named(tmp_path):
+    with pytest.raises(md.LayoutError, match="strategy 'rung' for mesh axis 'context' is not one of"):
+        md.Layout(RULES, attention={"context": "rung"})
+    path = tmp_path / "bad.toml"
+    path.write_text('[mesh]\ndata = 2\ncontext = 4\n[rules]\nlength = "context"\n[attention]\nctx = "ring"\n')
+    layout = md.Layout.load(path)
+    with pytest.raises(md.LayoutError, match="attention ctx = 'ring' names mesh axis 'ctx'"):
+        layout.check_mesh(md.Mesh(MESH))
+    q, k, v = _inputs(2, None, False)
+    attend = lambda q, k, v: md.nn.dot_product_attention(q, k, v, heads="kv")  # noqa: E731
+    ulysses = md.Layout(RULES, attention={"context": "all_to_all"})
+    with pytest.raises(md.LayoutError, match=r"needs 4 to divide the key/value heads kv \(2\)"):
+        md.compile(attend, md.Mesh(MESH), ulysses)(q, k, v)
+    ring_keys_only = md.Layout("memory:context", attention={"context": "ring"})
+    with pytest.raises(md.LayoutError, match="splits length over \\(\\) and memory over \\('context',\\)"):
+        md.compile(attend, md.Mesh(MESH), ring_keys_only)(q, k, v)
+    ring = md.Layout(RULES, attention={"context": "ring"})
+    with pytest.raises(md.LayoutError, match="needs the spmd backend"):
+        md.compile(attend, md.Mesh(MESH), ring, backend="gspmd")(q, k, v)
