@@ -58,7 +58,8 @@ def _parse_attention(value: Any) -> dict[str, str]:
             raise LayoutError(f"attention: {axis!r} is not a mesh axis name")
         if strategy not in ATTENTION_STRATEGIES:
             raise LayoutError(
-                f"attention: strategy {strategy!r} for mesh axis {axis!r} is not one of {', '.join(ATTENTION_STRATEGIES)}"
+                f"attention: strategy {strategy!r} for mesh axis {axis!r} is not one of "
+                f"{', '.join(ATTENTION_STRATEGIES)}"
             )
         out[axis] = strategy
     return out

@@ -44,15 +44,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from meshdsl.arguments import number
 from meshdsl.dims import DimLike, Shape
 from meshdsl.errors import LayoutError, ShapeError
 from meshdsl.lowering.context import current, op
 from meshdsl.nn import fused_attention_standin
-from meshdsl.nn.context_attention import MASKED, ring_attention, ulysses_attention
 from meshdsl.nn.attention_impl import implementation_here, needs_standin
+from meshdsl.nn.context_attention import MASKED, ring_attention, ulysses_attention
 from meshdsl.nn.params import check_float
 from meshdsl.ops import elementwise
 from meshdsl.ops.einsum import einsum

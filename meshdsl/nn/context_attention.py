@@ -10,7 +10,7 @@ and memory positions ``[i S, (i+1) S)``.
 
 ``ring`` (Liu et al., 2023): each device keeps its queries; the key/value blocks (and the mask's
 memory part, which travels with them) pass ``n - 1`` times to the next device by ``lax.ppermute``.
-Each block is merged into an online softmax (a running maximum ``m``, sum ``l`` and output ``o``
+Each block is merged into an online softmax (a running maximum ``m``, sum ``den`` and output ``o``
 per query, in float32). The next block's permute is issued before the current block is computed,
 so a GPU overlaps them; a device holds two key/value blocks at most. The backward pass is a ring
 too (a custom VJP): it saves the local blocks, the output and each row's maximum and sum, never gathered
@@ -86,23 +86,23 @@ class _Ring:
 
 
 def _merge(state: tuple, s: jax.Array, v: jax.Array) -> tuple:
-    """The online softmax's running ``(m, l, o)`` with one block's scores ``s`` and values ``v``."""
-    m, l, o = state
+    """The online softmax's running ``(m, den, o)`` with one block's scores ``s`` and values ``v``."""
+    m, den, o = state
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     a = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[..., None])
     o = o * a[..., None] + jnp.einsum("bkgts,bskh->bkgth", p, v.astype(F32))
-    return m_new, l * a + jnp.sum(p, axis=-1), o
+    return m_new, den * a + jnp.sum(p, axis=-1), o
 
 
 def _merge_hidden(state: tuple, v: jax.Array) -> tuple:
     """:func:`_merge` of a block whose every score is ``MASKED``, in O(S H): it counts only in rows
     whose every key so far was masked (their average takes in these values too)."""
-    m, l, o = state
+    m, den, o = state
     m_new = jnp.maximum(m, MASKED)
     a, b = jnp.exp(m - m_new), jnp.exp(MASKED - m_new)
     total = jnp.sum(v.astype(F32), axis=1)[:, :, None, None, :]  # [B, K, 1, 1, H]
-    return m_new, l * a + v.shape[1] * b, o * a[..., None] + b[..., None] * total
+    return m_new, den * a + v.shape[1] * b, o * a[..., None] + b[..., None] * total
 
 
 def ring_attention(
@@ -175,9 +175,9 @@ def _forward(ring: _Ring, q, k, v, mask, kv_heads: int) -> tuple[jax.Array, tupl
             return (step(state, arrived, j, diagonal=False), arrived), None
 
         (state, _), _ = lax.scan(body, (state, block), jnp.arange(1, n))
-    m, l, o = state
-    out = _ungrouped(o / l[..., None]).astype(q.dtype)
-    return out, (m, l)
+    m, den, o = state
+    out = _ungrouped(o / den[..., None]).astype(q.dtype)
+    return out, (m, den)
 
 
 def _send_block(ring: _Ring, block: tuple) -> tuple:
@@ -197,7 +197,7 @@ def _backward(ring: _Ring, q, k, v, mask, out, stats, d_out, kv_heads: int) -> t
     delta = jnp.sum(do * _grouped(out, kv_heads).astype(F32), axis=-1)  # [B, K, G, T]
     t, s = qg.shape[3], k.shape[1]
     mask5 = _mask5(mask, kv_heads)
-    m, l = stats
+    m, den = stats
 
     def grads(dq: jax.Array, block: tuple, j: Any, diagonal: bool) -> tuple:
         """This block's share: ``dq`` updated, and the block's ``(dk, dv)`` contributions."""
@@ -206,7 +206,7 @@ def _backward(ring: _Ring, q, k, v, mask, out, stats, d_out, kv_heads: int) -> t
 
         def visible(dq: jax.Array) -> tuple:
             allowed = ring.allowed(mb, me, src, t, s, diagonal)
-            p = jnp.exp(ring.scores(qg, kb, allowed) - m[..., None]) / l[..., None]
+            p = jnp.exp(ring.scores(qg, kb, allowed) - m[..., None]) / den[..., None]
             dv = jnp.einsum("bkgts,bkgth->bskh", p, do)
             dp = jnp.einsum("bkgth,bskh->bkgts", do, vb.astype(F32))
             ds = jnp.where(allowed, p * (dp - delta[..., None]), 0.0) * ring.scale
@@ -214,7 +214,7 @@ def _backward(ring: _Ring, q, k, v, mask, out, stats, d_out, kv_heads: int) -> t
             return dq, jnp.einsum("bkgts,bkgth->bskh", ds, qg), dv
 
         def hidden(dq: jax.Array) -> tuple:
-            w = jnp.exp(MASKED - m) / l  # nonzero only on rows whose every key is masked
+            w = jnp.exp(MASKED - m) / den  # nonzero only on rows whose every key is masked
             dv = jnp.einsum("bkgt,bkgth->bkh", w, do)[:, None]
             return dq, jnp.zeros(kb.shape, F32), jnp.broadcast_to(dv, kb.shape)
 
