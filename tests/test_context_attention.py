@@ -4,6 +4,9 @@ grouped-query or not, with a padding mask that hides every key of some rows; md.
 their permutes and all-to-alls as the compiled HLO does (the harness); the layout option's
 mistakes are named."""
 
+import json
+from pathlib import Path
+
 import harness
 import numpy as np
 import pytest
@@ -124,3 +127,30 @@ def test_attention_mistakes_are_named(tmp_path):
     ring = md.Layout(RULES, attention={"context": "ring"})
     with pytest.raises(md.LayoutError, match="needs the spmd backend"):
         md.compile(attend, md.Mesh(MESH), ring, backend="gspmd")(q, k, v)
+
+
+def test_meshdsl_train_under_the_shipped_context_layouts_gives_the_data_parallel_losses(tmp_path, capsys):
+    """``meshdsl train --model llama --layout layouts/context_<strategy>.toml``: the shipped llama (causal
+    grouped-query attention, rotary, its loss; the data each device reads a quarter of each sequence)
+    takes the data-parallel layout's losses, step by step (so its gradients too)."""
+    from meshdsl.cli import main
+
+    layouts = Path(__file__).resolve().parents[1] / "layouts"
+    losses = {}
+    for name in ("data_parallel", "context_ring", "context_all_to_all"):
+        log = tmp_path / f"{name}.jsonl"
+        args = [
+            "train",
+            "--model",
+            "llama",
+            "--preset",
+            "tiny",
+            "--steps",
+            "3",
+            "--layout",
+            str(layouts / f"{name}.toml"),
+        ]
+        assert main([*args, "--log-json", str(log)]) == 0, capsys.readouterr()
+        losses[name] = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    for name in ("context_ring", "context_all_to_all"):
+        np.testing.assert_allclose(losses[name], losses["data_parallel"], rtol=1e-5, err_msg=name)
