@@ -264,6 +264,12 @@ class Lowering(abc.ABC):
         ...
 
     @abc.abstractmethod
+    def permute(self, x: jax.Array, axes: Sequence[str], pairs: Sequence[tuple[int, int]]) -> jax.Array:
+        """``x`` sent from each device to another along ``axes``: ``pairs`` of positions ``(source,
+        destination)`` along ``axes`` (major to minor); zeros arrive where none is sent."""
+        ...
+
+    @abc.abstractmethod
     def zeros_traced(self, like: Any) -> jax.Array:
         """Zeros of ``like`` (a ``jax.eval_shape`` result), typed varying along the mesh axes it varies along."""
         ...
@@ -337,6 +343,9 @@ class GlobalLowering(Lowering):
     ) -> jax.Array:
         sends = sources is None or 0 in sources
         return x if (shift == 0 or wrap) and sends else jax.numpy.zeros_like(x)
+
+    def permute(self, x: jax.Array, axes: Sequence[str], pairs: Sequence[tuple[int, int]]) -> jax.Array:
+        return x if (0, 0) in pairs else jnp.zeros_like(x)
 
     def zeros_traced(self, like: Any) -> jax.Array:
         return jnp.zeros(like.shape, like.dtype)

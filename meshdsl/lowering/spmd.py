@@ -242,11 +242,13 @@ class SpmdLowering(Lowering):
         if (shift == 0 or (wrap and shift % n == 0)) and sources is None:
             return x
         pairs = [(i, i + shift) for i in range(n) if sources is None or i in sources]
-        pairs = [(i, j % n) for i, j in pairs if wrap or 0 <= j < n]
+        return self.permute(x, axes, [(i, j % n) for i, j in pairs if wrap or 0 <= j < n])
+
+    def permute(self, x: jax.Array, axes: Sequence[str], pairs: Sequence[tuple[int, int]]) -> jax.Array:
         if not pairs:
             return jnp.zeros_like(x)
         # Our positions run over ``axes`` as given (major to minor); lax numbers the devices of a
         # tuple of axes in mesh order.
         ordered = tuple(a for a in self.mesh.axis_names if a in axes)
-        to_lax = [_renumber(i, tuple(axes), ordered, self.axis_sizes) for i in range(n)]
+        to_lax = [_renumber(i, tuple(axes), ordered, self.axis_sizes) for i in range(self.group_size(axes))]
         return lax.ppermute(x, ordered, perm=[(to_lax[i], to_lax[j]) for i, j in pairs])

@@ -62,27 +62,84 @@ def _mask5(mask: jax.Array, kv_heads: int) -> jax.Array:
     return jnp.reshape(mask, (b, 1, 1, t, s) if n == 1 else (b, kv_heads, n // kv_heads, t, s))
 
 
+def _half(x: jax.Array, which: int, axis: int) -> jax.Array:
+    """The first (0) or second (1) half of ``x`` along ``axis``; ``x`` itself where that dim is 1 (broadcast)."""
+    if x.shape[axis] == 1:
+        return x
+    c = x.shape[axis] // 2
+    return lax.slice_in_dim(x, which * c, (which + 1) * c, axis=axis)
+
+
+def _halves(xs: Any, axis: int) -> tuple[Any, Any]:
+    """Every array of the pytree ``xs`` cut in two along ``axis``."""
+    return jax.tree.map(lambda x: _half(x, 0, axis), xs), jax.tree.map(lambda x: _half(x, 1, axis), xs)
+
+
+def _join(lo: Any, hi: Any, axis: int) -> Any:
+    return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=axis), lo, hi)
+
+
+def _pick(flag: jax.Array, a: Any, b: Any) -> Any:
+    """``a`` where ``flag`` else ``b``, array by array (a select: no FLOPs beside the products)."""
+    return jax.tree.map(lambda x, y: jnp.where(flag, x, y), a, b)
+
+
+def _mask_block(mask: jax.Array, rows: int, keys: int) -> jax.Array:
+    """The ``rows`` half of a ``[B, K, G, T, S]`` mask's queries and the ``keys`` half of its keys."""
+    return _half(_half(mask, rows, 3), keys, 4)
+
+
 class _Ring:
-    """One ring attention's static facts: the axes, their size, the scale and the mask kind."""
+    """One ring attention's static facts: the axes, their size, this device's position, the scale, the mask kind."""
 
     def __init__(self, lowering: Lowering, axes: Sequence[str], scale: float, causal: bool):
         self.lowering, self.axes, self.scale, self.causal = lowering, tuple(axes), scale, causal
         self.n = lowering.group_size(self.axes)
+        self.me = lowering.axis_index(self.axes)
 
     def send(self, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         """``xs`` to the next device along the ring (each one a collective permute)."""
         return tuple(self.lowering.ppermute(x, self.axes, 1, wrap=True) for x in xs)
 
-    def allowed(self, mask: jax.Array, me: Any, src: Any, t: int, s: int, diagonal: bool) -> jax.Array:
-        """Which (query, key) pairs of the block from device ``src`` device ``me`` attends to."""
-        if self.causal and diagonal:
-            rows = (me * t + jnp.arange(t))[:, None] >= (src * s + jnp.arange(s))[None, :]
-            return jnp.logical_and(mask, rows)
-        return mask
+    def positions(self, size: int) -> jax.Array:
+        """The global positions of this device's ``size`` rows in the balanced (zigzag) order: chunks
+        ``me`` and ``2 n - 1 - me`` of ``2 n``."""
+        c = size // 2
+        return jnp.concatenate([self.me * c + jnp.arange(c), (2 * self.n - 1 - self.me) * c + jnp.arange(c)])
+
+    def owner(self, chunk: int) -> int:
+        """The device holding ``chunk`` (of ``2 n``) in the zigzag order."""
+        return chunk if chunk < self.n else 2 * self.n - 1 - chunk
+
+    def zigzag(self, x: jax.Array, axis: int) -> jax.Array:
+        """``x``'s block along ``axis`` (chunks ``2 me`` and ``2 me + 1`` of ``2 n``, contiguous) in the
+        zigzag order: two permutes, one per half."""
+        lo, hi = _halves(x, axis)
+        lw, n = self.lowering, self.n
+        from_lo = lw.permute(lo, self.axes, [(i, self.owner(2 * i)) for i in range(n)])
+        from_hi = lw.permute(hi, self.axes, [(i, self.owner(2 * i + 1)) for i in range(n)])
+        even = self.me % 2 == 0
+        return _join(_pick(even, from_lo, from_hi), _pick(even, from_hi, from_lo), axis)
+
+    def unzigzag(self, x: jax.Array, axis: int) -> jax.Array:
+        """:meth:`zigzag` undone."""
+        first, second = _halves(x, axis)
+        even = self.me % 2 == 0
+        lw, n = self.lowering, self.n
+        lo = lw.permute(_pick(even, first, second), self.axes, [(self.owner(2 * i), i) for i in range(n)])
+        hi = lw.permute(_pick(even, second, first), self.axes, [(self.owner(2 * i + 1), i) for i in range(n)])
+        return _join(lo, hi, axis)
 
     def scores(self, q: jax.Array, k: jax.Array, allowed: jax.Array) -> jax.Array:
         s = jnp.einsum("bkgth,bskh->bkgts", q, k, preferred_element_type=F32) * self.scale
         return jnp.where(allowed, s, MASKED)
+
+    def diagonal(self, mask: jax.Array, size: int) -> jax.Array:
+        """``mask`` and, under a causal mask, the causal pairs of this device's own block (zigzag order)."""
+        if not self.causal:
+            return mask
+        pos = self.positions(size)
+        return jnp.logical_and(mask, pos[:, None] >= pos[None, :])
 
 
 def _merge(state: tuple, s: jax.Array, v: jax.Array) -> tuple:
@@ -121,6 +178,15 @@ def ring_attention(
     kv_heads = k.shape[2]
     mask = jnp.ones((1, 1, 1, 1), bool) if mask is None else mask
     mask = lowering.vary_like(mask, q, k)
+    if causal:
+        if q.shape[1] % 2:
+            raise LayoutError(
+                f"causal ring attention over mesh axes {ring.axes} balances the work in {2 * ring.n} chunks of the "
+                f"sequence: its length {q.shape[1] * ring.n} must be divisible by {2 * ring.n}"
+            )
+        q, k, v = (ring.zigzag(x, 1) for x in (q, k, v))
+        for axis in (2, 3):
+            mask = mask if mask.shape[axis] == 1 else ring.zigzag(mask, axis)
 
     @jax.custom_vjp
     def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -134,109 +200,116 @@ def ring_attention(
         return (*_backward(ring, *res, d_out, kv_heads), None)
 
     attend.defvjp(fwd, bwd)
-    return attend(q, k, v, mask)
-
-
-def _travels(mask: jax.Array) -> bool:
-    """Whether the mask has a memory extent (then its block travels with the keys)."""
-    return mask.shape[-1] > 1
-
-
-def _forward(ring: _Ring, q, k, v, mask, kv_heads: int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """The ring's output ``[B, T, N, H]`` and each row's maximum and sum ``[B, K, G, T]`` (float32; not
-    their log-sum-exp, which rounds to the maximum on a row whose every logit is ``MASKED``)."""
-    lw, n = ring.lowering, ring.n
-    me = lw.axis_index(ring.axes)
-    qg = _grouped(q, kv_heads)
-    t, s = qg.shape[3], k.shape[1]
-    mask5 = _mask5(mask, kv_heads)
-    shape = qg.shape[:4]
-    m = lw.vary_like(jnp.full(shape, -jnp.inf, F32), qg, k)
-    state = (m, jnp.zeros_like(m), lw.vary_like(jnp.zeros(qg.shape, F32), qg, k))
-
-    def step(state: tuple, block: tuple, j: Any, diagonal: bool) -> tuple:
-        kb, vb, mb = block
-        src = (me - j) % n
-
-        def visible(state: tuple) -> tuple:
-            return _merge(state, ring.scores(qg, kb, ring.allowed(mb, me, src, t, s, diagonal)), vb)
-
-        if not ring.causal or diagonal:
-            return visible(state)
-        return lax.cond(src < me, visible, lambda st: _merge_hidden(st, vb), state)
-
-    block = (k, v, mask5)
-    state = step(state, block, 0, diagonal=True)
-    if n > 1:
-
-        def body(carry: tuple, j: Any) -> tuple:
-            state, block = carry
-            arrived = _send_block(ring, block)  # issued before this step's compute
-            return (step(state, arrived, j, diagonal=False), arrived), None
-
-        (state, _), _ = lax.scan(body, (state, block), jnp.arange(1, n))
-    m, den, o = state
-    out = _ungrouped(o / den[..., None]).astype(q.dtype)
-    return out, (m, den)
+    out = attend(q, k, v, mask)
+    return ring.unzigzag(out, 1) if causal else out
 
 
 def _send_block(ring: _Ring, block: tuple) -> tuple:
     """A key/value block (with its mask's memory part, if it has one) sent to the next device."""
     kb, vb, mb = block
-    if _travels(mb):
+    if mb.shape[-1] > 1:
         return ring.send((kb, vb, mb))
     return (*ring.send((kb, vb)), mb)
 
 
+def _forward(ring: _Ring, q, k, v, mask, kv_heads: int) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """The ring's output ``[B, T, N, H]`` and each row's maximum and sum ``[B, K, G, T]`` (float32; not
+    their log-sum-exp, which rounds to the maximum on a row whose every logit is ``MASKED``)."""
+    lw = ring.lowering
+    qg = _grouped(q, kv_heads)
+    m = lw.vary_like(jnp.full(qg.shape[:4], -jnp.inf, F32), qg, k)
+    state = (m, jnp.zeros_like(m), lw.vary_like(jnp.zeros(qg.shape, F32), qg, k))
+    block = (k, v, _mask5(mask, kv_heads))
+    for j in range(ring.n):  # unrolled: XLA's cost analysis counts every step
+        arrived = _send_block(ring, block) if j < ring.n - 1 else None  # issued before this step's compute
+        state = _forward_step(ring, state, qg, block, j)
+        block = arrived
+    m, den, o = state
+    return _ungrouped(o / den[..., None]).astype(q.dtype), (m, den)
+
+
+def _forward_step(ring: _Ring, state: tuple, qg: jax.Array, block: tuple, j: int) -> tuple:
+    """``state`` with the block that arrived at step ``j`` merged in. Causal (zigzag order: this
+    device's rows are chunks ``lo = me``, ``hi = 2n-1-me``; the block's keys chunks ``src``,
+    ``2n-1-src``): ``hi`` rows see ``lo`` keys; ``lo`` rows never see ``hi`` keys; the other two
+    pairs, one visible and one hidden, depend on whether ``src < me``: half a block computed."""
+    kb, vb, mb = block
+    if not ring.causal or j == 0:
+        return _merge(state, ring.scores(qg, kb, ring.diagonal(mb, qg.shape[3])), vb)
+    early = (ring.me - j) % ring.n < ring.me  # the block's first chunk precedes this device's
+    (q_lo, q_hi), (k_lo, k_hi), (v_lo, v_hi) = _halves(qg, 3), _halves(kb, 1), _halves(vb, 1)
+    st_lo, st_hi = _halves(state, 3)
+    st_hi = _merge(st_hi, ring.scores(q_hi, k_lo, _mask_block(mb, 1, 0)), v_lo)
+    st_lo = _merge_hidden(st_lo, v_hi)
+    chosen = _pick(early, _mask_block(mb, 0, 0), _mask_block(mb, 1, 1))
+    new = _merge(
+        _pick(early, st_lo, st_hi),
+        ring.scores(*_pick(early, (q_lo, k_lo), (q_hi, k_hi)), chosen),
+        _pick(early, v_lo, v_hi),
+    )
+    other = _merge_hidden(_pick(early, st_hi, st_lo), _pick(early, v_hi, v_lo))
+    return _join(_pick(early, new, other), _pick(early, other, new), 3)
+
+
+def _block_grads(ring: _Ring, rows: tuple, kb: jax.Array, vb: jax.Array, allowed: jax.Array) -> tuple:
+    """``(dq, dk, dv)`` of one block of keys for the ``rows`` ``(q, d_out, m, den, delta)`` (float32)."""
+    q, do, m, den, delta = rows
+    p = jnp.exp(ring.scores(q, kb, allowed) - m[..., None]) / den[..., None]
+    dv = jnp.einsum("bkgts,bkgth->bskh", p, do)
+    dp = jnp.einsum("bkgth,bskh->bkgts", do, vb.astype(F32))
+    ds = jnp.where(allowed, p * (dp - delta[..., None]), 0.0) * ring.scale
+    return jnp.einsum("bkgts,bskh->bkgth", ds, kb.astype(F32)), jnp.einsum("bkgts,bkgth->bskh", ds, q), dv
+
+
+def _hidden_dv(rows: tuple, like: jax.Array) -> jax.Array:
+    """The values' gradient from a block of keys hidden from every one of ``rows``: nonzero only where a
+    row's every key is masked (its average then reads these values too)."""
+    _, do, m, den, _ = rows
+    w = jnp.exp(MASKED - m) / den
+    return jnp.broadcast_to(jnp.einsum("bkgt,bkgth->bkh", w, do)[:, None], like.shape)
+
+
 def _backward(ring: _Ring, q, k, v, mask, out, stats, d_out, kv_heads: int) -> tuple[jax.Array, ...]:
     """``(dq, dk, dv)``: the ring again, the keys' and values' gradients travelling with their blocks."""
-    lw, n = ring.lowering, ring.n
-    me = lw.axis_index(ring.axes)
+    m, den = stats
     qg = _grouped(q, kv_heads).astype(F32)
     do = _grouped(d_out, kv_heads).astype(F32)
     delta = jnp.sum(do * _grouped(out, kv_heads).astype(F32), axis=-1)  # [B, K, G, T]
-    t, s = qg.shape[3], k.shape[1]
-    mask5 = _mask5(mask, kv_heads)
-    m, den = stats
-
-    def grads(dq: jax.Array, block: tuple, j: Any, diagonal: bool) -> tuple:
-        """This block's share: ``dq`` updated, and the block's ``(dk, dv)`` contributions."""
-        kb, vb, mb = block
-        src = (me - j) % n
-
-        def visible(dq: jax.Array) -> tuple:
-            allowed = ring.allowed(mb, me, src, t, s, diagonal)
-            p = jnp.exp(ring.scores(qg, kb, allowed) - m[..., None]) / den[..., None]
-            dv = jnp.einsum("bkgts,bkgth->bskh", p, do)
-            dp = jnp.einsum("bkgth,bskh->bkgts", do, vb.astype(F32))
-            ds = jnp.where(allowed, p * (dp - delta[..., None]), 0.0) * ring.scale
-            dq = dq + jnp.einsum("bkgts,bskh->bkgth", ds, kb.astype(F32))
-            return dq, jnp.einsum("bkgts,bkgth->bskh", ds, qg), dv
-
-        def hidden(dq: jax.Array) -> tuple:
-            w = jnp.exp(MASKED - m) / den  # nonzero only on rows whose every key is masked
-            dv = jnp.einsum("bkgt,bkgth->bkh", w, do)[:, None]
-            return dq, jnp.zeros(kb.shape, F32), jnp.broadcast_to(dv, kb.shape)
-
-        if not ring.causal or diagonal:
-            return visible(dq)
-        return lax.cond(src < me, visible, lambda d: tuple(lw.vary_like(x, qg, kb) for x in hidden(d)), dq)
-
-    block = (k, v, mask5)
-    dq = lw.vary_like(jnp.zeros(qg.shape, F32), qg, k)
-    dq, dk, dv = grads(dq, block, 0, diagonal=True)
-    if n > 1:
-        dk, dv = ring.send((dk, dv))
-
-        def body(carry: tuple, j: Any) -> tuple:
-            dq, block, dk, dv = carry
-            arrived = _send_block(ring, block)
-            dq, dk_j, dv_j = grads(dq, arrived, j, diagonal=False)
-            dk, dv = ring.send((dk + dk_j, dv + dv_j))
-            return (dq, arrived, dk, dv), None
-
-        (dq, _, dk, dv), _ = lax.scan(body, (dq, block, dk, dv), jnp.arange(1, n))
+    rows = (qg, do, m, den, delta)
+    dq = ring.lowering.vary_like(jnp.zeros(qg.shape, F32), qg, k)
+    block = (k, v, _mask5(mask, kv_heads))
+    dkv: tuple[jax.Array, jax.Array] | None = None
+    for j in range(ring.n):
+        arrived = _send_block(ring, block) if j < ring.n - 1 else None
+        dq, dk_j, dv_j = _backward_step(ring, rows, dq, block, j)
+        dkv = (dk_j, dv_j) if dkv is None else (dkv[0] + dk_j, dkv[1] + dv_j)
+        dkv = ring.send(dkv)  # on to the device that holds this block next; home after n sends
+        block = arrived
+    dk, dv = dkv
     return _ungrouped(dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _backward_step(ring: _Ring, rows: tuple, dq: jax.Array, block: tuple, j: int) -> tuple:
+    """``dq`` with the block of step ``j`` added, and the block's ``(dk, dv)`` (the pairs of :func:`_forward_step`)."""
+    kb, vb, mb = block
+    if not ring.causal or j == 0:
+        g_q, g_k, g_v = _block_grads(ring, rows, kb, vb, ring.diagonal(mb, dq.shape[3]))
+        return dq + g_q, g_k, g_v
+    early = (ring.me - j) % ring.n < ring.me
+    (r_lo, r_hi), (k_lo, k_hi), (v_lo, v_hi) = _halves(rows, 3), _halves(kb, 1), _halves(vb, 1)
+    dq_lo, dq_hi = _halves(dq, 3)
+    g_q, dk_lo, dv_lo = _block_grads(ring, r_hi, k_lo, v_lo, _mask_block(mb, 1, 0))
+    dq_hi = dq_hi + g_q
+    dv_hi = _hidden_dv(r_lo, v_hi)
+    chosen = _pick(early, _mask_block(mb, 0, 0), _mask_block(mb, 1, 1))
+    g_q, g_k, g_v = _block_grads(ring, _pick(early, r_lo, r_hi), *_pick(early, (k_lo, v_lo), (k_hi, v_hi)), chosen)
+    zero_q, zero_k = jnp.zeros_like(g_q), jnp.zeros_like(g_k)
+    dq_lo, dq_hi = dq_lo + _pick(early, g_q, zero_q), dq_hi + _pick(early, zero_q, g_q)
+    dk_lo, dk_hi = dk_lo + _pick(early, g_k, zero_k), _pick(early, zero_k, g_k)
+    other = _hidden_dv(_pick(early, r_hi, r_lo), v_lo)
+    dv_lo = dv_lo + _pick(early, g_v, other)
+    dv_hi = dv_hi + _pick(early, other, g_v)
+    return _join(dq_lo, dq_hi, 3), _join(dk_lo, dk_hi, 1), _join(dv_lo, dv_hi, 1)
 
 
 def ulysses_attention(
