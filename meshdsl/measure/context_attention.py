@@ -56,7 +56,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         for strategy in ("all_gather", "ring", "all_to_all"):
             for causal in (False, True):
                 c = attention_layer_costs(strategy, context, args.length, causal)
-                print(f"{strategy:<11} {context:>7}  {causal!s:<6}  {c['temp_bytes'] / 2**20:>15.1f}  {c['flops'] / 1e9:>12.2f}")
+                mib, gflop = c["temp_bytes"] / 2**20, c["flops"] / 1e9
+                print(f"{strategy:<11} {context:>7}  {causal!s:<6}  {mib:>15.1f}  {gflop:>12.2f}")
 
 
 if __name__ == "__main__":

@@ -143,13 +143,18 @@ class _Ring:
 
 
 def _merge(state: tuple, s: jax.Array, v: jax.Array) -> tuple:
-    """The online softmax's running ``(m, den, o)`` with one block's scores ``s`` and values ``v``."""
+    """The online softmax's running ``(m, den, o)`` with one block's scores ``s`` and values ``v``.
+
+    The block's sum of probabilities comes out of the same product as its output (a column of ones
+    beside the values): XLA would otherwise fuse every step's sum into one reduction at the end,
+    keeping every step's probabilities alive."""
     m, den, o = state
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     a = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[..., None])
-    o = o * a[..., None] + jnp.einsum("bkgts,bskh->bkgth", p, v.astype(F32))
-    return m_new, den * a + jnp.sum(p, axis=-1), o
+    ones = jnp.ones((*v.shape[:-1], 1), F32)
+    pv = jnp.einsum("bkgts,bskh->bkgth", p, jnp.concatenate([v.astype(F32), ones], axis=-1))
+    return m_new, den * a + pv[..., -1], o * a[..., None] + pv[..., :-1]
 
 
 def _merge_hidden(state: tuple, v: jax.Array) -> tuple:
@@ -204,6 +209,17 @@ def ring_attention(
     return ring.unzigzag(out, 1) if causal else out
 
 
+def _after(block: tuple | None, done: jax.Array) -> tuple | None:
+    """``block``, made to depend on ``done`` (adding a zero computed from it): the next permute waits for
+    this step, so at most two steps' logits are alive (XLA would otherwise run every step's products
+    as soon as their blocks arrive, and on a CPU removes ``lax.optimization_barrier`` before it schedules)."""
+    if block is None:
+        return None
+    zero = jnp.nan_to_num(jnp.ravel(done)[0] * 0.0, nan=0.0, posinf=0.0, neginf=0.0)
+    kb, vb, mb = block
+    return kb + zero.astype(kb.dtype), vb + zero.astype(vb.dtype), mb
+
+
 def _send_block(ring: _Ring, block: tuple) -> tuple:
     """A key/value block (with its mask's memory part, if it has one) sent to the next device."""
     kb, vb, mb = block
@@ -223,7 +239,7 @@ def _forward(ring: _Ring, q, k, v, mask, kv_heads: int) -> tuple[jax.Array, tupl
     for j in range(ring.n):  # unrolled: XLA's cost analysis counts every step
         arrived = _send_block(ring, block) if j < ring.n - 1 else None  # issued before this step's compute
         state = _forward_step(ring, state, qg, block, j)
-        block = arrived
+        block = _after(arrived, state[0])
     m, den, o = state
     return _ungrouped(o / den[..., None]).astype(q.dtype), (m, den)
 
@@ -284,7 +300,7 @@ def _backward(ring: _Ring, q, k, v, mask, out, stats, d_out, kv_heads: int) -> t
         dq, dk_j, dv_j = _backward_step(ring, rows, dq, block, j)
         dkv = (dk_j, dv_j) if dkv is None else (dkv[0] + dk_j, dkv[1] + dv_j)
         dkv = ring.send(dkv)  # on to the device that holds this block next; home after n sends
-        block = arrived
+        block = _after(arrived, dq)
     dk, dv = dkv
     return _ungrouped(dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
