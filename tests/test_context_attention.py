@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import harness
+import jax
 import numpy as np
 import pytest
 from reference import Named, xp_of
@@ -154,3 +155,38 @@ def test_meshdsl_train_under_the_shipped_context_layouts_gives_the_data_parallel
         losses[name] = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
     for name in ("context_ring", "context_all_to_all"):
         np.testing.assert_allclose(losses[name], losses["data_parallel"], rtol=1e-5, err_msg=name)
+
+
+def test_explain_counts_the_ring_and_the_all_to_alls_as_design_md_says():
+    """docs/design.md's formula (n = 4 context devices, key/value blocks of B bytes): forward, the ring
+    sends each key and value block n - 1 times, causal adds two half-block permutes per reordered
+    operand (queries, keys, values, output); the gradient adds n - 2 sends of each block (the first is
+    the forward's) and n of the float32 key and value gradients; all_to_all moves (n - 1) / n of each
+    operand. (The harness checks these against the compiled HLO.)"""
+    n, block = 4, 1 * 4 * 4 * 4 * 4  # batch 1 of 2, kv 4, memory 16 / 4, d_kv 4, float32
+    q, k, v = _inputs(4, None, False)
+
+    def report(strategy: str, causal: bool, grad: bool) -> dict:
+        layout = md.Layout(RULES, attention={"context": strategy})
+
+        def attend(q, k, v):
+            return md.nn.dot_product_attention(q, k, v, heads="kv", causal=causal)
+
+        def step(q, k, v, w):
+            return jax.grad(lambda a: md.reduce_sum(attend(*a) * w).array)((q, k, v))
+
+        args = (q, k, v, q) if grad else (q, k, v)
+        return md.explain(step if grad else attend, md.Mesh(MESH), layout, *args).summary()
+
+    def permutes(count: int, total: float) -> dict:
+        return {"collective-permute": {"count": count, "bytes": total}}
+
+    assert report("ring", False, False) == permutes(2 * (n - 1), 2 * (n - 1) * block)
+    assert report("ring", True, False) == permutes(2 * (n - 1) + 8, 2 * (n - 1) * block + 8 * block / 2)
+    ring_grad = 2 * (n - 1) + 2 * (n - 2) + 2 * n
+    assert report("ring", False, True) == permutes(ring_grad, ring_grad * block)
+    # the gradient needs no output reordered back: q, k, v in, and dq, dk, dv, d_out back
+    assert report("ring", True, True) == permutes(ring_grad + 14, ring_grad * block + 14 * block / 2)
+    a2a = (n - 1) / n * block
+    assert report("all_to_all", True, False) == {"all-to-all": {"count": 4, "bytes": 4 * a2a}}
+    assert report("all_to_all", False, True) == {"all-to-all": {"count": 7, "bytes": 7 * a2a}}
