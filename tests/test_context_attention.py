@@ -206,3 +206,39 @@ def test_ring_temporaries_shrink_with_the_context_axis_and_causal_computes_littl
     assert ring8["temp_bytes"] <= 0.5 * costs("all_gather", 8)["temp_bytes"]
     assert ring8["temp_bytes"] < ring4["temp_bytes"]
     assert costs("ring", 8, causal=True)["flops"] <= 0.6 * ring8["flops"]
+
+
+def test_search_proposes_context_splits_and_prices_them_below_data_parallel_for_long_sequences():
+    """The planner's candidates for llama hold the sequence over ``context`` with each strategy
+    (written out with their ``[attention]`` table); traced and priced at 1,024 tokens, ring on 8
+    devices predicts a fraction of data parallel's peak memory (one sequence's activations
+    dominate). docs/performance.md has the search that picks it under a memory limit."""
+    from meshdsl.models import llama
+
+    from meshdsl.planner.cost import price
+    from meshdsl.planner.profile import load_profile
+    from meshdsl.planner.search import abstract_state, candidates, model_roles
+    from meshdsl.planner.trace import abstract_batch, trace_step
+    from meshdsl.train import optim
+
+    config = llama.Config(batch=8, length=1024, d_model=32, heads=4, kv_heads=2, d_kv=8, d_ff=64, vocab=32, layers=1)
+    model, adamw, cpu = llama.Model(config), optim.make("adamw"), load_profile("cpu-sim")
+    batch = abstract_batch(model)
+    found = {c.name: c for c in candidates(model, model_roles(model, abstract_state(model, adamw), batch.shapes), 8)}
+    ring = found["[context=8] length:context; memory:context | attention context=ring"]
+    assert "[data=2 context=4] batch:data; length:context; memory:context | attention context=all_to_all" in found
+    assert md.Layout.load(_written(ring)) == ring.layout
+
+    def peak(candidate) -> float:
+        traced = trace_step(model, adamw, candidate.axis_sizes, candidate.layout, batch=batch, platform=cpu.platform)
+        return price(traced, model, cpu).memory.total
+
+    assert peak(ring) < 0.25 * peak(found["[data=8] batch:data"])
+
+
+def _written(candidate) -> Path:
+    import tempfile
+
+    path = Path(tempfile.mkdtemp()) / "best.toml"
+    path.write_text(candidate.toml("test"))
+    return path

@@ -29,6 +29,7 @@ group (the fused kernel where it applies), and one more all-to-all moves the res
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -96,6 +97,12 @@ class _Ring:
         self.lowering, self.axes, self.scale, self.causal = lowering, tuple(axes), scale, causal
         self.n = lowering.group_size(self.axes)
         self.me = lowering.axis_index(self.axes)
+
+    def at(self, me: jax.Array) -> _Ring:
+        """This ring seen from position ``me`` (an operand of the custom VJP)."""
+        other = copy.copy(self)
+        other.me = me
+        return other
 
     def send(self, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         """``xs`` to the next device along the ring (each one a collective permute)."""
@@ -193,19 +200,21 @@ def ring_attention(
         for axis in (2, 3):
             mask = mask if mask.shape[axis] == 1 else ring.zigzag(mask, axis)
 
+    # This device's position enters as an operand: a custom VJP must not close over a traced value.
     @jax.custom_vjp
-    def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-        return _forward(ring, q, k, v, mask, kv_heads)[0]
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, me: jax.Array) -> jax.Array:
+        return _forward(ring.at(me), q, k, v, mask, kv_heads)[0]
 
-    def fwd(q, k, v, mask):
-        out, stats = _forward(ring, q, k, v, mask, kv_heads)
-        return out, (q, k, v, mask, out, stats)
+    def fwd(q, k, v, mask, me):
+        out, stats = _forward(ring.at(me), q, k, v, mask, kv_heads)
+        return out, (q, k, v, mask, out, stats, me)
 
     def bwd(res, d_out):
-        return (*_backward(ring, *res, d_out, kv_heads), None)
+        *saved, me = res
+        return (*_backward(ring.at(me), *saved, d_out, kv_heads), None, None)
 
     attend.defvjp(fwd, bwd)
-    out = attend(q, k, v, mask)
+    out = attend(q, k, v, mask, jnp.asarray(ring.me, jnp.int32))
     return ring.unzigzag(out, 1) if causal else out
 
 
