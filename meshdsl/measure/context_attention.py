@@ -37,9 +37,10 @@ def attention_layer_costs(
         return jax.grad(loss)((q, k, v))
 
     compiled = md.compile(step, mesh, layout).lower(q, k, k).compile()
-    cost = compiled.cost_analysis()
+    cost: Any = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    return {"temp_bytes": float(compiled.memory_analysis().temp_size_in_bytes), "flops": float(cost["flops"])}
+    memory: Any = compiled.memory_analysis()
+    return {"temp_bytes": float(memory.temp_size_in_bytes), "flops": float(cost["flops"])}
 
 
 def _dims(batch: int, heads: int, length: int, d_kv: int, position: str = "length") -> list[md.Dim]:

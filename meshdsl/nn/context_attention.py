@@ -210,8 +210,8 @@ def ring_attention(
         return out, (q, k, v, mask, out, stats, me)
 
     def bwd(res, d_out):
-        *saved, me = res
-        return (*_backward(ring.at(me), *saved, d_out, kv_heads), None, None)
+        q, k, v, mask, out, stats, me = res
+        return (*_backward(ring.at(me), q, k, v, mask, out, stats, d_out, kv_heads), None, None)
 
     attend.defvjp(fwd, bwd)
     out = attend(q, k, v, mask, jnp.asarray(ring.me, jnp.int32))
@@ -244,7 +244,7 @@ def _forward(ring: _Ring, q, k, v, mask, kv_heads: int) -> tuple[jax.Array, tupl
     qg = _grouped(q, kv_heads)
     m = lw.vary_like(jnp.full(qg.shape[:4], -jnp.inf, F32), qg, k)
     state = (m, jnp.zeros_like(m), lw.vary_like(jnp.zeros(qg.shape, F32), qg, k))
-    block = (k, v, _mask5(mask, kv_heads))
+    block: Any = (k, v, _mask5(mask, kv_heads))
     for j in range(ring.n):  # unrolled: XLA's cost analysis counts every step
         arrived = _send_block(ring, block) if j < ring.n - 1 else None  # issued before this step's compute
         state = _forward_step(ring, state, qg, block, j)
@@ -267,11 +267,8 @@ def _forward_step(ring: _Ring, state: tuple, qg: jax.Array, block: tuple, j: int
     st_hi = _merge(st_hi, ring.scores(q_hi, k_lo, _mask_block(mb, 1, 0)), v_lo)
     st_lo = _merge_hidden(st_lo, v_hi)
     chosen = _pick(early, _mask_block(mb, 0, 0), _mask_block(mb, 1, 1))
-    new = _merge(
-        _pick(early, st_lo, st_hi),
-        ring.scores(*_pick(early, (q_lo, k_lo), (q_hi, k_hi)), chosen),
-        _pick(early, v_lo, v_hi),
-    )
+    q_chosen, k_chosen = _pick(early, (q_lo, k_lo), (q_hi, k_hi))
+    new = _merge(_pick(early, st_lo, st_hi), ring.scores(q_chosen, k_chosen, chosen), _pick(early, v_lo, v_hi))
     other = _merge_hidden(_pick(early, st_hi, st_lo), _pick(early, v_hi, v_lo))
     return _join(_pick(early, new, other), _pick(early, other, new), 3)
 
@@ -302,8 +299,8 @@ def _backward(ring: _Ring, q, k, v, mask, out, stats, d_out, kv_heads: int) -> t
     delta = jnp.sum(do * _grouped(out, kv_heads).astype(F32), axis=-1)  # [B, K, G, T]
     rows = (qg, do, m, den, delta)
     dq = ring.lowering.vary_like(jnp.zeros(qg.shape, F32), qg, k)
-    block = (k, v, _mask5(mask, kv_heads))
-    dkv: tuple[jax.Array, jax.Array] | None = None
+    block: Any = (k, v, _mask5(mask, kv_heads))
+    dkv: Any = None
     for j in range(ring.n):
         arrived = _send_block(ring, block) if j < ring.n - 1 else None
         dq, dk_j, dv_j = _backward_step(ring, rows, dq, block, j)
@@ -327,7 +324,8 @@ def _backward_step(ring: _Ring, rows: tuple, dq: jax.Array, block: tuple, j: int
     dq_hi = dq_hi + g_q
     dv_hi = _hidden_dv(r_lo, v_hi)
     chosen = _pick(early, _mask_block(mb, 0, 0), _mask_block(mb, 1, 1))
-    g_q, g_k, g_v = _block_grads(ring, _pick(early, r_lo, r_hi), *_pick(early, (k_lo, v_lo), (k_hi, v_hi)), chosen)
+    k_chosen, v_chosen = _pick(early, (k_lo, v_lo), (k_hi, v_hi))
+    g_q, g_k, g_v = _block_grads(ring, _pick(early, r_lo, r_hi), k_chosen, v_chosen, chosen)
     zero_q, zero_k = jnp.zeros_like(g_q), jnp.zeros_like(g_k)
     dq_lo, dq_hi = dq_lo + _pick(early, g_q, zero_q), dq_hi + _pick(early, zero_q, g_q)
     dk_lo, dk_hi = dk_lo + _pick(early, g_k, zero_k), _pick(early, zero_k, g_k)

@@ -221,9 +221,9 @@ def sequence_dims(model: Any, r: DimRoles) -> tuple[str, str] | None:
     """The query ``length`` and key ``memory`` dims of the model's self-attention (its ``attention``
     layer's, an ``md.nn.MultiHeadAttention``), when the model has both; else None."""
     attention = getattr(model, "attention", None)
-    names = (getattr(attention, "length", None), getattr(attention, "memory", None))
-    if all(isinstance(n, str) and n in r.sizes for n in names):
-        return names[0], names[1]
+    length, memory = getattr(attention, "length", None), getattr(attention, "memory", None)
+    if isinstance(length, str) and isinstance(memory, str) and length in r.sizes and memory in r.sizes:
+        return length, memory
     return None
 
 
