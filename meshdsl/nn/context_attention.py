@@ -13,10 +13,13 @@ memory part, which travels with them) pass ``n - 1`` times to the next device by
 Each block is merged into an online softmax (a running maximum ``m``, sum ``den`` and output ``o``
 per query, in float32). The next block's permute is issued before the current block is computed,
 so a GPU overlaps them; a device holds two key/value blocks at most. The backward pass is a ring
-too (a custom VJP): it saves the local blocks, the output and each row's maximum and sum, never gathered
-keys; the keys' and values' gradients travel with their blocks and arrive home after ``n``
-permutes. Under a causal mask a block wholly in a query block's future is not computed
-(``lax.cond``); its only effect, on a row every key of which is masked, is added in O(S H).
+too (a custom VJP): it saves the local blocks, the output and each row's maximum and sum, never
+gathered keys; the keys' and values' gradients travel with their blocks and arrive home after
+``n`` permutes. Under a causal mask the work is balanced: the op reorders the sequence into
+``2 n`` chunks, device ``i`` holding chunks ``i`` and ``2 n - 1 - i`` (zigzag), so that after its
+own block each step computes exactly half a block on every device, with static shapes; the pairs
+of chunks the mask hides entirely are not computed (their only effect, on a row every key of
+which is masked, is added in O(S H)). The output is put back in the layout's order.
 
 Masked logits are ``MASKED`` (finite, as in ``jax.nn.dot_product_attention``), so a row whose every
 key is masked averages every value, as on one device.
