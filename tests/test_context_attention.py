@@ -242,3 +242,21 @@ def _written(candidate) -> Path:
     path = Path(tempfile.mkdtemp()) / "best.toml"
     path.write_text(candidate.toml("test"))
     return path
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_to_all"])
+def test_a_sequence_split_over_two_axes_against_their_mesh_order(strategy):
+    """``length:(b, a)``: positions run over b then a (not the mesh's order); causal, grouped, masked."""
+    args = _inputs(4, 2, True)
+
+    def fn(q, k, v, mask):
+        return md.nn.dot_product_attention(q, k, v, heads="kv", causal=True, mask=mask)
+
+    def ref(q, k, v, mask):
+        return _attend_ref(q, k, v, mask, True, True)
+
+    layout = md.Layout("batch:c; length:(b, a); memory:(b, a)", attention={"a": strategy, "b": strategy})
+    assert harness.check(fn, args, ref, md.Mesh({"a": 2, "b": 2, "c": 2}), layout, backends=("spmd",))
+    mixed = md.Layout("batch:c; length:(b, a); memory:(b, a)", attention={"a": strategy})
+    with pytest.raises(md.LayoutError, match=r"strategies differ \(b = 'all_gather', a = '" + strategy):
+        md.compile(fn, md.Mesh({"a": 2, "b": 2, "c": 2}), mixed)(*args)
