@@ -4,7 +4,7 @@ Write a model once with named dims, pick a mesh and a layout (which dim is split
 axis), and ``md.compile`` runs it with the collectives the layout needs. See docs/api.md.
 """
 
-from meshdsl import checkpoint, nn, pipeline, random
+from meshdsl import checkpoint, hf, nn, pipeline, random
 from meshdsl.compile import Backend, Compiled, compile
 from meshdsl.dims import Dim, Shape
 from meshdsl.errors import (
@@ -79,6 +79,7 @@ __all__ = [
     "Backend",
     "cast",
     "checkpoint",
+    "hf",
     "Communication",
     "compile",
     "Compiled",

@@ -24,6 +24,7 @@ from meshdsl.measure.timing import compile_checked
 from meshdsl.model_loader import build_model, load_module
 from meshdsl.train import feedback, logs, optim, settings
 from meshdsl.train.data import EVAL_FRACTION, TokenFile
+from meshdsl.train.examples import ExampleFile
 from meshdsl.train.progress import Progress, Step, Summary, peak_bytes
 from meshdsl.train.rules import split_warnings, unused_rules
 from meshdsl.train.step import Trainer, check_accumulate, pipelined
@@ -144,8 +145,9 @@ def build_trainer(run: RunConfig, mesh: md.Mesh | None = None, model: Any = None
 
 
 def token_file(run: RunConfig, model: Any) -> TokenFile:
-    """The token file ``run.data`` for ``model``, in the keys and dims of the model's own batch
-    (:mod:`meshdsl.train.token_batch`); ConfigError for a model that reads no token sequences."""
+    """The token file ``run.data`` for ``model`` (an ``.npz``: padded examples, :mod:`meshdsl.train.examples`),
+    in the keys and dims of the model's own batch (:mod:`meshdsl.train.token_batch`); ConfigError for a
+    model that reads no token sequences."""
     what = f"--data {run.data!r}: model {run.model}"
     try:
         spec = token_batch_of(model, what)
@@ -163,6 +165,8 @@ def token_file(run: RunConfig, model: Any) -> TokenFile:
             "which --data needs to check the file's ids"
         )
     assert run.data is not None  # a token file is read for a run with --data
+    if run.data.endswith(".npz"):  # padded examples (input_ids, labels with -100)
+        return ExampleFile(run.data, spec, vocab, seed=run.seed, eval_fraction=run.eval_fraction)
     return TokenFile(run.data, spec, vocab, seed=run.seed, eval_fraction=run.eval_fraction)
 
 
