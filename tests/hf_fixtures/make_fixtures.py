@@ -37,30 +37,87 @@ def rope(theta: float, scaling: dict | None = None) -> dict:
     return {"rope_theta": theta, **({"rope_scaling": scaling} if scaling else {})}
 
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 64}  # wavelengths of head_dim 8 fall in all three bands
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}  # wavelengths of head_dim 8 fall in all three bands
 COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, vocab_size=96, max_position_embeddings=128)
 
 FAMILIES = {
-    "llama": (transformers.LlamaConfig, dict(
-        COMMON, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        **rope(10000.0))),
-    "llama_tied_llama3": (transformers.LlamaConfig, dict(
-        COMMON, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=True,
-        **rope(10000.0, LLAMA3))),
-    "mistral": (transformers.MistralConfig, dict(
-        COMMON, num_attention_heads=4, num_key_value_heads=1, rms_norm_eps=1e-5, sliding_window=4096,
-        tie_word_embeddings=False, **rope(1000000.0))),
-    "qwen2": (transformers.Qwen2Config, dict(
-        COMMON, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        **rope(1000000.0))),
-    "qwen3": (transformers.Qwen3Config, dict(
-        COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, **rope(1000000.0))),
-    "gemma": (transformers.GemmaConfig, dict(
-        COMMON, num_attention_heads=4, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
-        hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
-        **rope(10000.0))),
+    "llama": (
+        transformers.LlamaConfig,
+        dict(
+            COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            **rope(10000.0),
+        ),
+    ),
+    "llama_tied_llama3": (
+        transformers.LlamaConfig,
+        dict(
+            COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            **rope(10000.0, LLAMA3),
+        ),
+    ),
+    "mistral": (
+        transformers.MistralConfig,
+        dict(
+            COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            rms_norm_eps=1e-5,
+            sliding_window=4096,
+            tie_word_embeddings=False,
+            **rope(1000000.0),
+        ),
+    ),
+    "qwen2": (
+        transformers.Qwen2Config,
+        dict(
+            COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            **rope(1000000.0),
+        ),
+    ),
+    "qwen3": (
+        transformers.Qwen3Config,
+        dict(
+            COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            **rope(1000000.0),
+        ),
+    ),
+    "gemma": (
+        transformers.GemmaConfig,
+        dict(
+            COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            rms_norm_eps=1e-6,
+            hidden_act="gelu_pytorch_tanh",
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+            **rope(10000.0),
+        ),
+    ),
 }
 
 
@@ -103,7 +160,11 @@ def make(name: str, config_class: type, fields: dict) -> None:
         masked = model(t, labels=torch.from_numpy(labels))
         for eos in range(vocab - 1, -1, -1):  # an eos that greedy decoding never produces
             generated = model.generate(
-                t, attention_mask=torch.ones_like(t), max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
+                t,
+                attention_mask=torch.ones_like(t),
+                max_new_tokens=NEW,
+                do_sample=False,
+                eos_token_id=eos,
                 pad_token_id=eos,
             ).numpy()
             if generated.shape == (BATCH, LENGTH + NEW) and not (generated[:, LENGTH:] == eos).any():
