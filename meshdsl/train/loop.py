@@ -47,6 +47,8 @@ class RunConfig:
     backend: str = "spmd"
     seed: int = 0
     data: str | None = None
+    init_from_hf: str | None = None
+    """A Hugging Face folder whose weights are the parameters at step 0 (``model`` is then ``hf:DIR``)."""
     eval_fraction: float = EVAL_FRACTION
     """The tail of the token file held out for evaluation (never trained on)."""
     compute_dtype: str | None = None
@@ -309,7 +311,11 @@ def _start(
     if found is None:
         if run.resume:
             out.write(f"no checkpoint in {run.checkpoint_dir}; starting from step 0\n")
-        return trainer.init(jax.random.key_data(key)), data_key, 0
+        state = trainer.init(jax.random.key_data(key))
+        if run.init_from_hf is not None:
+            state["params"] = _hf_params(run.init_from_hf, trainer, state["params"])
+            out.write(f"parameters from {run.init_from_hf}\n")
+        return state, data_key, 0
     saved = md.checkpoint.read_manifest(found)["metadata"]
     _check_resumable(found, saved, _run_metadata(run, trainer.model))
     if saved["step"] > run.steps:
@@ -321,6 +327,13 @@ def _start(
     state, _ = md.checkpoint.restore(found, trainer.mesh, trainer.layout.param_layout, like=like)
     out.write(f"resuming from {found} at step {saved['step']}\n")
     return state, state.pop("data_key"), int(saved["step"])
+
+
+def _hf_params(folder: str, trainer: Trainer, like: Any) -> Any:
+    """The weights of the Hugging Face ``folder`` in the trainer's stored layout, each device reading its block."""
+    return md.checkpoint.load_safetensors(
+        folder, like=like, names=trainer.model.hf_names(), mesh=trainer.mesh, layout=trainer.layout.param_layout
+    )
 
 
 def _check_data(found: Path, tokens: TokenFile | None, step: int) -> None:
