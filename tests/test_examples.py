@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import meshdsl as md
-from meshdsl.model_loader import build_model
+from meshdsl.model.loader import build_model
 from meshdsl.train.examples import ExampleFile
 from meshdsl.train.token_batch import token_batch_of
 

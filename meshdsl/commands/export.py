@@ -34,10 +34,11 @@ class Checked:
 
 def check(args: argparse.Namespace, config: None) -> Checked:
     """The checkpoint exists and holds the llama decoder, ``--out`` can be written; only the manifest is read."""
-    from meshdsl import checkpoint, output_paths
+    from meshdsl import checkpoint
     from meshdsl.errors import ConfigError, DataError
-    from meshdsl.model_loader import HF_PREFIX
+    from meshdsl.model.loader import HF_PREFIX
     from meshdsl.models import llama
+    from meshdsl.runtime import output_paths
 
     folder = Path(args.checkpoint_dir)
     if not folder.is_dir():

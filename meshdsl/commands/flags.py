@@ -84,8 +84,8 @@ def add_init_from_hf(parser: argparse.ArgumentParser, weights: bool = False) -> 
 
 
 def model_spec(model: str, init_from_hf: str | None) -> str:
-    """The ``--model`` spec a command builds: ``hf:DIR`` for ``--init-from-hf DIR`` (:mod:`meshdsl.model_loader`)."""
-    from meshdsl.model_loader import HF_PREFIX
+    """The ``--model`` spec a command builds: ``hf:DIR`` for ``--init-from-hf DIR`` (:mod:`meshdsl.model.loader`)."""
+    from meshdsl.model.loader import HF_PREFIX
 
     return model if init_from_hf is None else HF_PREFIX + init_from_hf
 

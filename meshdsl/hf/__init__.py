@@ -33,7 +33,6 @@ DEFAULT_LENGTH = 128
 def config_of(path: str | Path, **overrides: Any) -> Any:
     """The llama ``Config`` of the Hugging Face folder ``path``, with ``overrides`` of the fields its
     ``config.json`` does not set (``batch``, ``length``, ``compute_dtype``, ``remat``, ``loss_chunk``, ...)."""
-    from meshdsl.model_config import configure
     from meshdsl.models import llama
 
     where = str(Path(path) / "config.json")
@@ -46,7 +45,7 @@ def config_of(path: str | Path, **overrides: Any) -> Any:
             f"{where} sets it ({clash[0]}={fields[clash[0]]!r})"
         )
     values = {"batch": DEFAULT_BATCH, "length": DEFAULT_LENGTH, **fields, **overrides}
-    return configure(llama.Config, "tiny", values, f"llama (from {where})")
+    return llama.Config.preset("tiny", **values)  # checked as --set values are
 
 
 def model(path: str | Path, **overrides: Any) -> Any:
@@ -60,7 +59,7 @@ def load(path: str | Path, *, mesh: Mesh, layout: Layout | str | dict | None = N
     """``(model, params)`` of the Hugging Face folder ``path``: the parameters laid out on ``mesh`` as ``layout``
     stores them (its ``[params]`` table where it has one, as a trainer's state holds them), each device reading
     only its block of the safetensors files."""
-    from meshdsl.safetensors_io import load_safetensors
+    from meshdsl.checkpoint.safetensors_io import load_safetensors
 
     m = model(path, **overrides)
     like = jax.eval_shape(m.init, jax.random.key(0))

@@ -22,8 +22,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from meshdsl.checkpoint.safetensors_io import Source
 from meshdsl.errors import ConfigError, DataError
-from meshdsl.safetensors_io import Source
 from meshdsl.tensor import Tensor, is_tensor
 
 SHARD_BYTES = 5 * 10**9
