@@ -118,7 +118,8 @@ def save(
     for old in path.glob("model*.safetensors"):  # a former save's shards would be read with these
         if old.name not in files:
             old.unlink()
-    weight_map, total = {}, 0
+    weight_map: dict[str, str] = {}
+    total = 0
     for file, members in zip(files, shards):
         arrays = {plan[i][0]: np.ascontiguousarray(plan[i][1]().astype(target)) for i in members}
         save_file(arrays, str(path / file), metadata={"format": "pt"})

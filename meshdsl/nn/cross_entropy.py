@@ -31,8 +31,9 @@ from meshdsl.ops.scan import scan
 from meshdsl.tensor import Tensor
 
 
-def _summed(logits: Tensor, targets: Tensor, vocab: DimLike, ignore_index: int | None) -> tuple[Tensor, Tensor]:
-    """The sum over the counted positions of ``logsumexp(logits) - logits[target]`` (float32), and their count."""
+def _summed(logits: Tensor, targets: Tensor, vocab: DimLike, ignore_index: int | None) -> tuple[Tensor, Tensor | None]:
+    """The sum over the counted positions of ``logsumexp(logits) - logits[target]`` (float32), and their count
+    (None without ``ignore_index``: every position counts)."""
     logits = cast(logits, jnp.float32)
     if ignore_index is None:
         return reduce_sum(subtract(logsumexp(logits, vocab), take_along(logits, targets, vocab))), None
