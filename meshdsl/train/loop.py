@@ -206,6 +206,9 @@ def check(run: RunConfig, model: Any = None) -> Any:
         feedback.check(layout, run.grad_reduce_dtype, is_pipelined, run.accumulate, run.backend)
     if run.data is not None:
         token_file(run, model)
+    if run.init_from_hf is not None:  # the weights' names and shapes, from the files' headers alone
+        like = jax.eval_shape(model.init, jax.random.key(0))
+        md.checkpoint.check_safetensors(run.init_from_hf, like=like, names=model.hf_names())
     if run.checkpoint_dir is not None:
         md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
         output_paths.check_dir(run.checkpoint_dir, "--checkpoint-dir")
