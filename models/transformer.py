@@ -27,6 +27,9 @@ from meshdsl.errors import ConfigError
 from meshdsl.ops.scan import REMAT_POLICIES
 from meshdsl.planner.flops import attention_flops
 
+IGNORE_INDEX = -100
+"""A target the loss leaves out (transformers' convention: padding, prompt tokens)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Config(Presets):
@@ -104,8 +107,9 @@ class Model:
         }
 
     def _weights(self, p: dict[str, md.Tensor]) -> dict[str, md.Tensor]:
-        """One layer's parameters in the compute dtype (f32 masters stay in the state)."""
-        return {k: md.cast(v, self.dtype) for k, v in p.items()}
+        """One layer's parameters (a projection's ``{"kernel", "bias"}`` too) in the compute dtype (f32 masters
+        stay in the state)."""
+        return jax.tree_util.tree_map(lambda v: md.cast(v, self.dtype), p, is_leaf=lambda v: isinstance(v, md.Tensor))
 
     def _attention(self, x: md.Tensor, w: dict[str, md.Tensor]) -> md.Tensor:
         """``x`` plus causal multi-head self-attention of its norm."""
@@ -134,8 +138,9 @@ class Model:
         return md.cast(self.unembedding(md.cast(params["unembed"], self.dtype), x), jnp.float32)
 
     def cross_entropy(self, logits: md.Tensor, targets: md.Tensor) -> md.Tensor:
-        """Mean next-token cross-entropy; over a split ``vocab`` it costs one pmax and two small psums."""
-        return md.nn.cross_entropy(logits, targets, lambda t: t, self.vocab, self.length)
+        """Mean next-token cross-entropy over the targets that are not ``IGNORE_INDEX``; over a split ``vocab``
+        it costs one pmax and two small psums."""
+        return md.nn.cross_entropy(logits, targets, lambda t: t, self.vocab, self.length, ignore_index=IGNORE_INDEX)
 
     def logits(self, params: dict[str, Any], tokens: md.Tensor) -> md.Tensor:
         x, _ = md.scan(
@@ -178,11 +183,11 @@ class Model:
         return self._layer(x, p)
 
     def post(self, params: dict[str, Any], x: md.Tensor, batch: dict[str, md.Tensor]) -> md.Tensor:
-        """The loss of the residual stream leaving the last layer."""
+        """The loss of the residual stream leaving the last layer (targets ``IGNORE_INDEX`` left out of the mean)."""
         head = functools.partial(self.head, params)
         chunk = self.config.loss_chunk
         chunk = chunk if chunk > 0 and self.length.size % chunk == 0 else None
-        return md.nn.cross_entropy(x, batch["targets"], head, self.vocab, self.length, chunk)
+        return md.nn.cross_entropy(x, batch["targets"], head, self.vocab, self.length, chunk, ignore_index=IGNORE_INDEX)
 
     def batch(self, key: jax.Array) -> dict[str, md.Tensor]:
         """A synthetic batch of the task in the module docstring."""

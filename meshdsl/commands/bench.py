@@ -16,6 +16,7 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     """``bench``'s flags."""
     flags.add_model(bench, many=True)
     flags.add_preset(bench)
+    flags.add_init_from_hf(bench)
     bench.add_argument(
         "--layouts",
         nargs="+",
@@ -61,7 +62,7 @@ def config(args: argparse.Namespace) -> BenchConfig:
     from meshdsl.bench.run import BenchConfig
 
     return BenchConfig(
-        models=args.model,
+        models=args.model if args.init_from_hf is None else [flags.model_spec("", args.init_from_hf)],
         preset=args.preset,
         layouts=args.layouts,
         rounds=args.rounds,

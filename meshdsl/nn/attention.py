@@ -12,7 +12,8 @@ from meshdsl.dims import Dim
 from meshdsl.errors import ShapeError
 from meshdsl.nn.attention_core import dot_product_attention
 from meshdsl.nn.linear import Linear
-from meshdsl.nn.params import Stack, cast_like, check_float, check_has, check_sizes
+from meshdsl.nn.normalization import RMSNorm
+from meshdsl.nn.params import Stack, cast_like, check_float, check_has, check_sizes, dims_of
 from meshdsl.nn.rotary import Rotary
 from meshdsl.ops.concat import unstack
 from meshdsl.ops.einsum import einsum
@@ -39,8 +40,11 @@ class MultiHeadAttention:
     Face's ``q_proj`` head of that number. Splitting ``kv_heads`` (or ``heads``) is Megatron's.
 
     ``bias``: biases on the projections (GPT-2): the projection params become ``Linear``'s
-    ``{"kernel", "bias"}``. ``rotary``: an ``md.nn.Rotary`` over ``d_kv``, applied to the queries
-    and keys before the attention (its ``length`` must be this layer's).
+    ``{"kernel", "bias"}``; ``output_bias``, when not None, overrides it for the output projection
+    (Qwen2: biases on queries, keys and values only). ``qk_norm``: an ``md.nn.RMSNorm`` over
+    ``d_kv`` applied to each head's queries and keys (Qwen3), params ``"q_norm"`` and ``"k_norm"``.
+    ``rotary``: an ``md.nn.Rotary`` over ``d_kv``, applied to the queries and keys after ``qk_norm``
+    and before the attention (its ``length`` must be this layer's).
 
     ``causal``: position ``i`` attends to positions ``<= i``. ``__call__``'s ``mask``: a boolean
     tensor over some of ``batch``, ``heads``, ``length``, ``memory`` (True: attend), e.g. a padding
@@ -64,6 +68,8 @@ class MultiHeadAttention:
     implementation: str | None = None
     kv_heads: Dim | None = None
     bias: bool = False
+    output_bias: bool | None = None
+    qk_norm: RMSNorm | None = None
     rotary: Rotary | None = None
 
     def __post_init__(self) -> None:
@@ -76,6 +82,8 @@ class MultiHeadAttention:
             raise ShapeError(f"MultiHeadAttention: kv_heads must be an md.Dim, got {self.kv_heads!r}")
         if self.kv_heads is not None:
             check_sizes("MultiHeadAttention", [self.kv_heads])
+        if self.qk_norm is not None and [d.name for d in dims_of(self.qk_norm.dims)] != [self.d_kv.name]:
+            raise ShapeError(f"MultiHeadAttention: qk_norm must be over d_kv {self.d_kv}, got {self.qk_norm.dims}")
         if self.rotary is not None and (self.rotary.depth != self.d_kv or self.rotary.length != self.length):
             raise ShapeError(
                 f"MultiHeadAttention: rotary over {self.rotary.depth} and {self.rotary.length!r} "
@@ -110,17 +118,24 @@ class MultiHeadAttention:
     @property
     def output_projection(self) -> Linear:
         """``[heads, d_kv] -> model`` (``[kv_heads, heads, d_kv]`` with ``kv_heads``)."""
-        return Linear([*self.query_heads, self.d_kv], self.model, bias=self.bias)
+        bias = self.bias if self.output_bias is None else self.output_bias
+        return Linear([*self.query_heads, self.d_kv], self.model, bias=bias)
 
     def init(self, key: jax.Array, stack: Stack = ()) -> dict[str, Any]:
+        norms = {} if self.qk_norm is None else {n: self.qk_norm.init(None, stack) for n in ("q_norm", "k_norm")}
         if self.kv_heads is None:
             k_qkv, k_out = jax.random.split(key)
-            return {"wqkv": self.qkv_projection.init(k_qkv, stack), "wo": self.output_projection.init(k_out, stack)}
+            return {
+                "wqkv": self.qkv_projection.init(k_qkv, stack),
+                "wo": self.output_projection.init(k_out, stack),
+                **norms,
+            }
         k_q, k_kv, k_out = jax.random.split(key, 3)
         return {
             "wq": self.query_projection.init(k_q, stack),
             "wkv": self.kv_projection.init(k_kv, stack),
             "wo": self.output_projection.init(k_out, stack),
+            **norms,
         }
 
     def _project(self, params: Any, x: Tensor, out: list[Dim]) -> Tensor:
@@ -144,6 +159,8 @@ class MultiHeadAttention:
             q = self._project(params["wq"], x, [*batch, *self.query_heads, length, self.d_kv])
             kv = self._project(params["wkv"], x, [Dim(self.fused_kv, 2), *batch, self.kv_heads, length, self.d_kv])
             k, v = unstack(kv, self.fused_kv)
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(params["q_norm"], q), self.qk_norm(params["k_norm"], k)
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         k, v = rename(k, self.length, self.memory), rename(v, self.length, self.memory)
