@@ -6,6 +6,7 @@ axis), and ``md.compile`` runs it with the collectives the layout needs. See doc
 
 from meshdsl import checkpoint, nn, pipeline, random
 from meshdsl.compile import Backend, Compiled, compile
+from meshdsl.decoding import generate
 from meshdsl.dims import Dim, Shape
 from meshdsl.errors import (
     ConfigError,
@@ -99,6 +100,7 @@ __all__ = [
     "full",
     "gather",
     "gelu",
+    "generate",
     "greater",
     "greater_equal",
     "Layout",

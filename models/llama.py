@@ -123,9 +123,10 @@ class Model(transformer.Model):
             "unembed": self.unembedding.init(k_out),
         }
 
-    def _layer(self, x: md.Tensor, p: dict[str, md.Tensor]) -> md.Tensor:
+    def _layer(self, x: md.Tensor, p: dict[str, md.Tensor], cache: md.nn.KVCache | None = None) -> md.Tensor:
         w = self._weights(p)
-        x = x + self.attention({"wq": w["wq"], "wkv": w["wkv"], "wo": w["wo"]}, self.norm(w["attn_norm"], x))
+        attention = {"wq": w["wq"], "wkv": w["wkv"], "wo": w["wo"]}
+        x = x + self.attention(attention, self.norm(w["attn_norm"], x), cache=cache)
         return x + self.feed_forward({k: w[k] for k in ("w_gate", "w_in", "w_out")}, self.norm(w["mlp_norm"], x))
 
     def flops_per_step(self) -> float:
