@@ -54,6 +54,11 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--no-gspmd", action="store_true", help="skip compiling each step on XLA's partitioner for the '÷ gspmd' column"
     )
+    decode = bench.add_argument_group("decoding (--decode: time prefill and per-token decode instead of training)")
+    decode.add_argument("--decode", action="store_true", help="benchmark decoding with the KV cache per layout")
+    decode.add_argument("--decode-batch", type=int, default=8, help="rows decoded together")
+    decode.add_argument("--prompt-length", type=int, default=8, help="ids per prompt")
+    decode.add_argument("--new-tokens", type=int, default=8, help="tokens generated per row")
 
 
 def config(args: argparse.Namespace) -> BenchConfig:
@@ -84,13 +89,26 @@ class Checked:
 
     bench: BenchConfig
     models: list[tuple[str, Any]]
+    decode: Any = None
+    """``--decode``: the checked ``meshdsl.decoding.bench.DecodeBench``."""
 
 
 def check(args: argparse.Namespace, bench: BenchConfig) -> Checked:
     """``bench.run.check``'s mistakes."""
     from meshdsl.bench.run import check as check_bench
 
-    return Checked(bench, check_bench(bench))
+    models = check_bench(bench)
+    if not args.decode:
+        return Checked(bench, models)
+    from meshdsl.decoding.bench import DecodeBench, layouts_of
+    from meshdsl.decoding.decoder import check_model
+
+    decode = DecodeBench(args.decode_batch, args.prompt_length, args.new_tokens, args.rounds)
+    for name, model in models:
+        check_model(model)
+        decode.check(model.config.length)
+        layouts_of(bench.layouts, model, name)
+    return Checked(bench, models, decode)
 
 
 def run(args: argparse.Namespace, checked: Checked) -> None:

@@ -33,8 +33,9 @@ Progress = Callable[[int, int], None]
 @dataclasses.dataclass(frozen=True)
 class Generation:
     """``ids[batch, prompt + max_new_tokens]``: left-padded prompts, then the new tokens (``pad`` after a
-    row's end). ``prompt_length``: the longest prompt; ``steps``: the decode steps run; the seconds of
-    the prefill (compile included on a first call) and of the decode steps."""
+    row's end). ``prompt_length``: the longest prompt; ``steps``: the decode steps timed (all but the
+    first, which compiles on a first call) and ``decode_seconds`` theirs; ``prefill_seconds``: the
+    prefill's (compile included on a first call)."""
 
     ids: np.ndarray
     prompt_length: int
@@ -103,7 +104,11 @@ def run(
             params, cache, token[:, None], length + t - 1, at, valid, jax.random.fold_in(key, t), done
         )
         new.append(token)
-        steps += 1
+        if t == 1:  # the first decode step compiles: the timed steps are the ones after it
+            token.block_until_ready()
+            start = time.perf_counter()
+        else:
+            steps += 1
         if progress:
             progress(t + 1, max_new_tokens)
     out = np.asarray(jnp.stack(new, axis=1))

@@ -158,9 +158,10 @@ class MultiHeadAttention:
         positions = None if cache is None else cache.positions
         if self.rotary is not None:
             q, k = self.rotary(q, positions=positions), self.rotary(k, positions=positions)
-        k, v = rename(k, self.length, self.memory), rename(v, self.length, self.memory)
         causal = self.causal
-        if cache is not None:
+        if cache is None:
+            k, v = rename(k, self.length, self.memory), rename(v, self.length, self.memory)
+        else:
             k, v, mask = self._cached(cache, k, v, length, mask)
             causal = False
         attended = dot_product_attention(
@@ -184,8 +185,8 @@ class MultiHeadAttention:
         new ones), the whole cache's keys and values, and the mask: valid slots up to each query's own."""
         if self.memory not in cache.keys.shape:
             raise ShapeError(f"MultiHeadAttention: cache keys {cache.keys.shape} have no memory dim {self.memory!r}")
-        cache.keys = update_slice(cache.keys, k, cache.index, self.memory)
-        cache.values = update_slice(cache.values, v, cache.index, self.memory)
+        cache.keys = update_slice(cache.keys, k, cache.index, self.memory, self.length)
+        cache.values = update_slice(cache.values, v, cache.index, self.memory, self.length)
         memory = cache.keys.shape[self.memory]
         last = md_range(length) + cache.index if self.causal else cache.index + (length.size - 1)
         seen = md_range(memory) <= last

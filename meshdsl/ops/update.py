@@ -32,20 +32,28 @@ def _index(index: Tensor | int | jax.Array) -> tuple[Tensor | None, int | None]:
 
 
 @op("update_slice")
-def update_slice(x: Tensor, update: Tensor, index: Tensor | int, dim: DimLike) -> Tensor:
+def update_slice(
+    x: Tensor, update: Tensor, index: Tensor | int, dim: DimLike, update_dim: DimLike | None = None
+) -> Tensor:
     """``x`` with ``update`` written at ``index`` along ``dim`` (``out[index + i] = update[i]``).
 
-    ``update`` has ``x``'s dims, ``dim`` of any size up to ``x``'s (the others equal), in any
-    order. ``index`` is an int or a 0-d integer tensor (a traced position); as in
-    ``lax.dynamic_update_slice``, an index past the end is clamped so the whole update fits.
+    ``update`` has ``x``'s dims, in any order, except that along ``dim`` it has ``update_dim``
+    (default: ``dim`` itself) of any size up to ``dim``'s: a cache's ``memory`` takes a step's
+    ``length``, which the layout may split otherwise. ``index`` is an int or a 0-d integer tensor
+    (a traced position); as in ``lax.dynamic_update_slice``, an index past the end is clamped so
+    the whole update fits.
     """
     position = x.shape.index(dim)
     name = x.shape[position].name
-    if name not in update.shape or update.shape.without([name]) != x.shape.without([name]):
-        raise ShapeError(f"update_slice along {name}: update {update.shape} does not match x {x.shape} outside {name}")
-    n, size = update.shape[name].size, x.shape[position].size
+    along = name if update_dim is None else update.shape[update_dim].name
+    rest = update.shape.without([along])
+    if along not in update.shape or name in rest or rest != x.shape.without([name]):
+        raise ShapeError(
+            f"update_slice along {name}: update {update.shape} does not match x {x.shape} outside {along}"
+        )
+    n, size = update.shape[along].size, x.shape[position].size
     if n > size:
-        raise ShapeError(f"update_slice along {name}: update's {update.shape[name]} is longer than x's {x.shape[name]}")
+        raise ShapeError(f"update_slice along {name}: update's {update.shape[along]} is longer than x's {x.shape[name]}")
     if update.dtype != x.dtype:
         raise ShapeError(f"update_slice: update is {update.dtype}, x is {x.dtype}; cast one to the other")
     tensor_index, static = _index(index)
@@ -54,9 +62,9 @@ def update_slice(x: Tensor, update: Tensor, index: Tensor | int, dim: DimLike) -
     array = lowering.prepare(x)
     start = jnp.asarray(static, jnp.int32) if tensor_index is None else lowering.prepare(tensor_index)
     start = jnp.clip(start.astype(jnp.int32), 0, size - n)
-    order = [update.shape.index(d.name) for d in x.shape]
+    order = [update.shape.index(along if d.name == name else d.name) for d in x.shape]
     split = axes[position]
-    update_axes = tuple(axes[x.shape.index(d.name)] if d.name != name else () for d in update.shape)
+    update_axes = tuple(axes[x.shape.index(d.name)] if d.name != along else () for d in update.shape)
     new = jnp.transpose(lowering.prepare(update, update_axes), order)
     new, array = lowering.vary_like(new, array, start), lowering.vary_like(array, new, start)
     start = lowering.vary_like(start, array)
