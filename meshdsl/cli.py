@@ -2,10 +2,10 @@
 modules of :mod:`meshdsl.commands` (one file each: ``train``, ``bench``, ``explain``, ...), found there.
 
 Every command goes the same way (:func:`main`): its config from the flags, its check (every
-mistake that shows before a device is used), then the devices (:mod:`meshdsl.devices`: ``--devices``
+mistake that shows before a device is used), then the devices (:mod:`meshdsl.runtime.devices`: ``--devices``
 simulated CPU devices on a machine without an accelerator, 8 by default, unless XLA_FLAGS chose)
 and the multi-process run (``--coordinator``, ``--num-processes``, ``--process-id``, or the
-``MESHDSL_*`` variables, or a detected cluster: :mod:`meshdsl.distributed`), then its run. An md
+``MESHDSL_*`` variables, or a detected cluster: :mod:`meshdsl.runtime.distributed`), then its run. An md
 error from any of them is one line, ``meshdsl <command>: error: ...``, and exit status 2.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from meshdsl import commands
-from meshdsl.devices import check_environment, simulate_devices, start_backend
+from meshdsl.runtime.devices import check_environment, simulate_devices, start_backend
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,8 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``meshdsl argv``; the exit status."""
     args = _parser().parse_args(argv)
     command = commands.commands()[args.command]
-    from meshdsl import distributed
     from meshdsl.errors import MeshDslError
+    from meshdsl.runtime import distributed
 
     try:
         check_environment()

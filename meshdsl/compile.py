@@ -27,13 +27,12 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from meshdsl.errors import ConfigError, LayoutError, ShapeError
-from meshdsl.layout import Layout
+from meshdsl.layout import Layout, Split
 from meshdsl.lowering.base import GlobalLowering
 from meshdsl.lowering.context import use
 from meshdsl.lowering.gspmd import GspmdLowering
 from meshdsl.lowering.spmd import SpmdLowering
 from meshdsl.mesh import Mesh
-from meshdsl.relayout import Axes
 from meshdsl.tensor import Tensor, describe, is_tensor
 
 LayoutLike = Layout | str | Mapping
@@ -182,7 +181,7 @@ class Compiled:
         leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_tensor)[0]
         return [(prefix + jax.tree_util.keystr(p), x, layouts or self.layout) for p, x in leaves]
 
-    def _axes(self, name: str, leaf: Any, layout: Layout) -> Axes | None:
+    def _axes(self, name: str, leaf: Any, layout: Layout) -> Split | None:
         return layout.axes(leaf.shape, self.mesh, name) if isinstance(leaf, Tensor) else None
 
     @staticmethod

@@ -5,12 +5,12 @@ in it: the forward ops', and those of any ``jax.grad`` inside the function. Each
 meshdsl op that emitted it (from the ``md.<op>`` name scope every op opens), the tensor, the
 collective, its mesh axes, the bytes one device moves, priced by
 :func:`meshdsl.collectives.bytes_moved`, and the line of the user's code that called the op
-(:mod:`meshdsl.user_lines`). The program is read as XLA compiles it
-(:mod:`meshdsl.jaxpr_walk`: calls inlined, one-trip loops removed, dead code dropped, identical
+(:mod:`meshdsl.analysis.user_lines`). The program is read as XLA compiles it
+(:mod:`meshdsl.analysis.jaxpr_walk`: calls inlined, one-trip loops removed, dead code dropped, identical
 computations merged; a ``jax.checkpoint`` recomputation repeats its all-reduces behind its
 optimization barrier unless ``prevent_cse=False``), and a loop's collectives count once per
 iteration. The compiled program runs exactly these collectives, which the tests check against
-its HLO (:mod:`meshdsl.hlo`).
+its HLO (:mod:`meshdsl.analysis.hlo`).
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from meshdsl import hlo
+from meshdsl.analysis import hlo
+from meshdsl.analysis.jaxpr_walk import as_compiled, walk
+from meshdsl.analysis.user_lines import user_line
 from meshdsl.collectives import Collective, busiest_device, bytes_moved, priced_buffer
 from meshdsl.compile import Backend, Compiled
 from meshdsl.errors import ConfigError
-from meshdsl.jaxpr_walk import as_compiled, walk
 from meshdsl.layout import Layout
 from meshdsl.mesh import Mesh
-from meshdsl.user_lines import user_line
 
 _PRIMITIVES = {
     "psum": Collective.ALL_REDUCE,
@@ -61,7 +61,7 @@ class Communication:
     count: int
     bytes: float
     source: str = ""
-    """``FILE:LINE`` of the user's code that called the op (:func:`meshdsl.user_lines.user_line`);
+    """``FILE:LINE`` of the user's code that called the op (:func:`meshdsl.analysis.user_lines.user_line`);
     "" when no frame of it is known (a collective XLA's partitioner inserted)."""
     senders: frozenset[int] | None = None
     """The devices that send (row-major over the mesh's axes): a permute's sources; None: every device."""
@@ -91,7 +91,7 @@ class Report:
         return busiest_device((r.bytes, r.senders) for r in self.rows)
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """``{collective: {"count": ..., "bytes": ...}}``, in the form :func:`meshdsl.hlo.summary` gives: runs,
+        """``{collective: {"count": ..., "bytes": ...}}``, in the form :func:`meshdsl.analysis.hlo.summary` gives: runs,
         and the bytes the busiest device sends."""
         out: dict[str, dict[str, float]] = {}
         for kind in dict.fromkeys(r.collective for r in self.rows):
@@ -195,7 +195,7 @@ def report_of_jaxpr(jaxpr: jex_core.Jaxpr, axis_sizes: Mapping[str, int], cpu: b
     """The collectives of a traced program (``make_jaxpr(...).jaxpr``) on a mesh of ``axis_sizes``.
 
     What :func:`explain` reports, for a jaxpr already traced: the planner prices the program it
-    traced itself with it. The program is read as XLA compiles it (:func:`meshdsl.jaxpr_walk.as_compiled`);
+    traced itself with it. The program is read as XLA compiles it (:func:`meshdsl.analysis.jaxpr_walk.as_compiled`);
     ``cpu``: 16-bit float reductions count as f32, as XLA on CPU runs them. ConfigError for a
     collective inside a ``while_loop`` (its trip count is unknown).
     """

@@ -33,11 +33,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from meshdsl.dims import ShapeLike, as_shape
 from meshdsl.errors import ConfigError, LayoutError
 from meshdsl.mesh import Mesh
-from meshdsl.pipeline_config import PipelineConfig
-from meshdsl.relayout import Axes
+from meshdsl.pipeline.config import PipelineConfig
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RuleValue = str | tuple[str, ...] | list[str]
+
+Split = tuple[tuple[str, ...], ...]
+"""How one tensor is split: per dim, the mesh axes splitting it, major to minor; ``()`` means replicated.
+A :class:`Layout` (the rules) gives every tensor its split; ``Tensor.split`` records the one it has now."""
 
 
 def _split_rules(text: str) -> list[str]:
@@ -108,7 +111,7 @@ class Layout:
 
     ``params``: optional separate rules for parameters and optimizer state (FSDP / ZeRO-3: stored
     split, gathered for compute). ``mesh_axes``: the mesh a layout file asks for, if any.
-    ``pipeline``: microbatches and schedule (:class:`meshdsl.pipeline_config.PipelineConfig`, or a
+    ``pipeline``: microbatches and schedule (:class:`meshdsl.pipeline.config.PipelineConfig`, or a
     ``[pipeline]`` table) for a layout that splits ``layers`` into pipeline stages.
     """
 
@@ -192,7 +195,7 @@ class Layout:
                 if a not in mesh.axis_sizes:
                     raise LayoutError(f"layout rule {dim}:{a} names mesh axis {a!r}, but the mesh has axes {mesh}")
 
-    def axes(self, shape: ShapeLike, mesh: Mesh, tensor: str = "tensor") -> Axes:
+    def axes(self, shape: ShapeLike, mesh: Mesh, tensor: str = "tensor") -> Split:
         """Per-dim split axes of a tensor of ``shape``; LayoutError if they do not fit ``mesh``."""
         shape = as_shape(shape)
         self.check_mesh(mesh)

@@ -58,9 +58,7 @@ from jax import lax
 
 from meshdsl import compression
 from meshdsl.collectives import Collective, bytes_moved
-
-Axes = tuple[tuple[str, ...], ...]
-"""Per tensor dim, the mesh axes splitting it, major to minor; ``()`` means replicated."""
+from meshdsl.layout import Split
 
 
 class StepKind(enum.Enum):
@@ -108,7 +106,7 @@ class Step:
 class State:
     """A local layout: per-dim split axes and the axes of pending partial sums."""
 
-    axes: Axes
+    axes: Split
     pending: tuple[str, ...] = ()
 
     def after(self, step: Step) -> State:
@@ -129,7 +127,7 @@ class State:
         return State(tuple(map(tuple, axes)), tuple(pending))
 
 
-_Node = tuple[Axes, tuple[str, ...]]
+_Node = tuple[Split, tuple[str, ...]]
 """A local layout in the search: per-dim axes, and the pending axes in the search's canonical order."""
 
 _Key = tuple[int, int, int]
@@ -148,7 +146,7 @@ def _add(a: _Key, b: _Key) -> _Key:
     return (a[0] + b[0], a[1] + b[1], a[2] + b[2])
 
 
-def _replace(axes: Axes, changed: Mapping[int, tuple[str, ...]]) -> Axes:
+def _replace(axes: Split, changed: Mapping[int, tuple[str, ...]]) -> Split:
     return tuple(changed.get(d, a) for d, a in enumerate(axes))
 
 
@@ -303,7 +301,7 @@ def _plan(space: _Space, start: _Node, goal: _Node) -> tuple[Step, ...]:
 
 
 def plan(
-    src: Axes, dst: Axes, pending: Iterable[str], sizes: Sequence[int], axis_sizes: Mapping[str, int]
+    src: Split, dst: Split, pending: Iterable[str], sizes: Sequence[int], axis_sizes: Mapping[str, int]
 ) -> tuple[Step, ...]:
     """The cheapest steps that turn a shard laid out as ``src`` (with ``pending`` sums) into one laid out as ``dst``.
 
@@ -342,7 +340,7 @@ def axis_index(axes: Sequence[str], axis_sizes: Mapping[str, int]) -> jax.Array 
     return index
 
 
-def local_sizes(sizes: Sequence[int], axes: Axes, axis_sizes: Mapping[str, int]) -> tuple[int, ...]:
+def local_sizes(sizes: Sequence[int], axes: Split, axis_sizes: Mapping[str, int]) -> tuple[int, ...]:
     """Shard sizes of a tensor of global ``sizes`` laid out as ``axes``."""
     return tuple(s // group_size(a, axis_sizes) for s, a in zip(sizes, axes))
 

@@ -3,7 +3,7 @@
 A :class:`Tensor` is a JAX pytree whose one leaf is the array and whose static part is the
 :class:`~meshdsl.dims.Shape`, so ``jax.jit``, ``jax.grad``, ``jax.tree_util`` and optax handle it
 like any array container. Outside ``md.compile`` the array is the global value. Inside the spmd
-lowering it is this device's shard (the shape stays global): ``layout`` records how it is split
+lowering it is this device's shard (the shape stays global): ``split`` records how it is split
 (per dim, the mesh axes), and it may hold partial sums over some mesh axes that a later op adds
 up (Mesh-TF's LazyAllreduceSum); reading ``.array`` adds them.
 """
@@ -39,7 +39,7 @@ def _binary(name: str, reflected: bool = False) -> Callable[[Tensor, Any], Tenso
 class Tensor:
     """A JAX array with named dims. Build one with :func:`tensor`."""
 
-    __slots__ = ("_data", "shape", "pending", "layout")
+    __slots__ = ("_data", "shape", "pending", "split")
     __array_priority__ = 100
     __hash__ = None  # type: ignore[assignment]  # == is elementwise, as for arrays
 
@@ -48,12 +48,12 @@ class Tensor:
         data: Any,
         shape: Shape,
         pending: tuple[str, ...] = (),
-        layout: tuple[tuple[str, ...], ...] | None = None,
+        split: tuple[tuple[str, ...], ...] | None = None,
     ):
         self._data = data
         self.shape = shape
         self.pending = pending
-        self.layout = layout
+        self.split = split
 
     @property
     def array(self) -> jax.Array:
@@ -78,10 +78,10 @@ class Tensor:
         return np.asarray(self.array)
 
     def tree_flatten_with_keys(self):
-        return ((jax.tree_util.GetAttrKey("array"), self._data),), (self.shape, self.pending, self.layout)
+        return ((jax.tree_util.GetAttrKey("array"), self._data),), (self.shape, self.pending, self.split)
 
     def tree_flatten(self):
-        return (self._data,), (self.shape, self.pending, self.layout)
+        return (self._data,), (self.shape, self.pending, self.split)
 
     @classmethod
     def tree_unflatten(cls, aux: tuple, children: Sequence[Any]) -> Tensor:

@@ -26,9 +26,9 @@ from meshdsl.models import transformer
 from meshdsl.models.presets import Presets
 
 import meshdsl as md
+from meshdsl.checkpoint.safetensors_io import Source
 from meshdsl.errors import ConfigError
 from meshdsl.planner.flops import attention_flops
-from meshdsl.safetensors_io import Source
 
 LLAMA3 = dict(kv_heads=8, vocab=128256, rope_theta=500000.0)
 

@@ -9,7 +9,7 @@ class Presets:
     """Mixin for a shipped model's ``Config`` dataclass: ``PRESETS`` maps a name to field values.
 
     A convenience for Python code; a model needs only ``PRESETS`` (no base class), which
-    :func:`meshdsl.model_config.configure` reads for every command.
+    :func:`meshdsl.model.config.configure` reads for every command.
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
@@ -17,6 +17,6 @@ class Presets:
     @classmethod
     def preset(cls, name: str, **overrides: Any):
         """The preset ``name`` with ``overrides`` applied (checked as ``--set`` values are)."""
-        from meshdsl.model_config import configure
+        from meshdsl.model.config import configure
 
         return configure(cls, name, overrides, cls.__module__.split(".")[-1])

@@ -15,7 +15,7 @@ layout, :func:`check` proves:
    differs by 1e-5 between two equally valid float32 formulas.) With ``around=True``, also
    ``jax.grad`` taken *around* the compiled function (a plain jitted function that calls it and
    sums its results times the same cotangents), for every backend, equals the same reference.
-3. *Communication*: ``md.explain(...).summary()`` equals :func:`meshdsl.hlo.summary` of the
+3. *Communication*: ``md.explain(...).summary()`` equals :func:`meshdsl.analysis.hlo.summary` of the
    compiled spmd program (counts and bytes exactly).
 
 The forward results and the inside gradient come from one program per backend (the gradient
@@ -59,7 +59,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from reference import Named, recording
 
 import meshdsl as md
-from meshdsl import hlo
+from meshdsl.analysis import hlo
 
 BACKENDS = ("spmd", "gspmd")
 TOL = 1e-5

@@ -1198,7 +1198,7 @@ def chains(draw, ctx: Context, min_len: int = 2, max_len: int = 3) -> Chain:
 
 @st.composite
 def pool_rules(draw, mesh: md.Mesh, pool: dict[str, int]) -> dict[str, tuple[str, ...]]:
-    """Axes for each pool dim (in a drawn order, so that no dim always chooses first)."""
+    """Split for each pool dim (in a drawn order, so that no dim always chooses first)."""
     rules: dict[str, tuple[str, ...]] = {}
     for name in draw(st.permutations(list(pool))):
         axes = draw(S.dim_axes(mesh, pool[name], {a for v in rules.values() for a in v}))

@@ -64,7 +64,7 @@ def axis_choices(mesh: md.Mesh, max_axes: int = 2) -> list[tuple[str, ...]]:
 def dim_axes(
     draw, mesh: md.Mesh, size: int, taken: set[str], like: tuple[str, ...] = (), share: float = 0.2
 ) -> tuple[str, ...]:
-    """Axes for one dim of ``size``, always dividing it: unsplit, an axis, or an ordered pair or
+    """Split for one dim of ``size``, always dividing it: unsplit, an axis, or an ordered pair or
     triple of axes. With probability ``share`` they may include axes other dims hold (``taken``):
     legal while the two dims never meet in one tensor, the case where an op chooses its compute
     layout. ``like``: a related dim's axes (a merged dim split like its leading part), drawn

@@ -124,7 +124,7 @@ def test_md_attention_asks_for_cudnn_on_a_gpu_only_where_it_fits(monkeypatch):
 def test_transformer_and_its_plain_jax_baseline_ask_for_the_same_kernel(monkeypatch):
     """The shipped Transformer (bf16, head size 8) and bench's hand-written one: cuDNN on a GPU, alike."""
     from meshdsl.bench import baselines
-    from meshdsl.model_loader import build_model
+    from meshdsl.model.loader import build_model
     from meshdsl.train import optim
     from meshdsl.train.step import Trainer
 

@@ -30,9 +30,10 @@ from cli_errors import one_error_line, snapshot
 import meshdsl as md
 from meshdsl import cli
 from meshdsl.planner.profile import load_profile
+from meshdsl.runtime.layout_spec import LAYOUTS, load_layout
 from meshdsl.train import optim, rules
 from meshdsl.train.data import TokenFile
-from meshdsl.train.loop import RunConfig, build_model, load_layout, rule_warnings, train
+from meshdsl.train.loop import RunConfig, build_model, rule_warnings, train
 from meshdsl.train.step import Trainer
 from meshdsl.train.token_batch import TokenBatch
 
@@ -656,7 +657,7 @@ def test_every_shipped_rule_names_a_dim_of_some_shipped_model() -> None:
     from meshdsl import models
 
     dims = set().union(*(rules.model_dims(build_model(name, "tiny")) for name in models.NAMES))
-    for path in sorted(rules.LAYOUTS.glob("*.toml")):
+    for path in sorted(LAYOUTS.glob("*.toml")):
         layout = md.Layout.load(path)
         named = set(layout.rules) | set(layout.params.rules if layout.params else {})
         assert named <= dims, (path.name, named - dims)

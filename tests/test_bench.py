@@ -12,12 +12,12 @@ import pytest
 
 import meshdsl as md
 from meshdsl.bench import analytic, baselines
-from meshdsl.bench.peaks import peak_flops
 from meshdsl.bench.report import frontier
-from meshdsl.bench.timing import CompiledStep, compile_step, interleaved_rounds, round_orders
-from meshdsl.model_loader import build_model
+from meshdsl.measure.peaks import peak_flops
+from meshdsl.measure.timing import CompiledStep, compile_step, interleaved_rounds, round_orders
+from meshdsl.model.loader import build_model
+from meshdsl.runtime.layout_spec import load_layout
 from meshdsl.train import optim
-from meshdsl.train.loop import load_layout
 from meshdsl.train.step import Trainer
 
 LAYOUTS = Path(__file__).resolve().parents[1] / "layouts"

@@ -21,7 +21,9 @@ import numpy as np
 import pytest
 
 import meshdsl as md
-from meshdsl.train.loop import RunConfig, load_layout, train
+from meshdsl.checkpoint import store
+from meshdsl.runtime.layout_spec import load_layout
+from meshdsl.train.loop import RunConfig, train
 
 ROOT = Path(__file__).resolve().parents[1]
 DP_TP = md.Layout("batch:data; d_ff:model; heads:model")
@@ -178,7 +180,7 @@ def test_a_save_killed_before_its_commit_leaves_the_last_checkpoint(killed_run):
     assert result.returncode == -9, result.stderr
     assert sorted(losses) == list(range(1, 11)) and f"saved checkpoint {directory / 'step_5'}" in result.stdout
     partial = [p for p in directory.iterdir() if p.name.startswith("step_10.partial-")]
-    assert len(partial) == 1 and (partial[0] / md.checkpoint.MANIFEST).is_file()
+    assert len(partial) == 1 and (partial[0] / store.MANIFEST).is_file()
     assert md.checkpoint.latest(directory) == directory / "step_5" and md.checkpoint.steps(directory) == [5]
     state, metadata = md.checkpoint.restore(directory / "step_5", md.Mesh({"data": 8}), "d_model:data")
     assert metadata["step"] == 5 and metadata["model"] == "transformer" and metadata["config"]["d_model"] == 32
@@ -279,7 +281,7 @@ def test_a_kill_while_pruning_leaves_only_restorable_checkpoints(tmp_path):
         f"saved checkpoint {ckpt / 'step_3'}" in killed.stdout and "step 4/4" in killed.stdout
     )  # killed in step 4's save
     assert md.checkpoint.steps(ckpt) == [2, 3, 4]
-    leftovers = sorted(p.name.split("-")[0] for p in ckpt.iterdir() if not md.checkpoint._STEP.match(p.name))
+    leftovers = sorted(p.name.split("-")[0] for p in ckpt.iterdir() if not store._STEP.match(p.name))
     assert leftovers == [
         ".meshdsl",
         "step_1.deleted",
@@ -350,12 +352,12 @@ def test_corrupt_and_foreign_checkpoints_raise_data_errors(checkpoint):
     manifest = json.loads((altered / "manifest.json").read_text())
     record = next(r for r in manifest["leaves"] if r["path"] == "['params']['w']")
     record["shape"], record["dims"] = [16, 4], [["d_model", 16], ["d_ff", 4]]
-    manifest["checksum"] = md.checkpoint._checksum(manifest)  # a consistent manifest whose arrays differ
+    manifest["checksum"] = store._checksum(manifest)  # a consistent manifest whose arrays differ
     (altered / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(md.DataError, match=r"holds float32\[16, 8\], but the manifest says float32\[16, 4\]"):
         restore(altered)
     del record["dtype"]
-    manifest["checksum"] = md.checkpoint._checksum(manifest)
+    manifest["checksum"] = store._checksum(manifest)
     (altered / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(
         md.DataError, match=r"is corrupt: malformed leaf record in manifest.json: .*\['params'\]\['w'\]"

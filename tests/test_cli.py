@@ -15,7 +15,7 @@ from meshdsl.models import transformer
 
 import meshdsl as md
 from meshdsl.bench.run import BenchConfig, run
-from meshdsl.model_loader import build_model
+from meshdsl.model.loader import build_model
 from meshdsl.train import optim
 from meshdsl.train.step import Trainer
 
@@ -426,7 +426,7 @@ def test_every_command_loads_models_the_same_way(command: list[str], models_dir:
 
 def test_set_overrides_a_field_in_every_command(models_dir: Path) -> None:
     from meshdsl.cli import _config, _parser
-    from meshdsl.model_loader import build_model
+    from meshdsl.model.loader import build_model
 
     for command in COMMANDS.values():
         argv = [*command, "--model", "good.py", *TINY, "--set", "units=48", "--set", "rows=8"]
@@ -508,7 +508,7 @@ def test_a_users_model_is_never_taken_for_a_shipped_one(models_dir: Path) -> Non
     """A user's module called mlp (userpkg.mlp) gets no byte formula and no plain-JAX baseline of the shipped MLP
     (they would read fields it lacks); the shipped MLP gets both."""
     from meshdsl.bench import analytic, baselines
-    from meshdsl.model_loader import build_model, shipped_name
+    from meshdsl.model.loader import build_model, shipped_name
     from meshdsl.train import optim
 
     (models_dir / "userpkg" / "mlp.py").write_text(MODEL)

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import meshdsl as md
-from meshdsl import compression, hlo
+from meshdsl import compression
+from meshdsl.analysis import hlo
 from meshdsl.collectives import Collective, bytes_moved
 
 N = 4
@@ -159,7 +160,7 @@ def test_training_step_bytes_equal_the_analytic_minimum(dtype):
     """The shipped MLP's training step on data=4: the compiled program's collectives equal md.explain's
     (priced for CPU) and, priced for a GPU, the analytic minimum (bench's formula) to the byte."""
     from meshdsl.bench import analytic
-    from meshdsl.model_loader import build_model
+    from meshdsl.model.loader import build_model
     from meshdsl.train import optim
     from meshdsl.train.step import Trainer
 

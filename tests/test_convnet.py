@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from meshdsl.models import convnet
 
 import meshdsl as md
-from meshdsl import hlo
+from meshdsl.analysis import hlo
 from meshdsl.ops.conv import conv2d
 from meshdsl.train.optim import adamw
 from meshdsl.train.step import Trainer

@@ -16,11 +16,12 @@ from test_cli import meshdsl
 
 import meshdsl as md
 from meshdsl.errors import ConfigError, DataError
-from meshdsl.model_loader import build_model
+from meshdsl.model.loader import build_model
+from meshdsl.runtime.layout_spec import LAYOUTS
 from meshdsl.train import data as data_module
 from meshdsl.train.data import TokenFile
 from meshdsl.train.loop import RunConfig, build_trainer, check, train
-from meshdsl.train.rules import LAYOUTS, split_warnings
+from meshdsl.train.rules import split_warnings
 from meshdsl.train.token_batch import TokenBatch, token_batch_of
 
 USER_MODEL = '''

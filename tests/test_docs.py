@@ -10,29 +10,29 @@ from pathlib import Path
 
 import meshdsl
 import meshdsl.checkpoint
-import meshdsl.distributed
-import meshdsl.launch
-import meshdsl.layout_spec
-import meshdsl.model_config
-import meshdsl.model_loader
-import meshdsl.model_protocol
+import meshdsl.model.config
+import meshdsl.model.loader
+import meshdsl.model.protocol
 import meshdsl.pipeline
-import meshdsl.pipeline_config
+import meshdsl.pipeline.config
 import meshdsl.planner
 import meshdsl.planner.roles
+import meshdsl.runtime.distributed
+import meshdsl.runtime.launch
+import meshdsl.runtime.layout_spec
 from meshdsl import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = [
     meshdsl.checkpoint,
     meshdsl.pipeline,
-    meshdsl.pipeline_config,
-    meshdsl.distributed,
-    meshdsl.launch,
-    meshdsl.model_loader,
-    meshdsl.model_protocol,
-    meshdsl.layout_spec,
-    meshdsl.model_config,
+    meshdsl.pipeline.config,
+    meshdsl.runtime.distributed,
+    meshdsl.runtime.launch,
+    meshdsl.model.loader,
+    meshdsl.model.protocol,
+    meshdsl.runtime.layout_spec,
+    meshdsl.model.config,
     meshdsl.planner.roles,
 ]
 
@@ -49,7 +49,9 @@ def _package_names() -> list[str]:
 
 
 def _defined_here(module) -> list[str]:
-    """Public functions and classes defined in ``module`` itself (not imported into it)."""
+    """Public functions and classes defined in ``module`` itself (not imported into it); a package's ``__all__``."""
+    if hasattr(module, "__all__"):
+        return list(module.__all__)
     return [
         name
         for name, value in vars(module).items()

@@ -21,7 +21,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import meshdsl as md
-from meshdsl import hlo
+from meshdsl.analysis import hlo
 
 
 def out_arg(names, form, sizes):

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 import meshdsl as md
-from meshdsl.user_lines import user_line
+from meshdsl.analysis.user_lines import user_line
 
 CODE = """
 import jax
@@ -100,7 +100,7 @@ def test_a_collective_of_meshdsl_s_own_names_meshdsl_s_line() -> None:
     """No user code asked for the train step's sum of the loss over the batch's devices: its all-reduce
     names meshdsl's line; the shipped model's rows name its file as installed (``meshdsl/models/``)."""
     from meshdsl.explain import report_of_jaxpr
-    from meshdsl.model_loader import build_model
+    from meshdsl.model.loader import build_model
     from meshdsl.planner.trace import trace_step
     from meshdsl.train import optim
 

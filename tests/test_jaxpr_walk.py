@@ -13,7 +13,7 @@ from jax.extend.core import jaxpr_as_fun
 from jax.sharding import PartitionSpec as P
 
 import meshdsl as md
-from meshdsl import jaxpr_walk
+from meshdsl.analysis import jaxpr_walk
 from meshdsl.planner.memory import carried
 from meshdsl.planner.program import block
 
@@ -198,7 +198,7 @@ def test_report_of_an_optax_step_around_a_compiled_function_with_a_number() -> N
     issue 24). The report of the whole optax step equals the compiled program's collectives."""
     import optax
 
-    from meshdsl import hlo
+    from meshdsl.analysis import hlo
     from meshdsl.explain import report_of_jaxpr
 
     mesh = md.Mesh({"data": 4, "model": 2})

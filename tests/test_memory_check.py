@@ -1,4 +1,4 @@
-"""A step that does not fit a device's memory is one clear line before it runs (meshdsl.bench.fits).
+"""A step that does not fit a device's memory is one clear line before it runs (meshdsl.measure.fits).
 
 The device's capacity is faked with ``MESHDSL_DEVICE_MEMORY_BYTES``; the step's memory the check
 compares with it is checked against XLA's own ``memory_analysis()`` of the step compiled as
@@ -16,13 +16,13 @@ import jax
 import pytest
 
 from meshdsl import cli
-from meshdsl.bench import fits
 from meshdsl.bench.run import BenchConfig, run
-from meshdsl.bench.timing import compile_abstract, interleaved_rounds, memory_bytes
 from meshdsl.errors import ConfigError
-from meshdsl.model_loader import build_model
+from meshdsl.measure import fits
+from meshdsl.measure.timing import compile_abstract, interleaved_rounds, memory_bytes
+from meshdsl.model.loader import build_model
+from meshdsl.runtime.layout_spec import load_layout
 from meshdsl.train import optim
-from meshdsl.train.loop import load_layout
 from meshdsl.train.step import Trainer
 
 

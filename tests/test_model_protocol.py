@@ -1,4 +1,4 @@
-"""The model interface (meshdsl.model_protocol): a model with only the core trains and benches, one
+"""The model interface (meshdsl.model.protocol): a model with only the core trains and benches, one
 without ``loss`` is refused in one line by train, bench and the Trainer (the command line's one line:
 tests/test_cli.py, "Model without loss"), and each run builds its model once."""
 
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import meshdsl as md
-from meshdsl import model_protocol
 from meshdsl.bench.run import BenchConfig
 from meshdsl.bench.run import run as bench
-from meshdsl.model_loader import build_model, load_module
+from meshdsl.model import protocol as model_protocol
+from meshdsl.model.loader import build_model, load_module
 from meshdsl.train import optim
 from meshdsl.train.loop import RunConfig, check, train
 from meshdsl.train.step import Trainer

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from meshdsl.models import moe
 
 import meshdsl as md
-from meshdsl import hlo
+from meshdsl.analysis import hlo
 from meshdsl.train.optim import adamw
 from meshdsl.train.step import Trainer
 

@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshdsl import distributed
-from meshdsl import launch as launch_module
 from meshdsl.errors import ConfigError
-from meshdsl.launch import describe, free_port
+from meshdsl.runtime import distributed
+from meshdsl.runtime import launch as launch_module
+from meshdsl.runtime.launch import describe, free_port
 from meshdsl.train.loop import RunConfig, train
 
 ROOT = Path(__file__).resolve().parents[1]

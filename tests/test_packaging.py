@@ -54,7 +54,7 @@ def test_wheel_holds_the_package_models_and_layouts_and_no_top_level_models(tmp_
     expected |= {
         f"meshdsl/planner/profiles/{p.name}" for p in (ROOT / "meshdsl" / "planner" / "profiles").glob("*.json")
     }
-    assert {"meshdsl/models/transformer.py", "meshdsl/layouts/dp_tp.toml", "meshdsl/model_loader.py"} <= names
+    assert {"meshdsl/models/transformer.py", "meshdsl/layouts/dp_tp.toml", "meshdsl/model/loader.py"} <= names
     assert not expected - names, f"the wheel lacks {sorted(expected - names)}"
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"meshdsl"}, f"the wheel installs top-level {sorted(tops - {'meshdsl'})}"

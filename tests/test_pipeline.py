@@ -17,7 +17,9 @@ from jax import lax
 from meshdsl.models import moe, transformer
 
 import meshdsl as md
-from meshdsl import hlo, hlo_flops, pipeline
+from meshdsl import pipeline
+from meshdsl.analysis import hlo, hlo_flops
+from meshdsl.pipeline.schedule import backward_item, forward_item, residual_slots
 from meshdsl.train import optim
 from meshdsl.train.step import Trainer
 
@@ -131,7 +133,7 @@ def test_1f1b_activation_memory_is_flat_in_microbatches_and_gpipe_grows():
     # 1F1B keeps the residuals of at most 2p - 1 = 3 microbatches in flight (a ring of 3 slots from M = 3
     # on); GPipe those of all M + p - 1 ticks.
     few, many = 3, 9
-    assert [pipeline.residual_slots(2, m).max() + 1 for m in (few, many)] == [3, 3]
+    assert [residual_slots(2, m).max() + 1 for m in (few, many)] == [3, 3]
     gpipe = [_temp_bytes("gpipe", m) for m in (few, many)]
     one_f_one_b = [_temp_bytes("1f1b", m) for m in (few, many)]
     assert gpipe[1] > 2 * gpipe[0], gpipe
@@ -277,13 +279,13 @@ def test_timetable_runs_each_microbatch_once_each_way_in_dependency_order(schedu
     for segment in pipeline.timetable(schedule, p, microbatches, v):
         for t in range(segment.start, segment.start + segment.length):
             for s in range(p):
-                mb, j, _ = pipeline.forward_item(t, s, p, v)
+                mb, j, _ = forward_item(t, s, p, v)
                 assert (s in segment.forward) == (0 <= mb < microbatches)
                 if s in segment.forward:
                     assert (mb, j * p + s) not in forward
                     forward[(mb, j * p + s)] = t
                     assert (s in segment.forward_sends) == (j * p + s < v * p - 1)
-                mb, j, _ = pipeline.backward_item(t, s, p, v)
+                mb, j, _ = backward_item(t, s, p, v)
                 assert (s in segment.backward) == (0 <= mb < microbatches)
                 if s in segment.backward:
                     assert (mb, j * p + s) not in backward
@@ -302,7 +304,7 @@ def test_timetable_runs_each_microbatch_once_each_way_in_dependency_order(schedu
     # The residual ring: a stage holds a chunk-microbatch's residuals from its forward's tick to its
     # backward's, both included (a tick writes before it reads). No two held at once share a slot, and the
     # ring has as many slots as the most any stage holds at once: min(v M, (v + 1) p - 1).
-    slots = pipeline.residual_slots(p, microbatches, v)
+    slots = residual_slots(p, microbatches, v)
     most = 0
     for s in range(p):
         held = {(mb, k): (forward[(mb, k)], backward[(mb, k)]) for mb, k in everything if k % p == s}

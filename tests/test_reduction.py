@@ -22,7 +22,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import meshdsl as md
-from meshdsl import hlo
+from meshdsl.analysis import hlo
 
 MD_REDUCE = {"sum": md.reduce_sum, "mean": md.reduce_mean, "max": md.reduce_max, "min": md.reduce_min}
 

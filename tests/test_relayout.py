@@ -36,7 +36,8 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 import meshdsl as md
-from meshdsl import hlo, relayout
+from meshdsl import relayout
+from meshdsl.analysis import hlo
 from meshdsl.collectives import Collective
 from meshdsl.relayout import State, Step, StepKind
 
@@ -427,7 +428,7 @@ def test_apply_every_step(axis_sizes, shape):
 
 
 def _predicted(cases, axis_sizes):
-    """Collective counts and bytes the plans say, in meshdsl.hlo.summary's form."""
+    """Collective counts and bytes the plans say, in meshdsl.analysis.hlo.summary's form."""
     out = {}
     for shape, src, dst, pending in cases:
         steps = relayout.plan(src, dst, pending, shape, axis_sizes)

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from reference import Named
 
 import meshdsl as md
-from meshdsl import hlo
+from meshdsl.analysis import hlo
 
 D = md.Dim
 

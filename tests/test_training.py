@@ -21,8 +21,8 @@ import optax
 import pytest
 
 import meshdsl as md
-from meshdsl import hlo
-from meshdsl.bench import timing
+from meshdsl.analysis import hlo
+from meshdsl.measure import timing
 from meshdsl.train import optim
 from meshdsl.train.step import Trainer
 

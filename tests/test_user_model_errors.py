@@ -217,7 +217,7 @@ def test_a_good_model_through_the_loader_trains_like_the_raw_one(
     import jax
     import numpy as np
 
-    from meshdsl.model_loader import build_model, load_module
+    from meshdsl.model.loader import build_model, load_module
 
     (tmp_path / "checked.py").write_text(GOOD)
     monkeypatch.chdir(tmp_path)
@@ -350,8 +350,8 @@ def test_with_batch_gives_a_checked_model_whose_parts_compute_the_raw_ones(
     import numpy as np
 
     import meshdsl as md
-    from meshdsl.model_loader import build_model, load_module
-    from meshdsl.user_model import UserModel
+    from meshdsl.model.loader import build_model, load_module
+    from meshdsl.model.user import UserModel
 
     (tmp_path / "piped.py").write_text(PIPELINED)
     monkeypatch.chdir(tmp_path)

@@ -50,7 +50,7 @@ import meshdsl as md
 from meshdsl import compression, relayout
 from meshdsl.collectives import Collective, bytes_moved
 from meshdsl.measure.sizes import local_bytes
-from meshdsl.model_loader import shipped_name
+from meshdsl.model.loader import shipped_name
 from meshdsl.tensor import is_tensor
 from meshdsl.train.optim import OptaxOptimizer
 from meshdsl.train.rules import model_dims

@@ -27,10 +27,11 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 import meshdsl as md
-from meshdsl import compression, model_protocol, relayout
+from meshdsl import compression, relayout
 from meshdsl.measure import fits
 from meshdsl.measure.timing import CompiledStep, losses_from, memory_bytes
-from meshdsl.model_loader import shipped_name
+from meshdsl.model import protocol as model_protocol
+from meshdsl.model.loader import shipped_name
 from meshdsl.nn.attention_impl import implementation_here
 from meshdsl.ops.scan import REMAT_POLICIES
 from meshdsl.tensor import is_tensor

@@ -76,8 +76,8 @@ DRY = Sizes(
 
 def check(args: argparse.Namespace) -> None:
     """The report's files and folder can be written (before any device is used); ConfigError if not."""
-    from meshdsl import output_paths
     from meshdsl.errors import ConfigError
+    from meshdsl.runtime import output_paths
 
     if Path(args.out).suffix != ".md":
         raise ConfigError(
@@ -195,10 +195,10 @@ def _bench(cfg: Any) -> list[dict[str, Any]]:
 def _predictions(preset: str, batch: int, profiles: list[Any]) -> list[dict[str, Any]]:
     """The planner's step time and memory for the 1b step as measured (data_parallel on the devices
     at hand) on each profile; traced once per platform the profiles name."""
-    from meshdsl.layout_spec import load_layout
-    from meshdsl.model_loader import build_model
+    from meshdsl.model.loader import build_model
     from meshdsl.planner.cost import price
     from meshdsl.planner.trace import trace_step
+    from meshdsl.runtime.layout_spec import load_layout
     from meshdsl.train import optim
 
     model = build_model("transformer", preset, batch=batch, compute_dtype="bfloat16")

@@ -22,16 +22,19 @@ import jax.numpy as jnp
 import numpy as np
 
 import meshdsl as md
-from meshdsl import hlo, hlo_flops, model_protocol, output_paths
+from meshdsl.analysis import hlo, hlo_flops
 from meshdsl.bench import analytic, baselines
 from meshdsl.bench.report import write_reports
 from meshdsl.errors import ConfigError
-from meshdsl.layout_spec import is_shipped, layout_path, load_layout
 from meshdsl.measure import fits
 from meshdsl.measure.peaks import peak_flops
 from meshdsl.measure.timing import CompiledStep, compile_step, interleaved_rounds, memory_bytes, round_orders
-from meshdsl.model_loader import build_model
-from meshdsl.pipeline import PipelineConfig, bubble, schedule_bubble, stages
+from meshdsl.model import protocol as model_protocol
+from meshdsl.model.loader import build_model
+from meshdsl.pipeline import PipelineConfig, bubble, schedule_bubble
+from meshdsl.pipeline.run import stages
+from meshdsl.runtime import output_paths
+from meshdsl.runtime.layout_spec import is_shipped, layout_path, load_layout
 from meshdsl.train import optim
 from meshdsl.train.rules import unused_rules
 from meshdsl.train.step import Trainer
@@ -352,7 +355,7 @@ def _schedule_label(pipe: PipelineConfig) -> str:
 
 def _pipeline_fields(pipe: PipelineConfig, trainer: Trainer, model: Any, hlo_text: str) -> dict[str, Any]:
     """Schedule, stages, microbatches, bubbles (theory, the timetable's ticks) and the compiled step's
-    matmul FLOPs per device (loops counted by their trip counts: :mod:`meshdsl.hlo_flops`)."""
+    matmul FLOPs per device (loops counted by their trip counts: :mod:`meshdsl.analysis.hlo_flops`)."""
     from meshdsl.lowering.spmd import SpmdLowering
 
     p = stages(SpmdLowering(trainer.mesh, trainer.layout), model.layers)[1]

@@ -113,8 +113,8 @@ def check(args: argparse.Namespace, bench: BenchConfig) -> Checked:
 
 def run(args: argparse.Namespace, checked: Checked) -> None:
     """Benchmark the models the check built; in a multi-process run only process 0 prints and writes."""
-    from meshdsl import distributed
     from meshdsl.bench.run import run as run_bench
+    from meshdsl.runtime import distributed
 
     if distributed.is_primary():
         run_bench(checked.bench, models=checked.models)

@@ -17,7 +17,7 @@ def add_arguments(calibrate: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace, config: None) -> None:
     """``--out`` can be written (the default's name needs the device: checked again in :func:`run`)."""
-    from meshdsl import output_paths
+    from meshdsl.runtime import output_paths
 
     if args.out is not None:
         output_paths.check_file(args.out, "--out")
@@ -27,8 +27,8 @@ def run(args: argparse.Namespace, config: None) -> None:
     """Measure, print each measurement, write the profile."""
     import jax
 
-    from meshdsl import output_paths
     from meshdsl.planner.calibrate import calibrate
+    from meshdsl.runtime import output_paths
 
     device = jax.devices()[0]
     name = args.name or ("cpu-sim" if device.platform == "cpu" else device.device_kind.lower().replace(" ", "-"))

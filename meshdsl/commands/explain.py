@@ -33,9 +33,9 @@ def config(args: argparse.Namespace) -> dict[str, object]:
 def check(args: argparse.Namespace, overrides: dict[str, object]) -> None:
     """The model, optimizer, layout and profile load, and ``--backend gspmd`` comes without ``--no-compile``."""
     from meshdsl.errors import ConfigError
-    from meshdsl.layout_spec import load_layout
-    from meshdsl.model_loader import build_model
+    from meshdsl.model.loader import build_model
     from meshdsl.planner.profile import load_profile
+    from meshdsl.runtime.layout_spec import load_layout
     from meshdsl.train import optim
 
     build_model(args.model, args.preset, **overrides)
@@ -54,11 +54,11 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> None:
     import jax
 
     from meshdsl.explain import report_of_hlo
-    from meshdsl.layout_spec import load_layout
     from meshdsl.measure import fits
     from meshdsl.measure.timing import compile_abstract, memory_bytes
-    from meshdsl.model_loader import build_model
+    from meshdsl.model.loader import build_model
     from meshdsl.planner.cost import predict
+    from meshdsl.runtime.layout_spec import load_layout
     from meshdsl.train import optim
     from meshdsl.train.loop import rule_warnings
     from meshdsl.train.step import Trainer

@@ -47,10 +47,10 @@ def check(args: argparse.Namespace, overrides: dict[str, object]) -> None:
     """The counts and memory are in range, ``--out`` can be written, the model, optimizer and profile load."""
     import math
 
-    from meshdsl import output_paths
     from meshdsl.errors import ConfigError
-    from meshdsl.model_loader import build_model
+    from meshdsl.model.loader import build_model
     from meshdsl.planner.profile import load_profile
+    from meshdsl.runtime import output_paths
     from meshdsl.train import optim
 
     limits = [
@@ -80,12 +80,12 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> None:
 
     import jax
 
-    from meshdsl import output_paths
     from meshdsl.errors import ConfigError
     from meshdsl.measure.fits import readable
-    from meshdsl.model_loader import build_model
+    from meshdsl.model.loader import build_model
     from meshdsl.planner.measure import measure, verdict
     from meshdsl.planner.search import search, write_layout
+    from meshdsl.runtime import output_paths
     from meshdsl.train import optim
 
     devices = args.plan_devices or jax.device_count()

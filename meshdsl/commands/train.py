@@ -216,7 +216,7 @@ def check(args: argparse.Namespace, run: RunConfig) -> Checked:
     for a layout without a pipeline, ``--grad-reduce-dtype`` under ``--backend gspmd``), then
     ``train.loop.check``'s mistakes."""
     from meshdsl.errors import ConfigError
-    from meshdsl.layout_spec import load_layout
+    from meshdsl.runtime.layout_spec import load_layout
     from meshdsl.train.loop import check as check_run
 
     if not SEED_RANGE[0] <= args.seed <= SEED_RANGE[1]:

@@ -25,10 +25,9 @@ import numpy as np
 from jax import lax
 
 from meshdsl.dims import Shape
-from meshdsl.relayout import Axes
 
 if TYPE_CHECKING:
-    from meshdsl.layout import Layout
+    from meshdsl.layout import Layout, Split
     from meshdsl.mesh import Mesh
     from meshdsl.tensor import Tensor
 
@@ -128,17 +127,17 @@ class Lowering(abc.ABC):
     axis_sizes: dict[str, int] = {}
 
     @abc.abstractmethod
-    def axes(self, shape: Shape, tensor: str = "tensor") -> Axes:
+    def axes(self, shape: Shape, tensor: str = "tensor") -> Split:
         """Per-dim mesh axes that split a tensor of ``shape`` in this lowering's local view."""
         ...
 
-    def split_of(self, t: Tensor) -> Axes:
-        """How ``t``'s local array is split now, per dim (``t.layout``; a tensor built outside the
+    def split_of(self, t: Tensor) -> Split:
+        """How ``t``'s local array is split now, per dim (``t.split``; a tensor built outside the
         lowering is whole): its split, not the ``Layout`` rules' (docs/design.md, vocabulary)."""
-        return t.layout if t.layout is not None else ((),) * t.shape.rank
+        return t.split if t.split is not None else ((),) * t.shape.rank
 
     @abc.abstractmethod
-    def prepare(self, t: Tensor, axes: Axes | None = None, beside: Sequence[Tensor] = ()) -> jax.Array:
+    def prepare(self, t: Tensor, axes: Split | None = None, beside: Sequence[Tensor] = ()) -> jax.Array:
         """``t``'s local array, laid out as ``axes`` (default: ``t``'s own layout), pending sums added.
 
         ``beside`` are the op's other operands: splits of ``t`` that are gathered over axes along
@@ -147,7 +146,7 @@ class Lowering(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def stored_gather(self, shape: Shape, axes: Axes) -> tuple[int, tuple[str, ...]] | None:
+    def stored_gather(self, shape: Shape, axes: Split) -> tuple[int, tuple[str, ...]] | None:
         """``(dim, mesh axes)`` when a tensor of ``shape`` held split as ``axes``, another layout than
         the rules give it (a parameter stored split, FSDP), reaches the rules' layout by one
         all-gather along ``dim``; else None."""
@@ -167,7 +166,7 @@ class Lowering(abc.ABC):
         self,
         array: jax.Array,
         shape: Shape,
-        axes: Axes | None = None,
+        axes: Split | None = None,
         pending: Sequence[str] = (),
         lazy: bool = False,
         tensor: str = "output",
@@ -180,7 +179,7 @@ class Lowering(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def keep(self, array: jax.Array, shape: Shape, axes: Axes) -> Tensor:
+    def keep(self, array: jax.Array, shape: Shape, axes: Split) -> Tensor:
         """A Tensor of ``shape`` from a local ``array`` left laid out as ``axes`` (no relayout)."""
         ...
 
@@ -268,13 +267,13 @@ class GlobalLowering(Lowering):
     """Global arrays, nothing split: the eager lowering. Every axes tuple is empty, collectives are
     identities and offsets zero, so the ops compute the plain global result."""
 
-    def axes(self, shape: Shape, tensor: str = "tensor") -> Axes:
+    def axes(self, shape: Shape, tensor: str = "tensor") -> Split:
         return ((),) * shape.rank
 
-    def prepare(self, t: Tensor, axes: Axes | None = None, beside: Sequence[Tensor] = ()) -> jax.Array:
+    def prepare(self, t: Tensor, axes: Split | None = None, beside: Sequence[Tensor] = ()) -> jax.Array:
         return t._data
 
-    def stored_gather(self, shape: Shape, axes: Axes) -> tuple[int, tuple[str, ...]] | None:
+    def stored_gather(self, shape: Shape, axes: Split) -> tuple[int, tuple[str, ...]] | None:
         return None
 
     def gather_stored(
@@ -286,7 +285,7 @@ class GlobalLowering(Lowering):
         self,
         array: jax.Array,
         shape: Shape,
-        axes: Axes | None = None,
+        axes: Split | None = None,
         pending: Sequence[str] = (),
         lazy: bool = False,
         tensor: str = "output",
@@ -295,7 +294,7 @@ class GlobalLowering(Lowering):
 
         return Tensor(array, shape)
 
-    def keep(self, array: jax.Array, shape: Shape, axes: Axes) -> Tensor:
+    def keep(self, array: jax.Array, shape: Shape, axes: Split) -> Tensor:
         from meshdsl.tensor import Tensor
 
         return Tensor(array, shape)

@@ -18,10 +18,9 @@ from jax import lax
 
 from meshdsl import compression, relayout
 from meshdsl.dims import Shape
-from meshdsl.layout import Layout
+from meshdsl.layout import Layout, Split
 from meshdsl.lowering.base import Lowering, exact_max
 from meshdsl.mesh import Mesh
-from meshdsl.relayout import Axes
 from meshdsl.relayout import varying_axes as _varying_axes
 from meshdsl.tensor import Tensor
 
@@ -99,15 +98,15 @@ class SpmdLowering(Lowering):
         self.axis_sizes = dict(mesh.axis_sizes)
         self.grad_reduce_dtype = grad_reduce_dtype
 
-    def axes(self, shape: Shape, tensor: str = "tensor") -> Axes:
+    def axes(self, shape: Shape, tensor: str = "tensor") -> Split:
         return self.layout.axes(shape, self.mesh, tensor)
 
     def _relayout(
         self,
         array: jax.Array,
         shape: Shape,
-        src: Axes,
-        dst: Axes,
+        src: Split,
+        dst: Split,
         pending: Sequence[str],
         varying: frozenset[str] = frozenset(),
     ) -> jax.Array:
@@ -117,7 +116,7 @@ class SpmdLowering(Lowering):
         with jax.named_scope(str(shape)):
             return relayout.apply(array, steps, self.axis_sizes, varying, self.grad_reduce_dtype)
 
-    def prepare(self, t: Tensor, axes: Axes | None = None, beside: Sequence[Tensor] = ()) -> jax.Array:
+    def prepare(self, t: Tensor, axes: Split | None = None, beside: Sequence[Tensor] = ()) -> jax.Array:
         own = self.axes(t.shape)
         src = self.split_of(t)
         varying = frozenset().union(*(self._varying_when_prepared(o) for o in beside if o is not t))
@@ -126,7 +125,7 @@ class SpmdLowering(Lowering):
         return self._vary(x, missing) if self._narrow_grads(x, missing) else x
 
     def _varying_when_prepared(self, t: Tensor) -> frozenset[str]:
-        """Axes an operand will vary along when an op has prepared it: those it varies along now,
+        """Split an operand will vary along when an op has prepared it: those it varies along now,
         less the sums it still owes and the splits it holds beyond its rules' layout (a stored
         FSDP parameter, which its gather makes replicated along those axes), plus every axis its
         rules split it along (a replicated operand, such as a tensor the function closes over, is
@@ -135,7 +134,7 @@ class SpmdLowering(Lowering):
         ruled = {a for axes in self.axes(t.shape) for a in axes}
         return (_varying_axes(t._data) - set(t.pending) - (held - ruled)) | ruled
 
-    def stored_gather(self, shape: Shape, axes: Axes) -> tuple[int, tuple[str, ...]] | None:
+    def stored_gather(self, shape: Shape, axes: Split) -> tuple[int, tuple[str, ...]] | None:
         steps = relayout.plan(axes, self.axes(shape), (), shape.sizes, self.axis_sizes)
         if len(steps) == 1 and steps[0].kind is relayout.StepKind.ALL_GATHER:
             return steps[0].dim, steps[0].axes
@@ -193,7 +192,7 @@ class SpmdLowering(Lowering):
             return Tensor(array, shape, tuple(pending), own)
         return Tensor(self._relayout(array, shape, src, own, pending), shape, (), own)
 
-    def keep(self, array: jax.Array, shape: Shape, axes: Axes) -> Tensor:
+    def keep(self, array: jax.Array, shape: Shape, axes: Split) -> Tensor:
         return Tensor(array, shape, (), axes)
 
     def with_layout(self, layout: Layout) -> SpmdLowering:

@@ -15,12 +15,12 @@ from jax import lax
 
 from meshdsl.dims import Dim, DimLike, Shape
 from meshdsl.errors import ShapeError
+from meshdsl.layout import Split
 from meshdsl.lowering.context import current, op
-from meshdsl.relayout import Axes
 from meshdsl.tensor import Tensor, describe
 
 
-def _unsplit(axes: Axes, position: int) -> Axes:
+def _unsplit(axes: Split, position: int) -> Split:
     return tuple(() if i == position else a for i, a in enumerate(axes))
 
 

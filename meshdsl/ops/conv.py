@@ -25,7 +25,7 @@ Written once on local blocks, like the other ops:
 * ``channels`` split over B: the local conv of the local channel blocks is a partial sum,
   left pending over B (added lazily, as ``einsum``).
 * ``out_channels`` split: the kernel's local block gives the output's local block.
-* Two dims of the operands split over one mesh axis: ``compute_layout.choose`` picks the one that
+* Two dims of the operands split over one mesh axis: ``compute_split.choose`` picks the one that
   keeps it, as for ``einsum``. ``kh``/``kw`` splits are gathered (they are tiny).
 """
 
@@ -38,7 +38,7 @@ from jax import lax
 
 from meshdsl.dims import Dim, DimLike, Shape
 from meshdsl.errors import ShapeError
-from meshdsl.lowering import compute_layout
+from meshdsl.lowering import compute_split
 from meshdsl.lowering.context import current, op
 from meshdsl.ops.window import Window, extend
 from meshdsl.tensor import Tensor
@@ -103,11 +103,11 @@ def conv2d(
     lowering.axes(out, "conv2d result")  # a clear LayoutError if the layout cannot hold the result
     batch = [n for n in x.shape.names if n not in (h, w, c)]
 
-    def result(split: compute_layout.NameAxes):
+    def result(split: compute_split.NameAxes):
         return tuple(split[n] for n in out.names), split[c]
 
     itemsize = np.dtype(jnp.result_type(x.dtype, kernel.dtype)).itemsize
-    split = dict(compute_layout.choose(lowering, [x, kernel], out, result, itemsize))
+    split = dict(compute_split.choose(lowering, [x, kernel], out, result, itemsize))
     split[kh] = split[kw] = ()
     for name in (h, w):  # windows a halo cannot serve: gather the dim instead
         if split[name] and windows[name].halo(lowering.group_size(split[name])) is None:

@@ -16,7 +16,7 @@ import numpy as np
 
 from meshdsl.dims import Dim, DimLike, Shape
 from meshdsl.errors import ShapeError
-from meshdsl.lowering import compute_layout
+from meshdsl.lowering import compute_split
 from meshdsl.lowering.context import current, op
 from meshdsl.tensor import Tensor, describe
 
@@ -74,11 +74,11 @@ def einsum(*tensors: Tensor, out: Sequence[DimLike] | Shape | str | None = None)
     out_shape = _output_shape(tensors, out)
     summed = [n for n in dict.fromkeys(n for t in tensors for n in t.shape.names) if n not in out_shape]
 
-    def result(split: compute_layout.NameAxes):
+    def result(split: compute_split.NameAxes):
         return tuple(split[n] for n in out_shape.names), tuple(a for n in summed for a in split[n])
 
     itemsize = np.dtype(jnp.result_type(*(t.dtype for t in tensors))).itemsize
-    split = compute_layout.choose(lowering, tensors, out_shape, result, itemsize)
+    split = compute_split.choose(lowering, tensors, out_shape, result, itemsize)
     letters = {
         n: string.ascii_letters[i] for i, n in enumerate(dict.fromkeys(n for t in tensors for n in t.shape.names))
     }

@@ -28,7 +28,7 @@ from jax import lax
 
 from meshdsl.dims import Dim, DimLike, Shape
 from meshdsl.errors import ShapeError
-from meshdsl.lowering import compute_layout
+from meshdsl.lowering import compute_split
 from meshdsl.lowering.base import NO_INDEX, max_and_index
 from meshdsl.lowering.context import current, op
 from meshdsl.ops import elementwise
@@ -89,10 +89,10 @@ def gather(weights: Tensor, indices: Tensor, dim: DimLike) -> Tensor:
         )
     out = indices.shape + rest
 
-    def result(split: compute_layout.NameAxes):
+    def result(split: compute_split.NameAxes):
         return tuple(split[n] for n in out.names), split[d.name]
 
-    split = compute_layout.choose(lowering, [weights, indices], out, result, weights.dtype.itemsize)
+    split = compute_split.choose(lowering, [weights, indices], out, result, weights.dtype.itemsize)
     w = lowering.prepare(weights, tuple(split[n] for n in weights.shape.names), beside=[indices])
     idx = lowering.prepare(indices, tuple(split[n] for n in indices.shape.names), beside=[weights])
     size, offset = lowering.shard(d.size, split[d.name])

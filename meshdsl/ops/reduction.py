@@ -16,10 +16,10 @@ import jax.numpy as jnp
 
 from meshdsl.dims import Dim, Shape, resolve
 from meshdsl.errors import ShapeError
+from meshdsl.layout import Split
 from meshdsl.lowering.base import Lowering
 from meshdsl.lowering.context import current, op, use
 from meshdsl.ops import elementwise as ew
-from meshdsl.relayout import Axes
 from meshdsl.tensor import Tensor
 
 # The dims an op works over; None (for the reductions) means all of them.
@@ -115,7 +115,9 @@ def softmax(x: Tensor, dims: SomeDims) -> Tensor:
     return lowering.finish(_softmax(lowering.prepare(x), lowering, x.shape, axes, names), x.shape, axes)
 
 
-def _on_local(lowering: Lowering, shape: Shape, axes: Axes, fn: Callable[..., Tensor], *arrays: jax.Array) -> jax.Array:
+def _on_local(
+    lowering: Lowering, shape: Shape, axes: Split, fn: Callable[..., Tensor], *arrays: jax.Array
+) -> jax.Array:
     """``fn`` of tensors of ``shape`` whose local arrays, laid out as ``axes``, are ``arrays``: its
     result's local array in its own layout, with no pending sums.
 
@@ -129,7 +131,7 @@ def _on_local(lowering: Lowering, shape: Shape, axes: Axes, fn: Callable[..., Te
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
-def _softmax(array: jax.Array, lowering: Lowering, shape: Shape, axes: Axes, names: tuple[str, ...]) -> jax.Array:
+def _softmax(array: jax.Array, lowering: Lowering, shape: Shape, axes: Split, names: tuple[str, ...]) -> jax.Array:
     def value(x: Tensor) -> Tensor:
         e = ew.exp(x - _shift(x, names))
         return e / reduce_sum(e, names)
@@ -139,7 +141,7 @@ def _softmax(array: jax.Array, lowering: Lowering, shape: Shape, axes: Axes, nam
 
 @_softmax.defjvp
 def _softmax_jvp(
-    lowering: Lowering, shape: Shape, axes: Axes, names: tuple[str, ...], primals: tuple, tangents: tuple
+    lowering: Lowering, shape: Shape, axes: Split, names: tuple[str, ...], primals: tuple, tangents: tuple
 ) -> tuple:
     (x,), (t,) = primals, tangents
     y = _softmax(x, lowering, shape, axes, names)

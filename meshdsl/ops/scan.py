@@ -90,7 +90,7 @@ def _vary_like(vary: Callable[..., Any], tree: Any, like: Any) -> Any:
 
     def one(t: Any, other: Any) -> Any:
         if isinstance(t, Tensor):
-            return Tensor(vary(t._data, other._data), t.shape, t.pending, t.layout)
+            return Tensor(vary(t._data, other._data), t.shape, t.pending, t.split)
         return vary(t, other) if isinstance(t, jax.Array) else t
 
     return jax.tree_util.tree_map(one, tree, like, is_leaf=is_tensor)
@@ -221,7 +221,7 @@ def scan(
         if not isinstance(t, Tensor):
             return t
         shape = Shape([tensors[0].shape[name], *t.shape])
-        layout = None if t.layout is None else ((),) + t.layout
-        return lowering.finish(t._data, shape, layout)
+        split = None if t.split is None else ((),) + t.split
+        return lowering.finish(t._data, shape, split)
 
     return carry, jax.tree_util.tree_map(stack, ys, is_leaf=is_tensor)

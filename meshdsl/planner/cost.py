@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import meshdsl as md
-from meshdsl import model_protocol
 from meshdsl.collectives import Collective
 from meshdsl.explain import Report, report_of_jaxpr
+from meshdsl.model import protocol as model_protocol
 from meshdsl.planner import memory as memory_model
 from meshdsl.planner.flops import Work, work
 from meshdsl.planner.profile import DeviceProfile

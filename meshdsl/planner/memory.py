@@ -31,7 +31,7 @@ from collections.abc import Mapping, Set
 from typing import Any
 
 import meshdsl as md
-from meshdsl.jaxpr_walk import loop_carries, scan_counts
+from meshdsl.analysis.jaxpr_walk import loop_carries, scan_counts
 from meshdsl.measure.sizes import local_bytes
 from meshdsl.planner.program import Block, Step, nbytes
 

@@ -20,10 +20,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from meshdsl import output_paths
 from meshdsl.collectives import Collective
 from meshdsl.errors import ConfigError
 from meshdsl.measure.peaks import peak_flops
+from meshdsl.runtime import output_paths
 
 KINDS = tuple(c.value for c in Collective)
 

@@ -1,7 +1,7 @@
 """A traced per-device jaxpr as a flat list of steps, for the memory and FLOP walks.
 
 The jaxpr is first read as XLA compiles it, by the walker ``md.explain`` reads collectives with
-(:func:`meshdsl.jaxpr_walk.as_compiled`: calls inlined, one-trip scans removed, dead code dropped,
+(:func:`meshdsl.analysis.jaxpr_walk.as_compiled`: calls inlined, one-trip scans removed, dead code dropped,
 identical computations merged); loops (``scan``, ``while``) and ``cond`` keep their bodies, which
 run ``times`` times (or one branch of several).
 """
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jex_core
 
-from meshdsl.jaxpr_walk import ENTER_SHARD_MAP, LEAVE_SHARD_MAP, as_compiled, bodies, trip_count
+from meshdsl.analysis.jaxpr_walk import ENTER_SHARD_MAP, LEAVE_SHARD_MAP, as_compiled, bodies, trip_count
 
 _LOOPS = {"scan", "while", "cond"}
 _ALIASES = {"pvary", "pcast", "stop_gradient", "reshape", "squeeze", "expand_dims", "transpose"}

@@ -40,9 +40,9 @@ from typing import Any
 import jax
 
 import meshdsl as md
-from meshdsl import model_protocol
 from meshdsl.errors import ConfigError
 from meshdsl.lowering.recorder import recorded_shapes
+from meshdsl.model import protocol as model_protocol
 from meshdsl.tensor import is_tensor
 
 ROLES = ("batch", "tensor", "fsdp")

@@ -18,7 +18,7 @@ factorisation ``N = stage x data x model`` (axes of size 1 left out), and on it
   interleaved 1F1B with 2 virtual stages where the microbatches are a multiple of the stages and
   twice the stages divide the layers. The trace prices each schedule's bubble (every stage runs
   every tick of its timetable, ``md.pipeline.ticks``: the interleaved one has fewer, each a chunk)
-  and its memory (GPipe's residuals of every tick, 1F1B's ring of ``md.pipeline.residual_slots``).
+  and its memory (GPipe's residuals of every tick, 1F1B's ring of ``md.pipeline.schedule.residual_slots``).
 
 Pruning runs cheapest first: a rule whose axes do not divide its dim, then a state (parameters
 plus optimizer state, exact from the shapes) over the memory limit, are dropped before anything

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 import meshdsl as md
-from meshdsl.jaxpr_walk import called
+from meshdsl.analysis.jaxpr_walk import called
 from meshdsl.lowering.base import GlobalLowering
 from meshdsl.lowering.context import use
 from meshdsl.nn.attention_impl import traced_for

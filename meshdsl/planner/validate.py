@@ -6,11 +6,11 @@ For every legal candidate of each model (the search's enumeration), predict the 
 ``cpu-sim`` profile and compile it on the simulated devices; print one markdown table row per
 layout (predicted collective bytes per device and whether they equal the compiled HLO's, the
 predicted and the compiled memory per device, and the memory error), then a summary line. The
-references are the compiler's own: the HLO's collectives (:mod:`meshdsl.hlo`) and
+references are the compiler's own: the HLO's collectives (:mod:`meshdsl.analysis.hlo`) and
 ``compiled.memory_analysis()`` (:func:`~meshdsl.measure.timing.memory_bytes`). Exits 1 when
 a row misses (bytes unequal, or memory off by more than 10%).
 
-The devices are chosen (``meshdsl.devices.simulate_devices``) before JAX runs anything, as the
+The devices are chosen (``meshdsl.runtime.devices.simulate_devices``) before JAX runs anything, as the
 ``meshdsl`` command does; ``--devices`` defaults to XLA_FLAGS' count, else 8.
 """
 
@@ -23,8 +23,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from meshdsl.devices import simulate_devices
 from meshdsl.errors import ConfigError
+from meshdsl.runtime.devices import simulate_devices
 
 MEMORY_TOLERANCE = 0.10
 """The issue's bound on the predicted peak memory's relative error."""
@@ -72,7 +72,7 @@ def check(name: str, model: Any, optimizer: Any, candidate: Any, devices: int) -
     """Predict ``candidate`` of ``model`` (profile cpu-sim) and compare it with its compiled step;
     None when tracing it raises a layout or shape error (the search drops it as illegal)."""
     import meshdsl as md
-    from meshdsl import hlo
+    from meshdsl.analysis import hlo
     from meshdsl.measure.timing import compile_step, memory_bytes
     from meshdsl.planner.cost import predict
     from meshdsl.planner.profile import load_profile
@@ -91,7 +91,7 @@ def check(name: str, model: Any, optimizer: Any, candidate: Any, devices: int) -
 
 def validate(models: Sequence[str], preset: str, devices: int, out: Callable[[str], None] = print) -> list[Check]:
     """Check every legal layout of ``models`` on ``devices`` devices, printing a table row for each."""
-    from meshdsl.model_loader import build_model
+    from meshdsl.model.loader import build_model
     from meshdsl.planner.search import legal_candidates
     from meshdsl.train import optim
 

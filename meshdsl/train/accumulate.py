@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from meshdsl import model_protocol
 from meshdsl.dims import Dim, Shape
 from meshdsl.errors import ConfigError, ShapeError
 from meshdsl.lowering.context import current
+from meshdsl.model import protocol as model_protocol
 from meshdsl.tensor import is_tensor
 
 BATCH = "batch"

@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from meshdsl import output_paths
 from meshdsl.errors import ConfigError
+from meshdsl.runtime import output_paths
 
 TAGS = {
     "loss": "train/loss",

@@ -16,12 +16,14 @@ import jax
 import jax.numpy as jnp
 
 import meshdsl as md
-from meshdsl import distributed, model_protocol, models, output_paths
+from meshdsl import models
 from meshdsl.errors import ConfigError, TrainingError
-from meshdsl.layout_spec import is_shipped, layout_path, load_layout
 from meshdsl.measure.peaks import peak_flops
 from meshdsl.measure.timing import compile_checked
-from meshdsl.model_loader import build_model, load_module
+from meshdsl.model import protocol as model_protocol
+from meshdsl.model.loader import build_model, load_module
+from meshdsl.runtime import distributed, output_paths
+from meshdsl.runtime.layout_spec import is_shipped, layout_path, load_layout
 from meshdsl.train import feedback, logs, optim, settings
 from meshdsl.train.data import EVAL_FRACTION, TokenFile
 from meshdsl.train.progress import Progress, Step, Summary, peak_bytes
@@ -35,7 +37,7 @@ class RunConfig:
     """What ``meshdsl train`` runs; every field has a command-line flag."""
 
     model: str = "transformer"
-    """A shipped model's name, a Python file or an importable module (:mod:`meshdsl.model_loader`)."""
+    """A shipped model's name, a Python file or an importable module (:mod:`meshdsl.model.loader`)."""
     preset: str = "small"
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Config fields set by ``--set FIELD=VALUE``."""

@@ -20,8 +20,6 @@ import jax
 import jax.numpy as jnp
 
 import meshdsl as md
-from meshdsl.layout_spec import LAYOUTS as LAYOUTS
-from meshdsl.layout_spec import is_shipped as is_shipped
 from meshdsl.lowering.base import GlobalLowering
 from meshdsl.lowering.context import use
 from meshdsl.lowering.recorder import recorded_shapes

@@ -21,14 +21,15 @@ import jax
 import jax.numpy as jnp
 
 import meshdsl as md
-from meshdsl import model_protocol, pipeline
+from meshdsl import pipeline
 from meshdsl.lowering.base import GlobalLowering
 from meshdsl.lowering.context import use
-from meshdsl.pipeline_config import PipelineConfig
+from meshdsl.model import protocol as model_protocol
+from meshdsl.model.user import describe_model
+from meshdsl.pipeline.config import PipelineConfig
 from meshdsl.train import accumulate as accumulation
 from meshdsl.train import feedback
 from meshdsl.train.optim import Optimizer, global_norm
-from meshdsl.user_model import describe_model
 
 TRAINER_NEEDS = ("init", "loss")
 """What a :class:`Trainer` calls always; ``batch`` only for a step given a data key instead of a batch."""

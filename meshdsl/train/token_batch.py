@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import meshdsl as md
-from meshdsl import model_protocol
 from meshdsl.errors import ConfigError, MeshDslError
 from meshdsl.lowering.base import GlobalLowering
 from meshdsl.lowering.context import use
+from meshdsl.model import protocol as model_protocol
 
 INPUT_NAMES = ("inputs", "input_ids", "tokens", "x")
 TARGET_NAMES = ("targets", "labels", "target_ids", "y")

@@ -1,6 +1,6 @@
 """A model's ``Config`` at a preset with fields overridden, checked: what ``--preset`` and ``--set`` mean.
 
-Apart from :mod:`meshdsl.model_loader` (which finds and imports model modules) so that a model module can
+Apart from :mod:`meshdsl.model.loader` (which finds and imports model modules) so that a model module can
 use it (``Config.preset(...)`` of :mod:`meshdsl.models.presets`) without importing the loader, which
 imports the model modules.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from meshdsl.errors import ConfigError
-from meshdsl.user_model import error_text, location
+from meshdsl.model.user import error_text, location
 
 
 def configure(config_class: Any, preset: str, overrides: dict[str, Any], model: str, mine: Sequence[Path] = ()) -> Any:

@@ -15,17 +15,17 @@ from collections.abc import Callable, Sequence
 
 from meshdsl import relayout
 from meshdsl.dims import Shape
+from meshdsl.layout import Split
 from meshdsl.lowering.base import Lowering
-from meshdsl.relayout import Axes
 from meshdsl.tensor import Tensor
 
 NameAxes = dict[str, tuple[str, ...]]
 """A compute split: per dim name, the mesh axes one op computes with (not a ``Layout``: one op's choice)."""
-ResultSplit = Callable[[NameAxes], tuple[Axes, tuple[str, ...]]]
+ResultSplit = Callable[[NameAxes], tuple[Split, tuple[str, ...]]]
 """Given a compute split, the result's local split and pending sums."""
 
 
-def _moved(lowering: Lowering, shape: Shape, src: Axes, dst: Axes, pending: Sequence[str], itemsize: int) -> float:
+def _moved(lowering: Lowering, shape: Shape, src: Split, dst: Split, pending: Sequence[str], itemsize: int) -> float:
     steps = relayout.plan(src, dst, pending, shape.sizes, lowering.axis_sizes)
     start = relayout.State(src, tuple(pending))
     return sum(relayout.step_bytes(steps, start, shape.sizes, itemsize, lowering.axis_sizes))

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import jaxlib
 
-from meshdsl.user_model import _shown
+from meshdsl.model.user import _shown
 
 MACHINERY = ("lowering", "ops", "relayout.py", "tensor.py")
 """Parts of meshdsl every op goes through: a line there says nothing about where a collective comes from."""

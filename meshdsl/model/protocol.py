@@ -100,7 +100,7 @@ def check(model: Any, name: str, needed: Sequence[str] = REQUIRED) -> None:
     if lacking:
         raise ConfigError(
             f"model {name} has no {', '.join(f'{m}()' for m in lacking)}: every model defines "
-            "init(key), batch(key) and loss(params, batch) (meshdsl.model_protocol.Model)"
+            "init(key), batch(key) and loss(params, batch) (meshdsl.model.protocol.Model)"
         )
 
 

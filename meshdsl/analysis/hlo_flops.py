@@ -2,7 +2,7 @@
 
 XLA's ``compiled.cost_analysis()`` counts a ``while`` body once whatever its trip count, so a
 pipeline's tick loop would look as cheap at 16 microbatches as at 4. This reader walks the
-program as :mod:`meshdsl.hlo` does for collectives: a loop body counts ``known_trip_count``
+program as :mod:`meshdsl.analysis.hlo` does for collectives: a loop body counts ``known_trip_count``
 times, a called or fused computation once per call, and a ``conditional`` its costliest
 branch (the most any device runs: under a pipeline a branch runs on some stages only).
 Counted: ``dot`` at 2 FLOPs per multiply-add (convolutions are not: the pipelines this serves
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 
-from meshdsl.hlo import (
+from meshdsl.analysis.hlo import (
     _ARRAY,
     _COMMENT,
     _COMPUTATION,

@@ -2,7 +2,7 @@
 
 Starts N processes of ``python -m meshdsl.cli <command>``, each with its own simulated CPU
 devices, joined through a coordinator on a free port of 127.0.0.1 (the ``MESHDSL_*`` variables
-that :mod:`meshdsl.distributed` reads). Their output is forwarded line by line as ``[p0] ...``.
+that :mod:`meshdsl.runtime.distributed` reads). Their output is forwarded line by line as ``[p0] ...``.
 
 When a process ends badly (non-zero exit or a signal), the launcher says which one and how, gives
 the others the heartbeat timeout plus a margin to stop on their own (JAX ends them with a message
@@ -21,11 +21,11 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import IO, Any, TextIO
+from typing import IO, TextIO
 
-from meshdsl import distributed
-from meshdsl.devices import MAX_SIMULATED_DEVICES
 from meshdsl.errors import ConfigError
+from meshdsl.runtime import distributed
+from meshdsl.runtime.devices import MAX_SIMULATED_DEVICES
 
 COMMANDS = ("train", "bench")
 MARGIN_S = 10
@@ -142,30 +142,6 @@ def split_devices(processes: int, given: int | None = None) -> int:
             f"--devices-per-process {devices}: each process simulates 1 to {MAX_SIMULATED_DEVICES} devices"
         )
     return devices
-
-
-def check_fits(run: Any, processes: int, devices: int) -> None:
-    """ConfigError, before any process starts, when the ``train`` run ``run`` (a ``RunConfig``)
-    cannot run on ``processes`` x ``devices`` devices: its layout's mesh does not fit that many,
-    or a dim does not divide over it. The step is traced on an abstract mesh of that size (nothing
-    compiled, no devices needed); a pipelined layout's mesh is checked, its stages are not traced."""
-    from meshdsl.errors import MeshDslError
-    from meshdsl.layout_spec import load_layout
-    from meshdsl.mesh import axis_sizes
-    from meshdsl.planner.trace import trace_step
-    from meshdsl.train.loop import _model, _optimizer
-
-    total = processes * devices
-    layout = load_layout(run.layout)
-    if layout.mesh_axes is None:
-        raise ConfigError(f"layout {run.layout!r} names no mesh; give it a [mesh] table to spread over {total} devices")
-    try:
-        sizes = axis_sizes(layout.mesh_axes, total)
-        if not layout.axes_of("layers"):
-            trace_step(_model(run), _optimizer(run), sizes, layout, run.grad_reduce_dtype)
-    except MeshDslError as e:
-        split = f"--local {processes} x {devices} devices per process = {total} devices"
-        raise ConfigError(f"{split} do not fit: {e}") from None
 
 
 def launch(

@@ -5,11 +5,11 @@ A model module (the shipped ones in ``meshdsl.models`` have this form too) defin
 
 * ``Config``: a dataclass of the model's sizes and options, with ``PRESETS``, a dict mapping a
   preset name to field values (``{"tiny": {"rows": 16}}``); no base class is needed;
-* ``Model``: ``Model(config)`` with the core of :class:`meshdsl.model_protocol.Model` (``init(key)``,
+* ``Model``: ``Model(config)`` with the core of :class:`meshdsl.model.protocol.Model` (``init(key)``,
   ``batch(key)``, ``loss(params, batch)``); its optional parts (``flops_per_step()``, ``LAYOUTS``,
   ``DIM_ROLES``, the pipeline parts, ...) are listed there, the one place the model interface is written.
 
-A model of the user's (not a shipped one) comes back wrapped in a :class:`meshdsl.user_model.UserModel`,
+A model of the user's (not a shipped one) comes back wrapped in a :class:`meshdsl.model.user.UserModel`,
 so a mistake in its code is one line naming the user's file and line, whichever command runs it.
 """
 
@@ -23,13 +23,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from meshdsl import model_protocol
 from meshdsl.errors import ConfigError
-from meshdsl.model_config import configure
-from meshdsl.model_protocol import REQUIRED as REQUIRED
+from meshdsl.model import protocol as model_protocol
+from meshdsl.model.config import configure
+from meshdsl.model.user import UserModel, call, error_text, location
 from meshdsl.models import NAMES
-from meshdsl.user_model import UserModel, call, error_text, location
-from meshdsl.user_model import describe_model as describe_model
 
 _FORM = (
     "a model module defines a Config dataclass with a PRESETS dict (preset name -> field values) and a Model class "
@@ -61,7 +59,7 @@ def build_model(spec: str, preset: str, **overrides: Any) -> Any:
     """``Model(config)`` of the module ``spec`` names (see :func:`load_module`), ``config`` being its
     preset ``preset`` with ``overrides`` (those that are None keep the preset's values) checked by
     :func:`configure`. The model gets a ``config`` attribute if its class sets none. A model of the
-    user's comes back as a :class:`~meshdsl.user_model.UserModel`: a mistake in ``Config``, ``Model(config)``,
+    user's comes back as a :class:`~meshdsl.model.user.UserModel`: a mistake in ``Config``, ``Model(config)``,
     ``init``, ``batch`` or ``loss`` is a one-line md error naming the user's file and line."""
     module = load_module(spec)
     shipped = module.__name__.startswith("meshdsl.models.")

@@ -1,7 +1,7 @@
 """The user's own model, its mistakes reported in the user's terms.
 
 :class:`UserModel` wraps a ``Model`` loaded from the user's file or module (see
-:mod:`meshdsl.model_loader`): ``init``, ``batch`` and ``loss`` run the user's methods, and an
+:mod:`meshdsl.model.loader`): ``init``, ``batch`` and ``loss`` run the user's methods, and an
 exception there, or a result meshdsl cannot use, becomes one line naming the user's file and line
 and what was expected, so ``train``, ``bench``, ``explain``, ``search`` and ``launch`` all say the
 same thing. So do the pipeline parts (``pre``, ``layer``, ``post``) where the model has them, and
@@ -95,7 +95,7 @@ def _is_mine(filename: str, mine: Sequence[Path]) -> bool:
 class UserModel:
     """The user's ``model`` (from ``spec``, whose code lies in ``mine``) with its entry points checked.
 
-    Built by :func:`meshdsl.model_loader.build_model`, which first checks that ``init``, ``batch`` and
+    Built by :func:`meshdsl.model.loader.build_model`, which first checks that ``init``, ``batch`` and
     ``loss`` take the arguments meshdsl passes. The pipeline parts in :data:`PARTS`, where the model
     has them, are checked as they are called. Other attributes are the model's own.
     """
@@ -123,7 +123,7 @@ class UserModel:
     @property
     def config(self) -> Any:
         """The model's config, declared here (not only reached through ``__getattr__``) so that
-        ``isinstance(user_model, meshdsl.model_protocol.Model)`` holds on Python 3.12, whose protocol
+        ``isinstance(user_model, meshdsl.model.protocol.Model)`` holds on Python 3.12, whose protocol
         check looks attributes up statically."""
         return self.model.config
 

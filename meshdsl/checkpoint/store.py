@@ -33,14 +33,12 @@ import numpy as np
 import tensorstore as ts
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshdsl import output_paths
+from meshdsl.checkpoint.lock import DirLock
 from meshdsl.dims import Dim, Shape
-from meshdsl.dirlock import DirLock
 from meshdsl.errors import ConfigError, DataError, LayoutError, MeshDslError, WriteError
 from meshdsl.layout import Layout
 from meshdsl.mesh import Mesh
-from meshdsl.safetensors_io import Source as Source  # re-exported: md.checkpoint reads Hugging Face's format too
-from meshdsl.safetensors_io import load_safetensors as load_safetensors  # md.checkpoint.load_safetensors
+from meshdsl.runtime import output_paths
 from meshdsl.tensor import Tensor, is_tensor
 
 FORMAT = "meshdsl-checkpoint"
@@ -538,7 +536,7 @@ class CheckpointManager:
 
     ``save_every``: save when the step is a multiple of it (0: only when asked). ``keep``: after
     each commit, delete all but the newest ``keep`` checkpoints (None: keep all). The first save
-    (or :meth:`acquire`) locks the directory for this run (:mod:`meshdsl.dirlock`) until
+    (or :meth:`acquire`) locks the directory for this run (:mod:`meshdsl.checkpoint.lock`) until
     :meth:`release` or the process ends: a second run on it is refused.
     """
 
