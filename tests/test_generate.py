@@ -18,9 +18,9 @@ import pytest
 from meshdsl.models import llama, transformer
 
 import meshdsl as md
+from meshdsl.analysis.hlo_flops import matmul_flops
 from meshdsl.decoding.decoder import Decoder
 from meshdsl.decoding.sampling import Sampling, filtered
-from meshdsl.hlo_flops import matmul_flops
 from meshdsl.ops.update import update_slice
 
 TRANSFORMER = transformer.Model(transformer.Config.preset("tiny", length=12))
@@ -163,7 +163,7 @@ def test_a_row_stops_at_eos_and_is_padded_after_it():
 
 def test_decode_step_flops_grow_linearly_with_the_cache_length():
     """The compiled decode step at cache lengths 16, 32 and 48: its matmul FLOPs per device
-    (``meshdsl.hlo_flops``, loop trip counts included) grow by exactly the attention's QK and PV
+    (``meshdsl.analysis.hlo_flops``, loop trip counts included) grow by exactly the attention's QK and PV
     over the added positions, for every layer, and XLA's own cost analysis (all ops, a loop body
     counted once) by about equal increments: linear in the cache length, no prefix recomputed."""
     c = llama.Config.preset("tiny", length=48, heads=8, kv_heads=4)

@@ -116,6 +116,15 @@ def run(args: argparse.Namespace, checked: Checked) -> None:
     from meshdsl.bench.run import run as run_bench
     from meshdsl.runtime import distributed
 
+    if checked.decode is not None:
+        from meshdsl.decoding.bench import bench as bench_decode
+        from meshdsl.decoding.bench import layouts_of
+
+        out = print if distributed.is_primary() else lambda line: None
+        for name, model in checked.models:
+            out(f"meshdsl bench --decode: {name} {args.preset}")
+            bench_decode(model, layouts_of(checked.bench.layouts, model, name), checked.decode, out=out)
+        return
     if distributed.is_primary():
         run_bench(checked.bench, models=checked.models)
     else:

@@ -38,7 +38,9 @@ def add_arguments(generate: argparse.ArgumentParser) -> None:
     generate.add_argument("--top-k", type=int, default=None)
     generate.add_argument("--top-p", type=float, default=None)
     generate.add_argument("--eos-token-id", type=int, default=None)
-    generate.add_argument("--seed", type=int, default=0, help="the sampling key (and random weights' without a checkpoint)")
+    generate.add_argument(
+        "--seed", type=int, default=0, help="the sampling key (and random weights' without a checkpoint)"
+    )
 
 
 def config(args: argparse.Namespace) -> dict[str, object]:
@@ -144,9 +146,7 @@ def run(args: argparse.Namespace, checked: dict[str, Any]) -> None:
 
     model, layout, rows = checked["model"], checked["layout"], checked["rows"]
     mesh = layout.mesh()
-    sampling = checks.sampling(
-        args.temperature, args.top_k, args.top_p, jax.random.key(args.seed), model.config.vocab
-    )
+    sampling = checks.sampling(args.temperature, args.top_k, args.top_p, jax.random.key(args.seed), model.config.vocab)
     decoder = Decoder(model, mesh, layout, args.backend, sampling, args.eos_token_id)
     if checked["found"] is not None:
         state, _ = checkpoint.restore(checked["found"], mesh, layout)

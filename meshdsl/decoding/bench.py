@@ -147,7 +147,7 @@ def table(rows: list[Row], cfg: DecodeBench) -> str:
     lines = [
         f"decode: batch {cfg.batch}, prompt {cfg.prompt} ids, {cfg.new} new tokens, median of {cfg.rounds} rounds",
         "",
-        "| layout | prefill tokens/s | decode step | decode tokens/s | memory per device | collective bytes per token |",
+        "| layout | prefill tokens/s | decode step | decode tokens/s | memory per device | collective bytes/token |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:

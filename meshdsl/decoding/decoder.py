@@ -20,7 +20,7 @@ import meshdsl as md
 from meshdsl.decoding.sampling import Sampling, choose
 from meshdsl.errors import ConfigError
 from meshdsl.layout import Layout
-from meshdsl.user_model import describe_model
+from meshdsl.model.user import describe_model
 
 
 def check_model(model: Any) -> None:

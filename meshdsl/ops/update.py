@@ -48,12 +48,12 @@ def update_slice(
     along = name if update_dim is None else update.shape[update_dim].name
     rest = update.shape.without([along])
     if along not in update.shape or name in rest or rest != x.shape.without([name]):
-        raise ShapeError(
-            f"update_slice along {name}: update {update.shape} does not match x {x.shape} outside {along}"
-        )
+        raise ShapeError(f"update_slice along {name}: update {update.shape} does not match x {x.shape} outside {along}")
     n, size = update.shape[along].size, x.shape[position].size
     if n > size:
-        raise ShapeError(f"update_slice along {name}: update's {update.shape[along]} is longer than x's {x.shape[name]}")
+        raise ShapeError(
+            f"update_slice along {name}: update's {update.shape[along]} is longer than x's {x.shape[name]}"
+        )
     if update.dtype != x.dtype:
         raise ShapeError(f"update_slice: update is {update.dtype}, x is {x.dtype}; cast one to the other")
     tensor_index, static = _index(index)
