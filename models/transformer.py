@@ -147,6 +147,12 @@ class Model:
         )
         return self.head(params, x)
 
+    @property
+    def decodes(self) -> bool:
+        """Whether ``decode`` runs this model's forward pass: its ``logits`` are the Transformer's scan of
+        ``_layer`` (llama's are); a subclass with other layers (the MoE) does not decode."""
+        return type(self).logits is Model.logits
+
     def cache_shape(self, batch: md.Dim, memory: md.Dim) -> list[md.Dim]:
         """The dims of the cached keys (and values) of ``batch`` sequences of ``memory`` positions:
         ``[layers, batch, heads, memory, d_kv]`` (``kv_heads`` for grouped-query attention)."""

@@ -20,6 +20,7 @@ from meshdsl.models import llama, transformer
 import meshdsl as md
 from meshdsl.analysis.hlo_flops import matmul_flops
 from meshdsl.decoding.decoder import Decoder
+from meshdsl.decoding.generate import run
 from meshdsl.decoding.sampling import Sampling, filtered
 from meshdsl.ops.update import update_slice
 
@@ -115,21 +116,19 @@ def test_decode_step_logits_equal_the_full_forward_last_position(layout):
 def test_sampled_ids_are_the_same_under_every_layout_for_one_key():
     model, mesh = LLAMA, md.Mesh(MESH)
     params = params_of(model)
-    kwargs = dict(max_new_tokens=6, mesh=mesh, temperature=1.5, top_k=40, top_p=0.95)
-    runs = {
-        (layout, backend): md.generate(
-            model, params, PROMPTS, layout=rules, backend=backend, key=jax.random.key(7), **kwargs
-        )
+    sampling = Sampling(temperature=1.5, top_k=40, top_p=0.95)
+    decoders = {
+        (layout, backend): Decoder(model, mesh, rules, backend, sampling)
         for layout, rules in LAYOUTS.items()
         for backend in ("spmd", "gspmd")
         if backend == "spmd" or layout == "mixed"
     }
-    first = next(iter(runs.values()))
+    runs = {k: run(d, d.place(params), PROMPTS, 6, jax.random.key(7)).ids for k, d in decoders.items()}
+    first = runs["data_parallel", "spmd"]
     for out in runs.values():
         np.testing.assert_array_equal(out, first)
-    other = md.generate(model, params, PROMPTS, layout="batch:data", key=jax.random.key(8), **kwargs)
-    greedy = md.generate(model, params, PROMPTS, max_new_tokens=6, mesh=mesh, layout="batch:data")
-    assert (other != first).any() and (greedy != first).any()  # the key and the temperature matter
+    d = decoders["data_parallel", "spmd"]
+    assert (run(d, d.place(params), PROMPTS, 6, jax.random.key(8)).ids != first).any()  # the key matters
 
 
 def test_top_k_and_top_p_keep_the_tokens_numpy_keeps():
@@ -151,14 +150,14 @@ def test_top_k_and_top_p_keep_the_tokens_numpy_keeps():
 
 def test_a_row_stops_at_eos_and_is_padded_after_it():
     model, mesh = TRANSFORMER, md.Mesh(MESH)
-    params = params_of(model)
-    greedy = md.generate(model, params, PROMPTS, max_new_tokens=5, mesh=mesh, layout="batch:data")
-    eos = int(greedy[1, 5 + 1])  # row 1's second new token
-    out = md.generate(model, params, PROMPTS, max_new_tokens=5, mesh=mesh, layout="batch:data", eos_token_id=eos)
-    for row, plain in zip(out, greedy):
-        new, expect = row[5:].tolist(), plain[5:].tolist()
+    greedy = reference_greedy("transformer", 5)
+    eos = greedy[1][1]  # row 1's second new token
+    out = md.generate(
+        model, params_of(model), PROMPTS, max_new_tokens=5, mesh=mesh, layout="batch:data", eos_token_id=eos
+    )
+    for row, expect in zip(out, greedy):
         end = expect.index(eos) + 1 if eos in expect else len(expect)
-        assert new == expect[:end] + [eos] * (len(expect) - end)
+        assert row[5:].tolist() == expect[:end] + [eos] * (len(expect) - end)
 
 
 def test_decode_step_flops_grow_linearly_with_the_cache_length():
@@ -228,3 +227,10 @@ def test_update_slice_equals_numpy(layout, backend):
         at = min(index, 5)
         expect[:, at : at + 3] = new.transpose(1, 0, 2)
         np.testing.assert_array_equal(out.numpy(), expect)
+
+
+def test_a_model_whose_forward_is_not_decode_is_refused():
+    from meshdsl.models import moe
+
+    with pytest.raises(md.ConfigError, match="cannot decode"):
+        md.generate(moe.Model(moe.Config.preset("tiny")), {}, PROMPTS, max_new_tokens=1, mesh=md.Mesh(MESH), layout="")

@@ -26,6 +26,8 @@ from meshdsl.model.user import describe_model
 def check_model(model: Any) -> None:
     """ConfigError unless ``model`` can decode (a ``decode`` and ``cache_shape``, as the shipped decoders)."""
     missing = [name for name in ("decode", "cache_shape") if not callable(getattr(model, name, None))]
+    if not missing and not getattr(model, "decodes", True):
+        raise ConfigError(f"{describe_model(model)} cannot decode: its forward pass is not the one decode runs")
     if missing:
         raise ConfigError(
             f"{describe_model(model)} cannot decode: it has no {' or '.join(missing)} "
