@@ -58,7 +58,7 @@ def test_generate_continues_a_trained_checkpoint_alike_under_two_layouts(tmp_pat
     ],
 )
 def test_generate_mistakes_are_one_line(argv, expected, capsys):
-    assert main(["generate", *TINY, *argv]) == 2
+    assert main(["generate", *TINY, "--max-new-tokens", "2", *argv]) == 2
     out, err = capsys.readouterr()
     cli_errors.one_error_line(err, expected)
 

@@ -93,9 +93,10 @@ def check(args: argparse.Namespace, overrides: dict[str, object]) -> dict[str, A
     rows = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
     if rows is None:
         rows = [tokenizer.encode(text).ids for text in args.prompt]
-    model, found = build_model(args.model, args.preset, **overrides), None
     if args.checkpoint_dir is not None:
-        model, found = _checkpoint_model(args.checkpoint_dir, overrides)
+        name, model, found = _checkpoint_model(args.checkpoint_dir, overrides)
+    else:
+        name, model, found = args.model, build_model(args.model, args.preset, **overrides), None
     layout = load_layout(args.layout)
     from meshdsl.decoding import checks
 
@@ -107,11 +108,11 @@ def check(args: argparse.Namespace, overrides: dict[str, object]) -> dict[str, A
         import jax
 
         checks.sampling(args.temperature, args.top_k, args.top_p, jax.random.key(0), vocab)
-    return {"model": model, "found": found, "layout": layout, "rows": rows, "tokenizer": tokenizer}
+    return {"name": name, "model": model, "found": found, "layout": layout, "rows": rows, "tokenizer": tokenizer}
 
 
-def _checkpoint_model(directory: str, overrides: dict[str, object]) -> tuple[Any, Path]:
-    """The model a checkpoint of ``meshdsl train`` recorded (its ``--set`` as the run's, then ``overrides``)
+def _checkpoint_model(directory: str, overrides: dict[str, object]) -> tuple[str, Any, Path]:
+    """The name and model a checkpoint of ``meshdsl train`` recorded (its config, then ``overrides``)
     and the checkpoint's path."""
     from meshdsl import checkpoint
     from meshdsl.errors import ConfigError
@@ -123,7 +124,8 @@ def _checkpoint_model(directory: str, overrides: dict[str, object]) -> tuple[Any
     saved = checkpoint.read_manifest(found)["metadata"]
     if not {"model", "preset", "config"} <= set(saved):
         raise ConfigError(f"checkpoint {found} records no model; it was not saved by meshdsl train")
-    return build_model(saved["model"], saved["preset"], **{**saved["config"], **overrides}), found
+    model = build_model(saved["model"], saved["preset"], **{**saved["config"], **overrides})
+    return saved["model"], model, found
 
 
 def _progress(done: int, total: int) -> None:
@@ -156,7 +158,7 @@ def run(args: argparse.Namespace, checked: dict[str, Any]) -> None:
         params = model.init(jax.random.key(args.seed))
         source = f"random weights (seed {args.seed})"
     params = decoder.place(params)
-    print(f"meshdsl generate: {args.model} from {source} on mesh {mesh} under {layout}")
+    print(f"meshdsl generate: {checked['name']} from {source} on mesh {mesh} under {layout}")
     out = generate(decoder, params, rows, args.max_new_tokens, jax.random.key(args.seed), _progress)
     tokenizer = checked["tokenizer"]
     for i, row in enumerate(out.ids):

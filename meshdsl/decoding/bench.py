@@ -103,7 +103,11 @@ def layouts_of(names: list[str] | None, model: Any, model_name: str) -> list[tup
     specs = list(names) if names else list(protocol.layouts(model) or [])
     if not specs:
         raise ConfigError(f"bench --decode: model {model_name} lists no LAYOUTS; name them with --layouts")
-    return [(spec if layout_path(spec) is None else layout_path(spec).stem, load_layout(spec)) for spec in specs]
+    labelled = []
+    for spec in specs:
+        path = layout_path(spec)
+        labelled.append((spec if path is None else path.stem, load_layout(spec)))
+    return labelled
 
 
 def bench(

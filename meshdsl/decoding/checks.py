@@ -19,10 +19,11 @@ def _int(value: Any, what: str, low: int, high: int | None = None) -> int:
     """``value`` as an int in ``[low, high)`` (ConfigError otherwise)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ConfigError(f"md.generate: {what} must be an int, got {describe(value)}")
-    if value < low or (high is not None and value >= high):
+    n = int(value)
+    if n < low or (high is not None and n >= high):
         allowed = f"at least {low}" if high is None else f"in [{low}, {high})"
-        raise ConfigError(f"md.generate: {what} must be {allowed}, got {value}")
-    return int(value)
+        raise ConfigError(f"md.generate: {what} must be {allowed}, got {n}")
+    return n
 
 
 def prompts(prompt_ids: Any, vocab: int) -> list[list[int]]:
@@ -47,7 +48,7 @@ def prompts(prompt_ids: Any, vocab: int) -> list[list[int]]:
         for j, t in enumerate(row):
             if isinstance(t, bool) or not isinstance(t, numbers.Integral):
                 raise ShapeError(f"md.generate: prompt {i} id {j} must be an int, got {describe(t)}")
-            if not 0 <= t < vocab:
+            if not 0 <= int(t) < vocab:
                 raise ShapeError(f"md.generate: prompt {i} id {j} is {t}, outside the model's vocab of {vocab}")
     return [[int(t) for t in row] for row in rows]
 
