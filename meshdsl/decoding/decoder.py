@@ -62,6 +62,7 @@ class Decoder:
         self.place = md.compile(lambda params: params, self.mesh, self.layout, self.backend, out_layouts=stored)
         """``place(params)``: the parameters laid out as the layout stores them (call once before decoding)."""
         self._advance = jax.jit(self._advance_fn, donate_argnums=(1,))
+        self._zeros: dict[tuple[int, int], md.Compiled] = {}
 
     @property
     def dtype(self) -> Any:
@@ -69,12 +70,14 @@ class Decoder:
 
     def cache(self, batch: int, memory: int) -> dict[str, md.Tensor]:
         """Zeroed keys and values for ``batch`` sequences of ``memory`` positions, laid out by the layout."""
-        shape = self.model.cache_shape(md.Dim("batch", batch), md.Dim("memory", memory))
+        if (batch, memory) not in self._zeros:  # compiled once per size: each run donates its cache
+            shape = self.model.cache_shape(md.Dim("batch", batch), md.Dim("memory", memory))
 
-        def zeros() -> dict[str, md.Tensor]:
-            return {"keys": md.zeros(shape, self.dtype), "values": md.zeros(shape, self.dtype)}
+            def zeros() -> dict[str, md.Tensor]:
+                return {"keys": md.zeros(shape, self.dtype), "values": md.zeros(shape, self.dtype)}
 
-        return md.compile(zeros, self.mesh, self.layout, self.backend)()
+            self._zeros[batch, memory] = md.compile(zeros, self.mesh, self.layout, self.backend)
+        return self._zeros[batch, memory]()
 
     def step_inputs(
         self, tokens: jax.Array, index: Any, positions: jax.Array, valid: jax.Array
