@@ -16,11 +16,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-import meshdsl as md
+from meshdsl.compile import Compiled
+from meshdsl.compile import compile as md_compile
 from meshdsl.decoding.sampling import Sampling, choose
+from meshdsl.dims import Dim
 from meshdsl.errors import ConfigError
 from meshdsl.layout import Layout
+from meshdsl.mesh import Mesh
 from meshdsl.model.user import describe_model
+from meshdsl.ops.creation import zeros as md_zeros
+from meshdsl.tensor import Tensor, tensor
 
 
 def check_model(model: Any) -> None:
@@ -41,7 +46,7 @@ class Decoder:
     :meth:`advance`; ``step`` is the compiled ``model.decode`` (for ``md.explain`` and cost analysis)."""
 
     model: Any
-    mesh: md.Mesh
+    mesh: Mesh
     layout: Layout | str
     backend: str = "spmd"
     sampling: Sampling = dataclasses.field(default_factory=Sampling)
@@ -51,7 +56,7 @@ class Decoder:
         check_model(self.model)
         self.layout = self.layout if isinstance(self.layout, Layout) else Layout(self.layout)
         stored = self.layout.param_layout
-        self.step = md.compile(
+        self.step = md_compile(
             self.model.decode,
             self.mesh,
             self.layout,
@@ -59,51 +64,51 @@ class Decoder:
             in_layouts=(stored, None, None, None),
             donate_argnums=(2,),
         )
-        self.place = md.compile(lambda params: params, self.mesh, self.layout, self.backend, out_layouts=stored)
+        self.place = md_compile(lambda params: params, self.mesh, self.layout, self.backend, out_layouts=stored)
         """``place(params)``: the parameters laid out as the layout stores them (call once before decoding)."""
         self._advance = jax.jit(self._advance_fn, donate_argnums=(1,))
-        self._zeros: dict[tuple[int, int], md.Compiled] = {}
+        self._zeros: dict[tuple[int, int], Compiled] = {}
 
     @property
     def dtype(self) -> Any:
         return getattr(self.model, "dtype", jnp.float32)
 
-    def cache(self, batch: int, memory: int) -> dict[str, md.Tensor]:
+    def cache(self, batch: int, memory: int) -> dict[str, Tensor]:
         """Zeroed keys and values for ``batch`` sequences of ``memory`` positions, laid out by the layout."""
         if (batch, memory) not in self._zeros:  # compiled once per size: each run donates its cache
-            shape = self.model.cache_shape(md.Dim("batch", batch), md.Dim("memory", memory))
+            shape = self.model.cache_shape(Dim("batch", batch), Dim("memory", memory))
 
-            def zeros() -> dict[str, md.Tensor]:
-                return {"keys": md.zeros(shape, self.dtype), "values": md.zeros(shape, self.dtype)}
+            def zeros() -> dict[str, Tensor]:
+                return {"keys": md_zeros(shape, self.dtype), "values": md_zeros(shape, self.dtype)}
 
-            self._zeros[batch, memory] = md.compile(zeros, self.mesh, self.layout, self.backend)
+            self._zeros[batch, memory] = md_compile(zeros, self.mesh, self.layout, self.backend)
         return self._zeros[batch, memory]()
 
     def step_inputs(
         self, tokens: jax.Array, index: Any, positions: jax.Array, valid: jax.Array
-    ) -> tuple[md.Tensor, dict[str, md.Tensor]]:
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """The md tensors of one step: ``tokens[batch, length]``, and ``index`` (0-d), ``positions[batch,
         length]`` and ``valid[batch, memory]`` as ``md.nn.KVCache`` takes them."""
-        batch, length = md.Dim("batch", tokens.shape[0]), md.Dim("length", tokens.shape[1])
-        memory = md.Dim("memory", valid.shape[1])
+        batch, length = Dim("batch", tokens.shape[0]), Dim("length", tokens.shape[1])
+        memory = Dim("memory", valid.shape[1])
         step = {
-            "index": md.tensor(jnp.asarray(index, jnp.int32), []),
-            "positions": md.tensor(positions.astype(jnp.int32), [batch, length]),
-            "valid": md.tensor(valid, [batch, memory]),
+            "index": tensor(jnp.asarray(index, jnp.int32), []),
+            "positions": tensor(positions.astype(jnp.int32), [batch, length]),
+            "valid": tensor(valid, [batch, memory]),
         }
-        return md.tensor(tokens.astype(jnp.int32), [batch, length]), step
+        return tensor(tokens.astype(jnp.int32), [batch, length]), step
 
     def _advance_fn(
         self,
         params: Any,
-        cache: dict[str, md.Tensor],
+        cache: dict[str, Tensor],
         tokens: jax.Array,
         index: jax.Array,
         positions: jax.Array,
         valid: jax.Array,
         key: jax.Array,
         done: jax.Array,
-    ) -> tuple[dict[str, md.Tensor], jax.Array, jax.Array]:
+    ) -> tuple[dict[str, Tensor], jax.Array, jax.Array]:
         token_tensor, step = self.step_inputs(tokens, index, positions, valid)
         logits, cache = self.step(params, token_tensor, cache, step)
         new = choose(logits.array, key, self.sampling)
@@ -115,14 +120,14 @@ class Decoder:
     def advance(
         self,
         params: Any,
-        cache: dict[str, md.Tensor],
+        cache: dict[str, Tensor],
         tokens: jax.Array,
         index: Any,
         positions: jax.Array,
         valid: jax.Array,
         key: jax.Array,
         done: jax.Array,
-    ) -> tuple[dict[str, md.Tensor], jax.Array, jax.Array]:
+    ) -> tuple[dict[str, Tensor], jax.Array, jax.Array]:
         """One step (``cache`` is donated: use the returned one): ``(cache, next tokens [batch], done [batch])``.
         A row already ``done`` (it produced ``eos_token_id``) gets ``eos_token_id`` again."""
         return self._advance(params, cache, tokens, jnp.asarray(index, jnp.int32), positions, valid, key, done)

@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import meshdsl as md
 from meshdsl.decoding import checks
 from meshdsl.decoding.decoder import Decoder, check_model
 from meshdsl.errors import ConfigError
 from meshdsl.layout import Layout
+from meshdsl.mesh import Mesh
 
 Progress = Callable[[int, int], None]
 """``progress(tokens done, tokens in all)``, called after the prefill and after each decode step."""
@@ -124,7 +124,7 @@ def generate(
     prompt_ids: Any,
     *,
     max_new_tokens: int,
-    mesh: md.Mesh,
+    mesh: Mesh,
     layout: Layout | str,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -142,7 +142,7 @@ def generate(
     model's positions included.
     """
     check_model(model)
-    if not isinstance(mesh, md.Mesh):
+    if not isinstance(mesh, Mesh):
         raise ConfigError(f"md.generate: mesh must be an md.Mesh, got {type(mesh).__name__}")
     vocab, positions = _model_sizes(model)
     rows = checks.prompts(prompt_ids, vocab)
