@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshdsl import checkpoint, nn, pipeline, random
 from meshdsl.compile import Backend, Compiled, compile
+from meshdsl.decoding import generate
 from meshdsl.dims import Dim, Shape
 from meshdsl.errors import (
     ConfigError,
@@ -102,6 +103,7 @@ __all__ = [
     "full",
     "gather",
     "gelu",
+    "generate",
     "greater",
     "greater_equal",
     "Layout",

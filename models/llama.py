@@ -201,9 +201,9 @@ class Model(transformer.Model):
         x = self.norm(md.cast(params["final_norm"], self.dtype), x)
         return md.cast(self.embedding.unembed(md.cast(params["embed"], self.dtype), x), jax.numpy.float32)
 
-    def _layer(self, x: md.Tensor, p: dict[str, md.Tensor]) -> md.Tensor:
+    def _layer(self, x: md.Tensor, p: dict[str, md.Tensor], cache: md.nn.KVCache | None = None) -> md.Tensor:
         w = self._weights(p)
-        x = x + self.attention({k: w[k] for k in self.attention_params}, self.norm(w["attn_norm"], x))
+        x = x + self.attention({k: w[k] for k in self.attention_params}, self.norm(w["attn_norm"], x), cache=cache)
         return x + self.feed_forward({k: w[k] for k in ("w_gate", "w_in", "w_out")}, self.norm(w["mlp_norm"], x))
 
     def flops_per_step(self) -> float:

@@ -11,13 +11,17 @@ import jax
 from meshdsl.dims import Dim
 from meshdsl.errors import ShapeError
 from meshdsl.nn.attention_core import dot_product_attention
+from meshdsl.nn.kv_cache import KVCache
 from meshdsl.nn.linear import Linear
 from meshdsl.nn.normalization import RMSNorm
 from meshdsl.nn.params import Stack, cast_like, check_float, check_has, check_sizes, dims_of
 from meshdsl.nn.rotary import Rotary
 from meshdsl.ops.concat import unstack
 from meshdsl.ops.einsum import einsum
+from meshdsl.ops.elementwise import logical_and
+from meshdsl.ops.indexing import range as md_range
 from meshdsl.ops.reshape import rename
+from meshdsl.ops.update import update_slice
 from meshdsl.tensor import Tensor
 
 
@@ -51,6 +55,11 @@ class MultiHeadAttention:
     mask ``[batch, memory]``. ``implementation``: "xla" or "cudnn" (see ``jax.nn.dot_product_attention``);
     None (the default) chooses cuDNN's fused attention where the shard's dtype, head size and mask
     allow it on a GPU, XLA's formula otherwise (:mod:`meshdsl.nn.attention_impl`).
+
+    ``cache``: an ``md.nn.KVCache`` (decoding): the keys and values of ``x``'s positions are written
+    into it at ``cache.index``, the queries attend over every valid cached position up to their
+    own (``cache.valid``, causality by slot), rotary angles come from ``cache.positions``, and
+    ``cache`` holds the updated keys and values afterwards.
 
     Params: ``{"wqkv": qkv_projection's, "wo": output_projection's}``, or with ``kv_heads``
     ``{"wq", "wkv", "wo"}`` (``Linear`` weights, LeCun normal; with ``bias``, ``{"kernel", "bias"}``).
@@ -144,7 +153,9 @@ class MultiHeadAttention:
         y = einsum(x, cast_like(w, x), out=out)
         return y + cast_like(params["bias"], x) if self.bias else y
 
-    def __call__(self, params: dict[str, Any], x: Tensor, *, mask: Tensor | None = None) -> Tensor:
+    def __call__(
+        self, params: dict[str, Any], x: Tensor, *, mask: Tensor | None = None, cache: KVCache | None = None
+    ) -> Tensor:
         check_float("MultiHeadAttention", x)
         check_has("MultiHeadAttention", x, [self.model], "model")
         if self.length not in x.shape:
@@ -161,9 +172,15 @@ class MultiHeadAttention:
             k, v = unstack(kv, self.fused_kv)
         if self.qk_norm is not None:
             q, k = self.qk_norm(params["q_norm"], q), self.qk_norm(params["k_norm"], k)
+        positions = None if cache is None else cache.positions
         if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
-        k, v = rename(k, self.length, self.memory), rename(v, self.length, self.memory)
+            q, k = self.rotary(q, positions=positions), self.rotary(k, positions=positions)
+        causal = self.causal
+        if cache is None:
+            k, v = rename(k, self.length, self.memory), rename(v, self.length, self.memory)
+        else:
+            k, v, mask = self._cached(cache, k, v, length, mask)
+            causal = False
         attended = dot_product_attention(
             q,
             k,
@@ -172,8 +189,23 @@ class MultiHeadAttention:
             length=self.length,
             memory=self.memory,
             depth=self.d_kv,
-            causal=self.causal,
+            causal=causal,
             mask=mask,
             implementation=self.implementation,
         )
         return self.output_projection(params["wo"], attended)
+
+    def _cached(
+        self, cache: KVCache, k: Tensor, v: Tensor, length: Dim, mask: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The step's keys and values written into ``cache`` at ``cache.index`` (which then holds the
+        new ones), the whole cache's keys and values, and the mask: valid slots up to each query's own."""
+        if self.memory not in cache.keys.shape:
+            raise ShapeError(f"MultiHeadAttention: cache keys {cache.keys.shape} have no memory dim {self.memory!r}")
+        cache.keys = update_slice(cache.keys, k, cache.index, self.memory, self.length)
+        cache.values = update_slice(cache.values, v, cache.index, self.memory, self.length)
+        memory = cache.keys.shape[self.memory]
+        last = md_range(length) + cache.index if self.causal else cache.index + (length.size - 1)
+        seen = md_range(memory) <= last
+        allowed = logical_and(cache.valid, seen)
+        return cache.keys, cache.values, allowed if mask is None else logical_and(allowed, mask)
