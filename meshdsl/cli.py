@@ -6,7 +6,10 @@ mistake that shows before a device is used), then the devices (:mod:`meshdsl.run
 simulated CPU devices on a machine without an accelerator, 8 by default, unless XLA_FLAGS chose)
 and the multi-process run (``--coordinator``, ``--num-processes``, ``--process-id``, or the
 ``MESHDSL_*`` variables, or a detected cluster: :mod:`meshdsl.runtime.distributed`), then its run. An md
-error from any of them is one line, ``meshdsl <command>: error: ...``, and exit status 2.
+error from any of them is one line, ``meshdsl <command>: error: ...``, and exit status 2. A run that
+a signal stopped (:class:`meshdsl.errors.Interrupted`; Ctrl-C anywhere) is one line too, and exit
+status ``128 + signal``; after a bare Ctrl-C the process ends without the interpreter's teardown
+(``os._exit``), where JAX's threads, cut off mid-compile, could crash it.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``meshdsl argv``; the exit status."""
     args = _parser().parse_args(argv)
     command = commands.commands()[args.command]
-    from meshdsl.errors import MeshDslError
+    from meshdsl.errors import Interrupted, MeshDslError
     from meshdsl.runtime import distributed
 
     try:
@@ -58,10 +61,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if distributed.joined():
             distributed.exit_now(2)
         return 2
-    except (Exception, KeyboardInterrupt) as e:
+    except Interrupted as e:
+        print(f"meshdsl {args.command}: {e}", file=sys.stderr)
+        if distributed.joined():
+            distributed.exit_now(e.exit_status)
+        return e.exit_status
+    except KeyboardInterrupt:
+        print(f"meshdsl {args.command}: Ctrl-C (SIGINT): stopped", file=sys.stderr)
+        distributed.exit_now(130)
+    except Exception:
         if distributed.joined():
             traceback.print_exc()
-            distributed.exit_now(130 if isinstance(e, KeyboardInterrupt) else 1)
+            distributed.exit_now(1)
         raise
     return code or 0
 
