@@ -61,10 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if distributed.joined():
             distributed.exit_now(2)
         return 2
-    except Interrupted as e:
+    except Interrupted as e:  # every process stopped after the same step: they leave together, as after the last
         print(f"meshdsl {args.command}: {e}", file=sys.stderr)
-        if distributed.joined():
-            distributed.exit_now(e.exit_status)
         return e.exit_status
     except KeyboardInterrupt:
         print(f"meshdsl {args.command}: Ctrl-C (SIGINT): stopped", file=sys.stderr)
