@@ -15,6 +15,9 @@ status ``128 + signal``; after a bare Ctrl-C the process ends without the interp
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -38,6 +41,12 @@ def check(args: argparse.Namespace) -> Any:
     """The config of the command ``args``, after raising the md error for each mistake in it that
     shows before any device is used (the command's ``check``: ``train.loop.check``, ``bench.run.check``, ...)."""
     return commands.check(args)
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing what is left for a closed pipe raises nothing."""
+    with contextlib.suppress(OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -67,6 +76,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"meshdsl {args.command}: Ctrl-C (SIGINT): stopped", file=sys.stderr)
         distributed.exit_now(130)
+    except BrokenPipeError:  # ``meshdsl train ... | head``: what a shell reports for SIGPIPE, without a traceback
+        _quiet_stdout()
+        with contextlib.suppress(OSError):
+            print(f"meshdsl {args.command}: stopped: the reader of its output closed the pipe", file=sys.stderr)
+        distributed.exit_now(141)
     except Exception:
         if distributed.joined():
             traceback.print_exc()

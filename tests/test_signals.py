@@ -145,3 +145,20 @@ def test_without_a_signal_nothing_changes(tmp_path: Path) -> None:
     with open(os.devnull, "w") as sink:
         assert len(train(run, out=sink, signals=True)) == 2
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_a_closed_output_pipe_is_one_line(tmp_path: Path) -> None:
+    """``meshdsl train ... | head -1``: the reader leaves; the run stops with one line, SIGPIPE's status."""
+    proc = _popen(RUN, tmp_path)
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        proc.stdout.readline()
+        proc.stdout.close()
+        err = proc.stderr.read()
+        proc.wait(timeout=HANG_GUARD_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 141, err
+    assert err.strip().splitlines()[-1] == "meshdsl train: stopped: the reader of its output closed the pipe", err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert not (tmp_path / "ck" / ".meshdsl-lock").exists()
