@@ -15,7 +15,7 @@ from pathlib import Path
 from meshdsl.train.loop import RunConfig, train
 
 HANG_GUARD_S = 600  # only stops a hung run from stalling CI; never a performance bound
-STEPS = 60
+STEPS = 200  # the run goes on long after the signal is sent, however fast the machine
 RUN = ["train", "--model", "mlp", "--preset", "tiny", "--steps", str(STEPS), "--log-every", "1"]
 RUN += ["--checkpoint-dir", "ck", "--log-json", "log.jsonl"]
 
@@ -69,7 +69,7 @@ def test_sigterm_at_a_random_step_saves_it_and_the_resumed_run_has_the_uninterru
     )
     assert done.returncode == 0, done.stderr
 
-    out, err = _signal_after(_popen(RUN, cut), f"step {nth:>2}/{STEPS}", signal.SIGTERM)
+    out, err = _signal_after(_popen(RUN, cut), f"step {nth:>{len(str(STEPS))}}/{STEPS}", signal.SIGTERM)
     assert "Traceback" not in err, err
     last = err.strip().splitlines()[-1]
     stopped = int(last.split("stopped after step ")[1].split()[0])
