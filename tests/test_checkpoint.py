@@ -123,7 +123,8 @@ def test_manager_keeps_the_newest_and_clears_crashed_saves(tmp_path):
 
 CRASH = """
 import os, signal, sys
-from meshdsl import checkpoint, cli
+from meshdsl import cli
+from meshdsl.checkpoint import store as checkpoint
 commit = checkpoint._commit
 def crash(tmp, path):
     if path.name == sys.argv[1]:
@@ -225,7 +226,8 @@ def test_resumed_under_fsdp_on_4_devices_it_continues_the_killed_run(killed_run,
 PRUNE_KILL = """
 import os, signal, sys
 from pathlib import Path
-from meshdsl import checkpoint, cli
+from meshdsl import cli
+from meshdsl.checkpoint import store as checkpoint
 rmtree = checkpoint.shutil.rmtree
 def dying(path, *args, **kwargs):
     path = Path(path)
