@@ -152,5 +152,10 @@ def _softmax_jvp(
 @op("log_softmax")
 def log_softmax(x: Tensor, dims: SomeDims) -> Tensor:
     """log(softmax(x)) over ``dims``, computed stably. Like ``softmax``, it needs its dims named:
-    ``None`` (all dims, for the reductions) is refused rather than normalising over the batch."""
-    return x - logsumexp(x, resolve(dims, x.shape))
+    ``None`` (all dims, for the reductions) is refused rather than normalising over the batch.
+
+    Computed as ``jax.nn.log_softmax`` is, ``(x - m) - log(sum(exp(x - m)))`` with ``m`` the maximum:
+    a row holding NaN or +inf gives NaN throughout, as there, not ``-inf`` beside a NaN."""
+    names = resolve(dims, x.shape)
+    shifted = x - _shift(x, names)
+    return shifted - ew.log(reduce_sum(ew.exp(shifted), names))
