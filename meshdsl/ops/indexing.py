@@ -33,6 +33,7 @@ from meshdsl.lowering import compute_split
 from meshdsl.lowering.base import NO_INDEX, max_and_index, reaches
 from meshdsl.lowering.context import current, op
 from meshdsl.ops import elementwise
+from meshdsl.ops.reduction import require_entries
 from meshdsl.tensor import Tensor, describe, dtype_of
 
 
@@ -162,6 +163,7 @@ def top_k(x: Tensor, reduced_dim: DimLike, k_dim: Dim) -> tuple[Tensor, Tensor]:
         raise ShapeError(f"top_k: k_dim must be an md.Dim (name and size k), got {describe(k_dim)}")
     lowering = current()
     position = x.shape.index(reduced_dim)
+    require_entries("top_k", x, [position], "a top_k")
     d, k = x.shape[position], k_dim.size
     if k > d.size:
         raise ShapeError(f"top_k: k_dim {k_dim} is larger than {d}")
@@ -191,6 +193,7 @@ def argmax(x: Tensor, reduced_dim: DimLike) -> Tensor:
     """Index (int32) of the largest entry along ``reduced_dim``; ties go to the lowest index."""
     lowering = current()
     position = x.shape.index(reduced_dim)
+    require_entries("argmax", x, [position], "an argmax")
     axes = lowering.axes(x.shape)
     split = axes[position]
     best, index = max_and_index(lax.stop_gradient(lowering.prepare(x)), (position,))
