@@ -368,11 +368,14 @@ def check(
     explain: bool = True,
     backends: Sequence[str] = BACKENDS,
     around: bool = False,
+    nonfinite: bool | None = None,
 ) -> bool:
-    """Run the checks of this module's docstring; False (after checking the error) if the layout cannot apply."""
+    """Run the checks of this module's docstring; False (after checking the error) if the layout cannot apply.
+
+    ``nonfinite``: the inputs (closed over ones too) may hold NaN or +-inf (None: whether ``args`` do)."""
     layout = md.Layout(layout)
     args = tuple(args)
-    nonfinite = has_nonfinite(args)
+    nonfinite = has_nonfinite(args) if nonfinite is None else nonfinite
     with recording() as made, np.errstate(all="ignore"):
         expected = reference(*(_named(a, to_jax=False) for a in args))
     if not nonfinite:
