@@ -25,13 +25,17 @@ def add_arguments(generate: argparse.ArgumentParser) -> None:
     flags.add_set(generate)
     flags.add_layout(generate)
     flags.add_backend(generate)
+    flags.add_init_from_hf(generate, weights=True)
     generate.add_argument(
         "--checkpoint-dir", default=None, metavar="DIR", help="the latest checkpoint of a meshdsl train run"
     )
     generate.add_argument("--prompt-ids", default=None, metavar="IDS", help='prompts as ids: "1 2 3; 4 5"')
     generate.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt as text (repeat)")
     generate.add_argument(
-        "--tokenizer", default=None, metavar="FILE", help="tokenizer.json (default: the checkpoint dir's)"
+        "--tokenizer",
+        default=None,
+        metavar="FILE",
+        help="tokenizer.json (default: the weights' folder's)",
     )
     generate.add_argument("--max-new-tokens", type=int, default=16)
     generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -67,7 +71,8 @@ def _tokenizer(args: argparse.Namespace) -> Any:
     """The ``tokenizers.Tokenizer`` of ``--tokenizer`` or the checkpoint dir's tokenizer.json; None without text."""
     from meshdsl.errors import ConfigError
 
-    path = args.tokenizer or (str(Path(args.checkpoint_dir) / "tokenizer.json") if args.checkpoint_dir else None)
+    folder = args.checkpoint_dir or args.init_from_hf
+    path = args.tokenizer or (str(Path(folder) / "tokenizer.json") if folder else None)
     if not args.prompt:
         return None
     if path is None or not Path(path).is_file():
@@ -87,14 +92,20 @@ def check(args: argparse.Namespace, overrides: dict[str, object]) -> dict[str, A
 
     if (args.prompt_ids is None) == (not args.prompt):
         raise ConfigError("give prompts as --prompt-ids or as --prompt (text), one of the two")
-    if args.checkpoint_dir is not None and not Path(args.checkpoint_dir).is_dir():
-        raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir!r} is not a directory")
+    if args.checkpoint_dir is not None and args.init_from_hf is not None:
+        raise ConfigError("--checkpoint-dir and --init-from-hf both name the weights: give one")
+    for flag, folder in (("--checkpoint-dir", args.checkpoint_dir), ("--init-from-hf", args.init_from_hf)):
+        if folder is not None and not Path(folder).is_dir():
+            raise ConfigError(f"{flag} {folder!r} is not a directory")
     tokenizer = _tokenizer(args)
     rows = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
     if rows is None:
         rows = [tokenizer.encode(text).ids for text in args.prompt]
     if args.checkpoint_dir is not None:
         name, model, found = _checkpoint_model(args.checkpoint_dir, overrides)
+    elif args.init_from_hf is not None:
+        name = flags.model_spec(args.model, args.init_from_hf)
+        model, found = build_model(name, args.preset, **overrides), None
     else:
         name, model, found = args.model, build_model(args.model, args.preset, **overrides), None
     layout = load_layout(args.layout)
@@ -108,7 +119,15 @@ def check(args: argparse.Namespace, overrides: dict[str, object]) -> dict[str, A
         import jax
 
         checks.sampling(args.temperature, args.top_k, args.top_p, jax.random.key(0), vocab)
-    return {"name": name, "model": model, "found": found, "layout": layout, "rows": rows, "tokenizer": tokenizer}
+    return {
+        "name": name,
+        "model": model,
+        "found": found,
+        "layout": layout,
+        "rows": rows,
+        "tokenizer": tokenizer,
+        "overrides": overrides,
+    }
 
 
 def _checkpoint_model(directory: str, overrides: dict[str, object]) -> tuple[str, Any, Path]:
@@ -154,6 +173,11 @@ def run(args: argparse.Namespace, checked: dict[str, Any]) -> None:
         state, _ = checkpoint.restore(checked["found"], mesh, layout)
         params = state["params"]
         source = str(checked["found"])
+    elif args.init_from_hf is not None:
+        from meshdsl import hf
+
+        _, params = hf.load(args.init_from_hf, mesh=mesh, layout=layout, **checked["overrides"])
+        source = f"the Hugging Face folder {args.init_from_hf}"
     else:
         params = model.init(jax.random.key(args.seed))
         source = f"random weights (seed {args.seed})"
