@@ -179,6 +179,31 @@ def _block(leaf: _Leaf, where: Mapping[str, Any], index: tuple[slice, ...]) -> n
     return np.ascontiguousarray(np.transpose(block, [order.index(n) for n in shape.names])).astype(leaf.dtype)
 
 
+def _checked(path: Path, like: Any, names: Mapping[str, Any], stack: contextlib.ExitStack) -> tuple:
+    """Every check before a read: ``like``'s flattened leaves, tree, paths, the plan of each tensor leaf
+    and the open files (kept open by ``stack``)."""
+    files = _files(path)
+    flat, tree = jax.tree_util.tree_flatten_with_path(like, is_leaf=is_tensor)
+    paths = [_path(p) for p, _ in flat]
+    unknown = sorted(set(names) - set(paths))
+    if unknown:
+        raise ConfigError(f"load_safetensors: names {unknown} are not parameters of like (its leaves: {paths})")
+    missing = [p for p, (_, leaf) in zip(paths, flat) if isinstance(leaf, Tensor) and p not in names]
+    if missing:
+        raise ConfigError(f"load_safetensors: no source in names for the parameters {missing}")
+    where = _open(stack, files)
+    tensors = [(p, leaf) for p, (_, leaf) in zip(paths, flat) if isinstance(leaf, Tensor)]
+    plans = {p: _plan(p, leaf, names[p], where, str(path)) for p, leaf in tensors}
+    return flat, tree, paths, plans, where
+
+
+def check_safetensors(path: str | Path, *, like: Any, names: Mapping[str, Source | tuple[str, str]]) -> None:
+    """Every check :func:`load_safetensors` makes before it reads (files, names, each tensor's shape), reading
+    nothing but the headers: what a command runs before it starts any device."""
+    with contextlib.ExitStack() as stack:
+        _checked(Path(path), like, names, stack)
+
+
 def load_safetensors(
     path: str | Path,
     *,
@@ -195,21 +220,8 @@ def load_safetensors(
     ``[params]`` table) pass ``layout.param_layout``, as a trainer's state holds them.
     """
     layout = Layout(layout if layout is not None else {})
-    path = Path(path)
-    files = _files(path)
-    label = str(path)
-    flat, tree = jax.tree_util.tree_flatten_with_path(like, is_leaf=is_tensor)
-    paths = [_path(p) for p, _ in flat]
-    unknown = sorted(set(names) - set(paths))
-    if unknown:
-        raise ConfigError(f"load_safetensors: names {unknown} are not parameters of like (its leaves: {paths})")
-    missing = [p for p, (_, leaf) in zip(paths, flat) if isinstance(leaf, Tensor) and p not in names]
-    if missing:
-        raise ConfigError(f"load_safetensors: no source in names for the parameters {missing}")
     with contextlib.ExitStack() as stack:
-        where = _open(stack, files)
-        tensors = [(p, leaf) for p, (_, leaf) in zip(paths, flat) if isinstance(leaf, Tensor)]
-        plans = {p: _plan(p, leaf, names[p], where, label) for p, leaf in tensors}
+        flat, tree, paths, plans, where = _checked(Path(path), like, names, stack)
         out = []
         for p, (_, leaf) in zip(paths, flat):
             if p not in plans:

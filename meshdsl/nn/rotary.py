@@ -13,7 +13,7 @@ from meshdsl.ops.concat import stack, unstack
 from meshdsl.ops.elementwise import cast, cos, exp, sin
 from meshdsl.ops.indexing import range as md_range
 from meshdsl.ops.reshape import reshape
-from meshdsl.tensor import Tensor
+from meshdsl.tensor import Tensor, tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +29,8 @@ class Rotary:
     The pairs are taken by ``md.reshape`` of ``depth`` into ``[{depth}_pair, {depth}_half]`` (or
     the reverse): no layout rule names these, so under a split ``depth`` (``d_kv:model``) the
     reshape gathers it and the way back splits it again; any other split stays local.
-    No parameters.
+    ``inverse``: the ``depth / 2`` frequencies ``theta ** (-2 i / depth)`` replaced by these (a
+    scaled rope, such as Llama 3.1's; ``theta`` is then unused). No parameters.
     """
 
     depth: Dim
@@ -37,12 +38,15 @@ class Rotary:
     theta: float = 10000.0
     interleaved: bool = False
     length: str = "length"
+    inverse: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.depth, Dim) or self.depth.size % 2:
             raise ShapeError(f"Rotary: depth must be an md.Dim of even size, got {self.depth!r}")
         if not self.theta > 0:
             raise ShapeError(f"Rotary: theta must be positive, got {self.theta}")
+        if self.inverse is not None and len(self.inverse) != self.depth.size // 2:
+            raise ShapeError(f"Rotary: {len(self.inverse)} inverse frequencies for depth {self.depth} (needs half)")
 
     def __call__(self, x: Tensor, *, positions: Tensor | None = None, offset: int = 0) -> Tensor:
         d = self.depth
@@ -55,7 +59,10 @@ class Rotary:
         elif not jnp.issubdtype(positions.dtype, jnp.integer) or not set(positions.names) <= set(x.names):
             raise ShapeError(f"Rotary: positions {positions.shape} must be integers over dims of the input {x.shape}")
         pair, half = Dim(f"{d.name}_pair", 2), Dim(f"{d.name}_half", d.size // 2)
-        inverse = exp(cast(md_range(half), jnp.float32) * (-2.0 * math.log(self.theta) / d.size))
+        if self.inverse is None:
+            inverse = exp(cast(md_range(half), jnp.float32) * (-2.0 * math.log(self.theta) / d.size))
+        else:
+            inverse = tensor(jnp.asarray(self.inverse, jnp.float32), [half])
         angles = cast(positions, jnp.float32) * inverse
         c, s = cos(angles), sin(angles)
         grouped = [half, pair] if self.interleaved else [pair, half]

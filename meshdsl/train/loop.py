@@ -26,6 +26,7 @@ from meshdsl.runtime import distributed, output_paths
 from meshdsl.runtime.layout_spec import is_shipped, layout_path, load_layout
 from meshdsl.train import feedback, logs, optim, settings
 from meshdsl.train.data import EVAL_FRACTION, TokenFile
+from meshdsl.train.examples import ExampleFile
 from meshdsl.train.progress import Progress, Step, Summary, peak_bytes
 from meshdsl.train.rules import split_warnings, unused_rules
 from meshdsl.train.step import Trainer, check_accumulate, pipelined
@@ -48,6 +49,8 @@ class RunConfig:
     backend: str = "spmd"
     seed: int = 0
     data: str | None = None
+    init_from_hf: str | None = None
+    """A Hugging Face folder whose weights are the parameters at step 0 (``model`` is then ``hf:DIR``)."""
     eval_fraction: float = EVAL_FRACTION
     """The tail of the token file held out for evaluation (never trained on)."""
     compute_dtype: str | None = None
@@ -146,8 +149,9 @@ def build_trainer(run: RunConfig, mesh: md.Mesh | None = None, model: Any = None
 
 
 def token_file(run: RunConfig, model: Any) -> TokenFile:
-    """The token file ``run.data`` for ``model``, in the keys and dims of the model's own batch
-    (:mod:`meshdsl.train.token_batch`); ConfigError for a model that reads no token sequences."""
+    """The token file ``run.data`` for ``model`` (an ``.npz``: padded examples, :mod:`meshdsl.train.examples`),
+    in the keys and dims of the model's own batch (:mod:`meshdsl.train.token_batch`); ConfigError for a
+    model that reads no token sequences."""
     what = f"--data {run.data!r}: model {run.model}"
     try:
         spec = token_batch_of(model, what)
@@ -165,6 +169,8 @@ def token_file(run: RunConfig, model: Any) -> TokenFile:
             "which --data needs to check the file's ids"
         )
     assert run.data is not None  # a token file is read for a run with --data
+    if run.data.endswith(".npz"):  # padded examples (input_ids, labels with -100)
+        return ExampleFile(run.data, spec, vocab, seed=run.seed, eval_fraction=run.eval_fraction)
     return TokenFile(run.data, spec, vocab, seed=run.seed, eval_fraction=run.eval_fraction)
 
 
@@ -200,6 +206,9 @@ def check(run: RunConfig, model: Any = None) -> Any:
         feedback.check(layout, run.grad_reduce_dtype, is_pipelined, run.accumulate, run.backend)
     if run.data is not None:
         token_file(run, model)
+    if run.init_from_hf is not None:  # the weights' names and shapes, from the files' headers alone
+        like = jax.eval_shape(model.init, jax.random.key(0))
+        md.checkpoint.check_safetensors(run.init_from_hf, like=like, names=model.hf_names())
     if run.checkpoint_dir is not None:
         md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
         output_paths.check_dir(run.checkpoint_dir, "--checkpoint-dir")
@@ -307,7 +316,11 @@ def _start(
     if found is None:
         if run.resume:
             out.write(f"no checkpoint in {run.checkpoint_dir}; starting from step 0\n")
-        return trainer.init(jax.random.key_data(key)), data_key, 0
+        state = trainer.init(jax.random.key_data(key))
+        if run.init_from_hf is not None:
+            state["params"] = _hf_params(run.init_from_hf, trainer, state["params"])
+            out.write(f"parameters from {run.init_from_hf}\n")
+        return state, data_key, 0
     saved = md.checkpoint.read_manifest(found)["metadata"]
     _check_resumable(found, saved, _run_metadata(run, trainer.model))
     if saved["step"] > run.steps:
@@ -319,6 +332,13 @@ def _start(
     state, _ = md.checkpoint.restore(found, trainer.mesh, trainer.layout.param_layout, like=like)
     out.write(f"resuming from {found} at step {saved['step']}\n")
     return state, state.pop("data_key"), int(saved["step"])
+
+
+def _hf_params(folder: str, trainer: Trainer, like: Any) -> Any:
+    """The weights of the Hugging Face ``folder`` in the trainer's stored layout, each device reading its block."""
+    return md.checkpoint.load_safetensors(
+        folder, like=like, names=trainer.model.hf_names(), mesh=trainer.mesh, layout=trainer.layout.param_layout
+    )
 
 
 def _check_data(found: Path, tokens: TokenFile | None, step: int) -> None:
