@@ -63,6 +63,7 @@ def _parse_attention(value: Any) -> dict[str, str]:
         out[axis] = strategy
     return out
 
+
 Split = tuple[tuple[str, ...], ...]
 """How one tensor is split: per dim, the mesh axes splitting it, major to minor; ``()`` means replicated.
 A :class:`Layout` (the rules) gives every tensor its split; ``Tensor.split`` records the one it has now."""
