@@ -115,3 +115,36 @@ def test_a_batch_of_ignored_targets_is_an_error_not_nan():
     logits = lambda a: md.einsum(a, w, out=[*a.shape.without(["d_model"]), VOCAB])  # noqa: E731
     with pytest.raises(md.DataError, match="every one of the 32 targets .* is ignore_index -100"):
         md.nn.cross_entropy(x, ignored, logits, "vocab", "length", ignore_index=-100)
+
+
+# ---- a label outside the vocabulary: NaN inside jit, an error where the labels are known ----
+
+
+@pytest.mark.parametrize("chunk", [None, 2])
+@pytest.mark.parametrize("bad", [16, -1, 2**31 - 1, -(2**31)])
+def test_label_outside_the_vocabulary_gives_nan_under_jit(bad, chunk):
+    # Inside md.compile the labels are traced: the loss is NaN, never the plausible number the
+    # loss with the label's logit taken as 0 would be. The same in the chunked path, split or not.
+    x, w, t = _args()
+    labels = t.numpy().copy()
+    labels[1, 5] = bad
+    t = harness.from_numpy(labels, [BATCH, LENGTH])
+    for layout in ("", "batch:data; vocab:model"):
+        loss = md.compile(_loss(chunk), harness.mesh("data4_model2"), layout)(x, w, t)
+        assert np.isnan(float(loss.array)), (bad, chunk, layout, float(loss.array))
+
+
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_label_outside_the_vocabulary_is_a_data_error_eagerly(chunk):
+    x, w, t = _args()
+    labels = t.numpy().copy()
+    labels[2, 3] = 16
+    with pytest.raises(md.DataError, match=r"label 16 at \(batch=2, length=3\) is outside \[0, 16\)"):
+        _loss(chunk)(x, w, harness.from_numpy(labels, [BATCH, LENGTH]))
+
+
+def test_labels_in_range_are_not_flagged():
+    from meshdsl.nn.cross_entropy import invalid_labels
+
+    t = md.tensor(np.array([0, 15, 16, -1], np.int32), [D("n", 4)])
+    np.testing.assert_array_equal(invalid_labels(t, 16).numpy(), [False, False, True, True])

@@ -237,10 +237,11 @@ def check(args: argparse.Namespace, run: RunConfig) -> Checked:
 
 
 def run(args: argparse.Namespace, checked: Checked) -> None:
-    """Train (its lines on stdout, warnings on stderr) the model the check built."""
+    """Train (its lines on stdout, warnings on stderr) the model the check built; SIGTERM or Ctrl-C
+    stops it after its step, saved (:mod:`meshdsl.train.signals`)."""
     from meshdsl.train.loop import train
 
-    train(checked.run, sys.stdout, err=sys.stderr, model=checked.model)
+    train(checked.run, sys.stdout, err=sys.stderr, model=checked.model, signals=True)
 
 
 COMMAND = Command("train", "train a model under a layout", add_arguments, run, config=config, check=check, order=10)

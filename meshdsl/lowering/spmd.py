@@ -19,7 +19,7 @@ from jax import lax
 from meshdsl import compression, relayout
 from meshdsl.dims import Shape
 from meshdsl.layout import Layout, Split
-from meshdsl.lowering.base import Lowering, exact_max
+from meshdsl.lowering.base import Lowering, exact_max, pmax_total
 from meshdsl.mesh import Mesh
 from meshdsl.relayout import varying_axes as _varying_axes
 from meshdsl.tensor import Tensor
@@ -226,7 +226,7 @@ class SpmdLowering(Lowering):
         return exact_max(x, offset, positions, tuple(axes))
 
     def pmax(self, x: Any, axes: Sequence[str]) -> Any:
-        return lax.pmax(x, tuple(axes)) if axes else x
+        return pmax_total(x, tuple(axes)) if axes else x
 
     def pmin(self, x: Any, axes: Sequence[str]) -> Any:
         return lax.pmin(x, tuple(axes)) if axes else x

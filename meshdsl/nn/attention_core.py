@@ -85,6 +85,11 @@ def _check(
         raise ShapeError(
             f"dot_product_attention: queries {q.shape} and keys {k.shape} differ in dims other than {t} and {s}{also}"
         )
+    if len({jnp.dtype(q.dtype), jnp.dtype(k.dtype), jnp.dtype(v.dtype)}) > 1:
+        raise ShapeError(
+            f"dot_product_attention: queries ({jnp.dtype(q.dtype).name}), keys ({jnp.dtype(k.dtype).name}) and "
+            f"values ({jnp.dtype(v.dtype).name}) must have one dtype; md.cast them to the one you mean"
+        )
     if mask is not None:
         allowed = {*batch, *groups, h, t, s}
         if mask.dtype != jnp.bool_ or not set(mask.names) <= allowed:
@@ -92,6 +97,10 @@ def _check(
                 f"dot_product_attention: mask {mask.shape} ({mask.dtype}) must be boolean over dims of "
                 f"{sorted(allowed)}"
             )
+        sizes = {**{x.name: x for x in k.shape}, **{x.name: x for x in q.shape}}
+        other = [f"{x} (the inputs' {sizes[x.name]})" for x in mask.shape if sizes[x.name].size != x.size]
+        if other:
+            raise ShapeError(f"dot_product_attention: mask {mask.shape} has {', '.join(other)}")
     return batch, groups
 
 

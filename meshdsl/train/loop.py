@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 
 import meshdsl as md
 from meshdsl import models
-from meshdsl.errors import ConfigError, TrainingError
+from meshdsl.errors import ConfigError, Interrupted, TrainingError
 from meshdsl.measure.peaks import peak_flops
 from meshdsl.measure.timing import compile_checked
 from meshdsl.model import protocol as model_protocol
@@ -29,6 +30,7 @@ from meshdsl.train.data import EVAL_FRACTION, TokenFile
 from meshdsl.train.examples import ExampleFile
 from meshdsl.train.progress import Progress, Step, Summary, peak_bytes
 from meshdsl.train.rules import split_warnings, unused_rules
+from meshdsl.train.signals import Stops, describe
 from meshdsl.train.step import Trainer, check_accumulate, pipelined
 from meshdsl.train.token_batch import token_batch_of
 
@@ -213,20 +215,33 @@ def check(run: RunConfig, model: Any = None) -> Any:
         md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
         output_paths.check_dir(run.checkpoint_dir, "--checkpoint-dir")
     logs.check(run.log_json, run.tensorboard)
-    model_file = run.model if run.model.endswith(".py") else None
-    inputs = {"--data": run.data, "--layout": layout_path(run.layout), "--model": model_file}
-    for flag, path in (
-        ("--log-json", run.log_json),
-        ("--tensorboard", run.tensorboard),
-        ("--checkpoint-dir", run.checkpoint_dir),
-    ):
-        output_paths.check_not_input(path, flag, inputs)
     if run.profile_steps is not None:
         settings.profile_steps(run.profile_steps, run.steps)
         output_paths.check_dir(_profile_dir(run), "--profile-dir")
     elif run.profile_dir is not None:
         raise ConfigError("--profile-dir needs --profile-steps A:B (the steps to trace)")
+    _check_outputs(run)
     return model
+
+
+def _check_outputs(run: RunConfig) -> None:
+    """ConfigError for an output that is an input, another output (the JSON log, its loss curve,
+    TensorBoard's and the trace's folders), or inside the checkpoint dir; and for a ``step_<N>`` there
+    that a step of this run would save to but cannot replace."""
+    model_file = run.model if run.model.endswith(".py") else None
+    inputs = {"--data": run.data, "--layout": layout_path(run.layout), "--model": model_file}
+    png = None if run.log_json is None else logs.loss_curve_path(run.log_json)
+    files = {"--log-json": run.log_json, "--log-json's loss curve": png}
+    folders = {"--tensorboard": run.tensorboard, "--checkpoint-dir": run.checkpoint_dir}
+    if run.profile_steps is not None:
+        folders["--profile-dir"] = _profile_dir(run)
+    for flag, path in {**files, **folders}.items():
+        output_paths.check_not_input(path, flag, inputs)
+    output_paths.check_apart(files, folders, own="--checkpoint-dir")
+    if run.checkpoint_dir is not None:
+        manager = md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
+        done = manager.steps() if run.resume else []
+        manager.check_free(range(done[-1] + 1 if done else 1, run.steps + 1))
 
 
 def _profile_dir(run: RunConfig) -> str:
@@ -437,6 +452,7 @@ def train(
     mesh: md.Mesh | None = None,
     err: TextIO = sys.stderr,
     model: Any = None,
+    signals: bool = False,
 ) -> list[float]:
     """Train as ``run`` says and return the loss of every step it ran.
 
@@ -451,20 +467,26 @@ def train(
     The checkpoint dir is locked for the run (a second run on it is a ConfigError before anything is
     built). A step that needs more memory than a device has is a ConfigError before any state is made
     (:mod:`meshdsl.measure.fits`). ``model``: what ``check(run)`` returned, when the caller checked first
-    (the model is then not built again).
+    (the model is then not built again). ``signals`` (what ``meshdsl train`` passes): SIGTERM or Ctrl-C
+    stops the run after its step, saved, raising :class:`meshdsl.errors.Interrupted`
+    (:mod:`meshdsl.train.signals`).
     """
     model = check(run, model)
     run = resolved(run)
-    if run.checkpoint_dir is None:
-        return _train(run, model, out, mesh, err, None)
-    manager = md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
-    note = manager.acquire()
-    if note is not None:
-        err.write(f"meshdsl train: note: {note}\n")
-    try:
-        return _train(run, model, out, mesh, err, manager)
-    finally:
-        manager.release()
+    manager = None
+    if run.checkpoint_dir is not None:
+        manager = md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
+    stops = Stops(err, None if manager is None else manager.release) if signals else None
+    with stops or contextlib.nullcontext():
+        if manager is None:
+            return _train(run, model, out, mesh, err, None, stops)
+        note = manager.acquire()
+        if note is not None:
+            err.write(f"meshdsl train: note: {note}\n")
+        try:
+            return _train(run, model, out, mesh, err, manager, stops)
+        finally:
+            manager.release()
 
 
 def _train(
@@ -474,6 +496,7 @@ def _train(
     mesh: md.Mesh | None,
     err: TextIO,
     manager: md.checkpoint.CheckpointManager | None,
+    stops: Stops | None = None,
 ) -> list[float]:
     """:func:`train` after its checks (which built ``model``), with the checkpoint dir (if any) locked."""
     primary = distributed.is_primary()
@@ -517,14 +540,19 @@ def _train(
     compile_seconds = time.perf_counter() - began
     out.write(f"compiled in {compile_seconds:.1f} s\n")
 
+    if stops is not None:
+        stops.training()  # before the log is opened: a stop at once must not cut a resumed log's rewrite short
     sinks = logs.Logs(run.log_json if primary else None, run.tensorboard if primary else None, first)
     progress = Progress(first, run.steps, unit, out, run.log_every)
     profiler = _Profiler(run.profile_steps, run.steps, _profile_dir(run))
     losses: list[float] = []
     times: list[float] = []
     evals: list[tuple[int, float]] = []
+    stopped: int | None = None
     try:
         for step in range(first, run.steps):
+            if stops is not None:
+                stops.step = step
             batch = batch_of(step)
             profiler.before(step + 1)
             start = time.perf_counter()
@@ -563,9 +591,12 @@ def _train(
             progress.update(record)
             if traced:
                 progress.note(traced)
-            if manager is not None and (manager.due(step + 1) or step + 1 == run.steps):
+            stopped = None if stops is None or step + 1 == run.steps else stops.agreed()
+            if manager is not None and (manager.due(step + 1) or step + 1 == run.steps or stopped):
                 data_state = {} if tokens is None else {"data_state": tokens.state(step + 1)}
                 progress.note(_save(manager, step + 1, state, data_key, {**metadata, **data_state}))
+            if stopped:
+                break
     finally:
         profiler.stop()
         progress.close()
@@ -589,4 +620,12 @@ def _train(
         logs=written,
     )
     out.write("\n".join(summary.lines()) + "\n")
+    if stopped:
+        raise Interrupted(stopped, _stop_line(stopped, first + len(losses), run, manager))
     return losses
+
+
+def _stop_line(signum: int, step: int, run: RunConfig, manager: md.checkpoint.CheckpointManager | None) -> str:
+    """What a run a signal stopped after ``step`` says last: what it saved and how to go on."""
+    where = f"saved {manager.path(step)}; continue with --resume" if manager else "nothing saved (no --checkpoint-dir)"
+    return f"{describe(signum)}: stopped after step {step} of {run.steps}: {where}"
