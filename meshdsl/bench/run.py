@@ -337,7 +337,8 @@ def _gspmd(step: CompiledStep, grad_reduce_dtype: str | None) -> tuple[dict[str,
     if trainer.pipelined:
         return None, "XLA's partitioner does not pipeline, so there is no gspmd figure for a pipelined step"
     # An [attention] strategy needs meshdsl's collectives: XLA partitions the same rules' attention itself.
-    layout = md.Layout(trainer.layout, attention={})
+    strategies = {a: s for a, s in trainer.layout.attention.items() if s == "all_gather"}
+    layout = md.Layout(trainer.layout, attention=strategies)
     gspmd = Trainer(trainer.model, trainer.optimizer, trainer.mesh, layout, backend="gspmd", donate=False)
     text = gspmd.step.lower(step.state, step.data).compile().as_text()
     if text is None:
