@@ -11,7 +11,9 @@ from meshdsl.commands import Command, flags
 
 def add_arguments(explain: argparse.ArgumentParser) -> None:
     """``explain``'s flags."""
-    flags.add_settings(explain, "model", "preset", "layout", "optimizer")
+    flags.add_settings(explain, "model", "preset")
+    flags.add_init_from_hf(explain)
+    flags.add_settings(explain, "layout", "optimizer")
     flags.add_profile(explain)
     explain.add_argument("--no-compile", action="store_true", help="skip compiling the step for its own memory figure")
     backend = (
@@ -21,7 +23,8 @@ def add_arguments(explain: argparse.ArgumentParser) -> None:
 
 
 def config(args: argparse.Namespace) -> dict[str, object]:
-    """The model's ``--set`` overrides."""
+    """The model's ``--set`` overrides (and ``--init-from-hf DIR`` as the model spec ``hf:DIR``)."""
+    args.model = flags.model_spec(args.model, args.init_from_hf)
     return flags.overrides(args.overrides)
 
 

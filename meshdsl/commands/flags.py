@@ -3,8 +3,9 @@
 The settings of a run are the fields of :class:`meshdsl.train.config.RunConfig`, each defined
 there once (default, help, resume behaviour); :func:`add_settings` makes their flags, for ``train``
 and for each command that shares one (``--model``, ``--preset``, ``--set``, ``--layout``,
-``--optimizer``, ``--backend``, ``--grad-reduce-dtype``). A flag only one command takes is defined in
-that command's module.
+``--optimizer``, ``--backend``, ``--grad-reduce-dtype``). ``--init-from-hf`` is ``train``'s setting
+too; the commands that only read the folder's model add it with :func:`add_init_from_hf`. A flag only
+one command takes is defined in that command's module.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from meshdsl.train.config import COMPUTE_DTYPES
+from meshdsl.train.config import COMPUTE_DTYPES, HF_HELP
 
 MODEL_HELP = (
     "a shipped model (mlp, transformer, moe, convnet, llama), a Python file (path/to/my_model.py) "
@@ -75,6 +76,20 @@ def misplaced(top: argparse.ArgumentParser, command: str, extra: Sequence[str]) 
         return None
     flag = found[0].split("=")[0]
     return f"{flag} is a flag of meshdsl itself: give it before the command, e.g. meshdsl {flag} ... {command} ..."
+
+
+def add_init_from_hf(parser: argparse.ArgumentParser, weights: bool = False) -> None:
+    """``--init-from-hf DIR``: the llama decoder a Hugging Face folder's config.json describes (``weights``:
+    and its weights as the starting parameters); read with :func:`model_spec`."""
+    what = "config.json and weights" if weights else "config.json"
+    parser.add_argument("--init-from-hf", default=None, metavar="DIR", help=HF_HELP % what)
+
+
+def model_spec(model: str, init_from_hf: str | None) -> str:
+    """The ``--model`` spec a command builds: ``hf:DIR`` for ``--init-from-hf DIR`` (:mod:`meshdsl.model.loader`)."""
+    from meshdsl.model.loader import HF_PREFIX
+
+    return model if init_from_hf is None else HF_PREFIX + init_from_hf
 
 
 def add_settings(

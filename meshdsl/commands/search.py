@@ -12,6 +12,7 @@ from meshdsl.commands import Command, flags
 def add_arguments(search: argparse.ArgumentParser) -> None:
     """``search``'s flags (its ``--devices``, the count to plan for, is ``args.plan_devices``)."""
     flags.add_settings(search, "model", "preset")
+    flags.add_init_from_hf(search)
     search.add_argument(
         "--devices", dest="plan_devices", type=int, default=None, help="devices to plan for (default: those at hand)"
     )
@@ -33,7 +34,8 @@ def add_arguments(search: argparse.ArgumentParser) -> None:
 
 
 def config(args: argparse.Namespace) -> dict[str, object]:
-    """The model's ``--set`` overrides."""
+    """The model's ``--set`` overrides (and ``--init-from-hf DIR`` as the model spec ``hf:DIR``)."""
+    args.model = flags.model_spec(args.model, args.init_from_hf)
     return flags.overrides(args.overrides)
 
 

@@ -27,6 +27,8 @@ def config(args: argparse.Namespace) -> RunConfig:
     from meshdsl.train.config import RunConfig
 
     given = flags.settings_given(args)
+    if "init_from_hf" in given:  # the model is the folder's: hf:DIR
+        given["model"] = flags.model_spec(given.get("model", ""), given["init_from_hf"])
     return RunConfig(**given, given=frozenset(given))
 
 
@@ -38,10 +40,11 @@ def check(args: argparse.Namespace, run: RunConfig) -> Prepared:
 
 
 def run(args: argparse.Namespace, prepared: Prepared) -> None:
-    """Train (its lines on stdout, warnings on stderr) the run the check prepared."""
+    """Train (its lines on stdout, warnings on stderr) the run the check prepared; SIGTERM or Ctrl-C
+    stops it after its step, saved (:mod:`meshdsl.train.signals`)."""
     from meshdsl.train.loop import train
 
-    train(prepared.settled.asked, sys.stdout, err=sys.stderr, model=prepared.model)
+    train(prepared.settled.asked, sys.stdout, err=sys.stderr, model=prepared.model, signals=True)
 
 
 COMMAND = Command("train", "train a model under a layout", add_arguments, run, config=config, check=check, order=10)

@@ -105,6 +105,12 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 DECAYING = ("cosine", "linear", "wsd")
 """The learning-rate schedules that end at ``min_lr_ratio`` (and so depend on ``steps``)."""
 PIPELINE = "the layout's [pipeline], else %s"
+HF_HELP = (
+    "the model of a Hugging Face folder (%s; Llama, Mistral, Qwen2/3, Gemma) instead of "
+    "--model/--preset; --set still sets batch, length and meshdsl's own fields"
+)
+"""``--init-from-hf``'s help (``train``'s field, the other commands' :func:`meshdsl.commands.flags.add_init_from_hf`),
+saying what of the folder the command reads."""
 
 M, C = Resume.MATCH, Resume.CHANGE
 
@@ -131,10 +137,13 @@ class RunConfig:
     data: str | None = setting(
         None,
         "token file (.npy, or raw uint16 .bin/.u16, uint32 .u32) read into the keys and dims of the model's own "
-        "batch(key), in a seeded shuffled order",
+        "batch(key), in a seeded shuffled order, or an .npz of padded examples (input_ids [N, T], optional "
+        "labels with -100)",
         resume=M,
         default_words="the synthetic task",
     )
+    init_from_hf: str | None = setting(None, HF_HELP % "config.json and weights", resume=M, metavar="DIR")
+    """A Hugging Face folder whose weights are the parameters at step 0 (``model`` is then ``hf:DIR``)."""
     eval_fraction: float = setting(
         EVAL_FRACTION,
         "the tail of the --data file held out for evaluation, never trained on",

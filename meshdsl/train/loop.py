@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import math
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 
 import meshdsl as md
 from meshdsl import models
-from meshdsl.errors import ConfigError, TrainingError
+from meshdsl.errors import ConfigError, Interrupted, TrainingError
 from meshdsl.measure.peaks import peak_flops
 from meshdsl.measure.timing import compile_checked
 from meshdsl.model import protocol as model_protocol
@@ -26,8 +27,10 @@ from meshdsl.runtime.layout_spec import is_shipped, layout_path, load_layout
 from meshdsl.train import feedback, logs, optim, resolve, resume, settings
 from meshdsl.train.config import RunConfig
 from meshdsl.train.data import TokenFile
+from meshdsl.train.examples import ExampleFile
 from meshdsl.train.progress import Progress, Step, Summary, peak_bytes
 from meshdsl.train.rules import split_warnings, unused_rules
+from meshdsl.train.signals import Stops, describe
 from meshdsl.train.step import Trainer, check_accumulate, pipelined
 from meshdsl.train.token_batch import token_batch_of
 
@@ -79,8 +82,9 @@ def _trainer(run: RunConfig, mesh: md.Mesh | None, model: Any) -> Trainer:
 
 
 def token_file(run: RunConfig, model: Any) -> TokenFile:
-    """The token file ``run.data`` for ``model``, in the keys and dims of the model's own batch
-    (:mod:`meshdsl.train.token_batch`); ConfigError for a model that reads no token sequences."""
+    """The token file ``run.data`` for ``model`` (an ``.npz``: padded examples, :mod:`meshdsl.train.examples`),
+    in the keys and dims of the model's own batch (:mod:`meshdsl.train.token_batch`); ConfigError for a
+    model that reads no token sequences."""
     what = f"--data {run.data!r}: model {run.model}"
     try:
         spec = token_batch_of(model, what)
@@ -98,6 +102,8 @@ def token_file(run: RunConfig, model: Any) -> TokenFile:
             "which --data needs to check the file's ids"
         )
     assert run.data is not None  # a token file is read for a run with --data
+    if run.data.endswith(".npz"):  # padded examples (input_ids, labels with -100)
+        return ExampleFile(run.data, spec, vocab, seed=run.seed, eval_fraction=run.eval_fraction)
     return TokenFile(run.data, spec, vocab, seed=run.seed, eval_fraction=run.eval_fraction)
 
 
@@ -117,9 +123,11 @@ def prepare(run: RunConfig, model: Any = None) -> Prepared:
 
     Checked: every setting (named as the flag or layout-file key that set it), the settings the run
     would ignore, those a resume may not change, the model, preset, optimizer, layout (file and
-    pipeline), the token file (and the resumed checkpoint's place in it), and that the checkpoint
-    dir, ``log_json`` (and its PNG), ``tensorboard`` and the profile folder can be written. Nothing
-    is compiled, created or changed, so a mistake costs no work and loses no file.
+    pipeline), the token file (and the resumed checkpoint's place in it), the ``init_from_hf`` folder's
+    weights (their headers), that the checkpoint dir, ``log_json`` (and its PNG), ``tensorboard`` and
+    the profile folder can be written, stay apart from the inputs and from each other
+    (:func:`_check_outputs`), and that no ``step_<N>`` this run would save is in the way. Nothing is
+    compiled, created or changed, so a mistake costs no work and loses no file.
     """
     settled = resolve.settle(run)
     run = settled.run
@@ -136,20 +144,16 @@ def prepare(run: RunConfig, model: Any = None) -> Prepared:
         saved = md.checkpoint.read_manifest(settled.checkpoint)["metadata"]
         resume.check_config(settled.checkpoint, saved, resume.config_of(model), run.model)
         _check_data(settled.checkpoint, saved.get("data_state"), tokens, settled.start)
+    if run.init_from_hf is not None:  # the weights' names and shapes, from the files' headers alone
+        like = jax.eval_shape(model.init, jax.random.key(0))
+        md.checkpoint.check_safetensors(run.init_from_hf, like=like, names=model.hf_names())
     if run.checkpoint_dir is not None:
         md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
         output_paths.check_dir(run.checkpoint_dir, "--checkpoint-dir")
     logs.check(run.log_json, run.tensorboard)
-    model_file = run.model if run.model.endswith(".py") else None
-    inputs = {"--data": run.data, "--layout": layout_path(run.layout), "--model": model_file}
-    for flag, path in (
-        ("--log-json", run.log_json),
-        ("--tensorboard", run.tensorboard),
-        ("--checkpoint-dir", run.checkpoint_dir),
-    ):
-        output_paths.check_not_input(path, flag, inputs)
     if run.profile_steps is not None:
         output_paths.check_dir(_profile_dir(run), "--profile-dir")
+    _check_outputs(run)
     return Prepared(run, model, settled)
 
 
@@ -157,6 +161,26 @@ def check(run: RunConfig, model: Any = None) -> Any:
     """Raise the md error for each mistake in ``run`` that shows before any device is used
     (:func:`prepare`); return the model ``run`` names, built to check it."""
     return prepare(run, model).model
+
+
+def _check_outputs(run: RunConfig) -> None:
+    """ConfigError for an output that is an input, another output (the JSON log, its loss curve,
+    TensorBoard's and the trace's folders), or inside the checkpoint dir; and for a ``step_<N>`` there
+    that a step of this run would save to but cannot replace."""
+    model_file = run.model if run.model.endswith(".py") else None
+    inputs = {"--data": run.data, "--layout": layout_path(run.layout), "--model": model_file}
+    png = None if run.log_json is None else logs.loss_curve_path(run.log_json)
+    files = {"--log-json": run.log_json, "--log-json's loss curve": png}
+    folders = {"--tensorboard": run.tensorboard, "--checkpoint-dir": run.checkpoint_dir}
+    if run.profile_steps is not None:
+        folders["--profile-dir"] = _profile_dir(run)
+    for flag, path in {**files, **folders}.items():
+        output_paths.check_not_input(path, flag, inputs)
+    output_paths.check_apart(files, folders, own="--checkpoint-dir")
+    if run.checkpoint_dir is not None:
+        manager = md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
+        done = manager.steps() if run.resume else []
+        manager.check_free(range(done[-1] + 1 if done else 1, run.steps + 1))
 
 
 def _profile_dir(run: RunConfig) -> str:
@@ -184,7 +208,11 @@ def _start(
     if found is None:
         if run.resume:
             out.write(f"no checkpoint in {run.checkpoint_dir}; starting from step 0\n")
-        return trainer.init(jax.random.key_data(key)), data_key, 0
+        state = trainer.init(jax.random.key_data(key))
+        if run.init_from_hf is not None:
+            state["params"] = _hf_params(run.init_from_hf, trainer, state["params"])
+            out.write(f"parameters from {run.init_from_hf}\n")
+        return state, data_key, 0
     if found != expected:
         raise ConfigError(f"checkpoint dir {run.checkpoint_dir!r} changed while this run started: it now holds {found}")
     saved = md.checkpoint.read_manifest(found)["metadata"]
@@ -192,6 +220,13 @@ def _start(
     state, _ = md.checkpoint.restore(found, trainer.mesh, trainer.layout.param_layout, like=like)
     out.write(f"resuming from {found} at step {saved['step']}\n")
     return state, state.pop("data_key"), int(saved["step"])
+
+
+def _hf_params(folder: str, trainer: Trainer, like: Any) -> Any:
+    """The weights of the Hugging Face ``folder`` in the trainer's stored layout, each device reading its block."""
+    return md.checkpoint.load_safetensors(
+        folder, like=like, names=trainer.model.hf_names(), mesh=trainer.mesh, layout=trainer.layout.param_layout
+    )
 
 
 def _check_data(found: Path, saved: dict[str, Any] | None, tokens: TokenFile | None, step: int) -> None:
@@ -290,6 +325,7 @@ def train(
     mesh: md.Mesh | None = None,
     err: TextIO = sys.stderr,
     model: Any = None,
+    signals: bool = False,
 ) -> list[float]:
     """Train as ``run`` says and return the loss of every step it ran.
 
@@ -304,20 +340,26 @@ def train(
     The checkpoint dir is locked for the run (a second run on it is a ConfigError before anything is
     built). A step that needs more memory than a device has is a ConfigError before any state is made
     (:mod:`meshdsl.measure.fits`). ``model``: what ``check(run)`` returned, when the caller checked first
-    (the model is then not built again).
+    (the model is then not built again). ``signals`` (what ``meshdsl train`` passes): SIGTERM or Ctrl-C
+    stops the run after its step, saved, raising :class:`meshdsl.errors.Interrupted`
+    (:mod:`meshdsl.train.signals`).
     """
     prepared = prepare(run, model)
-    run, model = prepared.run, prepared.model
-    if run.checkpoint_dir is None:
-        return _train(prepared, out, mesh, err, None)
-    manager = md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
-    note = manager.acquire()
-    if note is not None:
-        err.write(f"meshdsl train: note: {note}\n")
-    try:
-        return _train(prepared, out, mesh, err, manager)
-    finally:
-        manager.release()
+    run = prepared.run
+    manager = None
+    if run.checkpoint_dir is not None:
+        manager = md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
+    stops = Stops(err, None if manager is None else manager.release) if signals else None
+    with stops or contextlib.nullcontext():
+        if manager is None:
+            return _train(prepared, out, mesh, err, None, stops)
+        note = manager.acquire()
+        if note is not None:
+            err.write(f"meshdsl train: note: {note}\n")
+        try:
+            return _train(prepared, out, mesh, err, manager, stops)
+        finally:
+            manager.release()
 
 
 def _train(
@@ -326,6 +368,7 @@ def _train(
     mesh: md.Mesh | None,
     err: TextIO,
     manager: md.checkpoint.CheckpointManager | None,
+    stops: Stops | None = None,
 ) -> list[float]:
     """:func:`train` after :func:`prepare`, with the checkpoint dir (if any) locked."""
     run, model = prepared.run, prepared.model
@@ -367,14 +410,19 @@ def _train(
     compile_seconds = time.perf_counter() - began
     out.write(f"compiled in {compile_seconds:.1f} s\n")
 
+    if stops is not None:
+        stops.training()  # before the log is opened: a stop at once must not cut a resumed log's rewrite short
     sinks = logs.Logs(run.log_json if primary else None, run.tensorboard if primary else None, first)
     progress = Progress(first, run.steps, unit, out, run.log_every)
     profiler = _Profiler(run.profile_steps, run.steps, _profile_dir(run))
     losses: list[float] = []
     times: list[float] = []
     evals: list[tuple[int, float]] = []
+    stopped: int | None = None
     try:
         for step in range(first, run.steps):
+            if stops is not None:
+                stops.step = step
             batch = batch_of(step)
             profiler.before(step + 1)
             start = time.perf_counter()
@@ -413,9 +461,12 @@ def _train(
             progress.update(record)
             if traced:
                 progress.note(traced)
-            if manager is not None and (manager.due(step + 1) or step + 1 == run.steps):
+            stopped = None if stops is None or step + 1 == run.steps else stops.agreed()
+            if manager is not None and (manager.due(step + 1) or step + 1 == run.steps or stopped):
                 data_state = {} if tokens is None else {"data_state": tokens.state(step + 1)}
                 progress.note(_save(manager, step + 1, state, data_key, {**metadata, **data_state}))
+            if stopped:
+                break
     finally:
         profiler.stop()
         progress.close()
@@ -439,4 +490,12 @@ def _train(
         logs=written,
     )
     out.write("\n".join(summary.lines()) + "\n")
+    if stopped:
+        raise Interrupted(stopped, _stop_line(stopped, first + len(losses), run, manager))
     return losses
+
+
+def _stop_line(signum: int, step: int, run: RunConfig, manager: md.checkpoint.CheckpointManager | None) -> str:
+    """What a run a signal stopped after ``step`` says last: what it saved and how to go on."""
+    where = f"saved {manager.path(step)}; continue with --resume" if manager else "nothing saved (no --checkpoint-dir)"
+    return f"{describe(signum)}: stopped after step {step} of {run.steps}: {where}"
