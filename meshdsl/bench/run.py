@@ -49,7 +49,10 @@ class BenchConfig:
     steps_per_round: int = 3
     baseline: str | None = None
     optimizer: str = "adamw"
-    out: str = "bench-results"
+    out: str | None = None
+    """The results folder (None: a new ``bench-results/run-N``); one holding results already needs ``force``."""
+    force: bool = False
+    """Write into an ``out`` that holds an earlier run's results (replacing them)."""
     seed: int = 0
     grad_reduce_dtype: str | None = None
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -107,9 +110,16 @@ class Entry:
         return statistics.median(self.step_times)
 
     @property
-    def spread_s(self) -> float:
+    def quartiles_s(self) -> tuple[float, float]:
+        """The step time's 25th and 75th percentiles over the rounds."""
         q = np.percentile(self.step_times, [25, 75])
-        return float(q[1] - q[0])
+        return float(q[0]), float(q[1])
+
+    @property
+    def spread_s(self) -> float:
+        """The interquartile range's width (75th minus 25th percentile)."""
+        p25, p75 = self.quartiles_s
+        return p75 - p25
 
     @property
     def overhead_spread(self) -> float | None:
@@ -167,6 +177,10 @@ class Entry:
             "compile_s": self.compile_s,
             "step_s_median": self.step_s,
             "step_s_spread": self.spread_s,
+            "step_s_p25": self.quartiles_s[0],
+            "step_s_p75": self.quartiles_s[1],
+            "examples_per_step": self.examples_per_step,
+            "example_unit": self.example_unit,
             "step_times_s": self.step_times,
             f"{self.example_unit}_per_s": None
             if self.examples_per_step is None
@@ -247,8 +261,27 @@ def check(cfg: BenchConfig, models: list[tuple[str, Any]] | None = None) -> list
     for model_name, model in models:
         for spec in _layout_specs(cfg.layouts, model, model_name):
             load_layout(spec)
-    output_paths.check_dir(cfg.out, "--out")
+    output_paths.check_dir(results_dir(cfg), "--out")
     return models
+
+
+RESULTS = Path("bench-results")
+"""Where runs without ``--out`` go, each in a new ``run-N`` folder."""
+
+
+def results_dir(cfg: BenchConfig) -> Path:
+    """The folder this run writes: ``cfg.out``, or the next free ``bench-results/run-N``. ConfigError when
+    ``cfg.out`` holds an earlier run's results and ``cfg.force`` is not set (nothing is overwritten unasked)."""
+    if cfg.out is None:
+        taken = [int(p.name[4:]) for p in RESULTS.glob("run-*") if p.name[4:].isdigit()]
+        return RESULTS / f"run-{max(taken, default=0) + 1}"
+    out = Path(cfg.out)
+    if (out / "results.json").exists() and not cfg.force:
+        raise ConfigError(
+            f"--out {cfg.out!r} holds an earlier run's results (results.json); pass --force to replace them, "
+            "or leave --out out for a new bench-results/run-N"
+        )
+    return out
 
 
 def _pipeline_variants(cfg: BenchConfig, spec: str, model: Any) -> list[tuple[PipelineConfig, int] | None]:
@@ -489,6 +522,7 @@ def run(
     peak = device_peak_bytes()
     summaries = [{**entry.summary(), "device_peak_bytes_in_use": peak} for entry, _, _ in prepared]
     if jax.process_index() == 0:  # a multi-process run: process 0 writes the reports
-        with output_paths.writing(f"the reports in --out {cfg.out!r}", "the table above holds the results"):
-            out(write_reports(summaries, Path(cfg.out), lines))
+        folder = results_dir(cfg)
+        with output_paths.writing(f"the reports in {str(folder)!r}", "the table above holds the results"):
+            out(write_reports(summaries, folder, lines))
     return summaries
