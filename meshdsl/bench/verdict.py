@@ -24,7 +24,7 @@ def quartiles_ms(s: dict[str, Any]) -> str:
 
 
 def dominant_kind(s: dict[str, Any]) -> tuple[str, float] | None:
-    """The collective kind moving the most bytes per device in the compiled step, with its share; None if none moves any."""
+    """The collective kind moving the most bytes per device in the compiled step, and its share (None: none moves)."""
     kinds = {k: v["bytes"] for k, v in s["collectives_measured"].items() if v["bytes"] > 0}
     if not kinds:
         return None
