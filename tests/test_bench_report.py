@@ -1,14 +1,19 @@
 """The benchmark's report from summaries alone (nothing compiled): the verdict, the legend, the results
 folder, and charts a person reads at a glance with 4 or 20 entries."""
 
+import io
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import meshdsl as md
 from meshdsl.bench import report
-from meshdsl.bench.run import BenchConfig, results_dir
+from meshdsl.bench.run import BenchConfig, _layout_warnings, results_dir
 from meshdsl.errors import ConfigError
+from meshdsl.model.loader import build_model
+from meshdsl.runtime.waiting import Waiting
+from meshdsl.train.rules import split_warnings
 
 MIB = 2**20
 
@@ -157,3 +162,26 @@ def test_charts_have_true_iqr_whiskers_zero_axes_and_labels_apart(
         boxes = [t.get_window_extent() for t in ax.get_yticklabels() if t.get_text()]
         assert all(not a.overlaps(b) for a, b in zip(boxes, boxes[1:])), name
     assert saved["time_memory.png"][1].get_ylim()[0] == 0
+
+
+def test_waiting_prints_the_first_the_last_and_one_line_per_interval_with_an_eta() -> None:
+    now = [0.0]
+    out = io.StringIO()
+    wait = Waiting("meshdsl search", "candidates traced and priced", 40, every=2.0, out=out, clock=lambda: now[0])
+    wait.show()
+    for _ in range(40):
+        now[0] += 0.25  # 10 s in all: the first line, one every 2 s, the last at 10 s
+        wait.advance()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 6
+    assert lines[0] == "meshdsl search: 0/40 candidates traced and priced, 0:00 elapsed"
+    assert lines[1] == "meshdsl search: 8/40 candidates traced and priced, 0:02 elapsed, ETA 0:08"
+    assert lines[-1] == "meshdsl search: 40/40 candidates traced and priced, 0:10 elapsed, ETA 0:00"
+
+
+def test_bench_warns_of_a_shipped_layout_that_splits_nothing_and_names_an_empty_one() -> None:
+    model = build_model("transformer", "tiny")
+    (warning,) = _layout_warnings("spatial", model, "transformer")
+    assert warning.startswith("layout ") and "splits no dim of model transformer" in warning
+    (empty,) = split_warnings(md.Layout(""), md.Mesh({"data": 8}), model, "transformer")
+    assert empty.startswith("layout no rules (everything replicated) splits no dim of model transformer")

@@ -338,6 +338,16 @@ def notes(summaries: list[dict[str, Any]]) -> str:
         if s["baseline_note"]
     ]
     lines += [f"{s['model']} x {s['layout']}: gspmd: {s['gspmd_note']}" for s in summaries if s.get("gspmd_note")]
+    piped = [s for s in summaries if s.get("pipeline")]
+    if piped:
+        sizes = ", ".join(
+            dict.fromkeys(f"M={s['pipeline']['microbatches']}: {s['examples_per_step']} examples" for s in piped)
+        )
+        lines.append(
+            f"pipelined entries keep the microbatch size fixed, so the batch grows with the microbatch count M "
+            f"({sizes}); the measured bubble is a least-squares fit across M and comes out negative when the "
+            "timings are noisier than the bubble (a shared CPU): read it as a trend, not a figure"
+        )
     if summaries and summaries[0].get("device_peak_bytes_in_use") is not None:
         lines.append(
             f"device memory: {_fmt_bytes(summaries[0]['device_peak_bytes_in_use'])} at most in use on the first "

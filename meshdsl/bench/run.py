@@ -35,8 +35,9 @@ from meshdsl.pipeline import PipelineConfig, bubble, schedule_bubble
 from meshdsl.pipeline.run import stages
 from meshdsl.runtime import output_paths
 from meshdsl.runtime.layout_spec import is_shipped, layout_path, load_layout
+from meshdsl.runtime.waiting import Waiting
 from meshdsl.train import optim
-from meshdsl.train.rules import unused_rules
+from meshdsl.train.rules import split_warnings, unused_rules
 from meshdsl.train.step import Trainer
 
 
@@ -440,7 +441,15 @@ def _time(
     ]
     orders = round_orders(len(timed), cfg.rounds, cfg.seed)
     failed: dict[int, BaseException] = {}
-    samples = interleaved_rounds([step for _, step, _ in timed], orders, cfg.steps_per_round, failed)
+    rounds = Waiting("meshdsl bench", f"timing rounds of {len(timed)} steps x {cfg.steps_per_round}", cfg.rounds, 0)
+    rounds.show("warming up")
+    samples = interleaved_rounds(
+        [step for _, step, _ in timed],
+        orders,
+        cfg.steps_per_round,
+        failed,
+        on_round=lambda r: rounds.advance() if r else rounds.show("warmed up", force=True),
+    )
     for i, error in failed.items():
         out(f"  dropped: {fits.run_time_message(timed[i][2], error)}")
         samples[i].clear()
@@ -460,6 +469,19 @@ def device_peak_bytes() -> int | None:
     entry's); None where the device keeps no such count (XLA's CPU devices)."""
     stats = jax.local_devices()[0].memory_stats()
     return None if not stats or "peak_bytes_in_use" not in stats else int(stats["peak_bytes_in_use"])
+
+
+def _layout_warnings(spec: str, model: Any, name: str) -> list[str]:
+    """What train warns about a layout: a user's rules naming no dim of the model, and a layout (shipped ones
+    too, such as ``spatial`` on the transformer) that splits nothing, or neither the batch nor half the
+    parameters, on its mesh."""
+    layout = load_layout(spec)
+    unused = [] if is_shipped(layout_path(spec)) else unused_rules(layout, model, name)
+    try:
+        mesh = layout.mesh()
+    except (md.LayoutError, md.ConfigError):  # reported when the entry is compiled and skipped
+        return unused
+    return [*unused, *split_warnings(layout, mesh, model, name, warned=bool(unused))]
 
 
 def _name(entry: Entry) -> str:
@@ -493,14 +515,22 @@ def run(
     devices = jax.devices()
     out(f"meshdsl bench: {len(devices)} x {devices[0].device_kind} ({devices[0].platform})")
     prepared, skipped = [], []
+    total = sum(
+        len(_pipeline_variants(cfg, spec, model))
+        for model_name, model in models
+        for spec in _layout_specs(cfg.layouts, model, model_name)
+    )
+    compiling = Waiting("meshdsl bench", "entries compiled", total, every=0)
     for model_name, model in models:
         for note in notes(model, model_name):
             warn(f"meshdsl bench: note: {note}")
         for spec in _layout_specs(cfg.layouts, model, model_name):
-            for warning in [] if is_shipped(layout_path(spec)) else unused_rules(load_layout(spec), model, model_name):
+            for warning in _layout_warnings(spec, model, model_name):
                 warn(f"meshdsl bench: warning: {warning}")
             for variant in _pipeline_variants(cfg, spec, model):
+                compiling.show(f"compiling {model_name} x {_label(spec)}")
                 item = _prepare(model_name, model, cfg, spec, out_and_keep, variant)
+                compiling.done += 1
                 if item is None:
                     skipped.append(f"{model_name} x {_label(spec)}")
                 else:

@@ -358,7 +358,7 @@ def _header(run: RunConfig, mesh: md.Mesh, layout: md.Layout) -> str:
         extra.append(f"{run.accumulate} microbatches a step")
     shown = f" ({'; '.join(extra)})" if extra else ""
     where = f"on mesh {mesh} ({jax.devices()[0].platform})"
-    return f"meshdsl train: {run.model} {run.preset} {where} under {layout}{params}{shown}\n"
+    return f"meshdsl train: {run.model} {run.preset} {where} under {layout.shown()}{params}{shown}\n"
 
 
 def _eval_batches(run: RunConfig, trainer: Trainer, tokens: TokenFile | None) -> Callable[[int], tuple[Any, jax.Array]]:
