@@ -12,7 +12,10 @@ from meshdsl.bench import report
 from meshdsl.bench.run import BenchConfig, _layout_warnings, results_dir
 from meshdsl.errors import ConfigError
 from meshdsl.model.loader import build_model
+from meshdsl.planner.profile import load_profile
+from meshdsl.planner.search import search
 from meshdsl.runtime.waiting import Waiting
+from meshdsl.train import optim
 from meshdsl.train.rules import split_warnings
 
 MIB = 2**20
@@ -167,7 +170,9 @@ def test_charts_have_true_iqr_whiskers_zero_axes_and_labels_apart(
 def test_waiting_prints_the_first_the_last_and_one_line_per_interval_with_an_eta() -> None:
     now = [0.0]
     out = io.StringIO()
-    wait = Waiting("meshdsl search", "candidates traced and priced", 40, every=2.0, out=out, clock=lambda: now[0])
+    wait = Waiting(
+        "meshdsl search", "candidates traced and priced", 40, every=2.0, out=out, clock=lambda: now[0], live=True
+    )
     wait.show()
     for _ in range(40):
         now[0] += 0.25  # 10 s in all: the first line, one every 2 s, the last at 10 s
@@ -185,3 +190,20 @@ def test_bench_warns_of_a_shipped_layout_that_splits_nothing_and_names_an_empty_
     assert warning.startswith("layout ") and "splits no dim of model transformer" in warning
     (empty,) = split_warnings(md.Layout(""), md.Mesh({"data": 8}), model, "transformer")
     assert empty.startswith("layout no rules (everything replicated) splits no dim of model transformer")
+
+
+def test_search_reports_its_progress_and_is_quiet_off_a_terminal() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    shown, log = Terminal(), io.StringIO()
+    model = build_model("mlp", "tiny")
+    result = search(model, optim.make("adamw"), 8, load_profile("cpu-sim"), None, pipeline=False, status=shown)
+    search(model, optim.make("adamw"), 8, load_profile("cpu-sim"), None, pipeline=False, status=log)
+    lines = shown.getvalue().splitlines()
+    total = len(result.ranked) + len(result.dropped)
+    assert lines[0].startswith("meshdsl search: tracing the model's state and batch")
+    assert lines[1].startswith(f"meshdsl search: 0/{total} candidates traced and priced (next: [")
+    assert lines[-1].startswith(f"meshdsl search: {total}/{total} candidates traced and priced, ")
+    assert log.getvalue() == ""

@@ -94,7 +94,9 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> None:
     optimizer = optim.make(args.optimizer)
     limit = None if args.memory_gb is None else args.memory_gb * 1e9
     start = time.perf_counter()
-    result = search(model, optimizer, devices, profile, limit, pipeline=not args.no_pipeline, name=args.model)
+    result = search(
+        model, optimizer, devices, profile, limit, pipeline=not args.no_pipeline, name=args.model, status=sys.stderr
+    )
     seconds = time.perf_counter() - start
     counts = result.dropped_by_reason()
     reasons = f" ({', '.join(f'{n} {why}' for why, n in counts.items())})" if counts else ""

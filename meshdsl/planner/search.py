@@ -40,7 +40,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import meshdsl as md
 from meshdsl.errors import ConfigError, UnsupportedJaxError
@@ -49,6 +49,7 @@ from meshdsl.planner.cost import Prediction, price
 from meshdsl.planner.profile import DeviceProfile
 from meshdsl.planner.roles import DimRoles, roles
 from meshdsl.planner.trace import abstract_batch, trace_step
+from meshdsl.runtime.waiting import Waiting, is_terminal
 from meshdsl.train.step import Trainer
 
 GiB = 2.0**30
@@ -241,20 +242,31 @@ def search(
     pipeline: bool = True,
     progress: Callable[[str], None] | None = None,
     name: str = "the model",
+    status: TextIO | None = None,
 ) -> SearchResult:
     """Rank every legal candidate of ``model`` on ``devices`` devices that fits ``memory_limit`` bytes.
+
+    ``status``: where to print progress lines (candidates considered, elapsed, ETA: at most one every 2 s;
+    :class:`~meshdsl.runtime.waiting.Waiting`); None prints none.
 
     ConfigError when none fits, naming the closest candidate and by how much it is over (``name``:
     the model's name in that message).
     """
     limit = memory_limit if memory_limit is not None else profile.memory_bytes
+    if status is not None and is_terminal(status):
+        print(f"meshdsl search: tracing {name}'s state and batch to find its dims' roles ...", file=status, flush=True)
     state, batch = abstract_state(model, optimizer), abstract_batch(model)
     r = model_roles(model, state, batch.shapes)
     dims = r.sizes
     ranked: list[tuple[Candidate, Prediction]] = []
     dropped: list[Dropped] = []
     traced = 0
-    for cand in candidates(model, r, devices, pipeline):
+    every = candidates(model, r, devices, pipeline)
+    waiting = Waiting("meshdsl search", "candidates traced and priced", len(every), out=status) if status else None
+    for i, cand in enumerate(every):
+        if waiting is not None:
+            waiting.done = i
+            waiting.show(f"next: {cand.name}")
         why = indivisible(cand, dims)
         if why is not None:
             dropped.append(Dropped(cand, why))
@@ -292,6 +304,9 @@ def search(
             dropped.append(Dropped(cand, "predicted peak memory exceeds the memory limit", prediction.memory.total))
             continue
         ranked.append((cand, prediction))
+    if waiting is not None:
+        waiting.done = len(every)
+        waiting.show(force=True)
     failures = [d for d in dropped if d.failed]
     if not ranked and failures:
         first = failures[0]

@@ -4,7 +4,8 @@ rounds, calibration's probes): ``meshdsl search: 40/310 traced and priced, 0:06 
 Plain lines on stderr, not a redrawn bar, so a log file or CI shows them as a terminal does, and
 at most one every ``every`` seconds (plus the first and the last), so a fast wait stays short and
 a slow one never goes silent. The ETA is the elapsed time per item times the items left. The clock
-is a parameter so tests count lines without waiting.
+is a parameter so tests count lines without waiting. Lines print where ``out`` is a terminal (or
+``live``): a log or a test capturing stderr keeps only the command's own messages and errors.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ class Waiting:
         every: float = 2.0,
         out: TextIO | None = None,
         clock: Callable[[], float] = time.monotonic,
+        live: bool | None = None,
     ) -> None:
         self.command, self.what, self.total, self.every = command, what, total, every
         self.out, self.clock = out, clock
+        self.live = live if live is not None else is_terminal(out or sys.stderr)
         self.start = clock()
         self.shown_at: float | None = None
         self.done = 0
@@ -45,6 +48,8 @@ class Waiting:
     def show(self, note: str = "", force: bool = False) -> None:
         """Print the line if ``every`` seconds have passed since the last (or ``force``, or none was shown)."""
         now = self.clock()
+        if not self.live:
+            return
         if force or self.shown_at is None or now - self.shown_at >= self.every:
             print(self.line(note), file=self.out or sys.stderr, flush=True)
             self.shown_at = now
@@ -53,3 +58,8 @@ class Waiting:
         """``n`` more items done; the last always prints."""
         self.done += n
         self.show(note, force=self.done >= self.total)
+
+
+def is_terminal(out: TextIO) -> bool:
+    """Whether ``out`` is a terminal (False for a stream without ``isatty``)."""
+    return bool(getattr(out, "isatty", lambda: False)())
