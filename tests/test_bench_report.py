@@ -12,6 +12,7 @@ from meshdsl.bench import report
 from meshdsl.bench.run import BenchConfig, _layout_warnings, results_dir
 from meshdsl.errors import ConfigError
 from meshdsl.model.loader import build_model
+from meshdsl.planner.calibrate import fit, link_line
 from meshdsl.planner.profile import load_profile
 from meshdsl.planner.search import search
 from meshdsl.runtime.waiting import Waiting
@@ -207,3 +208,9 @@ def test_search_reports_its_progress_and_is_quiet_off_a_terminal() -> None:
     assert lines[1].startswith(f"meshdsl search: 0/{total} candidates traced and priced (next: [")
     assert lines[-1].startswith(f"meshdsl search: {total}/{total} candidates traced and priced, ")
     assert log.getvalue() == ""
+
+
+def test_calibrate_names_an_unresolved_bandwidth_instead_of_a_placeholder_figure() -> None:
+    flat = fit([(1024, 1e-5), (4096, 1e-5), (16384, 0.9e-5)])  # a dry run: the time does not grow with the bytes
+    assert "bandwidth not resolved" in link_line("all-gather", flat) and "GB/s" not in link_line("all-gather", flat)
+    assert link_line("all-gather", fit([(0, 1e-5), (10**9, 1e-5 + 0.01)])).endswith("100.00 GB/s per device")

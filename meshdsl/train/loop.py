@@ -552,7 +552,9 @@ def _train(
         picture = sinks.close()
     written = [f"log: {run.log_json}" + ("" if picture is None else f", loss curve {picture}")] if run.log_json else []
     if run.tensorboard:
-        written.append(f"TensorBoard: {run.tensorboard} (tensorboard --logdir {run.tensorboard})")
+        written.append(
+            f"TensorBoard: {run.tensorboard} (view: pip install tensorboard; tensorboard --logdir {run.tensorboard})"
+        )
     summary = Summary(
         steps=len(losses),
         seconds=time.perf_counter() - began,
