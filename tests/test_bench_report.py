@@ -11,10 +11,11 @@ import meshdsl as md
 from meshdsl.bench import report
 from meshdsl.bench.run import BenchConfig, _layout_warnings, results_dir
 from meshdsl.errors import ConfigError
+from meshdsl.measure import fits
 from meshdsl.model.loader import build_model
 from meshdsl.planner.calibrate import fit, link_line
 from meshdsl.planner.profile import load_profile
-from meshdsl.planner.search import search
+from meshdsl.planner.search import Candidate, Dropped, _no_fit, search
 from meshdsl.runtime.waiting import Waiting
 from meshdsl.train import optim
 from meshdsl.train.rules import split_warnings
@@ -214,3 +215,13 @@ def test_calibrate_names_an_unresolved_bandwidth_instead_of_a_placeholder_figure
     flat = fit([(1024, 1e-5), (4096, 1e-5), (16384, 0.9e-5)])  # a dry run: the time does not grow with the bytes
     assert "bandwidth not resolved" in link_line("all-gather", flat) and "GB/s" not in link_line("all-gather", flat)
     assert link_line("all-gather", fit([(0, 1e-5), (10**9, 1e-5 + 0.01)])).endswith("100.00 GB/s per device")
+
+
+def test_remedies_do_not_suggest_remat_to_a_model_that_recomputes_already() -> None:
+    cap = fits.Capacity(80 * 10**9, "h100")
+    on, off = build_model("transformer", "tiny", remat=True), build_model("transformer", "tiny")
+    assert fits.remats(on) and not fits.remats(off)
+    assert "--set remat=true" in fits.remedies(cap) and "--set remat=true" not in fits.remedies(cap, fits.remats(on))
+    over = [Dropped(Candidate({"data": 8}, md.Layout("batch:data")), "over", 90 * 2**30)]
+    assert "--set remat=true" in _no_fit("transformer", 8, 80 * 2**30, over)
+    assert "--set remat=true" not in _no_fit("transformer", 8, 80 * 2**30, over, remat=True)

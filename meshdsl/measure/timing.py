@@ -87,7 +87,7 @@ def compile_checked(trainer: Trainer, data: Any, what: str, capacity: fits.Capac
     key or a batch; concrete or abstract), checked against the device's memory first:
     :class:`meshdsl.measure.fits.DoesNotFit` (naming ``what``) when it needs more than a device has."""
     compiled = compile_abstract(trainer, data)
-    fits.check(what, memory_bytes(compiled), capacity)
+    fits.check(what, memory_bytes(compiled), capacity, remat=fits.remats(trainer.model))
     return compiled
 
 

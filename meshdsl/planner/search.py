@@ -44,6 +44,7 @@ from typing import Any, TextIO
 
 import meshdsl as md
 from meshdsl.errors import ConfigError, UnsupportedJaxError
+from meshdsl.measure.fits import remats
 from meshdsl.planner import memory as memory_model
 from meshdsl.planner.cost import Prediction, price
 from meshdsl.planner.profile import DeviceProfile
@@ -315,12 +316,12 @@ def search(
             f"(a bug in meshdsl to report, not an illegal layout), e.g. {first.candidate.name}: {first.reason}"
         ) from first.error
     if not ranked:
-        raise ConfigError(_no_fit(name, devices, limit, dropped))
+        raise ConfigError(_no_fit(name, devices, limit, dropped, remats(model)))
     ranked.sort(key=lambda item: item[1].step_s)
     return SearchResult(ranked, dropped, traced)
 
 
-def _no_fit(name: str, devices: int, limit: float, dropped: list[Dropped]) -> str:
+def _no_fit(name: str, devices: int, limit: float, dropped: list[Dropped], remat: bool = False) -> str:
     over = [(d.memory_bytes, d) for d in dropped if d.memory_bytes is not None]
     if not over:
         reasons = "; ".join(sorted({d.reason for d in dropped})[:3])
@@ -329,7 +330,9 @@ def _no_fit(name: str, devices: int, limit: float, dropped: list[Dropped]) -> st
     return (
         f"no layout of {name} fits {limit / GiB:.2f} GiB per device on {devices} devices; the closest, "
         f"{best.candidate.name}, "
-        f"needs {need / GiB:.2f} GiB, {(need - limit) / GiB:.2f} GiB ({need / limit - 1:.0%}) over"
+        f"needs {need / GiB:.2f} GiB, {(need - limit) / GiB:.2f} GiB ({need / limit - 1:.0%}) over; to fit: "
+        + ("" if remat else "recompute activations (--set remat=true where the model has it), ")
+        + "a smaller batch (--set batch=N) or more devices"
     )
 
 
