@@ -1,23 +1,27 @@
 """The benchmark's report from summaries alone (nothing compiled): the verdict, the legend, the results
 folder, and charts a person reads at a glance with 4 or 20 entries."""
 
+import dataclasses
 import io
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 import meshdsl as md
 from meshdsl.bench import report
-from meshdsl.bench.run import BenchConfig, _layout_warnings, results_dir
+from meshdsl.bench.run import BenchConfig, _layout_warnings, model_settings, results_dir
 from meshdsl.errors import ConfigError
 from meshdsl.measure import fits
 from meshdsl.model.loader import build_model
 from meshdsl.planner.calibrate import fit, link_line
 from meshdsl.planner.profile import load_profile
-from meshdsl.planner.search import Candidate, Dropped, _no_fit, search
+from meshdsl.planner.search import Candidate, Dropped, _no_fit, search, write_layout
 from meshdsl.runtime.waiting import Waiting
 from meshdsl.train import optim
+from meshdsl.train.loop import RunConfig, resolved
+from meshdsl.train.loop import _model as train_model
 from meshdsl.train.rules import split_warnings
 
 MIB = 2**20
@@ -225,3 +229,19 @@ def test_remedies_do_not_suggest_remat_to_a_model_that_recomputes_already() -> N
     over = [Dropped(Candidate({"data": 8}, md.Layout("batch:data")), "over", 90 * 2**30)]
     assert "--set remat=true" in _no_fit("transformer", 8, 80 * 2**30, over)
     assert "--set remat=true" not in _no_fit("transformer", 8, 80 * 2**30, over, remat=True)
+
+
+def test_the_layout_search_writes_records_what_it_assumed_and_train_and_bench_apply_it(tmp_path: Path) -> None:
+    model = build_model("transformer", "tiny", remat=True)
+    path = tmp_path / "best.toml"
+    candidate = Candidate({"data": 8}, md.Layout("batch:data", mesh_axes={"data": 8}))
+    predicted = SimpleNamespace(step_s=0.1, memory=SimpleNamespace(total=2**30), total_bytes=2**20)
+    write_layout(candidate, predicted, path, load_profile("cpu-sim"), model)
+    assert 'remat = true\ncompute_dtype = "float32"' in path.read_text()
+    assert md.Layout.load(path).rules == {"batch": ("data",)}
+    run = resolved(RunConfig(model="transformer", preset="tiny", layout=str(path)))
+    assert run.remat is True and run.compute_dtype == "float32"
+    assert train_model(run).config.remat is True
+    assert train_model(dataclasses.replace(run, overrides={"remat": False})).config.remat is False  # --set wins
+    assert model_settings(str(path)) == {"remat": True, "compute_dtype": "float32"}
+    assert model_settings("batch:data") == {}

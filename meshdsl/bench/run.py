@@ -36,7 +36,7 @@ from meshdsl.pipeline.run import stages
 from meshdsl.runtime import output_paths
 from meshdsl.runtime.layout_spec import is_shipped, layout_path, load_layout
 from meshdsl.runtime.waiting import Waiting
-from meshdsl.train import optim
+from meshdsl.train import optim, settings
 from meshdsl.train.rules import split_warnings, unused_rules
 from meshdsl.train.step import Trainer
 
@@ -312,8 +312,10 @@ def _prepare(
     """Compile one model x layout (x pipeline variant: the model rebuilt for its batch); None (with a note)
     when the layout does not fit the model."""
     layout = load_layout(spec)
-    if variant is not None:
-        model = build_model(model_name, cfg.preset, **{**cfg.overrides, "batch": variant[1]})
+    assumed = model_settings(spec)
+    if variant is not None or assumed:
+        batch = {} if variant is None else {"batch": variant[1]}
+        model = build_model(model_name, cfg.preset, **{**cfg.overrides, **assumed, **batch})
     name = _label(spec)
     label = name if variant is None else f"{name}[{_schedule_label(variant[0])} M={variant[0].microbatches}]"
     optimizer = optim.make(cfg.optimizer)
@@ -362,6 +364,13 @@ def _prepare(
         if checked.note is not None:
             out(f"  {model_name} x {label}: plain-JAX baseline not timed: {checked.note}")
     return entry, step, plain
+
+
+def model_settings(spec: str) -> dict[str, Any]:
+    """The model settings a layout file's ``[train]`` table sets (``remat``, ``compute_dtype``: what ``meshdsl
+    search`` assumed when it wrote the file), which bench applies as train does; empty for inline rules."""
+    table = settings.train_table(layout_path(spec))
+    return {k: table[k] for k in ("remat", "compute_dtype") if k in table}
 
 
 def _gspmd(step: CompiledStep, grad_reduce_dtype: str | None) -> tuple[dict[str, dict[str, float]] | None, str | None]:

@@ -134,7 +134,7 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> None:
         print(verdict([p.step_s for _, p in result.ranked[:k]], times))
     if args.out:
         with output_paths.writing(f"--out {args.out!r}", "the ranking above is the search's result"):
-            write_layout(*result.best, output_paths.parent(args.out), profile)
+            write_layout(*result.best, output_paths.parent(args.out), profile, model)
         print(f"wrote the best layout to {args.out}")
 
 

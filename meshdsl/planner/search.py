@@ -74,8 +74,9 @@ class Candidate:
             pipe += f", {schedule}" + (f" v={v}" if v > 1 else "")
         return f"[{mesh}] {str(self.layout) or 'replicated'}{params}{pipe}"
 
-    def toml(self, description: str) -> str:
-        """This candidate as a layout file ``md.Layout.load`` and ``meshdsl train --layout`` read."""
+    def toml(self, description: str, assumed: Mapping[str, Any] | None = None) -> str:
+        """This candidate as a layout file ``md.Layout.load`` and ``meshdsl train --layout`` read; ``assumed``:
+        the model settings the plan assumed (``remat``, ``compute_dtype``), as a ``[train]`` table train applies."""
 
         def table(name: str, rules: Mapping[str, tuple[str, ...]]) -> list[str]:
             body = [
@@ -97,6 +98,9 @@ class Candidate:
             lines += ["", "[pipeline]", f"microbatches = {p.microbatches}", f'schedule = "{p.schedule}"']
             if p.virtual_stages > 1:
                 lines.append(f"virtual_stages = {p.virtual_stages}")
+        if assumed:
+            values = {k: ("true" if v else "false") if isinstance(v, bool) else f'"{v}"' for k, v in assumed.items()}
+            lines += ["", "[train]", *(f"{k} = {v}" for k, v in values.items())]
         return "\n".join(lines) + "\n"
 
 
@@ -336,10 +340,20 @@ def _no_fit(name: str, devices: int, limit: float, dropped: list[Dropped], remat
     )
 
 
-def write_layout(candidate: Candidate, prediction: Prediction, path: str | Path, profile: DeviceProfile) -> None:
-    """Write ``candidate`` as a layout TOML file, its prediction in the description."""
+def assumed(model: Any) -> dict[str, Any]:
+    """The model settings a plan depends on and train can set from a layout's ``[train]`` table: ``remat`` and
+    ``compute_dtype``, those the model's config has (a model without the field is never given it)."""
+    config = getattr(model, "config", None)
+    return {k: getattr(config, k) for k in ("remat", "compute_dtype") if hasattr(config, k)}
+
+
+def write_layout(
+    candidate: Candidate, prediction: Prediction, path: str | Path, profile: DeviceProfile, model: Any = None
+) -> None:
+    """Write ``candidate`` as a layout TOML file, its prediction in the description, and what the plan assumed of
+    ``model`` (:func:`assumed`) as its ``[train]`` table, so train and bench run the program search priced."""
     description = (
         f"Chosen by meshdsl search for {profile.name}: predicted {prediction.step_s * 1e3:.3f} ms per step, "
         f"{prediction.memory.total / GiB:.3f} GiB and {prediction.total_bytes / GiB:.3f} GiB moved per device."
     )
-    Path(path).write_text(candidate.toml(description))
+    Path(path).write_text(candidate.toml(description, None if model is None else assumed(model)))

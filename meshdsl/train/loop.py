@@ -101,15 +101,16 @@ def _model(run: RunConfig) -> Any:
                 f"{flag}: model {run.model} cannot take it: its Config has no {field} field; "
                 f"a model takes {flag} by declaring {field}: {kind} in its Config and using it"
             )
-    return build_model(run.model, run.preset, **run.overrides, **{k: v for k, v in flags.items() if v is not None})
+    given = {k: v for k, v in flags.items() if v is not None}
+    return build_model(run.model, run.preset, **{**given, **run.overrides})  # --set wins over a layout's [train]
 
 
 def resolved(run: RunConfig) -> RunConfig:
     """``run`` with the settings its flags leave None taken from its layout's ``[train]`` table, else the defaults."""
     table = settings.train_table(layout_path(run.layout))
     fields = {k: getattr(run, k) for k in settings.KEYS}
-    chosen: dict[str, Any] = {
-        k: v if v is not None else table.get(k, settings.DEFAULTS.get(k)) for k, v in fields.items()
+    chosen: dict[str, Any] = {  # False: --remat not given
+        k: table.get(k, settings.DEFAULTS.get(k, v)) if v is None or v is False else v for k, v in fields.items()
     }
     return dataclasses.replace(run, **chosen)
 
