@@ -84,9 +84,9 @@ def test_the_verdict_names_the_winner_its_margin_and_spread_the_leanest_and_why(
         "transformer: fastest dp_tp, 325.0 ms (IQR 300.0-340.0 ms), 23% ahead of data_parallel (400.0 ms, IQR "
         "380.0-900.0 ms)"
     )
-    assert lines[2] == "  least memory per device: fsdp, 120.0 MiB (compiled)"
+    assert lines[2] == "  least memory per device: fsdp, 120 MiB (compiled)"
     assert lines[3] == (
-        "  why: dp_tp moves 25.0 MiB per device per step, 80% all-reduce, less than data_parallel's 40.0 MiB: "
+        "  why: dp_tp moves 25 MiB per device per step, 80% all-reduce, less than data_parallel's 40 MiB: "
         "communication decides."
     )
 
@@ -95,7 +95,7 @@ def test_the_verdict_says_compute_bound_and_within_the_noise() -> None:
     rows = [fake("a", 100, 90, 130, 10, {"all-reduce": 50}), fake("b", 110, 95, 120, 10, {"all-reduce": 5})]
     text = report.verdict(rows)
     assert "the ranges overlap, so the lead is within the noise" in text
-    assert "compute-bound" in text and "no less than b's 5.0 MiB" in text
+    assert "compute-bound" in text and "no less than b's 5 MiB" in text
 
 
 def test_pipelined_variants_with_different_batches_are_ranked_per_example() -> None:

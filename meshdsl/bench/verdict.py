@@ -12,10 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshdsl.measure.fits import readable
+
 
 def mib(nbytes: float) -> str:
-    """Bytes in MiB or GiB, one decimal."""
-    return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
+    """Bytes in the largest binary unit keeping them at least 1, to 3 significant figures (small figures do not
+    read as 0)."""
+    return readable(nbytes)
 
 
 def quartiles_ms(s: dict[str, Any]) -> str:
