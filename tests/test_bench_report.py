@@ -245,3 +245,16 @@ def test_the_layout_search_writes_records_what_it_assumed_and_train_and_bench_ap
     assert train_model(dataclasses.replace(run, overrides={"remat": False})).config.remat is False  # --set wins
     assert model_settings(str(path)) == {"remat": True, "compute_dtype": "float32"}
     assert model_settings("batch:data") == {}
+
+
+def test_a_resume_at_its_last_step_says_nothing_to_train_before_compiling(tmp_path: Path, capsys) -> None:
+    from meshdsl.cli import main
+
+    args = ["train", "--model", "mlp", "--preset", "tiny", "--steps", "2", "--save-every", "2"]
+    args += ["--checkpoint-dir", str(tmp_path / "ckpt")]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main([*args, "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to train: the checkpoint is at step 2, which is --steps (nothing compiled)" in out
+    assert "compiling" not in out

@@ -293,6 +293,12 @@ def _check_resumable(path: Path, saved: dict[str, Any], mine: dict[str, Any]) ->
         )
 
 
+def _finished(run: RunConfig, manager: md.checkpoint.CheckpointManager | None) -> bool:
+    """Whether a resumed run's latest checkpoint is already at ``--steps`` (checked before compiling anything)."""
+    found = manager.latest() if manager is not None and run.resume else None
+    return found is not None and md.checkpoint.read_manifest(found)["metadata"].get("step") == run.steps
+
+
 def _start(
     run: RunConfig, trainer: Trainer, manager: md.checkpoint.CheckpointManager | None, out: TextIO
 ) -> tuple[Any, jax.Array, int]:
@@ -468,6 +474,9 @@ def _train(
     tokens = None if run.data is None else token_file(run, model)
     out.write(_header(run, mesh, layout))
     eval_batch = _eval_batches(run, trainer, tokens) if run.eval_every else None
+    if _finished(run, manager):
+        out.write(f"nothing to train: the checkpoint is at step {run.steps}, which is --steps (nothing compiled)\n")
+        return []
     out.write(f"compiling the train step{' and the eval step' if eval_batch else ''} ...\n")
     out.flush()
     began = time.perf_counter()
