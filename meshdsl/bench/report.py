@@ -157,7 +157,7 @@ COLUMNS = [
 def legend(summaries: list[dict[str, Any]]) -> str:
     """What each column means, with its unit, then why each ``-`` in this table is one."""
     lines = ["legend:"] + [f"  {c.name}: {c.meaning}" for c in COLUMNS]
-    dashes = {}
+    dashes: dict[tuple[str, str], list[str]] = {}
     for c in COLUMNS:
         for s in summaries:
             if "-" in c.cell(s).split("/") or c.cell(s) == "-":
