@@ -258,3 +258,15 @@ def test_a_resume_at_its_last_step_says_nothing_to_train_before_compiling(tmp_pa
     out = capsys.readouterr().out
     assert "nothing to train: the checkpoint is at step 2, which is --steps (nothing compiled)" in out
     assert "compiling" not in out
+
+
+def test_meshdsls_own_files_are_not_credited_as_the_users_line() -> None:
+    import importlib
+
+    from meshdsl.analysis.user_lines import _rank
+
+    compile_py = importlib.import_module("meshdsl.compile").__file__
+    spmd_py = importlib.import_module("meshdsl.lowering.spmd").__file__
+    assert _rank(compile_py) == (1, "meshdsl/compile.py")  # below any user line (rank 0)
+    assert _rank(spmd_py)[0] == 2
+    assert _rank("/home/me/first_program.py")[0] == 0
