@@ -4,8 +4,11 @@ Write a model once with named dims, pick a mesh and a layout (which dim is split
 axis), and ``md.compile`` runs it with the collectives the layout needs. See docs/api.md.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from meshdsl import checkpoint, nn, pipeline, random
 from meshdsl.compile import Backend, Compiled, compile
+from meshdsl.decoding import generate
 from meshdsl.dims import Dim, Shape
 from meshdsl.errors import (
     ConfigError,
@@ -79,6 +82,7 @@ __all__ = [
     "Backend",
     "cast",
     "checkpoint",
+    "hf",
     "Communication",
     "compile",
     "Compiled",
@@ -99,6 +103,7 @@ __all__ = [
     "full",
     "gather",
     "gelu",
+    "generate",
     "greater",
     "greater_equal",
     "Layout",
@@ -170,3 +175,17 @@ __all__ = [
     "WriteError",
     "zeros",
 ]
+
+
+if TYPE_CHECKING:
+    from meshdsl import hf as hf
+else:
+
+    def __getattr__(name: str) -> Any:
+        """``md.hf``, imported on first use: it builds the shipped llama decoder, a module that itself imports
+        ``meshdsl``, so importing it here, with the package, would make a circle of imports."""
+        if name == "hf":
+            import importlib
+
+            return importlib.import_module("meshdsl.hf")
+        raise AttributeError(f"module 'meshdsl' has no attribute {name!r}")

@@ -6,12 +6,18 @@ mistake that shows before a device is used), then the devices (:mod:`meshdsl.run
 simulated CPU devices on a machine without an accelerator, 8 by default, unless XLA_FLAGS chose)
 and the multi-process run (``--coordinator``, ``--num-processes``, ``--process-id``, or the
 ``MESHDSL_*`` variables, or a detected cluster: :mod:`meshdsl.runtime.distributed`), then its run. An md
-error from any of them is one line, ``meshdsl <command>: error: ...``, and exit status 2.
+error from any of them is one line, ``meshdsl <command>: error: ...``, and exit status 2. A run that
+a signal stopped (:class:`meshdsl.errors.Interrupted`; Ctrl-C anywhere) is one line too, and exit
+status ``128 + signal``; after a bare Ctrl-C the process ends without the interpreter's teardown
+(``os._exit``), where JAX's threads, cut off mid-compile, could crash it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -37,11 +43,17 @@ def check(args: argparse.Namespace) -> Any:
     return commands.check(args)
 
 
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing what is left for a closed pipe raises nothing."""
+    with contextlib.suppress(OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``meshdsl argv``; the exit status."""
     args = _parser().parse_args(argv)
     command = commands.commands()[args.command]
-    from meshdsl.errors import MeshDslError
+    from meshdsl.errors import Interrupted, MeshDslError
     from meshdsl.runtime import distributed
 
     try:
@@ -58,10 +70,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if distributed.joined():
             distributed.exit_now(2)
         return 2
-    except (Exception, KeyboardInterrupt) as e:
+    except Interrupted as e:  # every process stopped after the same step: they leave together, as after the last
+        print(f"meshdsl {args.command}: {e}", file=sys.stderr)
+        return e.exit_status
+    except KeyboardInterrupt:
+        print(f"meshdsl {args.command}: Ctrl-C (SIGINT): stopped", file=sys.stderr)
+        distributed.exit_now(130)
+    except BrokenPipeError:  # ``meshdsl train ... | head``: what a shell reports for SIGPIPE, without a traceback
+        _quiet_stdout()
+        with contextlib.suppress(OSError):
+            print(f"meshdsl {args.command}: stopped: the reader of its output closed the pipe", file=sys.stderr)
+        distributed.exit_now(141)
+    except Exception:
         if distributed.joined():
             traceback.print_exc()
-            distributed.exit_now(130 if isinstance(e, KeyboardInterrupt) else 1)
+            distributed.exit_now(1)
         raise
     return code or 0
 

@@ -47,3 +47,17 @@ class TrainingError(MeshDslError):
 class UnsupportedJaxError(MeshDslError):
     """A traced program meshdsl cannot read on the JAX at hand: a primitive whose parameters are laid
     out as no supported JAX version lays them out (the message names the primitive and the version)."""
+
+
+class Interrupted(Exception):
+    """A run that a signal stopped (SIGTERM, Ctrl-C) after saving what it had: not a mistake, so not an
+    md error. ``exit_status``: ``128 + signal``, the status a shell gives a run the signal ended, so
+    a script or scheduler tells an interrupted run from a finished one (:mod:`meshdsl.train.signals`)."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import re
 import tomllib
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,32 @@ from meshdsl.pipeline.config import PipelineConfig
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RuleValue = str | tuple[str, ...] | list[str]
+ATTENTION_STRATEGIES = ("all_gather", "ring", "all_to_all")
+"""How attention runs where the keys' ``memory`` is split over a mesh axis (``[attention]``): gather the
+keys and values whole (the default), pass their blocks around a ring, or move the split to the heads
+(DeepSpeed-Ulysses). See :mod:`meshdsl.nn.context_attention`."""
+
+
+def _parse_attention(value: Any) -> dict[str, str]:
+    """``{mesh axis: strategy}`` from ``attention=`` or an ``[attention]`` table; LayoutError naming a bad entry."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise LayoutError(
+            f"attention must map mesh axes to strategies, e.g. {{'context': 'ring'}}, got {type(value).__name__}"
+        )
+    out: dict[str, str] = {}
+    for axis, strategy in value.items():
+        if not isinstance(axis, str) or not _NAME.match(axis):
+            raise LayoutError(f"attention: {axis!r} is not a mesh axis name")
+        if strategy not in ATTENTION_STRATEGIES:
+            raise LayoutError(
+                f"attention: strategy {strategy!r} for mesh axis {axis!r} is not one of "
+                f"{', '.join(ATTENTION_STRATEGIES)}"
+            )
+        out[axis] = strategy
+    return out
+
 
 Split = tuple[tuple[str, ...], ...]
 """How one tensor is split: per dim, the mesh axes splitting it, major to minor; ``()`` means replicated.
@@ -113,6 +139,8 @@ class Layout:
     split, gathered for compute). ``mesh_axes``: the mesh a layout file asks for, if any.
     ``pipeline``: microbatches and schedule (:class:`meshdsl.pipeline.config.PipelineConfig`, or a
     ``[pipeline]`` table) for a layout that splits ``layers`` into pipeline stages.
+    ``attention``: ``{mesh axis: strategy}`` (:data:`ATTENTION_STRATEGIES`), how attention runs where
+    the keys' ``memory`` is split over that axis; an axis not named gathers them (``all_gather``).
     """
 
     def __init__(
@@ -121,8 +149,10 @@ class Layout:
         params: str | Mapping[str, RuleValue] | Layout | None = None,
         mesh_axes: Mapping[str, int] | None = None,
         pipeline: Any = None,
+        attention: Mapping[str, str] | None = None,
     ):
         self.rules: dict[str, tuple[str, ...]] = _parse(rules)
+        self.attention: dict[str, str] = _parse_attention(attention)
         self.pipeline: PipelineConfig = PipelineConfig.of(pipeline)
         self.params: Layout | None = None if params is None else Layout(params)
         self.mesh_axes: dict[str, int] | None = None if mesh_axes is None else dict(mesh_axes)
@@ -130,11 +160,12 @@ class Layout:
             self.params = self.params or rules.params
             self.mesh_axes = self.mesh_axes or rules.mesh_axes
             self.pipeline = rules.pipeline if pipeline is None else self.pipeline
+            self.attention = dict(rules.attention) if attention is None else self.attention
 
     @classmethod
     def load(cls, path: str | Path) -> Layout:
-        """Read a TOML layout file: ``[mesh]`` axis sizes, ``[rules]``, optional ``[params]`` and ``[pipeline]`` (see
-        ``layouts/``)."""
+        """Read a TOML layout file: ``[mesh]`` axis sizes, ``[rules]``, optional ``[params]``, ``[pipeline]`` and
+        ``[attention]`` (see ``layouts/``)."""
         path = Path(path)
         if path.is_dir():
             raise LayoutError(f"layout file {str(path)!r} is a directory; give a .toml file")
@@ -145,13 +176,13 @@ class Layout:
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise LayoutError(f"layout file {str(path)!r} is not valid TOML: {e}") from None
         # [train]: settings for meshdsl train (meshdsl.train.settings reads it), not part of the layout
-        unknown = set(data) - {"mesh", "rules", "params", "pipeline", "train", "description"}
+        unknown = set(data) - {"mesh", "rules", "params", "pipeline", "attention", "train", "description"}
         if unknown:
             raise LayoutError(
                 f"layout file {str(path)!r}: unknown table(s) {sorted(unknown)}; expected [mesh], [rules], [params], "
-                "[pipeline], [train]"
+                "[pipeline], [attention], [train]"
             )
-        for table in ("mesh", "rules", "params", "pipeline", "train"):
+        for table in ("mesh", "rules", "params", "pipeline", "attention", "train"):
             if not isinstance(data.get(table, {}), dict):
                 raise LayoutError(f"layout file {str(path)!r}: [{table}] must be a table")
         for axis, size in data.get("mesh", {}).items():
@@ -166,7 +197,9 @@ class Layout:
                 "file?)"
             )
         try:
-            return cls(data.get("rules", {}), data.get("params"), data.get("mesh"), data.get("pipeline"))
+            return cls(
+                data.get("rules", {}), data.get("params"), data.get("mesh"), data.get("pipeline"), data.get("attention")
+            )
         except (LayoutError, ConfigError) as e:
             raise type(e)(f"layout file {str(path)!r}: {e}") from None
 
@@ -194,6 +227,22 @@ class Layout:
             for a in axes:
                 if a not in mesh.axis_sizes:
                     raise LayoutError(f"layout rule {dim}:{a} names mesh axis {a!r}, but the mesh has axes {mesh}")
+        for a, strategy in self.attention.items():
+            if a not in mesh.axis_sizes:
+                raise LayoutError(
+                    f"layout attention {a} = {strategy!r} names mesh axis {a!r}, but the mesh has axes {mesh}"
+                )
+
+    def attention_strategy(self, axes: Sequence[str]) -> str:
+        """The attention strategy for keys whose ``memory`` is split over ``axes`` (``all_gather`` where
+        none is named); LayoutError when the axes name different ones."""
+        chosen = {self.attention.get(a, "all_gather") for a in axes}
+        if len(chosen) > 1:
+            named = ", ".join(f"{a} = {self.attention.get(a, 'all_gather')!r}" for a in axes)
+            raise LayoutError(
+                f"attention: memory is split over mesh axes {tuple(axes)} whose strategies differ ({named})"
+            )
+        return chosen.pop() if chosen else "all_gather"
 
     def axes(self, shape: ShapeLike, mesh: Mesh, tensor: str = "tensor") -> Split:
         """Per-dim split axes of a tensor of ``shape``; LayoutError if they do not fit ``mesh``."""
@@ -237,10 +286,15 @@ class Layout:
         return NamedSharding(mesh.jax_mesh, self.spec(shape))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Layout) and self.rules == other.rules and self.params == other.params
+        return (
+            isinstance(other, Layout)
+            and self.rules == other.rules
+            and self.params == other.params
+            and self.attention == other.attention
+        )
 
     def __hash__(self) -> int:
-        return hash((tuple(sorted(self.rules.items())), self.params))
+        return hash((tuple(sorted(self.rules.items())), self.params, tuple(sorted(self.attention.items()))))
 
     def __str__(self) -> str:
         return "; ".join(f"{d}:{a[0]}" if len(a) == 1 else f"{d}:({', '.join(a)})" for d, a in self.rules.items())
@@ -251,4 +305,5 @@ class Layout:
 
     def __repr__(self) -> str:
         params = "" if self.params is None else f", params={str(self.params)!r}"
-        return f"Layout({str(self)!r}{params})"
+        attention = f", attention={self.attention!r}" if self.attention else ""
+        return f"Layout({str(self)!r}{params}{attention})"

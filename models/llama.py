@@ -13,15 +13,23 @@ Megatron splits ``kv_heads`` (each device its key/value heads and their queries)
 and ``vocab``; FSDP stores parameters split along ``d_model``. :meth:`Model.hf_names` maps the
 parameters to a Hugging Face LLaMA checkpoint's tensors for ``md.checkpoint.load_safetensors``.
 
+The Hugging Face families are this one decoder with switches (:mod:`meshdsl.hf` reads them from a
+``config.json``): ``tie_embeddings`` (one table for input and output), ``rope_scaling="llama3"``
+(Llama 3.1/3.2's scaled frequencies), ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3: an RMSNorm over each
+head's queries and keys before rope), and Gemma's ``activation="gelu_tanh"``, ``embed_scale``
+(embeddings times sqrt(d_model)) and ``norm_offset=1.0`` (RMSNorm as ``(1 + w)``).
+
 The synthetic task is the Transformer's (``t[i+1] = (5 t[i] + 3) mod vocab``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
+import numpy as np
 from meshdsl.models import transformer
 from meshdsl.models.presets import Presets
 
@@ -51,6 +59,26 @@ class Config(Presets):
     remat_policy: str = "full"
     """With ``remat``, what each layer keeps for the backward pass (``md.scan``'s ``REMAT_POLICIES``):
     ``"full"`` nothing, ``"dots"`` its projections' and feed-forward's matmul outputs."""
+    tie_embeddings: bool = False
+    """One ``[vocab, d_model]`` table for the input embedding and the output logits (no ``unembed``
+    parameter; its gradient is the sum of both uses): Hugging Face's ``tie_word_embeddings``."""
+    rope_scaling: str = "none"
+    """``"none"``, or ``"llama3"``: Llama 3.1/3.2's frequencies (the ``rope_factor``, ``rope_low_freq_factor``,
+    ``rope_high_freq_factor`` and ``rope_original_length`` fields; transformers' ``_compute_llama3_parameters``)."""
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_length: int = 8192
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2), not on the output projection."""
+    qk_norm: bool = False
+    """An RMSNorm over ``d_kv`` of each head's queries and keys before rope (Qwen3)."""
+    activation: str = "silu"
+    """The gated feed-forward's activation: ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (Gemma's GeGLU)."""
+    embed_scale: bool = False
+    """Embeddings times ``sqrt(d_model)`` rounded to the compute dtype (Gemma)."""
+    norm_offset: float = 0.0
+    """Every RMSNorm's scale applied as ``norm_offset + w`` (Gemma: 1.0)."""
     compute_dtype: str = "float32"
     loss_chunk: int = 256
     """Positions along ``length`` whose logits the loss computes at once (``md.nn.cross_entropy``): the
@@ -84,7 +112,35 @@ class Config(Presets):
             raise ConfigError(f"d_kv={self.d_kv} must be even: rotary embeddings rotate pairs of entries")
         if self.rope not in ("half", "interleaved"):
             raise ConfigError(f"rope must be 'half' (Hugging Face's) or 'interleaved' (Meta's), got {self.rope!r}")
+        if self.rope_scaling not in ("none", "llama3"):
+            raise ConfigError(f"rope_scaling must be 'none' or 'llama3', got {self.rope_scaling!r}")
+        if self.rope_scaling == "llama3" and not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ConfigError(
+                f"rope_low_freq_factor={self.rope_low_freq_factor} must be positive and below "
+                f"rope_high_freq_factor={self.rope_high_freq_factor}"
+            )
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(f"activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {self.activation!r}")
         transformer.check_remat_policy(self.remat_policy)
+
+    def inverse_frequencies(self) -> tuple[float, ...] | None:
+        """Rope's ``d_kv / 2`` inverse frequencies under ``rope_scaling`` (None: theta's own), as transformers'
+        ``_compute_llama3_parameters``: long wavelengths divided by ``rope_factor``, short ones kept, those
+        between blended."""
+        if self.rope_scaling == "none":
+            return None
+        inverse = 1.0 / self.rope_theta ** (np.arange(0, self.d_kv, 2, dtype=np.float64) / self.d_kv)
+        low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
+        wavelength = 2 * math.pi / inverse
+        scaled = np.where(wavelength > self.rope_original_length / low, inverse / self.rope_factor, inverse)
+        smooth = (self.rope_original_length / wavelength - low) / (high - low)
+        blended = (1 - smooth) * scaled / self.rope_factor + smooth * scaled
+        medium = (wavelength >= self.rope_original_length / high) & (wavelength <= self.rope_original_length / low)
+        return tuple(float(f) for f in np.where(medium, blended, scaled).astype(np.float32))
+
+
+ACTIVATIONS = {"silu": md.silu, "gelu_tanh": lambda x: md.gelu(x, approximate=True)}
+"""The gated feed-forward's activations, by ``Config.activation``."""
 
 
 class Model(transformer.Model):
@@ -101,12 +157,24 @@ class Model(transformer.Model):
         self.kv_heads, self.group = D("kv_heads", c.kv_heads), D("group", c.heads // c.kv_heads)
         self.vocab, self.layers = D("vocab", c.vocab), D("layers", c.layers)
         self.dtype = jax.numpy.dtype(c.compute_dtype)
-        self.norm = md.nn.RMSNorm(self.d_model, eps=c.norm_eps)
-        rotary = md.nn.Rotary(self.d_kv, theta=c.rope_theta, interleaved=c.rope == "interleaved")
-        self.attention = md.nn.MultiHeadAttention(
-            self.d_model, self.group, self.d_kv, kv_heads=self.kv_heads, causal=True, rotary=rotary
+        self.norm = md.nn.RMSNorm(self.d_model, eps=c.norm_eps, offset=c.norm_offset)
+        rotary = md.nn.Rotary(
+            self.d_kv, theta=c.rope_theta, interleaved=c.rope == "interleaved", inverse=c.inverse_frequencies()
         )
-        self.feed_forward = md.nn.GatedMLP(self.d_model, self.d_ff)
+        qk_norm = md.nn.RMSNorm(self.d_kv, eps=c.norm_eps, offset=c.norm_offset) if c.qk_norm else None
+        self.attention = md.nn.MultiHeadAttention(
+            self.d_model,
+            self.group,
+            self.d_kv,
+            kv_heads=self.kv_heads,
+            causal=True,
+            rotary=rotary,
+            bias=c.qkv_bias,
+            output_bias=False,
+            qk_norm=qk_norm,
+        )
+        self.attention_params = ("wq", "wkv", "wo", *(("q_norm", "k_norm") if c.qk_norm else ()))
+        self.feed_forward = md.nn.GatedMLP(self.d_model, self.d_ff, activation=ACTIVATIONS[c.activation])
         self.embedding = md.nn.Embedding(self.vocab, self.d_model)
         self.unembedding = md.nn.Linear(self.d_model, self.vocab)
 
@@ -116,21 +184,32 @@ class Model(transformer.Model):
         k_attn, k_ff, k_embed, k_out = jax.random.split(key, 4)
         attention, feed_forward = self.attention.init(k_attn, L), self.feed_forward.init(k_ff, L)
         layer = {"attn_norm": self.norm.init(None, L), **attention, "mlp_norm": self.norm.init(None, L), **feed_forward}
-        return {
-            "embed": self.embedding.init(k_embed),
-            "layers": layer,
-            "final_norm": self.norm.init(None),
-            "unembed": self.unembedding.init(k_out),
-        }
+        params = {"embed": self.embedding.init(k_embed), "layers": layer, "final_norm": self.norm.init(None)}
+        return params if self.config.tie_embeddings else {**params, "unembed": self.unembedding.init(k_out)}
 
-    def _layer(self, x: md.Tensor, p: dict[str, md.Tensor]) -> md.Tensor:
+    def embed(self, params: dict[str, Any], tokens: md.Tensor) -> md.Tensor:
+        """Token embeddings in the compute dtype (times ``sqrt(d_model)`` in that dtype with ``embed_scale``)."""
+        x = super().embed(params, tokens)
+        if not self.config.embed_scale:
+            return x
+        return x * float(np.asarray(math.sqrt(self.config.d_model), self.dtype))
+
+    def head(self, params: dict[str, Any], x: md.Tensor) -> md.Tensor:
+        """Logits (float32) of the final residual stream: through the embedding table when tied."""
+        if not self.config.tie_embeddings:
+            return super().head(params, x)
+        x = self.norm(md.cast(params["final_norm"], self.dtype), x)
+        return md.cast(self.embedding.unembed(md.cast(params["embed"], self.dtype), x), jax.numpy.float32)
+
+    def _layer(self, x: md.Tensor, p: dict[str, md.Tensor], cache: md.nn.KVCache | None = None) -> md.Tensor:
         w = self._weights(p)
-        x = x + self.attention({"wq": w["wq"], "wkv": w["wkv"], "wo": w["wo"]}, self.norm(w["attn_norm"], x))
+        x = x + self.attention({k: w[k] for k in self.attention_params}, self.norm(w["attn_norm"], x), cache=cache)
         return x + self.feed_forward({k: w[k] for k in ("w_gate", "w_in", "w_out")}, self.norm(w["mlp_norm"], x))
 
     def flops_per_step(self) -> float:
         """Model FLOPs of a training step: 6 x parameters x tokens, plus causal attention over every query
-        head (half of full attention's, :func:`meshdsl.planner.flops.attention_flops`)."""
+        head (half of full attention's, :func:`meshdsl.planner.flops.attention_flops`). The unembedding's
+        matmul counts once whether or not its table is the embedding's (a lookup is no matmul)."""
         c = self.config
         per_layer = 2 * c.d_model * c.d_kv * (c.heads + c.kv_heads) + 3 * c.d_model * c.d_ff
         params = c.layers * per_layer + c.d_model * c.vocab
@@ -138,7 +217,9 @@ class Model(transformer.Model):
         return 6 * params * c.batch * c.length + c.layers * attention
 
     def hf_names(self) -> dict[str, Source]:
-        """Where each parameter is in a Hugging Face LLaMA checkpoint (``LlamaForCausalLM``'s names).
+        """Where each parameter is in a Hugging Face LLaMA checkpoint (``LlamaForCausalLM``'s names; Mistral's,
+        Qwen2's, Qwen3's and Gemma's are the same names, with their biases and norms where switched on;
+        a tied model has no ``lm_head.weight``).
 
         Hugging Face stores a projection as ``[out_features, in_features]``, the output rows of a
         query or key head in the rotate-half order of its rotary embeddings (its conversion from
@@ -150,19 +231,28 @@ class Model(transformer.Model):
             raise ConfigError(
                 f"hf_names: Hugging Face's LLaMA weights are for rope='half' (rotate-half), not {self.config.rope!r}"
             )
-        layer = "model.layers.{layers}."
-        return {
+        c, layer = self.config, "model.layers.{layers}."
+        kv = {"kv": ("k", "v")}
+        q_key, kv_key = ("layers/wq/kernel", "layers/wkv/kernel") if c.qkv_bias else ("layers/wq", "layers/wkv")
+        attention = {
+            q_key: Source(layer + "self_attn.q_proj.weight", "(kv_heads group d_kv) d_model"),
+            kv_key: Source(layer + "self_attn.{kv}_proj.weight", "(kv_heads d_kv) d_model", values=kv),
+        }
+        if c.qkv_bias:
+            attention["layers/wq/bias"] = Source(layer + "self_attn.q_proj.bias", "(kv_heads group d_kv)")
+            attention["layers/wkv/bias"] = Source(layer + "self_attn.{kv}_proj.bias", "(kv_heads d_kv)", values=kv)
+        if c.qk_norm:
+            attention["layers/q_norm"] = Source(layer + "self_attn.q_norm.weight", "d_kv")
+            attention["layers/k_norm"] = Source(layer + "self_attn.k_norm.weight", "d_kv")
+        names = {
             "embed": Source("model.embed_tokens.weight", "vocab d_model"),
             "layers/attn_norm": Source(layer + "input_layernorm.weight", "d_model"),
-            "layers/wq": Source(layer + "self_attn.q_proj.weight", "(kv_heads group d_kv) d_model"),
-            "layers/wkv": Source(
-                layer + "self_attn.{kv}_proj.weight", "(kv_heads d_kv) d_model", values={"kv": ("k", "v")}
-            ),
+            **attention,
             "layers/wo": Source(layer + "self_attn.o_proj.weight", "d_model (kv_heads group d_kv)"),
             "layers/mlp_norm": Source(layer + "post_attention_layernorm.weight", "d_model"),
             "layers/w_gate": Source(layer + "mlp.gate_proj.weight", "d_ff d_model"),
             "layers/w_in": Source(layer + "mlp.up_proj.weight", "d_ff d_model"),
             "layers/w_out": Source(layer + "mlp.down_proj.weight", "d_model d_ff"),
             "final_norm": Source("model.norm.weight", "d_model"),
-            "unembed": Source("lm_head.weight", "vocab d_model"),
         }
+        return names if c.tie_embeddings else {**names, "unembed": Source("lm_head.weight", "vocab d_model")}

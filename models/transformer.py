@@ -27,6 +27,9 @@ from meshdsl.errors import ConfigError
 from meshdsl.ops.scan import REMAT_POLICIES
 from meshdsl.planner.flops import attention_flops
 
+IGNORE_INDEX = -100
+"""A target the loss leaves out (transformers' convention: padding, prompt tokens)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Config(Presets):
@@ -104,20 +107,21 @@ class Model:
         }
 
     def _weights(self, p: dict[str, md.Tensor]) -> dict[str, md.Tensor]:
-        """One layer's parameters in the compute dtype (f32 masters stay in the state)."""
-        return {k: md.cast(v, self.dtype) for k, v in p.items()}
+        """One layer's parameters (a projection's ``{"kernel", "bias"}`` too) in the compute dtype (f32 masters
+        stay in the state)."""
+        return jax.tree_util.tree_map(lambda v: md.cast(v, self.dtype), p, is_leaf=lambda v: isinstance(v, md.Tensor))
 
-    def _attention(self, x: md.Tensor, w: dict[str, md.Tensor]) -> md.Tensor:
-        """``x`` plus causal multi-head self-attention of its norm."""
-        return x + self.attention({"wqkv": w["wqkv"], "wo": w["wo"]}, self.norm(w["norm1"], x))
+    def _attention(self, x: md.Tensor, w: dict[str, md.Tensor], cache: md.nn.KVCache | None = None) -> md.Tensor:
+        """``x`` plus causal multi-head self-attention of its norm (``cache``: decoding, see ``decode``)."""
+        return x + self.attention({"wqkv": w["wqkv"], "wo": w["wo"]}, self.norm(w["norm1"], x), cache=cache)
 
     def _feed_forward(self, x: md.Tensor, w: dict[str, md.Tensor]) -> md.Tensor:
         """``x`` plus the GELU feed-forward of its norm."""
         return x + self.feed_forward({"w_in": w["w_in"], "w_out": w["w_out"]}, self.norm(w["norm2"], x))
 
-    def _layer(self, x: md.Tensor, p: dict[str, md.Tensor]) -> md.Tensor:
+    def _layer(self, x: md.Tensor, p: dict[str, md.Tensor], cache: md.nn.KVCache | None = None) -> md.Tensor:
         w = self._weights(p)
-        return self._feed_forward(self._attention(x, w), w)
+        return self._feed_forward(self._attention(x, w, cache), w)
 
     @property
     def remat(self) -> bool | str:
@@ -134,8 +138,9 @@ class Model:
         return md.cast(self.unembedding(md.cast(params["unembed"], self.dtype), x), jnp.float32)
 
     def cross_entropy(self, logits: md.Tensor, targets: md.Tensor) -> md.Tensor:
-        """Mean next-token cross-entropy; over a split ``vocab`` it costs one pmax and two small psums."""
-        return md.nn.cross_entropy(logits, targets, lambda t: t, self.vocab, self.length)
+        """Mean next-token cross-entropy over the targets that are not ``IGNORE_INDEX``; over a split ``vocab``
+        it costs one pmax and two small psums."""
+        return md.nn.cross_entropy(logits, targets, lambda t: t, self.vocab, self.length, ignore_index=IGNORE_INDEX)
 
     def logits(self, params: dict[str, Any], tokens: md.Tensor) -> md.Tensor:
         x, _ = md.scan(
@@ -146,6 +151,39 @@ class Model:
             remat=self.remat,
         )
         return self.head(params, x)
+
+    @property
+    def decodes(self) -> bool:
+        """Whether ``decode`` runs this model's forward pass: its ``logits`` are the Transformer's scan of
+        ``_layer`` (llama's are); a subclass with other layers (the MoE) does not decode."""
+        return type(self).logits is Model.logits
+
+    def cache_shape(self, batch: md.Dim, memory: md.Dim) -> list[md.Dim]:
+        """The dims of the cached keys (and values) of ``batch`` sequences of ``memory`` positions:
+        ``[layers, batch, heads, memory, d_kv]`` (``kv_heads`` for grouped-query attention)."""
+        return [self.layers, batch, self.attention.kv_heads or self.attention.heads, memory, self.attention.d_kv]
+
+    def decode(
+        self, params: dict[str, Any], tokens: md.Tensor, cache: dict[str, md.Tensor], step: dict[str, md.Tensor]
+    ) -> tuple[md.Tensor, dict[str, md.Tensor]]:
+        """The logits ``[batch, vocab]`` of the last of ``tokens[batch, length]`` and the cache with their keys
+        and values written in: prefill (the prompt, at slot 0) or a decode step (one token per row).
+
+        ``cache``: ``{"keys", "values"}``, each of ``cache_shape`` in the compute dtype; ``step``:
+        ``{"index", "positions", "valid"}`` as in ``md.nn.KVCache``. The layers are this model's own
+        ``_layer`` (the same code as ``logits``), each with its cache.
+        """
+
+        def body(x: md.Tensor, layer: tuple) -> tuple[md.Tensor, tuple[md.Tensor, md.Tensor]]:
+            p, keys, values = layer
+            kv = md.nn.KVCache(keys, values, step["index"], step["positions"], step["valid"])
+            return self._layer(x, p, kv), (kv.keys, kv.values)
+
+        layers = (params["layers"], cache["keys"], cache["values"])
+        x, (keys, values) = md.scan(body, self.embed(params, tokens), layers, "layers")
+        last = md.slice(x, tokens.shape["length"].size - 1, 1, "length")
+        logits = md.reduce_sum(self.head(params, last), "length")
+        return logits, {"keys": keys, "values": values}
 
     def loss(self, params: dict[str, Any], batch: dict[str, md.Tensor]) -> md.Tensor:
         """Mean next-token cross-entropy: ``post(layers(pre))``, as ``meshdsl.pipeline`` runs it in stages."""
@@ -178,11 +216,11 @@ class Model:
         return self._layer(x, p)
 
     def post(self, params: dict[str, Any], x: md.Tensor, batch: dict[str, md.Tensor]) -> md.Tensor:
-        """The loss of the residual stream leaving the last layer."""
+        """The loss of the residual stream leaving the last layer (targets ``IGNORE_INDEX`` left out of the mean)."""
         head = functools.partial(self.head, params)
         chunk = self.config.loss_chunk
         chunk = chunk if chunk > 0 and self.length.size % chunk == 0 else None
-        return md.nn.cross_entropy(x, batch["targets"], head, self.vocab, self.length, chunk)
+        return md.nn.cross_entropy(x, batch["targets"], head, self.vocab, self.length, chunk, ignore_index=IGNORE_INDEX)
 
     def batch(self, key: jax.Array) -> dict[str, md.Tensor]:
         """A synthetic batch of the task in the module docstring."""

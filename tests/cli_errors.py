@@ -18,7 +18,7 @@ def one_error_line(err: str, *expected: str) -> str:
     assert "Traceback" not in err, err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
-    assert re.match(r"meshdsl (train|bench|explain|calibrate|search|launch): error: \S", lines[0]), err
+    assert re.match(r"meshdsl (train|bench|explain|calibrate|search|launch|generate): error: \S", lines[0]), err
     for text in expected:
         assert text in lines[0], (text, lines[0])
     return lines[0]

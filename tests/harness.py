@@ -32,7 +32,11 @@ an error beyond what float32 rounding explains still fails.
 
 A reference that is not finite in float32 (forward or gradient) is not compared against: inside
 a hypothesis test the draw is rejected (the generator drew inputs the function is not defined
-on, or values float32 cannot hold), elsewhere the test fails saying so.
+on, or values float32 cannot hold), elsewhere the test fails saying so. Except where an input
+holds NaN or +-inf (:func:`sprinkle`): then only the forward results are checked, against the
+reference with its non-finite values: NaN exactly where the reference has NaN, the same infinities,
+the finite values within the tolerance (:func:`assert_values_close` with ``nonfinite``). A layout
+must not change a NaN into a number (a ``pmax`` that drops NaN did).
 
 If the layout cannot apply to some tensor of the program (a split that does not divide a dim,
 or two dims of one tensor on one mesh axis: found from the reference's own shapes, not from
@@ -121,6 +125,33 @@ def rand(
     return from_numpy(np.asarray(a, np.float32), ds)
 
 
+SPECIALS = np.array([np.nan, np.inf, -np.inf, -0.0], np.float32)
+"""The values :func:`sprinkle` puts into inputs."""
+
+
+def sprinkle(rng: np.random.Generator, args: Sequence[md.Tensor], share: float) -> list[md.Tensor]:
+    """``args`` with about ``share`` of each float input's entries replaced by NaN, +inf, -inf or -0.0
+    (at least one entry of one input when ``share`` > 0): the values a layout must carry as the
+    global ``jnp`` computation does."""
+    if share <= 0:
+        return list(args)
+    out = []
+    for t in args:
+        a = t.numpy()
+        if _is_float(a.dtype) and a.size:
+            hit = rng.random(a.shape) < share
+            hit.flat[rng.integers(a.size)] = True
+            a = np.where(hit, rng.choice(SPECIALS, a.shape), a).astype(a.dtype)
+            t = from_numpy(a, t.shape.dims)
+        out.append(t)
+    return out
+
+
+def has_nonfinite(args: Sequence[Any]) -> bool:
+    """Whether a float input holds NaN or +-inf."""
+    return any(_is_float(np.asarray(a.numpy()).dtype) and not np.all(np.isfinite(a.numpy())) for a in args)
+
+
 def from_numpy(a: np.ndarray, ds: Sequence[md.Dim], sharding: Any = None) -> md.Tensor:
     """``md.tensor`` of a host array, put on the default device uncommitted (or on ``sharding``).
 
@@ -182,21 +213,31 @@ def _is_float(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
 
-def assert_close(actual: md.Tensor, expected: Named, tol: float, what: str) -> None:
+def assert_close(actual: md.Tensor, expected: Named, tol: float, what: str, nonfinite: bool = False) -> None:
     """Names, order and sizes equal; values within ``tol * max(1, max|expected|)`` (exact for non-floats)."""
     assert isinstance(actual, md.Tensor), f"{what}: expected an md tensor, got {type(actual).__name__}"
     assert actual.names == expected.names, f"{what}: dims {actual.names}, reference {expected.names}"
-    assert_values_close(actual.numpy(), expected.array, tol, what)
+    assert_values_close(actual.numpy(), expected.array, tol, what, nonfinite=nonfinite)
 
 
-def assert_values_close(got: Any, want: Any, tol: float = TOL, what: str = "value", floor: Any = None) -> None:
+def assert_values_close(
+    got: Any, want: Any, tol: float = TOL, what: str = "value", floor: Any = None, nonfinite: bool = False
+) -> None:
     """Same shape; floats within ``tol * max(1, max|want|)`` (plus ``floor``, per element, where
-    given), anything else exactly equal."""
+    given), anything else exactly equal. ``nonfinite``: ``want`` may hold NaN and +-inf, which
+    ``got`` must hold at the same places (the rest compared as above); else ``got`` must be finite."""
     got, want = np.asarray(got), np.asarray(want)
     assert got.shape == want.shape, f"{what}: shape {got.shape}, reference {want.shape}"
     if _is_float(want.dtype):
         assert _is_float(got.dtype), f"{what}: dtype {got.dtype}, reference is float"
-        assert np.all(np.isfinite(got)), f"{what}: non-finite values"
+        if nonfinite:
+            special = ~np.isfinite(want)
+            np.testing.assert_array_equal(
+                np.where(special, got, 0), np.where(special, want, 0), err_msg=f"{what}: NaN/inf places"
+            )
+            got, want = np.where(special, 0, got), np.where(special, 0, want)
+            floor = None if floor is None else np.where(special, 0, floor)
+        assert np.all(np.isfinite(got)), f"{what}: non-finite values where the reference is finite\n got {got}"
         diff = np.abs(got.astype(np.float64) - want)
         scale = max(1.0, float(np.max(np.abs(want), initial=0.0)))
         excess = diff - tol * scale - (0.0 if floor is None else floor)
@@ -213,7 +254,7 @@ def assert_values_close(got: Any, want: Any, tol: float = TOL, what: str = "valu
 
 
 def assert_tree_close(
-    actual: Any, expected: Any, tol: float, what: str, noisy: Callable[[], Any] | None = None
+    actual: Any, expected: Any, tol: float, what: str, noisy: Callable[[], Any] | None = None, nonfinite: bool = False
 ) -> None:
     """Each leaf as :func:`assert_close`. ``noisy``: the reference computed in float32 (called only
     if a leaf misses the tolerance); each element may then also differ by ``NOISE * |ref32 - ref64|``."""
@@ -223,14 +264,19 @@ def assert_tree_close(
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(expected)[0]]
     for i, (g, w, p) in enumerate(zip(got, want, paths)):
         try:
-            assert_close(g, w, tol, f"{what}{p}")
+            assert_close(g, w, tol, f"{what}{p}", nonfinite)
         except AssertionError:
             if noisy is None or not _is_float(np.asarray(w.array).dtype):
                 raise
             w32 = np.asarray(jax.tree_util.tree_leaves(noisy())[i].array, np.float64)
             floor = NOISE * np.abs(w32 - w.array)
             assert_values_close(
-                g.numpy(), w.array, tol, f"{what}{p} (float32 reference: {np.max(floor) / NOISE:.3g} off)", floor
+                g.numpy(),
+                w.array,
+                tol,
+                f"{what}{p} (float32 reference: {np.nanmax(floor, initial=0) / NOISE:.3g} off)",
+                floor,
+                nonfinite,
             )
 
 
@@ -322,13 +368,18 @@ def check(
     explain: bool = True,
     backends: Sequence[str] = BACKENDS,
     around: bool = False,
+    nonfinite: bool | None = None,
 ) -> bool:
-    """Run the checks of this module's docstring; False (after checking the error) if the layout cannot apply."""
+    """Run the checks of this module's docstring; False (after checking the error) if the layout cannot apply.
+
+    ``nonfinite``: the inputs (closed over ones too) may hold NaN or +-inf (None: whether ``args`` do)."""
     layout = md.Layout(layout)
     args = tuple(args)
-    with recording() as made:
+    nonfinite = has_nonfinite(args) if nonfinite is None else nonfinite
+    with recording() as made, np.errstate(all="ignore"):
         expected = reference(*(_named(a, to_jax=False) for a in args))
-    require_finite(expected, "the reference's result")
+    if not nonfinite:
+        require_finite(expected, "the reference's result")
     shapes = [dict(zip(a.names, a.shape.sizes)) for a in args] + [x.sizes for x in made]
     problem = layout_problem(layout, mesh_, shapes)
     if problem is not None:
@@ -342,9 +393,14 @@ def check(
     args = tuple(from_numpy(a.numpy(), a.shape.dims, expected_sharding(layout, mesh_, a.names)) for a in args)
     float_pos = [i for i, a in enumerate(args) if _is_float(a.dtype)]
     outs = [o for o in jax.tree_util.tree_leaves(expected) if _is_float(o.array.dtype)]
-    grad = grad and bool(float_pos) and bool(outs)
+    grad = grad and bool(float_pos) and bool(outs) and not nonfinite
     program, program_args, want, want32, cot_arrays = fn, args, None, None, []
-    expected32 = _once(lambda: reference(*(_named(a, to_jax=False, dtype=np.float32) for a in args)))
+
+    def reference32() -> Any:
+        with np.errstate(all="ignore"):
+            return reference(*(_named(a, to_jax=False, dtype=np.float32) for a in args))
+
+    expected32 = _once(reference32)
     if grad:
         rng = np.random.default_rng(len(outs))
         cot_arrays = [rng.standard_normal(o.array.shape).astype(np.float32) for o in outs]
@@ -360,7 +416,7 @@ def check(
         executable = compile_fast(md.compile(program, mesh_, layout, backend=b).lower(*program_args))
         result = executable(*program_args)
         out, grads = result if grad else (result, None)
-        assert_tree_close(out, expected, tol, f"{b} forward", expected32)
+        assert_tree_close(out, expected, tol, f"{b} forward", expected32, nonfinite)
         for t in jax.tree_util.tree_leaves(out, is_leaf=_is_tensor):
             assert_laid_out(t, layout, mesh_, f"{b} result")
         if grad:

@@ -273,7 +273,9 @@ def softmax(x: Named, dims: str | Iterable[str]) -> Named:
 
 
 def log_softmax(x: Named, dims: str | Iterable[str]) -> Named:
-    return x - logsumexp(x, dims)
+    """As ``jax.nn.log_softmax``: a row holding NaN or +inf is NaN throughout."""
+    shifted = x - stop_gradient(reduce("max", x, dims))
+    return shifted - log(reduce("sum", exp(shifted), dims))
 
 
 def einsum(out: str | Sequence[str], *xs: Named) -> Named:
@@ -387,10 +389,13 @@ def take_along(x: Named, indices: Named, dim: str) -> Named:
 
 
 def _stable_descending(xp, a):
-    """Positions along the last axis, largest first, ties in index order (a stable sort of -a)."""
+    """Positions along the last axis, largest first, NaN before everything (as ``lax.top_k``), ties in
+    index order (a stable sort of -a, NaN made -inf's predecessor)."""
+    key = xp.where(xp.isnan(a), -xp.inf, -a)
+    nan_first = xp.where(xp.isnan(a), 0, 1)
     if xp is np:
-        return np.argsort(-a, axis=-1, kind="stable")
-    return jnp.argsort(-a, axis=-1, stable=True)
+        return np.lexsort((key, nan_first), axis=-1)
+    return jnp.lexsort((key, nan_first), axis=-1)
 
 
 def top_k(x: Named, dim: str, k_name: str, k: int) -> tuple[Named, Named]:
@@ -411,8 +416,14 @@ def argmax(x: Named, dim: str) -> Named:
 
 def cumsum(x: Named, dim: str, exclusive: bool = False) -> Named:
     xp = xp_of(x)
-    total = xp.cumsum(x.array, axis=_axis(x, dim))
-    return Named(total - x.array if exclusive else total, x.names)
+    axis = _axis(x, dim)
+    total = xp.cumsum(x.array, axis=axis)
+    if exclusive:  # the sum strictly before: shifted by one (``total - x`` is NaN at an inf)
+        n = x.sizes[dim]
+        before = xp.take(total, np.arange(-1, n - 1) % n, axis=axis)
+        first = np.reshape(np.arange(n) == 0, [n if i == axis else 1 for i in range(len(x.names))])
+        total = xp.where(first, xp.zeros_like(before), before)
+    return Named(total, x.names)
 
 
 def shift(x: Named, offset: int, dim: str, wrap: bool = False) -> Named:
@@ -425,7 +436,7 @@ def shift(x: Named, offset: int, dim: str, wrap: bool = False) -> Named:
     if wrap:
         return Named(taken, x.names)
     mask = np.reshape(inside, [n if i == axis else 1 for i in range(len(x.names))])
-    return Named(xp.where(mask, taken, 0 * taken), x.names)
+    return Named(xp.where(mask, taken, xp.zeros_like(taken)), x.names)
 
 
 def conv2d(

@@ -123,6 +123,12 @@ def backends() -> st.SearchStrategy[tuple[str, ...]]:
     return st.sampled_from([harness.BACKENDS, ("spmd",)])
 
 
+def specials() -> st.SearchStrategy[float]:
+    """The share of input entries :func:`harness.sprinkle` makes NaN, +-inf or -0.0: none in about
+    three examples of four, a few or many in the rest (a layout must carry them as ``jnp`` does)."""
+    return st.sampled_from([0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.3])
+
+
 def rngs() -> st.SearchStrategy[np.random.Generator]:
     """A numpy generator for input values (values need no shrinking, only a reproducible seed)."""
     return st.integers(0, 2**16).map(np.random.default_rng)

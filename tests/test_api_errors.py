@@ -499,3 +499,138 @@ def test_the_readme_mesh_on_one_cpu_device_names_the_flag():
         "meshdsl.errors.LayoutError: mesh data=4 model=2 needs 8 devices, but only 1 are available"
     ), last
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts" in last, last
+
+
+# ---- round three: size-0 dims, mixed dtypes and float-only ops on integers (issue 31) ------------------------------
+
+EMPTY = md.tensor(np.ones((4, 0), np.float32), [D("a", 4), D("z", 0)])
+LOGITS_X = md.tensor(np.ones((2, 4, 8), np.float32), "batch length d")
+LABELS = md.tensor(np.zeros((2, 4), np.int32), "batch length")
+UNEMBED = md.tensor(np.ones((8, 5), np.float32), "d vocab")
+MLP_G = md.nn.GatedMLP(D("d", 8), D("f", 4))
+
+
+FLOAT_ONLY = {
+    name: getattr(md, name)
+    for name in "silu swish gelu sigmoid tanh exp log sqrt rsqrt erf softplus log_sigmoid sin cos".split()
+}
+
+
+def _logits(t):
+    return md.einsum(t, UNEMBED, out=[*t.shape.without(["d"]), D("vocab", 5)])
+
+
+CASES_ROUND_THREE = {
+    # ---- reductions over a size-0 dim: no identity to give (jnp raises, md.argmax gave 2147483647) ----
+    **{
+        f"{name} over a size-0 dim": (md.ShapeError, call, [name, "z=0", "size 0"])
+        for name, call in {
+            "reduce_max": lambda: md.reduce_max(EMPTY, "z"),
+            "reduce_min": lambda: md.reduce_min(EMPTY, "z"),
+            "argmax": lambda: md.argmax(EMPTY, "z"),
+            "softmax": lambda: md.softmax(EMPTY, "z"),
+            "logsumexp": lambda: md.logsumexp(EMPTY, "z"),
+            "log_softmax": lambda: md.log_softmax(EMPTY, "z"),
+            "top_k": lambda: md.top_k(EMPTY, "z", D("k", 0)),
+        }.items()
+    },
+    "argmax over a size-0 dim, compiled": (
+        md.ShapeError,
+        lambda: md.compile(lambda x: md.argmax(x, "z"), md.Mesh({"x": 2}), "a:x")(EMPTY),
+        ["argmax", "z=0"],
+    ),
+    # ---- float-only element-wise ops on integers: one rule for the family ----
+    **{
+        f"{name} of int32": (md.ShapeError, lambda op=op: op(XI), [op.__name__, "int32", "md.cast"])
+        for name, op in FLOAT_ONLY.items()
+    },
+    "softmax of int32": (md.ShapeError, lambda: md.softmax(XI, "b"), ["softmax", "int32"]),
+    # ---- Rotary ----
+    **{
+        f"Rotary theta {theta!r}": (
+            md.ConfigError,
+            lambda theta=theta: md.nn.Rotary(D("d_kv", 4), theta=theta),
+            needles,
+        )
+        for theta, needles in (
+            (float("inf"), ["Rotary", "theta", "inf"]),
+            (NAN, ["Rotary", "theta", "nan"]),
+            ("1e4", ["Rotary", "theta", "'1e4'"]),
+            (0.0, ["Rotary", "theta", "0.0"]),
+            (-1, ["Rotary", "theta", "-1"]),
+            (True, ["Rotary", "theta", "True"]),
+        )
+    },
+    "Rotary of int32": (
+        md.ShapeError,
+        lambda: md.nn.Rotary(D("d", 8))(md.tensor(np.ones((2, 4, 8), np.int32), "batch length d")),
+        ["Rotary", "int32", "md.cast"],
+    ),
+    "Rotary offset 2**31": (
+        md.ShapeError,
+        lambda: md.nn.Rotary(D("d", 8))(SEQ, offset=2**31),
+        ["Rotary", "offset", "2147483648", "int32"],
+    ),
+    "Rotary offset a float": (
+        md.ShapeError,
+        lambda: md.nn.Rotary(D("d", 8))(SEQ, offset=1.5),
+        ["Rotary", "offset", "1.5"],
+    ),
+    # ---- attention ----
+    "attention mask of another memory size": (
+        md.ShapeError,
+        lambda: md.nn.dot_product_attention(Q, KV, KV, mask=md.tensor(np.ones((4, 5), bool), "length memory")),
+        ["dot_product_attention", "mask", "memory=5", "memory=4"],
+    ),
+    "attention of bf16 queries and f32 keys": (
+        md.ShapeError,
+        lambda: md.nn.dot_product_attention(md.cast(Q, "bfloat16"), KV, KV),
+        ["dot_product_attention", "bfloat16", "float32", "md.cast"],
+    ),
+    # ---- GatedMLP params ----
+    "GatedMLP params without w_gate": (
+        md.ConfigError,
+        lambda: MLP_G({k: v for k, v in MLP_G.init(KEY).items() if k != "w_gate"}, SEQ),
+        ["GatedMLP", "w_gate", "w_in", "w_out"],
+    ),
+    "GatedMLP params a list": (
+        md.ConfigError,
+        lambda: MLP_G(list(MLP_G.init(KEY).values()), SEQ),
+        ["GatedMLP", "params", "list"],
+    ),
+    # ---- cross_entropy ----
+    "cross_entropy targets of another length": (
+        md.ShapeError,
+        lambda: md.nn.cross_entropy(
+            LOGITS_X, md.tensor(np.zeros((2, 3), np.int32), "batch length"), _logits, "vocab", "length"
+        ),
+        ["cross_entropy", "length=3", "length=4"],
+    ),
+    "cross_entropy targets of another length, chunked": (
+        md.ShapeError,
+        lambda: md.nn.cross_entropy(
+            LOGITS_X, md.tensor(np.zeros((2, 3), np.int32), "batch length"), _logits, "vocab", "length", chunk=2
+        ),
+        ["cross_entropy", "length=3", "length=4"],
+    ),
+    "cross_entropy logits_fn None": (
+        md.ConfigError,
+        lambda: md.nn.cross_entropy(LOGITS_X, LABELS, None, "vocab", "length"),
+        ["cross_entropy", "logits_fn", "None"],
+    ),
+    "cross_entropy float targets": (
+        md.ShapeError,
+        lambda: md.nn.cross_entropy(LOGITS_X, md.cast(LABELS, "float32"), _logits, "vocab", "length"),
+        ["cross_entropy", "targets", "float32"],
+    ),
+    "cross_entropy label beyond vocab": (
+        md.DataError,
+        lambda: md.nn.cross_entropy(LOGITS_X, LABELS + 7, _logits, "vocab", "length"),
+        ["cross_entropy", "label 7", "[0, 5)"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES_ROUND_THREE))
+def test_size_0_dims_mixed_dtypes_and_int_inputs_are_one_line_md_errors(case):
+    assert_one_line_md_error(case, *CASES_ROUND_THREE[case])

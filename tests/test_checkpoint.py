@@ -123,7 +123,8 @@ def test_manager_keeps_the_newest_and_clears_crashed_saves(tmp_path):
 
 CRASH = """
 import os, signal, sys
-from meshdsl import checkpoint, cli
+from meshdsl import cli
+from meshdsl.checkpoint import store as checkpoint
 commit = checkpoint._commit
 def crash(tmp, path):
     if path.name == sys.argv[1]:
@@ -225,7 +226,8 @@ def test_resumed_under_fsdp_on_4_devices_it_continues_the_killed_run(killed_run,
 PRUNE_KILL = """
 import os, signal, sys
 from pathlib import Path
-from meshdsl import checkpoint, cli
+from meshdsl import cli
+from meshdsl.checkpoint import store as checkpoint
 rmtree = checkpoint.shutil.rmtree
 def dying(path, *args, **kwargs):
     path = Path(path)
@@ -408,3 +410,46 @@ def test_the_command_reports_a_bad_checkpoint_in_one_line(tmp_path):
             "Expecting value: line 1 column 1 (char 0))"
         )
     ]
+
+
+# ---- md.checkpoint.load_safetensors: files it must refuse rather than load silently ----
+
+
+def _load_one(path: Path, dtype=jnp.float32):
+    """``load_safetensors`` of one [2, 3] parameter ``w`` from the tensor ``w`` at ``path``."""
+    like = {"w": md.tensor(jnp.zeros((2, 3), dtype), [md.Dim("a", 2), md.Dim("b", 3)])}
+    return md.checkpoint.load_safetensors(path, like=like, names={"w": ("w", "a b")}, mesh=harness.mesh("x8"))
+
+
+def test_safetensors_tensor_in_two_files_of_a_folder_is_a_data_error(tmp_path):
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.ones((2, 3), np.float32)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"w": np.zeros((2, 3), np.float32)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    with pytest.raises(md.DataError, match=r"tensor 'w' is in both .*00001-of-00002.* and .*00002-of-00002"):
+        _load_one(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "values, match",
+    [
+        (np.arange(6, dtype=np.int8).reshape(2, 3), r"tensor 'w' .* is int8; the parameter w is float32"),
+        (np.full((2, 3), 1e39, np.float64), r"tensor 'w' .* holds 1e\+39, beyond float32's range"),
+        (np.full((2, 3), -1e300, np.float64), r"holds -1e\+300, beyond float32's range"),
+    ],
+)
+def test_safetensors_values_a_float_leaf_cannot_hold_are_a_data_error(tmp_path, values, match):
+    from safetensors.numpy import save_file
+
+    save_file({"w": values}, str(tmp_path / "m.safetensors"))
+    with pytest.raises(md.DataError, match=match):
+        _load_one(tmp_path / "m.safetensors")
+
+
+def test_safetensors_float64_in_range_and_non_finite_values_load(tmp_path):
+    # Values float32 holds (NaN and inf included: the file's own) load as they are.
+    from safetensors.numpy import save_file
+
+    values = np.array([[1.5, -2.0, np.nan], [np.inf, 0.0, 3e38]], np.float64)
+    save_file({"w": values}, str(tmp_path / "m.safetensors"))
+    np.testing.assert_array_equal(_load_one(tmp_path / "m.safetensors")["w"].numpy(), values.astype(np.float32))

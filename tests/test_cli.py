@@ -392,6 +392,7 @@ COMMANDS = {
     "train": ["train", "--steps", "1"],
     "bench": ["bench", "--rounds", "1"],
     "explain": ["explain", "--no-compile"],
+    "generate": ["generate", "--prompt-ids", "1"],
     "search": ["search", "--profile", "cpu-sim"],
     "launch train": ["launch", "--local", "2", "--", "train"],
 }

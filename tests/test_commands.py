@@ -20,7 +20,18 @@ import meshdsl.commands
 from meshdsl.cli import main
 
 PACKAGE = Path(meshdsl.__file__).parent
-SHIPPED = ["train", "bench", "explain", "calibrate", "search", "gpu-check", "lab-digits", "launch"]
+SHIPPED = [
+    "train",
+    "export",
+    "bench",
+    "generate",
+    "explain",
+    "calibrate",
+    "search",
+    "gpu-check",
+    "lab-digits",
+    "launch",
+]
 """Every command meshdsl ships, in the order ``meshdsl --help`` lists them."""
 
 

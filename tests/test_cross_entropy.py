@@ -72,3 +72,79 @@ def test_chunked_loss_holds_less_memory():
     whole, chunked = _temp_bytes(64), _temp_bytes(8)
     logits = 2 * 64 * 512 * jnp.dtype(jnp.float32).itemsize
     assert chunked < whole - logits, (whole, chunked)
+
+
+def _ignore_args():
+    x, w, t = _args()
+    targets = t.numpy().copy()
+    targets[0, :5] = -100  # a prompt
+    targets[3, 2:] = -100  # padding
+    return x, w, harness.from_numpy(targets, [BATCH, LENGTH])
+
+
+def _plain_ignoring(x, w, targets):
+    """transformers' loss on global jax.numpy arrays: the mean over the targets that are not -100."""
+    logits = jnp.einsum("bld,dv->blv", x, w)
+    kept = targets != -100
+    picked = jnp.take_along_axis(logits, jnp.where(kept, targets, 0)[..., None], -1)[..., 0]
+    return jnp.sum(jnp.where(kept, jax.nn.logsumexp(logits, -1) - picked, 0.0)) / jnp.sum(kept)
+
+
+@pytest.mark.parametrize("chunk, layout", [(None, "batch:data; vocab:model"), (2, "length:model; d_model:data")])
+@pytest.mark.parametrize("backend", ["spmd", "gspmd"])
+def test_ignore_index_leaves_those_targets_out(chunk, layout, backend):
+    """Value and gradient of the mean over the kept targets, under layouts splitting the vocab and the chunked dim."""
+    x, w, t = _ignore_args()
+
+    def loss(x, w, t):
+        logits = lambda a: md.einsum(a, w, out=[*a.shape.without(["d_model"]), VOCAB])  # noqa: E731
+        return md.nn.cross_entropy(x, t, logits, "vocab", "length", chunk, ignore_index=-100)
+
+    mesh = harness.mesh("data4_model2")
+    got = md.compile(jax.value_and_grad(lambda x, w, t: loss(x, w, t).array, (0, 1)), mesh, layout, backend)(x, w, t)
+    want = jax.value_and_grad(_plain_ignoring, (0, 1))(x.numpy(), w.numpy(), t.numpy())
+    np.testing.assert_allclose(float(np.asarray(got[0])), float(want[0]), rtol=1e-5)
+    for g, h in zip(got[1], want[1]):
+        np.testing.assert_allclose(np.asarray(g.numpy()), np.asarray(h), rtol=1e-4, atol=1e-6)
+    assert float(want[0]) != pytest.approx(float(_plain_ignoring(x.numpy(), w.numpy(), np.abs(t.numpy()) % 16)))
+
+
+def test_a_batch_of_ignored_targets_is_an_error_not_nan():
+    x, w, _ = _args()
+    ignored = harness.from_numpy(np.full((4, 8), -100, np.int32), [BATCH, LENGTH])
+    logits = lambda a: md.einsum(a, w, out=[*a.shape.without(["d_model"]), VOCAB])  # noqa: E731
+    with pytest.raises(md.DataError, match="every one of the 32 targets .* is ignore_index -100"):
+        md.nn.cross_entropy(x, ignored, logits, "vocab", "length", ignore_index=-100)
+
+
+# ---- a label outside the vocabulary: NaN inside jit, an error where the labels are known ----
+
+
+@pytest.mark.parametrize("chunk", [None, 2])
+@pytest.mark.parametrize("bad", [16, -1, 2**31 - 1, -(2**31)])
+def test_label_outside_the_vocabulary_gives_nan_under_jit(bad, chunk):
+    # Inside md.compile the labels are traced: the loss is NaN, never the plausible number the
+    # loss with the label's logit taken as 0 would be. The same in the chunked path, split or not.
+    x, w, t = _args()
+    labels = t.numpy().copy()
+    labels[1, 5] = bad
+    t = harness.from_numpy(labels, [BATCH, LENGTH])
+    for layout in ("", "batch:data; vocab:model"):
+        loss = md.compile(_loss(chunk), harness.mesh("data4_model2"), layout)(x, w, t)
+        assert np.isnan(float(loss.array)), (bad, chunk, layout, float(loss.array))
+
+
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_label_outside_the_vocabulary_is_a_data_error_eagerly(chunk):
+    x, w, t = _args()
+    labels = t.numpy().copy()
+    labels[2, 3] = 16
+    with pytest.raises(md.DataError, match=r"label 16 at \(batch=2, length=3\) is outside \[0, 16\)"):
+        _loss(chunk)(x, w, harness.from_numpy(labels, [BATCH, LENGTH]))
+
+
+def test_labels_in_range_are_not_flagged():
+    from meshdsl.nn.cross_entropy import invalid_labels
+
+    t = md.tensor(np.array([0, 15, 16, -1], np.int32), [D("n", 4)])
+    np.testing.assert_array_equal(invalid_labels(t, 16).numpy(), [False, False, True, True])

@@ -273,6 +273,58 @@ def test_a_checkpoint_given_as_the_checkpoint_dir_is_refused(trained: Path, caps
     assert snapshot(trained) == before
 
 
+CLASHES = {
+    "the log overwrites the resumed checkpoint's manifest": (
+        ["--checkpoint-dir", "ckpt", "--resume", "--log-json", "ckpt/step_2/manifest.json"],
+        ["--log-json 'ckpt/step_2/manifest.json' is inside --checkpoint-dir 'ckpt'", "choose a path outside it"],
+    ),
+    "TensorBoard writes into the checkpoint dir": (
+        ["--checkpoint-dir", "ckpt", "--resume", "--tensorboard", "ckpt"],
+        ["--tensorboard 'ckpt' is inside --checkpoint-dir 'ckpt'"],
+    ),
+    "the log is its own loss curve": (
+        ["--log-json", "run.png"],
+        ["--log-json 'run.png' and --log-json's loss curve 'run.png' are the same path"],
+    ),
+    "the log is the TensorBoard folder": (
+        ["--log-json", "x", "--tensorboard", "x"],
+        ["--log-json 'x' and --tensorboard 'x' are the same path"],
+    ),
+    "the log is the trace folder": (
+        ["--profile-steps", "1:1", "--profile-dir", "x", "--log-json", "x"],
+        ["--log-json 'x' and --profile-dir 'x' are the same path"],
+    ),
+    "the trace folder is inside the log": (
+        ["--profile-steps", "1:1", "--profile-dir", "x/trace", "--log-json", "x"],
+        ["--profile-dir 'x/trace' is inside --log-json 'x', which is written as a file"],
+    ),
+    "a user's folder where the last step saves": (
+        ["--checkpoint-dir", "user", "--steps", "3"],
+        ["checkpoint 'user/step_3' is a directory that holds files but no manifest.json", "save its step 3 there"],
+    ),
+    "a user's file where a signal could save": (
+        ["--checkpoint-dir", "other", "--steps", "5", "--save-every", "5"],
+        ["'other/step_4' is a file", "save its step 4 there"],
+    ),
+}
+
+
+@pytest.mark.parametrize("argv, expected", list(CLASHES.values()), ids=list(CLASHES))
+def test_an_output_in_another_outputs_way_is_refused_before_the_work(
+    argv, expected, trained: Path, capsys, monkeypatch
+) -> None:
+    """Outputs against each other and the checkpoint dir's contents: refused before step 1, nothing changed."""
+    (trained / "user" / "step_3").mkdir(parents=True, exist_ok=True)
+    (trained / "user" / "step_3" / "notes.txt").write_text("mine")
+    (trained / "other").mkdir(exist_ok=True)
+    (trained / "other" / "step_4").write_text("mine too")
+    before = snapshot(trained)
+    code, out, err = _cli(["train", *MLP, "--steps", "4", *argv], trained, capsys, monkeypatch)
+    assert code == 2 and out == "", err
+    one_error_line(err, *expected)
+    assert snapshot(trained) == before
+
+
 # ---- outputs: checked before the work, never an input, failures in one line ----------------------------------------
 
 LM = ["--model", "transformer", "--preset", "tiny", "--steps", "2"]

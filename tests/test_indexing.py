@@ -323,6 +323,7 @@ def test_top_k_and_argmax(mesh, pool, data, rng):
         return {"values": values, "indices": indices, "argmax": R.argmax(y, dim)}
 
     args = [harness.rand(rng, shape, kind), harness.rand(rng, shape, kind)]
+    args = harness.sprinkle(rng, args, data.draw(S.specials(), label="NaN/inf/-0.0 share"))
     assume(harness.check(fn, args, ref, mesh, layout, backends=data.draw(S.backends(), label="backends")))
     g = S.group_size(mesh, layout, dim)
     event(
@@ -422,6 +423,7 @@ def test_cumsum_and_shift(mesh, pool, data, rng):
         return {**out, **{f"shift {o} wrap={w}": R.shift(x, o, dim, w) for x, o, w in zip(xs, offsets, wraps)}}
 
     args = [harness.rand(rng, shape) for _ in range(2 + len(offsets))]
+    args = harness.sprinkle(rng, args, data.draw(S.specials(), label="NaN/inf/-0.0 share"))
     assume(harness.check(fn, args, ref, mesh, layout, backends=data.draw(S.backends(), label="backends")))
     moved = summary(shifts, mesh, layout, *args[2:])
     assert set(moved) <= {"collective-permute"}, moved

@@ -83,6 +83,7 @@ def test_reductions(mesh, pool, data, rng):
         return {name: op(*xs[s]) for (name, _, op), s in zip(cases, spans)}
 
     args = [harness.rand(rng, shape) for _ in range(n)]
+    args = harness.sprinkle(rng, args, data.draw(S.specials(), label="NaN/inf/-0.0 share"))
     assume(harness.check(fn, args, ref, mesh, layout, backends=data.draw(S.backends(), label="backends")))
 
 
@@ -341,3 +342,61 @@ def test_gspmd_softmax_family_over_split_vocab_moves_what_spmd_moves(name):
     for f in (fn, grad):
         spmd, gspmd = (md.compile(f, mesh, layout, backend=b).lower(x).compile().as_text() for b in harness.BACKENDS)
         assert hlo.summary(gspmd) == hlo.summary(spmd) and set(hlo.summary(gspmd)) == {"all-reduce"}
+
+
+# ---- non-finite values under a split (docs/design.md, "Non-finite values under a split") ----
+
+SPECIAL_ROWS = np.array(
+    [
+        [0, 1, 2, np.nan, 4, 5, 6, 7],  # the case: one NaN, elsewhere numbers
+        [8, 9, np.inf, 11, 12, -np.inf, 14, 15],
+        [-np.inf] * 8,  # a fully masked row
+        [-0.0, -0.0, -0.0, -0.0, -0.0, 0.0, -0.0, -0.0],  # a zero maximum: +0.0, as jnp.max
+        [-0.0] * 8,
+        [1, np.nan, 3, -np.nan, np.inf, 2, np.nan, 0],  # NaN of both signs, the first NaN's index
+        [np.inf, np.inf, 0, -1, -1, 0, 0, 0],
+        [3, 2, 1, 0, -1, -2, -3, -np.inf],
+    ],
+    np.float32,
+)
+K3 = md.Dim("k", 3)
+SPECIAL_OPS = {
+    "reduce_max": (lambda x: md.reduce_max(x, "c"), lambda a: jnp.max(a, 1)),
+    "reduce_min": (lambda x: md.reduce_min(x, "c"), lambda a: jnp.min(a, 1)),
+    "reduce_max all": (lambda x: md.reduce_max(x), lambda a: jnp.max(a)),
+    "reduce_min rows": (lambda x: md.reduce_min(x, "r"), lambda a: jnp.min(a, 0)),
+    "argmax": (lambda x: md.argmax(x, "c"), lambda a: jnp.argmax(a, 1)),
+    "logsumexp": (lambda x: md.logsumexp(x, "c"), lambda a: jax.nn.logsumexp(a, 1)),
+    "softmax": (lambda x: md.softmax(x, "c"), lambda a: jax.nn.softmax(a, 1)),
+    "log_softmax": (lambda x: md.log_softmax(x, "c"), lambda a: jax.nn.log_softmax(a, 1)),
+    "top_k values": (lambda x: md.top_k(x, "c", K3)[0], lambda a: jax.lax.top_k(a, 3)[0]),
+    "top_k indices": (lambda x: md.top_k(x, "c", K3)[1], lambda a: jax.lax.top_k(a, 3)[1]),
+    "cumsum": (lambda x: md.cumsum(x, "c"), lambda a: jnp.cumsum(a, 1)),
+}
+
+
+@pytest.mark.parametrize(
+    "backend, axes, layout",
+    [
+        ("spmd", {"x": 4, "y": 2}, "c:x"),  # the case: c over 4 devices
+        ("spmd", {"x": 8}, "c:x"),  # one entry per device
+        ("spmd", {"x": 2, "y": 4}, "r:x; c:y"),
+        ("gspmd", {"x": 2, "y": 4}, "c:x"),  # the gspmd case: c over 2 devices
+        ("gspmd", {"x": 8}, "c:x"),
+    ],
+)
+def test_non_finite_values_under_a_split_are_those_of_jnp(backend, axes, layout):
+    # NaN, +-inf and -0.0 give what jnp gives on the global array, under every layout: a pmax
+    # (and XLA's all-reduce max on CPU) drops NaN, which gave [7, 15] for a max over a split c
+    # where the whole array gives [nan, 15], and argmax 7 for 3.
+    x = harness.from_numpy(SPECIAL_ROWS, [md.Dim("r", 8), md.Dim("c", 8)])
+    got = md.compile(lambda x: {k: f(x) for k, (f, _) in SPECIAL_OPS.items()}, md.Mesh(axes), layout, backend=backend)(
+        x
+    )
+    for name, (_, ref) in SPECIAL_OPS.items():
+        want = np.asarray(ref(jnp.asarray(SPECIAL_ROWS)))
+        value = got[name].numpy()
+        np.testing.assert_array_equal(value, want, err_msg=f"{backend} {layout}: {name}")
+        if name.startswith("reduce"):  # the sign of a zero extremum too
+            zero = want == 0
+            np.testing.assert_array_equal(np.signbit(value[zero]), np.signbit(want[zero]), err_msg=f"{name} signs")

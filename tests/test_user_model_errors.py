@@ -104,6 +104,12 @@ MISTAKES = {
         "    def init(self, key):",
         ["Model.init(key) returned", "float32[8]", "md tensors"],
     ),
+    "init returns integer params": (
+        '        return {"w": md.random.normal(key, [self.cols])}',
+        '        return {"w": md.cast(md.random.normal(key, [self.cols]), "int32")}',
+        "    def init(self, key):",
+        ["Model.init(key) returned an md tensor of int32 at ['w']", "a float md tensor"],
+    ),
     "Model(config) raises": (
         "        self.config = config",
         "        self.config = config.missing_field",

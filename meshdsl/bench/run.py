@@ -379,15 +379,21 @@ def _gspmd(step: CompiledStep, grad_reduce_dtype: str | None) -> tuple[dict[str,
     trainer = step.trainer
     if trainer.pipelined:
         return None, "XLA's partitioner does not pipeline, so there is no gspmd figure for a pipelined step"
-    gspmd = Trainer(trainer.model, trainer.optimizer, trainer.mesh, trainer.layout, backend="gspmd", donate=False)
+    # An [attention] strategy needs meshdsl's collectives: XLA partitions the same rules' attention itself.
+    strategies = {a: s for a, s in trainer.layout.attention.items() if s == "all_gather"}
+    layout = md.Layout(trainer.layout, attention=strategies)
+    gspmd = Trainer(trainer.model, trainer.optimizer, trainer.mesh, layout, backend="gspmd", donate=False)
     text = gspmd.step.lower(step.state, step.data).compile().as_text()
     if text is None:
         return None, "the backend gives no HLO text of the compiled gspmd step"
-    note = (
-        None
+    notes = (
+        []
         if grad_reduce_dtype is None
-        else f"the gspmd step sums gradients in their own dtype, not {grad_reduce_dtype}"
+        else [f"the gspmd step sums gradients in their own dtype, not {grad_reduce_dtype}"]
     )
+    if layout != trainer.layout:
+        notes.append("the gspmd step leaves attention to XLA's partitioner (the layout's [attention] needs spmd)")
+    note = "; ".join(notes) or None
     return hlo.summary(text, num_devices=trainer.mesh.size), note
 
 

@@ -7,7 +7,7 @@ reads Hugging Face ``.safetensors`` files into a model's parameters, each device
 How the files are laid out and committed is in :mod:`.store`'s docstring.
 """
 
-from meshdsl.checkpoint.safetensors_io import Source, load_safetensors
+from meshdsl.checkpoint.safetensors_io import Source, check_safetensors, load_safetensors
 from meshdsl.checkpoint.store import FORMAT, CheckpointManager, latest, read_manifest, restore, save, steps
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "CheckpointManager",
     "Source",
     "latest",
+    "check_safetensors",
     "load_safetensors",
     "read_manifest",
     "restore",

@@ -11,8 +11,10 @@ rows (a split of the leading dim of each file axis, and any split of a stacked d
 ``layers``); otherwise it reads the whole of that axis and keeps its part.
 
 Everything is checked before anything is read: the file exists, every tensor named is in it,
-with the shape the leaf needs (a DataError naming the tensor, the file and both shapes), and the
-mapping covers the leaves (a ConfigError).
+with the shape the leaf needs (a DataError naming the tensor, the file and both shapes) and values
+of its kind (integers into a float leaf: a DataError naming both dtypes), no tensor is in two files
+of a sharded folder (a DataError naming both), and the mapping covers the leaves (a ConfigError).
+A float value beyond the leaf's range (float64 into float32) is a DataError when its block is read.
 """
 
 from __future__ import annotations
@@ -96,14 +98,45 @@ def _open(stack: contextlib.ExitStack, files: list[Path]) -> dict[str, Any]:
     except ImportError as e:
         raise ConfigError("load_safetensors needs the safetensors package: pip install 'meshdsl[hf]'") from e
     where: dict[str, Any] = {}
+    first: dict[str, Path] = {}
     for f in files:
         try:
             handle = stack.enter_context(safe_open(str(f), framework="numpy"))
         except Exception as e:  # safetensors raises its own SafetensorError for a malformed header
             raise DataError(f"load_safetensors: {f} is not a safetensors file ({e})") from e
         for key in handle.keys():
-            where[key] = handle
+            if key in first:
+                raise DataError(
+                    f"load_safetensors: tensor {key!r} is in both {first[key]} and {f}; a sharded checkpoint "
+                    "holds each tensor once (which copy is meant?)"
+                )
+            where[key], first[key] = handle, f
     return where
+
+
+# safetensors' dtype names, as numpy's (the kinds: f float, i/u integer, b bool)
+_FILE_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+def _kind(dtype: str) -> str:
+    """``float``, ``integer`` or ``bool``: which values a dtype (numpy's name) holds."""
+    return "float" if "float" in dtype else "bool" if dtype == "bool" else "integer"
 
 
 @dataclasses.dataclass
@@ -140,7 +173,14 @@ def _plan(path: str, leaf: Any, source: Any, where: Mapping[str, Any], label: st
         name = source.tensor_name(dict(zip(stacked, index)))
         if name not in where:
             raise DataError(f"load_safetensors: {label} has no tensor {name!r} (for {path})")
-        got = list(where[name].get_slice(name).get_shape())
+        reader = where[name].get_slice(name)
+        stored = _FILE_DTYPES.get(reader.get_dtype(), reader.get_dtype().lower())
+        if _kind(stored) != _kind(np.dtype(leaf.dtype).name):
+            raise DataError(
+                f"load_safetensors: tensor {name!r} in {label} is {stored}; the parameter {path} is "
+                f"{np.dtype(leaf.dtype).name}, and {_kind(stored)} values are not {_kind(np.dtype(leaf.dtype).name)}s"
+            )
+        got = list(reader.get_shape())
         if got != want:
             raise DataError(
                 f"load_safetensors: tensor {name!r} in {label} has shape {got}; "
@@ -173,10 +213,51 @@ def _block(leaf: _Leaf, where: Mapping[str, Any], index: tuple[slice, ...]) -> n
                 keep.extend(slice(spans[n].start, spans[n].stop) for n in group)
                 full.extend(shape[n].size for n in group)
         part = np.asarray(reader[tuple(cuts)]).reshape(full)[tuple(keep)]
+        _check_range(part, leaf, name)
         pieces.append(part)
     block = np.stack(pieces).reshape([len(spans[p]) for p in leaf.stacked] + list(pieces[0].shape))
     order = leaf.stacked + file_order
     return np.ascontiguousarray(np.transpose(block, [order.index(n) for n in shape.names])).astype(leaf.dtype)
+
+
+def _checked(path: Path, like: Any, names: Mapping[str, Any], stack: contextlib.ExitStack) -> tuple:
+    """Every check before a read: ``like``'s flattened leaves, tree, paths, the plan of each tensor leaf
+    and the open files (kept open by ``stack``)."""
+    files = _files(path)
+    flat, tree = jax.tree_util.tree_flatten_with_path(like, is_leaf=is_tensor)
+    paths = [_path(p) for p, _ in flat]
+    unknown = sorted(set(names) - set(paths))
+    if unknown:
+        raise ConfigError(f"load_safetensors: names {unknown} are not parameters of like (its leaves: {paths})")
+    missing = [p for p, (_, leaf) in zip(paths, flat) if isinstance(leaf, Tensor) and p not in names]
+    if missing:
+        raise ConfigError(f"load_safetensors: no source in names for the parameters {missing}")
+    where = _open(stack, files)
+    tensors = [(p, leaf) for p, (_, leaf) in zip(paths, flat) if isinstance(leaf, Tensor)]
+    plans = {p: _plan(p, leaf, names[p], where, str(path)) for p, leaf in tensors}
+    return flat, tree, paths, plans, where
+
+
+def check_safetensors(path: str | Path, *, like: Any, names: Mapping[str, Source | tuple[str, str]]) -> None:
+    """Every check :func:`load_safetensors` makes before it reads (files, names, each tensor's shape), reading
+    nothing but the headers: what a command runs before it starts any device."""
+    with contextlib.ExitStack() as stack:
+        _checked(Path(path), like, names, stack)
+
+
+def _check_range(part: np.ndarray, leaf: _Leaf, name: str) -> None:
+    """A DataError where a finite value of ``part`` is beyond the float range of ``leaf``'s dtype
+    (float64 into float32), which the conversion would make inf without a word."""
+    if not np.issubdtype(part.dtype, np.floating) or np.dtype(part.dtype).itemsize <= np.dtype(leaf.dtype).itemsize:
+        return
+    biggest = float(np.finfo(leaf.dtype).max)
+    finite = part[np.isfinite(part)]
+    beyond = finite[np.abs(finite) > biggest]
+    if beyond.size:
+        raise DataError(
+            f"load_safetensors: tensor {name!r} (for {leaf.path}) holds {float(beyond[0]):g}, beyond "
+            f"{np.dtype(leaf.dtype).name}'s range (+-{biggest:g}); {beyond.size} such value(s) would load as inf"
+        )
 
 
 def load_safetensors(
@@ -195,21 +276,8 @@ def load_safetensors(
     ``[params]`` table) pass ``layout.param_layout``, as a trainer's state holds them.
     """
     layout = Layout(layout if layout is not None else {})
-    path = Path(path)
-    files = _files(path)
-    label = str(path)
-    flat, tree = jax.tree_util.tree_flatten_with_path(like, is_leaf=is_tensor)
-    paths = [_path(p) for p, _ in flat]
-    unknown = sorted(set(names) - set(paths))
-    if unknown:
-        raise ConfigError(f"load_safetensors: names {unknown} are not parameters of like (its leaves: {paths})")
-    missing = [p for p, (_, leaf) in zip(paths, flat) if isinstance(leaf, Tensor) and p not in names]
-    if missing:
-        raise ConfigError(f"load_safetensors: no source in names for the parameters {missing}")
     with contextlib.ExitStack() as stack:
-        where = _open(stack, files)
-        tensors = [(p, leaf) for p, (_, leaf) in zip(paths, flat) if isinstance(leaf, Tensor)]
-        plans = {p: _plan(p, leaf, names[p], where, label) for p, leaf in tensors}
+        flat, tree, paths, plans, where = _checked(Path(path), like, names, stack)
         out = []
         for p, (_, leaf) in zip(paths, flat):
             if p not in plans:

@@ -619,6 +619,20 @@ class CheckpointManager:
         _barrier(f"meshdsl.checkpoint.pruned:{path.name}")
         return path
 
+    def check_free(self, steps: range) -> None:
+        """ConfigError, before a run's work, unless each of ``steps`` (those the run may save: a
+        signal can stop it after any) can be saved: its ``step_<N>`` is absent, an empty folder or a
+        checkpoint, never a file or a folder of other files, which :func:`save` would refuse only then."""
+        if not self.directory.is_dir():
+            return
+        for p in sorted(self.directory.iterdir()):
+            m = _STEP.match(p.name)
+            if m and int(m.group(1)) in steps:
+                try:
+                    _check_target(p)
+                except ConfigError as e:
+                    raise ConfigError(f"{e} (this run would save its step {m.group(1)} there)") from None
+
     def _remove_leftovers(self) -> None:
         """Delete what crashed saves and prunes left (``step_<N>.partial-*``, ``.old-*``, ``.deleted-*``)."""
         if self.directory.is_dir():

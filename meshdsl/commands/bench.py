@@ -16,6 +16,7 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     """``bench``'s flags."""
     flags.add_model(bench, many=True)
     flags.add_preset(bench)
+    flags.add_init_from_hf(bench)
     bench.add_argument(
         "--layouts",
         nargs="+",
@@ -59,6 +60,11 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--no-gspmd", action="store_true", help="skip compiling each step on XLA's partitioner for the '÷ gspmd' column"
     )
+    decode = bench.add_argument_group("decoding (--decode: time prefill and per-token decode instead of training)")
+    decode.add_argument("--decode", action="store_true", help="benchmark decoding with the KV cache per layout")
+    decode.add_argument("--decode-batch", type=int, default=8, help="rows decoded together")
+    decode.add_argument("--prompt-length", type=int, default=8, help="ids per prompt")
+    decode.add_argument("--new-tokens", type=int, default=8, help="tokens generated per row")
 
 
 def config(args: argparse.Namespace) -> BenchConfig:
@@ -66,7 +72,7 @@ def config(args: argparse.Namespace) -> BenchConfig:
     from meshdsl.bench.run import BenchConfig
 
     return BenchConfig(
-        models=args.model,
+        models=args.model if args.init_from_hf is None else [flags.model_spec("", args.init_from_hf)],
         preset=args.preset,
         layouts=args.layouts,
         rounds=args.rounds,
@@ -90,13 +96,26 @@ class Checked:
 
     bench: BenchConfig
     models: list[tuple[str, Any]]
+    decode: Any = None
+    """``--decode``: the checked ``meshdsl.decoding.bench.DecodeBench``."""
 
 
 def check(args: argparse.Namespace, bench: BenchConfig) -> Checked:
     """``bench.run.check``'s mistakes."""
     from meshdsl.bench.run import check as check_bench
 
-    return Checked(bench, check_bench(bench))
+    models = check_bench(bench)
+    if not args.decode:
+        return Checked(bench, models)
+    from meshdsl.decoding.bench import DecodeBench, layouts_of
+    from meshdsl.decoding.decoder import check_model
+
+    decode = DecodeBench(args.decode_batch, args.prompt_length, args.new_tokens, args.rounds)
+    for name, model in models:
+        check_model(model)
+        decode.check(model.config.length)
+        layouts_of(bench.layouts, model, name)
+    return Checked(bench, models, decode)
 
 
 def run(args: argparse.Namespace, checked: Checked) -> None:
@@ -104,6 +123,15 @@ def run(args: argparse.Namespace, checked: Checked) -> None:
     from meshdsl.bench.run import run as run_bench
     from meshdsl.runtime import distributed
 
+    if checked.decode is not None:
+        from meshdsl.decoding.bench import bench as bench_decode
+        from meshdsl.decoding.bench import layouts_of
+
+        out = print if distributed.is_primary() else lambda line: None
+        for name, model in checked.models:
+            out(f"meshdsl bench --decode: {name} {args.preset}")
+            bench_decode(model, layouts_of(checked.bench.layouts, model, name), checked.decode, out=out)
+        return
     if distributed.is_primary():
         run_bench(checked.bench, models=checked.models)
     else:

@@ -13,6 +13,7 @@ def add_arguments(explain: argparse.ArgumentParser) -> None:
     """``explain``'s flags."""
     flags.add_model(explain)
     flags.add_preset(explain)
+    flags.add_init_from_hf(explain)
     flags.add_layout(explain)
     flags.add_optimizer(explain)
     flags.add_profile(explain)
@@ -26,7 +27,8 @@ def add_arguments(explain: argparse.ArgumentParser) -> None:
 
 
 def config(args: argparse.Namespace) -> dict[str, object]:
-    """The model's ``--set`` overrides."""
+    """The model's ``--set`` overrides (and ``--init-from-hf DIR`` as the model spec ``hf:DIR``)."""
+    args.model = flags.model_spec(args.model, args.init_from_hf)
     return flags.overrides(args.set)
 
 

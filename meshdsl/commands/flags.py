@@ -70,6 +70,26 @@ def add_model(parser: argparse.ArgumentParser, many: bool = False) -> None:
         parser.add_argument("--model", default="transformer", help=MODEL_HELP)
 
 
+def add_init_from_hf(parser: argparse.ArgumentParser, weights: bool = False) -> None:
+    """``--init-from-hf DIR``: the llama decoder a Hugging Face folder's config.json describes (``weights``:
+    and its weights as the starting parameters); read with :func:`model_spec`."""
+    what = "config.json and weights" if weights else "config.json"
+    parser.add_argument(
+        "--init-from-hf",
+        default=None,
+        metavar="DIR",
+        help=f"the model of a Hugging Face folder ({what}; Llama, Mistral, Qwen2/3, Gemma) instead of "
+        "--model/--preset; --set still sets batch, length and meshdsl's own fields",
+    )
+
+
+def model_spec(model: str, init_from_hf: str | None) -> str:
+    """The ``--model`` spec a command builds: ``hf:DIR`` for ``--init-from-hf DIR`` (:mod:`meshdsl.model.loader`)."""
+    from meshdsl.model.loader import HF_PREFIX
+
+    return model if init_from_hf is None else HF_PREFIX + init_from_hf
+
+
 def add_preset(parser: argparse.ArgumentParser) -> None:
     """``--preset P``."""
     parser.add_argument("--preset", default="small", help=PRESET_HELP)

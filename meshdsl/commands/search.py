@@ -13,6 +13,7 @@ def add_arguments(search: argparse.ArgumentParser) -> None:
     """``search``'s flags (its ``--devices``, the count to plan for, is ``args.plan_devices``)."""
     flags.add_model(search)
     flags.add_preset(search)
+    flags.add_init_from_hf(search)
     search.add_argument(
         "--devices", dest="plan_devices", type=int, default=None, help="devices to plan for (default: those at hand)"
     )
@@ -34,7 +35,8 @@ def add_arguments(search: argparse.ArgumentParser) -> None:
 
 
 def config(args: argparse.Namespace) -> dict[str, object]:
-    """The model's ``--set`` overrides."""
+    """The model's ``--set`` overrides (and ``--init-from-hf DIR`` as the model spec ``hf:DIR``)."""
+    args.model = flags.model_spec(args.model, args.init_from_hf)
     return flags.overrides(args.set)
 
 

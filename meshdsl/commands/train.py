@@ -20,6 +20,7 @@ def add_arguments(train: argparse.ArgumentParser) -> None:
     """``train``'s flags."""
     flags.add_model(train)
     flags.add_preset(train)
+    flags.add_init_from_hf(train, weights=True)
     flags.add_set(train)
     flags.add_layout(train)
     train.add_argument("--steps", type=int, default=200)
@@ -31,8 +32,8 @@ def add_arguments(train: argparse.ArgumentParser) -> None:
         "--data",
         default=None,
         help="token file (.npy, or raw uint16 .bin/.u16, uint32 .u32) read "
-        "into the keys and dims of the model's own batch(key), in a seeded shuffled order; default: the "
-        "synthetic task",
+        "into the keys and dims of the model's own batch(key), in a seeded shuffled order, or an .npz of "
+        "padded examples (input_ids [N, T], optional labels with -100); default: the synthetic task",
     )
     train.add_argument(
         "--eval-fraction",
@@ -166,9 +167,10 @@ def config(args: argparse.Namespace) -> RunConfig:
     from meshdsl.train.loop import RunConfig
 
     return RunConfig(
-        model=args.model,
+        model=flags.model_spec(args.model, args.init_from_hf),
         preset=args.preset,
         overrides=flags.overrides(args.set),
+        init_from_hf=args.init_from_hf,
         layout=args.layout,
         steps=args.steps,
         optimizer=args.optimizer,
@@ -235,10 +237,11 @@ def check(args: argparse.Namespace, run: RunConfig) -> Checked:
 
 
 def run(args: argparse.Namespace, checked: Checked) -> None:
-    """Train (its lines on stdout, warnings on stderr) the model the check built."""
+    """Train (its lines on stdout, warnings on stderr) the model the check built; SIGTERM or Ctrl-C
+    stops it after its step, saved (:mod:`meshdsl.train.signals`)."""
     from meshdsl.train.loop import train
 
-    train(checked.run, sys.stdout, err=sys.stderr, model=checked.model)
+    train(checked.run, sys.stdout, err=sys.stderr, model=checked.model, signals=True)
 
 
 COMMAND = Command("train", "train a model under a layout", add_arguments, run, config=config, check=check, order=10)

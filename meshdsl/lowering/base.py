@@ -36,10 +36,49 @@ NO_INDEX = jnp.iinfo(jnp.int32).max
 """The index a ``pmin`` ignores: what a device contributes when it holds no maximum."""
 
 
+def order_key(x: jax.Array) -> jax.Array:
+    """Integers ordered as ``x``'s values in the total order NaN > +inf > ... > +0.0 > -0.0 > ... > -inf
+    (float ``x``: its bits, the negative ones' magnitude bits flipped, every NaN made one positive
+    NaN); a non-float ``x`` itself. Maxima taken of keys keep NaN, which ``pmax`` and XLA's
+    all-reduce drop on some backends (CPU), so a maximum is the same under every layout."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    ints = jnp.dtype(f"int{8 * x.dtype.itemsize}")
+    bits = lax.bitcast_convert_type(jnp.where(jnp.isnan(x), jnp.array(jnp.nan, x.dtype), x), ints)
+    return jnp.where(bits < 0, bits ^ jnp.array(jnp.iinfo(ints).max, ints), bits)
+
+
+def from_key(key: jax.Array, dtype: Any) -> jax.Array:
+    """The value of ``dtype`` whose :func:`order_key` is ``key``."""
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return key
+    bits = jnp.where(key < 0, key ^ jnp.array(jnp.iinfo(key.dtype).max, key.dtype), key)
+    return lax.bitcast_convert_type(bits, dtype)
+
+
+def total_max(x: jax.Array, positions: tuple[int, ...]) -> jax.Array:
+    """Maximum over ``positions`` in :func:`order_key`'s order: NaN when any entry is NaN, as ``jnp.max``."""
+    return from_key(jnp.max(order_key(x), axis=positions), x.dtype)
+
+
+def pmax_total(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``lax.pmax`` over ``axes`` in :func:`order_key`'s order: one all-reduce of the keys, which keeps NaN."""
+    return from_key(lax.pmax(order_key(x), axes), x.dtype)
+
+
+def reaches(best: jax.Array, top: jax.Array) -> jax.Array:
+    """Where a device's maximum ``best`` is the maximum ``top`` across devices, as ``argmax`` compares
+    (equal values, -0.0 equal to +0.0, or both NaN)."""
+    if not jnp.issubdtype(best.dtype, jnp.floating):
+        return best == top
+    return (best == top) | (jnp.isnan(best) & jnp.isnan(top))
+
+
 def max_and_index(x: jax.Array, positions: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
     """This device's maximum of ``x`` over ``positions`` and the index (int32, in the flattened
     ``positions``) of its first entry reaching it, from one reduction: the index always points at
-    an entry that reduction found largest. NaN counts as largest, as in ``jnp.max``/``jnp.argmax``.
+    an entry that reduction found largest. NaN counts as largest, as in ``jnp.max``/``jnp.argmax``;
+    the maximum of -0.0 and +0.0 is +0.0 (:func:`order_key`), its index the first of them.
 
     ``md.argmax`` and :func:`exact_max` both call it, so their reductions are one for XLA's CSE
     and for ``md.explain`` alike.
@@ -63,13 +102,18 @@ def max_and_index(x: jax.Array, positions: tuple[int, ...]) -> tuple[jax.Array, 
 
 
 def _larger_first(a: tuple, b: tuple) -> tuple:
-    """The reduction step of (value, index) pairs: the larger value (NaN largest), the lower index
-    on a tie. One function object, so JAX traces it once and equal reductions stay equal."""
+    """The reduction step of (value, index) pairs: the larger value in :func:`order_key`'s order, the
+    index of the first entry equal to it (NaN largest, -0.0 equal to +0.0, as ``jnp.argmax``). One
+    function object, so JAX traces it once and equal reductions stay equal."""
     (va, ia), (vb, ib) = a, b
     a_nan, b_nan = va != va, vb != vb
     tie = (va == vb) | (a_nan & b_nan)
     take_a = (a_nan & ~b_nan) | (~b_nan & (va > vb)) | (tie & (ia < ib))
-    return lax.select(take_a, va, vb), lax.select(take_a, ia, ib)
+    if jnp.issubdtype(va.dtype, jnp.floating):
+        value = lax.select(order_key(va) >= order_key(vb), va, vb)
+    else:
+        value = lax.select(take_a, va, vb)
+    return value, lax.select(take_a, ia, ib)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
@@ -89,22 +133,23 @@ def exact_max(x: jax.Array, offset: Any, positions: tuple[int, ...], axes: tuple
     for ``md.explain``).
 
     Undifferentiated on global arrays (``axes`` empty: the gspmd backend, or a dim no axis splits)
-    it is a plain maximum: the GSPMD partitioner moves a (value, index) reduction over a split dim
-    as two all-gathers even when nothing reads the index, where a maximum is one all-reduce.
+    it is a plain maximum (of the :func:`order_key` keys, which keep NaN): the GSPMD partitioner
+    moves a (value, index) reduction over a split dim as two all-gathers even when nothing reads
+    the index, where a maximum is one all-reduce.
     """
     if not axes:
-        return jnp.max(x, axis=positions)
+        return total_max(x, positions)
     best, _ = max_and_index(x, positions)
-    return lax.pmax(best, axes)
+    return pmax_total(best, axes)
 
 
 @exact_max.defjvp
 def _exact_max_jvp(positions: tuple[int, ...], axes: tuple[str, ...], primals: tuple, tangents: tuple) -> tuple:
     (x, offset), (t, _) = primals, tangents
     best, index = max_and_index(x, positions)
-    out = lax.pmax(best, axes) if axes else best
+    out = pmax_total(best, axes) if axes else best
     if axes:  # the global first maximum, as md.argmax finds it
-        index = lax.pmin(jnp.where(best == out, index + offset, NO_INDEX), axes) - offset
+        index = lax.pmin(jnp.where(reaches(best, out), index + offset, NO_INDEX), axes) - offset
     k = len(positions)
     ends = tuple(range(x.ndim - k, x.ndim))
     moved_shape = jnp.moveaxis(x, positions, ends).shape
@@ -195,6 +240,11 @@ class Lowering(abc.ABC):
         """This lowering under other layout rules ."""
         ...
 
+    def attention_strategy(self, memory: str) -> str:
+        """How attention runs where the keys' dim ``memory`` is split (the layout's ``[attention]``
+        strategy for its axes); on global arrays nothing is split: ``all_gather``."""
+        return "all_gather"
+
     def linear_sums(self) -> Lowering:
         """This lowering for a custom rule's tangent, whose gradient sums must be linear (here: itself)."""
         return self
@@ -235,7 +285,8 @@ class Lowering(abc.ABC):
 
     @abc.abstractmethod
     def pmax(self, x: Any, axes: Sequence[str]) -> Any:
-        """Maximum across ``axes`` (not differentiated: for indices and stopped values)."""
+        """Maximum across ``axes`` (not differentiated: for indices and stopped values); NaN when any
+        device holds NaN (:func:`pmax_total`)."""
         ...
 
     @abc.abstractmethod
@@ -255,6 +306,12 @@ class Lowering(abc.ABC):
         """Send ``x`` to the device ``shift`` places further along ``axes`` (zeros arrive where none is sent).
 
         ``sources``: only the devices at these positions along ``axes`` send (None: all)."""
+        ...
+
+    @abc.abstractmethod
+    def permute(self, x: jax.Array, axes: Sequence[str], pairs: Sequence[tuple[int, int]]) -> jax.Array:
+        """``x`` sent from each device to another along ``axes``: ``pairs`` of positions ``(source,
+        destination)`` along ``axes`` (major to minor); zeros arrive where none is sent."""
         ...
 
     @abc.abstractmethod
@@ -331,6 +388,9 @@ class GlobalLowering(Lowering):
     ) -> jax.Array:
         sends = sources is None or 0 in sources
         return x if (shift == 0 or wrap) and sends else jax.numpy.zeros_like(x)
+
+    def permute(self, x: jax.Array, axes: Sequence[str], pairs: Sequence[tuple[int, int]]) -> jax.Array:
+        return x if (0, 0) in pairs else jnp.zeros_like(x)
 
     def zeros_traced(self, like: Any) -> jax.Array:
         return jnp.zeros(like.shape, like.dtype)

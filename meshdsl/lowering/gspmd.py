@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import jax
 
 from meshdsl.dims import Shape
+from meshdsl.errors import LayoutError
 from meshdsl.layout import Layout
 from meshdsl.lowering.base import GlobalLowering
 from meshdsl.mesh import Mesh
@@ -40,6 +41,17 @@ class GspmdLowering(GlobalLowering):
             return array
         spec = self.layout.spec_of(shape.names, whole=names)
         return jax.lax.with_sharding_constraint(array, jax.sharding.NamedSharding(self.mesh.jax_mesh, spec))
+
+    def attention_strategy(self, memory: str) -> str:
+        """``all_gather`` (XLA partitions the attention itself); LayoutError for a strategy that needs
+        meshdsl's own collectives, which only the spmd backend emits."""
+        strategy = self.layout.attention_strategy(self.layout.axes_of(memory))
+        if strategy != "all_gather":
+            raise LayoutError(
+                f"attention = {strategy!r} over mesh axes {self.layout.axes_of(memory)} needs the spmd backend "
+                "(meshdsl's collectives); the gspmd backend leaves attention to XLA's partitioner"
+            )
+        return strategy
 
     def with_layout(self, layout: Layout) -> GspmdLowering:
         return GspmdLowering(self.mesh, layout)

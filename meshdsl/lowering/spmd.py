@@ -19,7 +19,7 @@ from jax import lax
 from meshdsl import compression, relayout
 from meshdsl.dims import Shape
 from meshdsl.layout import Layout, Split
-from meshdsl.lowering.base import Lowering, exact_max
+from meshdsl.lowering.base import Lowering, exact_max, pmax_total
 from meshdsl.mesh import Mesh
 from meshdsl.relayout import varying_axes as _varying_axes
 from meshdsl.tensor import Tensor
@@ -195,6 +195,9 @@ class SpmdLowering(Lowering):
     def keep(self, array: jax.Array, shape: Shape, axes: Split) -> Tensor:
         return Tensor(array, shape, (), axes)
 
+    def attention_strategy(self, memory: str) -> str:
+        return self.layout.attention_strategy(self.layout.axes_of(memory))
+
     def with_layout(self, layout: Layout) -> SpmdLowering:
         return SpmdLowering(self.mesh, layout, self.grad_reduce_dtype)
 
@@ -223,7 +226,7 @@ class SpmdLowering(Lowering):
         return exact_max(x, offset, positions, tuple(axes))
 
     def pmax(self, x: Any, axes: Sequence[str]) -> Any:
-        return lax.pmax(x, tuple(axes)) if axes else x
+        return pmax_total(x, tuple(axes)) if axes else x
 
     def pmin(self, x: Any, axes: Sequence[str]) -> Any:
         return lax.pmin(x, tuple(axes)) if axes else x
@@ -238,11 +241,13 @@ class SpmdLowering(Lowering):
         if (shift == 0 or (wrap and shift % n == 0)) and sources is None:
             return x
         pairs = [(i, i + shift) for i in range(n) if sources is None or i in sources]
-        pairs = [(i, j % n) for i, j in pairs if wrap or 0 <= j < n]
+        return self.permute(x, axes, [(i, j % n) for i, j in pairs if wrap or 0 <= j < n])
+
+    def permute(self, x: jax.Array, axes: Sequence[str], pairs: Sequence[tuple[int, int]]) -> jax.Array:
         if not pairs:
             return jnp.zeros_like(x)
         # Our positions run over ``axes`` as given (major to minor); lax numbers the devices of a
         # tuple of axes in mesh order.
         ordered = tuple(a for a in self.mesh.axis_names if a in axes)
-        to_lax = [_renumber(i, tuple(axes), ordered, self.axis_sizes) for i in range(n)]
+        to_lax = [_renumber(i, tuple(axes), ordered, self.axis_sizes) for i in range(self.group_size(axes))]
         return lax.ppermute(x, ordered, perm=[(to_lax[i], to_lax[j]) for i, j in pairs])

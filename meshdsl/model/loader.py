@@ -33,6 +33,8 @@ _FORM = (
     "a model module defines a Config dataclass with a PRESETS dict (preset name -> field values) and a Model class "
     "(Model(config) with init(key), batch(key), loss(params, batch)); see docs/tutorial.md"
 )
+HF_PREFIX = "hf:"
+"""A spec naming a Hugging Face folder (``--init-from-hf DIR``)."""
 _files: dict[Path, ModuleType] = {}
 _PREFIX = "meshdsl_user_model_"
 """The start of the module name a model file is imported under (never shown to the user)."""
@@ -45,6 +47,8 @@ def load_module(spec: str) -> ModuleType:
     without ``Config``, ``Config.PRESETS`` or ``Model``."""
     if not spec.strip():
         raise ConfigError(f"--model {spec!r} is empty: give {_choices()}")
+    if spec.startswith(HF_PREFIX):  # --init-from-hf DIR: the llama decoder with the folder's config
+        return importlib.import_module("meshdsl.models.llama")
     if spec in NAMES:
         module = importlib.import_module(f"meshdsl.models.{spec}")
     elif spec.endswith(".py") or "/" in spec or Path(spec).exists():
@@ -56,11 +60,16 @@ def load_module(spec: str) -> ModuleType:
 
 
 def build_model(spec: str, preset: str, **overrides: Any) -> Any:
-    """``Model(config)`` of the module ``spec`` names (see :func:`load_module`), ``config`` being its
+    """``Model(config)`` of the module ``spec`` names (see :func:`load_module`; ``hf:DIR``: ``md.hf.model(DIR,
+    **overrides)``, the preset unused), ``config`` being its
     preset ``preset`` with ``overrides`` (those that are None keep the preset's values) checked by
     :func:`configure`. The model gets a ``config`` attribute if its class sets none. A model of the
     user's comes back as a :class:`~meshdsl.model.user.UserModel`: a mistake in ``Config``, ``Model(config)``,
     ``init``, ``batch`` or ``loss`` is a one-line md error naming the user's file and line."""
+    if spec.startswith(HF_PREFIX):
+        from meshdsl import hf
+
+        return hf.model(spec.removeprefix(HF_PREFIX), **{k: v for k, v in overrides.items() if v is not None})
     module = load_module(spec)
     shipped = module.__name__.startswith("meshdsl.models.")
     mine = [] if shipped else _mine(module, spec)

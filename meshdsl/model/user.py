@@ -134,7 +134,7 @@ class UserModel:
         return f"UserModel({self.spec}: {self.model!r})"
 
     def init(self, key: jax.Array) -> Any:
-        return self._checked("init", (key,), _is_tree)
+        return self._checked("init", (key,), _params_problem)
 
     def batch(self, key: jax.Array) -> Any:
         return self._checked("batch", (key,), _is_tree)
@@ -198,6 +198,22 @@ def _model_problem(out: Any) -> str | None:
     if all(callable(getattr(out, name, None)) for name in CALLS):
         return None
     return f"{describe(out)}; meshdsl needs a model (with {', '.join(CALLS)}) for the smaller batch"
+
+
+def _params_problem(out: Any) -> str | None:
+    """What is wrong with ``out`` as parameters (a leaf that is no md tensor, or not a float one:
+    gradients are taken of every parameter), or None."""
+    wrong = _is_tree(out)
+    if wrong:
+        return wrong
+    for path, leaf in jax.tree_util.tree_flatten_with_path(out, is_leaf=is_tensor)[0]:
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            return (
+                f"an md tensor of {jnp.dtype(leaf.dtype).name} at {jax.tree_util.keystr(path) or 'the top'}; "
+                "meshdsl trains every parameter, so each must be a float md tensor (an integer constant "
+                "belongs on the Model, not in init's params)"
+            )
+    return None
 
 
 def _is_tree(out: Any) -> str | None:

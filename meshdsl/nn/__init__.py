@@ -16,6 +16,7 @@ from meshdsl.nn.cross_entropy import cross_entropy
 from meshdsl.nn.dropout import dropout
 from meshdsl.nn.embedding import Embedding
 from meshdsl.nn.gated_mlp import GatedMLP
+from meshdsl.nn.kv_cache import KVCache
 from meshdsl.nn.linear import Linear
 from meshdsl.nn.mlp import MLP
 from meshdsl.nn.moe import MoE
@@ -29,6 +30,7 @@ __all__ = [
     "Conv2d",
     "cross_entropy",
     "dot_product_attention",
+    "KVCache",
     "dropout",
     "Embedding",
     "GatedMLP",

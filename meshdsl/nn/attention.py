@@ -11,12 +11,17 @@ import jax
 from meshdsl.dims import Dim
 from meshdsl.errors import ShapeError
 from meshdsl.nn.attention_core import dot_product_attention
+from meshdsl.nn.kv_cache import KVCache
 from meshdsl.nn.linear import Linear
-from meshdsl.nn.params import Stack, cast_like, check_float, check_has, check_sizes
+from meshdsl.nn.normalization import RMSNorm
+from meshdsl.nn.params import Stack, cast_like, check_float, check_has, check_sizes, dims_of
 from meshdsl.nn.rotary import Rotary
 from meshdsl.ops.concat import unstack
 from meshdsl.ops.einsum import einsum
+from meshdsl.ops.elementwise import logical_and
+from meshdsl.ops.indexing import range as md_range
 from meshdsl.ops.reshape import rename
+from meshdsl.ops.update import update_slice
 from meshdsl.tensor import Tensor
 
 
@@ -39,14 +44,22 @@ class MultiHeadAttention:
     Face's ``q_proj`` head of that number. Splitting ``kv_heads`` (or ``heads``) is Megatron's.
 
     ``bias``: biases on the projections (GPT-2): the projection params become ``Linear``'s
-    ``{"kernel", "bias"}``. ``rotary``: an ``md.nn.Rotary`` over ``d_kv``, applied to the queries
-    and keys before the attention (its ``length`` must be this layer's).
+    ``{"kernel", "bias"}``; ``output_bias``, when not None, overrides it for the output projection
+    (Qwen2: biases on queries, keys and values only). ``qk_norm``: an ``md.nn.RMSNorm`` over
+    ``d_kv`` applied to each head's queries and keys (Qwen3), params ``"q_norm"`` and ``"k_norm"``.
+    ``rotary``: an ``md.nn.Rotary`` over ``d_kv``, applied to the queries and keys after ``qk_norm``
+    and before the attention (its ``length`` must be this layer's).
 
     ``causal``: position ``i`` attends to positions ``<= i``. ``__call__``'s ``mask``: a boolean
     tensor over some of ``batch``, ``heads``, ``length``, ``memory`` (True: attend), e.g. a padding
     mask ``[batch, memory]``. ``implementation``: "xla" or "cudnn" (see ``jax.nn.dot_product_attention``);
     None (the default) chooses cuDNN's fused attention where the shard's dtype, head size and mask
     allow it on a GPU, XLA's formula otherwise (:mod:`meshdsl.nn.attention_impl`).
+
+    ``cache``: an ``md.nn.KVCache`` (decoding): the keys and values of ``x``'s positions are written
+    into it at ``cache.index``, the queries attend over every valid cached position up to their
+    own (``cache.valid``, causality by slot), rotary angles come from ``cache.positions``, and
+    ``cache`` holds the updated keys and values afterwards.
 
     Params: ``{"wqkv": qkv_projection's, "wo": output_projection's}``, or with ``kv_heads``
     ``{"wq", "wkv", "wo"}`` (``Linear`` weights, LeCun normal; with ``bias``, ``{"kernel", "bias"}``).
@@ -64,6 +77,8 @@ class MultiHeadAttention:
     implementation: str | None = None
     kv_heads: Dim | None = None
     bias: bool = False
+    output_bias: bool | None = None
+    qk_norm: RMSNorm | None = None
     rotary: Rotary | None = None
 
     def __post_init__(self) -> None:
@@ -76,6 +91,8 @@ class MultiHeadAttention:
             raise ShapeError(f"MultiHeadAttention: kv_heads must be an md.Dim, got {self.kv_heads!r}")
         if self.kv_heads is not None:
             check_sizes("MultiHeadAttention", [self.kv_heads])
+        if self.qk_norm is not None and [d.name for d in dims_of(self.qk_norm.dims)] != [self.d_kv.name]:
+            raise ShapeError(f"MultiHeadAttention: qk_norm must be over d_kv {self.d_kv}, got {self.qk_norm.dims}")
         if self.rotary is not None and (self.rotary.depth != self.d_kv or self.rotary.length != self.length):
             raise ShapeError(
                 f"MultiHeadAttention: rotary over {self.rotary.depth} and {self.rotary.length!r} "
@@ -110,17 +127,24 @@ class MultiHeadAttention:
     @property
     def output_projection(self) -> Linear:
         """``[heads, d_kv] -> model`` (``[kv_heads, heads, d_kv]`` with ``kv_heads``)."""
-        return Linear([*self.query_heads, self.d_kv], self.model, bias=self.bias)
+        bias = self.bias if self.output_bias is None else self.output_bias
+        return Linear([*self.query_heads, self.d_kv], self.model, bias=bias)
 
     def init(self, key: jax.Array, stack: Stack = ()) -> dict[str, Any]:
+        norms = {} if self.qk_norm is None else {n: self.qk_norm.init(None, stack) for n in ("q_norm", "k_norm")}
         if self.kv_heads is None:
             k_qkv, k_out = jax.random.split(key)
-            return {"wqkv": self.qkv_projection.init(k_qkv, stack), "wo": self.output_projection.init(k_out, stack)}
+            return {
+                "wqkv": self.qkv_projection.init(k_qkv, stack),
+                "wo": self.output_projection.init(k_out, stack),
+                **norms,
+            }
         k_q, k_kv, k_out = jax.random.split(key, 3)
         return {
             "wq": self.query_projection.init(k_q, stack),
             "wkv": self.kv_projection.init(k_kv, stack),
             "wo": self.output_projection.init(k_out, stack),
+            **norms,
         }
 
     def _project(self, params: Any, x: Tensor, out: list[Dim]) -> Tensor:
@@ -129,7 +153,9 @@ class MultiHeadAttention:
         y = einsum(x, cast_like(w, x), out=out)
         return y + cast_like(params["bias"], x) if self.bias else y
 
-    def __call__(self, params: dict[str, Any], x: Tensor, *, mask: Tensor | None = None) -> Tensor:
+    def __call__(
+        self, params: dict[str, Any], x: Tensor, *, mask: Tensor | None = None, cache: KVCache | None = None
+    ) -> Tensor:
         check_float("MultiHeadAttention", x)
         check_has("MultiHeadAttention", x, [self.model], "model")
         if self.length not in x.shape:
@@ -144,9 +170,17 @@ class MultiHeadAttention:
             q = self._project(params["wq"], x, [*batch, *self.query_heads, length, self.d_kv])
             kv = self._project(params["wkv"], x, [Dim(self.fused_kv, 2), *batch, self.kv_heads, length, self.d_kv])
             k, v = unstack(kv, self.fused_kv)
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(params["q_norm"], q), self.qk_norm(params["k_norm"], k)
+        positions = None if cache is None else cache.positions
         if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
-        k, v = rename(k, self.length, self.memory), rename(v, self.length, self.memory)
+            q, k = self.rotary(q, positions=positions), self.rotary(k, positions=positions)
+        causal = self.causal
+        if cache is None:
+            k, v = rename(k, self.length, self.memory), rename(v, self.length, self.memory)
+        else:
+            k, v, mask = self._cached(cache, k, v, length, mask)
+            causal = False
         attended = dot_product_attention(
             q,
             k,
@@ -155,8 +189,23 @@ class MultiHeadAttention:
             length=self.length,
             memory=self.memory,
             depth=self.d_kv,
-            causal=self.causal,
+            causal=causal,
             mask=mask,
             implementation=self.implementation,
         )
         return self.output_projection(params["wo"], attended)
+
+    def _cached(
+        self, cache: KVCache, k: Tensor, v: Tensor, length: Dim, mask: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The step's keys and values written into ``cache`` at ``cache.index`` (which then holds the
+        new ones), the whole cache's keys and values, and the mask: valid slots up to each query's own."""
+        if self.memory not in cache.keys.shape:
+            raise ShapeError(f"MultiHeadAttention: cache keys {cache.keys.shape} have no memory dim {self.memory!r}")
+        cache.keys = update_slice(cache.keys, k, cache.index, self.memory, self.length)
+        cache.values = update_slice(cache.values, v, cache.index, self.memory, self.length)
+        memory = cache.keys.shape[self.memory]
+        last = md_range(length) + cache.index if self.causal else cache.index + (length.size - 1)
+        seen = md_range(memory) <= last
+        allowed = logical_and(cache.valid, seen)
+        return cache.keys, cache.values, allowed if mask is None else logical_and(allowed, mask)

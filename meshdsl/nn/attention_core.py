@@ -44,23 +44,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from meshdsl.arguments import number
 from meshdsl.dims import DimLike, Shape
-from meshdsl.errors import ShapeError
+from meshdsl.errors import LayoutError, ShapeError
 from meshdsl.lowering.context import current, op
 from meshdsl.nn import fused_attention_standin
 from meshdsl.nn.attention_impl import implementation_here, needs_standin
+from meshdsl.nn.context_attention import MASKED, ring_attention, ulysses_attention
 from meshdsl.nn.params import check_float
 from meshdsl.ops import elementwise
 from meshdsl.ops.einsum import einsum
 from meshdsl.ops.indexing import range as md_range
 from meshdsl.ops.reduction import softmax
 from meshdsl.tensor import Tensor
-
-MASKED = -0.7 * float(np.finfo(np.float32).max)
-"""The logit of a masked pair: ``jax.nn.dot_product_attention``'s large negative number."""
 
 
 def _name(d: DimLike) -> str:
@@ -88,6 +85,11 @@ def _check(
         raise ShapeError(
             f"dot_product_attention: queries {q.shape} and keys {k.shape} differ in dims other than {t} and {s}{also}"
         )
+    if len({jnp.dtype(q.dtype), jnp.dtype(k.dtype), jnp.dtype(v.dtype)}) > 1:
+        raise ShapeError(
+            f"dot_product_attention: queries ({jnp.dtype(q.dtype).name}), keys ({jnp.dtype(k.dtype).name}) and "
+            f"values ({jnp.dtype(v.dtype).name}) must have one dtype; md.cast them to the one you mean"
+        )
     if mask is not None:
         allowed = {*batch, *groups, h, t, s}
         if mask.dtype != jnp.bool_ or not set(mask.names) <= allowed:
@@ -95,6 +97,10 @@ def _check(
                 f"dot_product_attention: mask {mask.shape} ({mask.dtype}) must be boolean over dims of "
                 f"{sorted(allowed)}"
             )
+        sizes = {**{x.name: x for x in k.shape}, **{x.name: x for x in q.shape}}
+        other = [f"{x} (the inputs' {sizes[x.name]})" for x in mask.shape if sizes[x.name].size != x.size]
+        if other:
+            raise ShapeError(f"dot_product_attention: mask {mask.shape} has {', '.join(other)}")
     return batch, groups
 
 
@@ -129,9 +135,15 @@ def dot_product_attention(
     scale = q.shape[d].size ** -0.5 if scale is None else scale
     lowering = current()
     own = dict(zip(k.names, lowering.axes(k.shape)))
-    if own[s]:
-        return _einsum_attention(q, k, v, [*batch, h, *groups], t, s, causal, mask, scale)
+    context = own[s]
+    strategy = lowering.attention_strategy(s)
     own.update(zip(q.names, lowering.axes(q.shape)))
+    if strategy == "all_gather":
+        if context and not set(own[t]) & set(context):
+            return _einsum_attention(q, k, v, [*batch, h, *groups], t, s, causal, mask, scale)
+        own[s] = ()  # the keys and values gathered whole: each device its queries against all of them
+    else:
+        _check_context(strategy, t, s, own[t], context, q.shape[t].size, k.shape[s].size, causal)
     own[d] = ()
 
     def local(x: Tensor, position: str, heads: list[str], others: list[Tensor]) -> jax.Array:
@@ -155,23 +167,57 @@ def dot_product_attention(
         m = jnp.broadcast_to(m, (*local_batch, *head_sizes, *m.shape[-2:]))
         m = jnp.reshape(m, (math.prod(local_batch), math.prod(head_sizes), *m.shape[-2:]))  # [B, N or 1, T or 1, S]
         allowed = lowering.vary_like(m, qa)
-    whole_causal = causal and not own[t]  # JAX's is_causal: query i sees keys j <= i, from position 0
-    if causal and own[t]:
-        positions = (jnp.arange(rows) + offset)[:, None] >= jnp.arange(k.shape[s].size)[None, :]
-        positions = lowering.vary_like(positions[None, None], qa)
-        allowed = positions if allowed is None else jnp.logical_and(allowed, positions)
-    kind = "tensor" if allowed is not None else "causal" if whole_causal else "none"
-    chosen = implementation_here(qa.dtype, qa.shape[-1], kind, implementation)
-    if needs_standin(chosen):  # priced for a GPU on a host without one (the planner)
-        out = fused_attention_standin.fused_attention(qa, ka, va, scale, whole_causal)
+    if strategy == "ring":
+        out = ring_attention(lowering, context, qa, ka, va, allowed, scale, causal)
+    elif strategy == "all_to_all":
+        kv_sizes = (h, q.shape[h].size, math.prod(q.shape[n].size for n in groups))
+
+        def whole(qw: jax.Array, kw: jax.Array, vw: jax.Array, mw: jax.Array | None) -> jax.Array:
+            return _kernel(qw, kw, vw, mw, scale, causal, implementation)
+
+        out = ulysses_attention(lowering, context, qa, ka, va, allowed, whole, kv_sizes)
     else:
-        out = jax.nn.dot_product_attention(
-            qa, ka, va, mask=allowed, scale=scale, is_causal=whole_causal, implementation=chosen
-        )
+        whole_causal = causal and not own[t]  # JAX's is_causal: query i sees keys j <= i, from position 0
+        if causal and own[t]:
+            positions = (jnp.arange(rows) + offset)[:, None] >= jnp.arange(k.shape[s].size)[None, :]
+            positions = lowering.vary_like(positions[None, None], qa)
+            allowed = positions if allowed is None else jnp.logical_and(allowed, positions)
+        out = _kernel(qa, ka, va, allowed, scale, whole_causal, implementation)
     out = jnp.reshape(out, (*local_batch, out.shape[1], *(local_of[n] for n in (h, *groups)), out.shape[-1]))
     order = [*batch, t, h, *groups, d]
     out = jnp.transpose(out, [order.index(n) for n in q.names])
     return lowering.finish(out, q.shape, tuple(own[n] for n in q.names))
+
+
+def _kernel(
+    qa: jax.Array,
+    ka: jax.Array,
+    va: jax.Array,
+    allowed: jax.Array | None,
+    scale: float,
+    causal: bool,
+    implementation: str | None,
+) -> jax.Array:
+    """``jax.nn.dot_product_attention`` on local ``[B, T, N, H]`` blocks, the implementation chosen for
+    the shard (or its stand-in where a GPU's kernel is priced on a host without one)."""
+    kind = "tensor" if allowed is not None else "causal" if causal else "none"
+    chosen = implementation_here(qa.dtype, qa.shape[-1], kind, implementation)
+    if needs_standin(chosen):  # priced for a GPU on a host without one (the planner)
+        return fused_attention_standin.fused_attention(qa, ka, va, scale, causal)
+    return jax.nn.dot_product_attention(qa, ka, va, mask=allowed, scale=scale, is_causal=causal, implementation=chosen)
+
+
+def _check_context(
+    strategy: str, t: str, s: str, rows: tuple[str, ...], keys: tuple[str, ...], length: int, memory: int, causal: bool
+) -> None:
+    """LayoutError unless the queries' ``t`` is split as the keys' ``s`` (what ``ring`` and ``all_to_all`` assume)."""
+    if rows != keys:
+        raise LayoutError(
+            f"{strategy} attention needs the queries' {t} split over the same mesh axes as the keys' {s}; "
+            f"the layout splits {t} over {rows} and {s} over {keys} (give both the same rule, or all_gather)"
+        )
+    if causal and length != memory:
+        raise LayoutError(f"causal {strategy} attention needs {t} (size {length}) and {s} (size {memory}) of one size")
 
 
 def _as(x: Tensor, dtype: Any) -> Tensor:

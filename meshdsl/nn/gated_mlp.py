@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 
+from meshdsl.errors import ConfigError
 from meshdsl.nn.mlp import MLP
 from meshdsl.nn.params import Stack, check_float
 from meshdsl.ops.elementwise import silu
@@ -39,5 +40,8 @@ class GatedMLP(MLP):
 
     def __call__(self, params: dict[str, Any], x: Tensor) -> Tensor:
         check_float("GatedMLP", x)
+        if not isinstance(params, Mapping) or not {"w_gate", "w_in", "w_out"} <= set(params):
+            have = sorted(params) if isinstance(params, Mapping) else type(params).__name__
+            raise ConfigError(f"GatedMLP: params must be a dict with w_gate, w_in and w_out (its init's), got {have}")
         gate = self.activation(self.input_projection(params["w_gate"], x))
         return self.output_projection(params["w_out"], gate * self.input_projection(params["w_in"], x))

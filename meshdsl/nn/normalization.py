@@ -20,25 +20,29 @@ class RMSNorm:
     """``x / sqrt(mean(x^2 over dims) + eps) * scale`` (Zhang and Sennrich, 2019; T5's norm).
 
     Over a split dim the mean costs one ``psum`` (of a tensor without ``dims``). Params: the scale
-    ``[*dims]``, initialised to ones.
+    ``[*dims]``, initialised to ones. ``offset``: the scale is stored minus it and applied as
+    ``offset + scale`` (Gemma's ``(1 + w)`` at 1.0; initialised to ``1 - offset``).
     """
 
     dims: Dims
     _: dataclasses.KW_ONLY
     eps: float = 1e-6
+    offset: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dims", as_dims(self.dims, "RMSNorm dims"))
         number(self.eps, "RMSNorm: eps", at_least=0.0)
+        number(self.offset, "RMSNorm: offset")
 
     def init(self, key: jax.Array | None = None, stack: Stack = ()) -> Tensor:
-        """Ones ``[*stack, *dims]`` (``key`` is not used: the init is constant)."""
-        return ones([*stack, *dims_of(self.dims)])
+        """``1 - offset`` (ones) ``[*stack, *dims]`` (``key`` is not used: the init is constant)."""
+        return ones([*stack, *dims_of(self.dims)]) * (1.0 - self.offset)
 
     def __call__(self, scale: Tensor, x: Tensor) -> Tensor:
         check_float("RMSNorm", x)
         check_has("RMSNorm", x, dims_of(self.dims), "normalized")
-        return x * rsqrt(reduce_mean(square(x), list(dims_of(self.dims))) + self.eps) * cast_like(scale, x)
+        scale = cast_like(scale, x) + self.offset if self.offset else cast_like(scale, x)
+        return x * rsqrt(reduce_mean(square(x), list(dims_of(self.dims))) + self.eps) * scale
 
 
 @dataclasses.dataclass(frozen=True)

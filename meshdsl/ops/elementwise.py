@@ -112,8 +112,22 @@ def _map(name: str, fn: Callable[..., jax.Array], *operands: Any) -> Tensor:
         return lowering.finish(fn(*locals_), out, pending=pending, lazy=True)
 
 
-def _unary(name: str, fn: Callable[[jax.Array], jax.Array], doc: str) -> Callable[[Tensor], Tensor]:
+def check_float(name: str, x: Any) -> None:
+    """The one rule of the float-only ops (exp, log, silu, ...: a value of no integer): a ShapeError
+    for an integer or boolean md tensor, which jnp would promote (or, in jax.nn, refuse) unasked."""
+    if isinstance(x, Tensor) and not jnp.issubdtype(x.dtype, jnp.inexact):
+        raise ShapeError(
+            f"{name}: takes floating-point input, got {x.shape} of {jnp.dtype(x.dtype).name}; "
+            "md.cast(x, 'float32') it first"
+        )
+
+
+def _unary(
+    name: str, fn: Callable[[jax.Array], jax.Array], doc: str, floats_only: bool = False
+) -> Callable[[Tensor], Tensor]:
     def unary(x: Tensor) -> Tensor:
+        if floats_only:
+            check_float(name, x)
         return _map(name, fn, x)
 
     unary.__name__ = unary.__qualname__ = name
@@ -130,21 +144,23 @@ def _binary(name: str, fn: Callable[[Any, Any], jax.Array], doc: str) -> Callabl
     return binary
 
 
-exp = _unary("exp", jnp.exp, "e to the ``x``, element by element.")
-log = _unary("log", jnp.log, "Natural logarithm.")
-sqrt = _unary("sqrt", jnp.sqrt, "Square root.")
-rsqrt = _unary("rsqrt", jax.lax.rsqrt, "1 / sqrt(x).")
-tanh = _unary("tanh", jnp.tanh, "Hyperbolic tangent.")
-sigmoid = _unary("sigmoid", jax.nn.sigmoid, "1 / (1 + exp(-x)).")
-softplus = _unary("softplus", jax.nn.softplus, "log(1 + exp(x)), computed stably.")
-log_sigmoid = _unary("log_sigmoid", jax.nn.log_sigmoid, "log(sigmoid(x)) = -softplus(-x), computed stably.")
+exp = _unary("exp", jnp.exp, "e to the ``x``, element by element.", floats_only=True)
+log = _unary("log", jnp.log, "Natural logarithm.", floats_only=True)
+sqrt = _unary("sqrt", jnp.sqrt, "Square root.", floats_only=True)
+rsqrt = _unary("rsqrt", jax.lax.rsqrt, "1 / sqrt(x).", floats_only=True)
+tanh = _unary("tanh", jnp.tanh, "Hyperbolic tangent.", floats_only=True)
+sigmoid = _unary("sigmoid", jax.nn.sigmoid, "1 / (1 + exp(-x)).", floats_only=True)
+softplus = _unary("softplus", jax.nn.softplus, "log(1 + exp(x)), computed stably.", floats_only=True)
+log_sigmoid = _unary(
+    "log_sigmoid", jax.nn.log_sigmoid, "log(sigmoid(x)) = -softplus(-x), computed stably.", floats_only=True
+)
 relu = _unary("relu", jax.nn.relu, "max(x, 0).")
 square = _unary("square", jnp.square, "x * x.")
 abs = _unary("abs", jnp.abs, "Absolute value.")  # noqa: A001  (md.abs, as numpy)
 negative = _unary("negative", jnp.negative, "-x.")
 logical_not = _unary("logical_not", jnp.logical_not, "Boolean not.")
-sin = _unary("sin", jnp.sin, "Sine (radians).")
-cos = _unary("cos", jnp.cos, "Cosine (radians).")
+sin = _unary("sin", jnp.sin, "Sine (radians).", floats_only=True)
+cos = _unary("cos", jnp.cos, "Cosine (radians).", floats_only=True)
 
 
 @jax.custom_jvp
@@ -161,8 +177,8 @@ def _erf_jvp(primals: tuple, tangents: tuple) -> tuple:
     return _erf(a), da * (2 / math.sqrt(math.pi)) * jnp.exp(-a * a)
 
 
-erf = _unary("erf", _erf, "The error function, 2 / sqrt(pi) * integral of exp(-t^2) from 0 to x.")
-silu = _unary("silu", jax.nn.silu, "x * sigmoid(x) (SiLU, also called swish): the gate of SwiGLU.")
+erf = _unary("erf", _erf, "The error function, 2 / sqrt(pi) * integral of exp(-t^2) from 0 to x.", floats_only=True)
+silu = _unary("silu", jax.nn.silu, "x * sigmoid(x) (SiLU, also called swish): the gate of SwiGLU.", floats_only=True)
 swish = silu
 
 add = _binary("add", jnp.add, "x + y, broadcast by name.")
@@ -185,6 +201,7 @@ logical_or = _binary("logical_or", jnp.logical_or, "Boolean or.")
 
 def gelu(x: Tensor, approximate: bool = True) -> Tensor:
     """Gaussian error linear unit (tanh approximation by default, as Mesh-TF)."""
+    check_float("gelu", x)
     return _map("gelu", lambda a: jax.nn.gelu(a, approximate=approximate), x)
 
 

@@ -8,8 +8,9 @@ so a split dim costs little or nothing:
   local block, zeros the rest, and leaves a pending ``psum``.
 * ``top_k`` over a split dim takes the local top k, ``all_gather``\\ s the candidates (values and
   indices) and takes the top k of those.
-* ``argmax`` over a split dim takes the local maximum, then ``pmax`` of the values and ``pmin``
-  of the indices that reach it (ties go to the lowest index, as in numpy).
+* ``argmax`` over a split dim takes the local maximum, then ``pmax`` of the values (of their order
+  keys, which keep NaN) and ``pmin`` of the indices that reach it (ties go to the lowest index and
+  the first NaN counts as largest, as in numpy).
 * ``cumsum`` along a split dim adds the local cumulative sum to the total of the blocks before,
   from one ``all_gather`` of the block totals.
 * ``shift`` along a split dim moves the overflow of each block to its neighbour with
@@ -29,9 +30,10 @@ from jax import lax
 from meshdsl.dims import Dim, DimLike, Shape
 from meshdsl.errors import ShapeError
 from meshdsl.lowering import compute_split
-from meshdsl.lowering.base import NO_INDEX, max_and_index
+from meshdsl.lowering.base import NO_INDEX, max_and_index, reaches
 from meshdsl.lowering.context import current, op
 from meshdsl.ops import elementwise
+from meshdsl.ops.reduction import require_entries
 from meshdsl.tensor import Tensor, describe, dtype_of
 
 
@@ -161,6 +163,7 @@ def top_k(x: Tensor, reduced_dim: DimLike, k_dim: Dim) -> tuple[Tensor, Tensor]:
         raise ShapeError(f"top_k: k_dim must be an md.Dim (name and size k), got {describe(k_dim)}")
     lowering = current()
     position = x.shape.index(reduced_dim)
+    require_entries("top_k", x, [position], "a top_k")
     d, k = x.shape[position], k_dim.size
     if k > d.size:
         raise ShapeError(f"top_k: k_dim {k_dim} is larger than {d}")
@@ -190,6 +193,7 @@ def argmax(x: Tensor, reduced_dim: DimLike) -> Tensor:
     """Index (int32) of the largest entry along ``reduced_dim``; ties go to the lowest index."""
     lowering = current()
     position = x.shape.index(reduced_dim)
+    require_entries("argmax", x, [position], "an argmax")
     axes = lowering.axes(x.shape)
     split = axes[position]
     best, index = max_and_index(lax.stop_gradient(lowering.prepare(x)), (position,))
@@ -197,7 +201,7 @@ def argmax(x: Tensor, reduced_dim: DimLike) -> Tensor:
     index = index + offset
     if split:
         top = lowering.pmax(best, split)
-        index = lowering.pmin(jnp.where(best == top, index, NO_INDEX), split)
+        index = lowering.pmin(jnp.where(reaches(best, top), index, NO_INDEX), split)
     out = x.shape.without([x.shape[position].name])
     return lowering.finish(index, out, axes[:position] + axes[position + 1 :])
 
@@ -210,8 +214,9 @@ def cumsum(x: Tensor, dim: DimLike, exclusive: bool = False) -> Tensor:
     split = lowering.axes(x.shape)[position]
     array = lowering.prepare(x)
     total = jnp.cumsum(array, axis=position)
-    if exclusive:
-        total = total - array
+    if exclusive:  # shifted by one, not ``total - array``: an inf entry would make its own place NaN
+        first = jnp.zeros_like(lax.slice_in_dim(total, 0, 1, axis=position))
+        total = jnp.concatenate([first, lax.slice_in_dim(total, 0, total.shape[position] - 1, axis=position)], position)
     if split:
         blocks = lowering.all_gather(jnp.sum(array, axis=position, keepdims=True), split, position)
         n = lowering.group_size(split)

@@ -20,6 +20,7 @@ from meshdsl.layout import Split
 from meshdsl.lowering.base import Lowering
 from meshdsl.lowering.context import current, op, use
 from meshdsl.ops import elementwise as ew
+from meshdsl.ops.elementwise import check_float
 from meshdsl.tensor import Tensor
 
 # The dims an op works over; None (for the reductions) means all of them.
@@ -37,9 +38,19 @@ def _reduced(x: Tensor, dims: Dims) -> tuple[int, ...]:
     return tuple(x.shape.index(n) for n in names)
 
 
+def require_entries(name: str, x: Tensor, positions: Iterable[int], what: str = "a maximum") -> None:
+    """A ShapeError when a dim at ``positions`` of ``x`` has size 0: ``what`` (a maximum, a
+    normalisation) over no entries has no value (jnp raises; ``argmax`` would give an index past the end)."""
+    for i in positions:
+        if x.shape[i].size == 0:
+            raise ShapeError(f"{name}: {x.shape[i]} of {x.shape} has size 0; {what} over no entries is undefined")
+
+
 def _reduce(x: Tensor, dims: Dims, combine: str) -> Tensor:
     lowering = current()
     positions = _reduced(x, dims)
+    if combine != "sum":
+        require_entries(f"reduce_{combine}", x, positions)
     out = x.shape.without(x.shape[i] for i in positions)
     axes = lowering.axes(x.shape)
     split = tuple(a for i in positions for a in axes[i])
@@ -98,6 +109,7 @@ def logsumexp(x: Tensor, dims: Dims = None) -> Tensor:
     A maximum that is not finite shifts by 0, as ``jax.nn.logsumexp`` does: a row of ``-inf`` (fully
     masked) gives ``-inf``, not ``-inf - -inf = nan``.
     """
+    require_entries("logsumexp", x, _reduced(x, dims), "a logsumexp")
     top = ew._map("finite", lambda a: jnp.where(jnp.isfinite(a), a, jnp.zeros_like(a)), _shift(x, dims))
     return ew.log(reduce_sum(ew.exp(x - top), dims)) + top
 
@@ -110,6 +122,8 @@ def softmax(x: Tensor, dims: SomeDims) -> Tensor:
     saves the backward pass differentiating through the exponential and the division.
     """
     names = tuple(d.name for d in resolve(dims, x.shape))
+    require_entries("softmax", x, [x.shape.index(n) for n in names], "a softmax")
+    check_float("softmax", x)
     lowering = current()
     axes = lowering.axes(x.shape)
     return lowering.finish(_softmax(lowering.prepare(x), lowering, x.shape, axes, names), x.shape, axes)
@@ -152,5 +166,11 @@ def _softmax_jvp(
 @op("log_softmax")
 def log_softmax(x: Tensor, dims: SomeDims) -> Tensor:
     """log(softmax(x)) over ``dims``, computed stably. Like ``softmax``, it needs its dims named:
-    ``None`` (all dims, for the reductions) is refused rather than normalising over the batch."""
-    return x - logsumexp(x, resolve(dims, x.shape))
+    ``None`` (all dims, for the reductions) is refused rather than normalising over the batch.
+
+    Computed as ``jax.nn.log_softmax`` is, ``(x - m) - log(sum(exp(x - m)))`` with ``m`` the maximum:
+    a row holding NaN or +inf gives NaN throughout, as there, not ``-inf`` beside a NaN."""
+    names = resolve(dims, x.shape)
+    require_entries("log_softmax", x, [x.shape.index(d.name) for d in names], "a log_softmax")
+    shifted = x - _shift(x, names)
+    return shifted - ew.log(reduce_sum(ew.exp(shifted), names))

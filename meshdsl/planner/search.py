@@ -19,6 +19,10 @@ factorisation ``N = stage x data x model`` (axes of size 1 left out), and on it
   twice the stages divide the layers. The trace prices each schedule's bubble (every stage runs
   every tick of its timetable, ``md.pipeline.ticks``: the interleaved one has fewer, each a chunk)
   and its memory (GPipe's residuals of every tick, 1F1B's ring of ``md.pipeline.schedule.residual_slots``).
+* ``context``: for a model whose ``attention`` layer names its ``length`` and ``memory`` dims, the
+  sequence split over ``context`` (2 to 8 devices) beside the batch on ``data``, attention by
+  ``ring`` or ``all_to_all`` (``[attention]``): what wins where one sequence's activations dominate
+  memory. The trace prices each strategy's permutes or all-to-alls like any collective.
 
 Pruning runs cheapest first: a rule whose axes do not divide its dim, then a state (parameters
 plus optimizer state, exact from the shapes) over the memory limit, are dropped before anything
@@ -72,7 +76,8 @@ class Candidate:
         if pipe and schedule != "1f1b":
             v = self.layout.pipeline.virtual_stages
             pipe += f", {schedule}" + (f" v={v}" if v > 1 else "")
-        return f"[{mesh}] {str(self.layout) or 'replicated'}{params}{pipe}"
+        attention = "".join(f" | attention {a}={s}" for a, s in self.layout.attention.items())
+        return f"[{mesh}] {str(self.layout) or 'replicated'}{params}{pipe}{attention}"
 
     def toml(self, description: str, assumed: Mapping[str, Any] | None = None) -> str:
         """This candidate as a layout file ``md.Layout.load`` and ``meshdsl train --layout`` read; ``assumed``:
@@ -98,6 +103,8 @@ class Candidate:
             lines += ["", "[pipeline]", f"microbatches = {p.microbatches}", f'schedule = "{p.schedule}"']
             if p.virtual_stages > 1:
                 lines.append(f"virtual_stages = {p.virtual_stages}")
+        if self.layout.attention:
+            lines += ["", "[attention]", *(f'{a} = "{s}"' for a, s in self.layout.attention.items())]
         if assumed:
             values = {k: ("true" if v else "false") if isinstance(v, bool) else f'"{v}"' for k, v in assumed.items()}
             lines += ["", "[train]", *(f"{k} = {v}" for k, v in values.items())]
@@ -213,6 +220,34 @@ def candidates(model: Any, r: DimRoles, devices: int, pipeline: bool = True) -> 
                 ]
             for params, pipe in itertools.product(param_choices, pipes):
                 out.append(Candidate(dict(sizes), md.Layout(rules, params=params, mesh_axes=sizes, pipeline=pipe)))
+    return out + _context_candidates(model, r, devices)
+
+
+def sequence_dims(model: Any, r: DimRoles) -> tuple[str, str] | None:
+    """The query ``length`` and key ``memory`` dims of the model's self-attention (its ``attention``
+    layer's, an ``md.nn.MultiHeadAttention``), when the model has both; else None."""
+    attention = getattr(model, "attention", None)
+    length, memory = getattr(attention, "length", None), getattr(attention, "memory", None)
+    if isinstance(length, str) and isinstance(memory, str) and length in r.sizes and memory in r.sizes:
+        return length, memory
+    return None
+
+
+def _context_candidates(model: Any, r: DimRoles, devices: int) -> list[Candidate]:
+    """The sequence split over ``context`` (every divisor of the devices from 2 to 8), the batch dims over
+    ``data`` on the rest, attention by each of ``ring`` and ``all_to_all`` (one that the head counts do
+    not allow drops out as illegal when traced)."""
+    seq = sequence_dims(model, r)
+    if seq is None:
+        return []
+    out = []
+    for c in [d for d in _divisors(devices)[1:] if d <= 8]:
+        sizes = {"data": devices // c, "context": c} if devices > c else {"context": c}
+        rules = {d: "data" for d in r.batch} if "data" in sizes else {}
+        rules |= {d: "context" for d in seq}
+        for strategy in ("ring", "all_to_all"):
+            layout = md.Layout(rules, mesh_axes=sizes, attention={"context": strategy})
+            out.append(Candidate(dict(sizes), layout))
     return out
 
 

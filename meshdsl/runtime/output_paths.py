@@ -11,7 +11,9 @@ passes every permission check, yet cannot create files in ``/proc`` or on a read
 existing file or device gets a write of zero bytes (``/dev/full`` refuses even that).
 
 An output that is also an input (``--data t.npy --log-json t.npy``) is refused: writing it would
-destroy the input. A write that fails once the work has started is a ``WriteError`` saying what
+destroy the input; so are two outputs at one path (``--log-json X --tensorboard X``, a log named
+``run.png`` whose loss curve is ``run.png`` too) and any output inside the checkpoint dir
+(:func:`check_apart`). A write that fails once the work has started is a ``WriteError`` saying what
 failed and what is intact (:func:`writing`).
 """
 
@@ -105,6 +107,38 @@ def check_not_input(path: str | Path | None, flag: str, inputs: Mapping[str, str
             raise ConfigError(
                 f"{flag} {str(path)!r} is also the {name} input; writing it would destroy it, so choose another path"
             )
+
+
+def _resolved(path: str | Path) -> Path:
+    return Path(os.path.abspath(os.path.realpath(path)))
+
+
+def check_apart(files: Mapping[str, str | Path | None], folders: Mapping[str, str | Path | None], own: str) -> None:
+    """ConfigError unless a command's outputs stay out of each other's way: ``files`` and ``folders``
+    (``{flag: path}``; None: not given) are what it writes, ``own`` names the folder among ``folders``
+    that is the command's alone (``--checkpoint-dir``: nothing else may write inside it, or it would
+    overwrite a checkpoint's files). Two outputs at one path are refused (two folders may share one,
+    as ``--tensorboard`` and ``--profile-dir`` do), and so is an output inside a file or inside ``own``."""
+    given = {**{f: (p, "file") for f, p in files.items() if p}, **{f: (p, "dir") for f, p in folders.items() if p}}
+    where = {flag: _resolved(path) for flag, (path, _) in given.items()}
+    for flag, (path, kind) in given.items():
+        for other, (other_path, other_kind) in given.items():
+            if other == flag:
+                continue
+            shown = f"{flag} {str(path)!r}"
+            if where[flag] == where[other] and "file" in (kind, other_kind) and flag < other:
+                raise ConfigError(
+                    f"{shown} and {other} {str(other_path)!r} are the same path; one would overwrite the other, "
+                    "so give them different paths"
+                )
+            inside = where[flag] == where[other] or where[other] in where[flag].parents
+            if other == own and inside:
+                raise ConfigError(
+                    f"{shown} is inside {own} {str(other_path)!r}, which holds the run's checkpoints alone "
+                    "(writing there could overwrite one); choose a path outside it"
+                )
+            if other_kind == "file" and where[other] in where[flag].parents:
+                raise ConfigError(f"{shown} is inside {other} {str(other_path)!r}, which is written as a file")
 
 
 @contextlib.contextmanager

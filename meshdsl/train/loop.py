@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 
 import meshdsl as md
 from meshdsl import models
-from meshdsl.errors import ConfigError, TrainingError
+from meshdsl.errors import ConfigError, Interrupted, TrainingError
 from meshdsl.measure.peaks import peak_flops
 from meshdsl.measure.timing import compile_checked
 from meshdsl.model import protocol as model_protocol
@@ -26,8 +27,10 @@ from meshdsl.runtime import distributed, output_paths
 from meshdsl.runtime.layout_spec import is_shipped, layout_path, load_layout
 from meshdsl.train import feedback, logs, optim, settings
 from meshdsl.train.data import EVAL_FRACTION, TokenFile
+from meshdsl.train.examples import ExampleFile
 from meshdsl.train.progress import Progress, Step, Summary, peak_bytes
 from meshdsl.train.rules import split_warnings, unused_rules
+from meshdsl.train.signals import Stops, describe
 from meshdsl.train.step import Trainer, check_accumulate, pipelined
 from meshdsl.train.token_batch import token_batch_of
 
@@ -48,6 +51,8 @@ class RunConfig:
     backend: str = "spmd"
     seed: int = 0
     data: str | None = None
+    init_from_hf: str | None = None
+    """A Hugging Face folder whose weights are the parameters at step 0 (``model`` is then ``hf:DIR``)."""
     eval_fraction: float = EVAL_FRACTION
     """The tail of the token file held out for evaluation (never trained on)."""
     compute_dtype: str | None = None
@@ -147,8 +152,9 @@ def build_trainer(run: RunConfig, mesh: md.Mesh | None = None, model: Any = None
 
 
 def token_file(run: RunConfig, model: Any) -> TokenFile:
-    """The token file ``run.data`` for ``model``, in the keys and dims of the model's own batch
-    (:mod:`meshdsl.train.token_batch`); ConfigError for a model that reads no token sequences."""
+    """The token file ``run.data`` for ``model`` (an ``.npz``: padded examples, :mod:`meshdsl.train.examples`),
+    in the keys and dims of the model's own batch (:mod:`meshdsl.train.token_batch`); ConfigError for a
+    model that reads no token sequences."""
     what = f"--data {run.data!r}: model {run.model}"
     try:
         spec = token_batch_of(model, what)
@@ -166,6 +172,8 @@ def token_file(run: RunConfig, model: Any) -> TokenFile:
             "which --data needs to check the file's ids"
         )
     assert run.data is not None  # a token file is read for a run with --data
+    if run.data.endswith(".npz"):  # padded examples (input_ids, labels with -100)
+        return ExampleFile(run.data, spec, vocab, seed=run.seed, eval_fraction=run.eval_fraction)
     return TokenFile(run.data, spec, vocab, seed=run.seed, eval_fraction=run.eval_fraction)
 
 
@@ -201,24 +209,40 @@ def check(run: RunConfig, model: Any = None) -> Any:
         feedback.check(layout, run.grad_reduce_dtype, is_pipelined, run.accumulate, run.backend)
     if run.data is not None:
         token_file(run, model)
+    if run.init_from_hf is not None:  # the weights' names and shapes, from the files' headers alone
+        like = jax.eval_shape(model.init, jax.random.key(0))
+        md.checkpoint.check_safetensors(run.init_from_hf, like=like, names=model.hf_names())
     if run.checkpoint_dir is not None:
         md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
         output_paths.check_dir(run.checkpoint_dir, "--checkpoint-dir")
     logs.check(run.log_json, run.tensorboard)
-    model_file = run.model if run.model.endswith(".py") else None
-    inputs = {"--data": run.data, "--layout": layout_path(run.layout), "--model": model_file}
-    for flag, path in (
-        ("--log-json", run.log_json),
-        ("--tensorboard", run.tensorboard),
-        ("--checkpoint-dir", run.checkpoint_dir),
-    ):
-        output_paths.check_not_input(path, flag, inputs)
     if run.profile_steps is not None:
         settings.profile_steps(run.profile_steps, run.steps)
         output_paths.check_dir(_profile_dir(run), "--profile-dir")
     elif run.profile_dir is not None:
         raise ConfigError("--profile-dir needs --profile-steps A:B (the steps to trace)")
+    _check_outputs(run)
     return model
+
+
+def _check_outputs(run: RunConfig) -> None:
+    """ConfigError for an output that is an input, another output (the JSON log, its loss curve,
+    TensorBoard's and the trace's folders), or inside the checkpoint dir; and for a ``step_<N>`` there
+    that a step of this run would save to but cannot replace."""
+    model_file = run.model if run.model.endswith(".py") else None
+    inputs = {"--data": run.data, "--layout": layout_path(run.layout), "--model": model_file}
+    png = None if run.log_json is None else logs.loss_curve_path(run.log_json)
+    files = {"--log-json": run.log_json, "--log-json's loss curve": png}
+    folders = {"--tensorboard": run.tensorboard, "--checkpoint-dir": run.checkpoint_dir}
+    if run.profile_steps is not None:
+        folders["--profile-dir"] = _profile_dir(run)
+    for flag, path in {**files, **folders}.items():
+        output_paths.check_not_input(path, flag, inputs)
+    output_paths.check_apart(files, folders, own="--checkpoint-dir")
+    if run.checkpoint_dir is not None:
+        manager = md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
+        done = manager.steps() if run.resume else []
+        manager.check_free(range(done[-1] + 1 if done else 1, run.steps + 1))
 
 
 def _profile_dir(run: RunConfig) -> str:
@@ -314,7 +338,11 @@ def _start(
     if found is None:
         if run.resume:
             out.write(f"no checkpoint in {run.checkpoint_dir}; starting from step 0\n")
-        return trainer.init(jax.random.key_data(key)), data_key, 0
+        state = trainer.init(jax.random.key_data(key))
+        if run.init_from_hf is not None:
+            state["params"] = _hf_params(run.init_from_hf, trainer, state["params"])
+            out.write(f"parameters from {run.init_from_hf}\n")
+        return state, data_key, 0
     saved = md.checkpoint.read_manifest(found)["metadata"]
     _check_resumable(found, saved, _run_metadata(run, trainer.model))
     if saved["step"] > run.steps:
@@ -326,6 +354,13 @@ def _start(
     state, _ = md.checkpoint.restore(found, trainer.mesh, trainer.layout.param_layout, like=like)
     out.write(f"resuming from {found} at step {saved['step']}\n")
     return state, state.pop("data_key"), int(saved["step"])
+
+
+def _hf_params(folder: str, trainer: Trainer, like: Any) -> Any:
+    """The weights of the Hugging Face ``folder`` in the trainer's stored layout, each device reading its block."""
+    return md.checkpoint.load_safetensors(
+        folder, like=like, names=trainer.model.hf_names(), mesh=trainer.mesh, layout=trainer.layout.param_layout
+    )
 
 
 def _check_data(found: Path, tokens: TokenFile | None, step: int) -> None:
@@ -424,6 +459,7 @@ def train(
     mesh: md.Mesh | None = None,
     err: TextIO = sys.stderr,
     model: Any = None,
+    signals: bool = False,
 ) -> list[float]:
     """Train as ``run`` says and return the loss of every step it ran.
 
@@ -438,20 +474,26 @@ def train(
     The checkpoint dir is locked for the run (a second run on it is a ConfigError before anything is
     built). A step that needs more memory than a device has is a ConfigError before any state is made
     (:mod:`meshdsl.measure.fits`). ``model``: what ``check(run)`` returned, when the caller checked first
-    (the model is then not built again).
+    (the model is then not built again). ``signals`` (what ``meshdsl train`` passes): SIGTERM or Ctrl-C
+    stops the run after its step, saved, raising :class:`meshdsl.errors.Interrupted`
+    (:mod:`meshdsl.train.signals`).
     """
     model = check(run, model)
     run = resolved(run)
-    if run.checkpoint_dir is None:
-        return _train(run, model, out, mesh, err, None)
-    manager = md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
-    note = manager.acquire()
-    if note is not None:
-        err.write(f"meshdsl train: note: {note}\n")
-    try:
-        return _train(run, model, out, mesh, err, manager)
-    finally:
-        manager.release()
+    manager = None
+    if run.checkpoint_dir is not None:
+        manager = md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
+    stops = Stops(err, None if manager is None else manager.release) if signals else None
+    with stops or contextlib.nullcontext():
+        if manager is None:
+            return _train(run, model, out, mesh, err, None, stops)
+        note = manager.acquire()
+        if note is not None:
+            err.write(f"meshdsl train: note: {note}\n")
+        try:
+            return _train(run, model, out, mesh, err, manager, stops)
+        finally:
+            manager.release()
 
 
 def _train(
@@ -461,6 +503,7 @@ def _train(
     mesh: md.Mesh | None,
     err: TextIO,
     manager: md.checkpoint.CheckpointManager | None,
+    stops: Stops | None = None,
 ) -> list[float]:
     """:func:`train` after its checks (which built ``model``), with the checkpoint dir (if any) locked."""
     primary = distributed.is_primary()
@@ -507,14 +550,19 @@ def _train(
     compile_seconds = time.perf_counter() - began
     out.write(f"compiled in {compile_seconds:.1f} s\n")
 
+    if stops is not None:
+        stops.training()  # before the log is opened: a stop at once must not cut a resumed log's rewrite short
     sinks = logs.Logs(run.log_json if primary else None, run.tensorboard if primary else None, first)
     progress = Progress(first, run.steps, unit, out, run.log_every)
     profiler = _Profiler(run.profile_steps, run.steps, _profile_dir(run))
     losses: list[float] = []
     times: list[float] = []
     evals: list[tuple[int, float]] = []
+    stopped: int | None = None
     try:
         for step in range(first, run.steps):
+            if stops is not None:
+                stops.step = step
             batch = batch_of(step)
             profiler.before(step + 1)
             start = time.perf_counter()
@@ -553,9 +601,12 @@ def _train(
             progress.update(record)
             if traced:
                 progress.note(traced)
-            if manager is not None and (manager.due(step + 1) or step + 1 == run.steps):
+            stopped = None if stops is None or step + 1 == run.steps else stops.agreed()
+            if manager is not None and (manager.due(step + 1) or step + 1 == run.steps or stopped):
                 data_state = {} if tokens is None else {"data_state": tokens.state(step + 1)}
                 progress.note(_save(manager, step + 1, state, data_key, {**metadata, **data_state}))
+            if stopped:
+                break
     finally:
         profiler.stop()
         progress.close()
@@ -581,4 +632,12 @@ def _train(
         logs=written,
     )
     out.write("\n".join(summary.lines()) + "\n")
+    if stopped:
+        raise Interrupted(stopped, _stop_line(stopped, first + len(losses), run, manager))
     return losses
+
+
+def _stop_line(signum: int, step: int, run: RunConfig, manager: md.checkpoint.CheckpointManager | None) -> str:
+    """What a run a signal stopped after ``step`` says last: what it saved and how to go on."""
+    where = f"saved {manager.path(step)}; continue with --resume" if manager else "nothing saved (no --checkpoint-dir)"
+    return f"{describe(signum)}: stopped after step {step} of {run.steps}: {where}"
