@@ -106,15 +106,16 @@ def _model(run: RunConfig) -> Any:
                 f"{flag}: model {run.model} cannot take it: its Config has no {field} field; "
                 f"a model takes {flag} by declaring {field}: {kind} in its Config and using it"
             )
-    return build_model(run.model, run.preset, **run.overrides, **{k: v for k, v in flags.items() if v is not None})
+    given = {k: v for k, v in flags.items() if v is not None}
+    return build_model(run.model, run.preset, **{**given, **run.overrides})  # --set wins over a layout's [train]
 
 
 def resolved(run: RunConfig) -> RunConfig:
     """``run`` with the settings its flags leave None taken from its layout's ``[train]`` table, else the defaults."""
     table = settings.train_table(layout_path(run.layout))
     fields = {k: getattr(run, k) for k in settings.KEYS}
-    chosen: dict[str, Any] = {
-        k: v if v is not None else table.get(k, settings.DEFAULTS.get(k)) for k, v in fields.items()
+    chosen: dict[str, Any] = {  # False: --remat not given
+        k: table.get(k, settings.DEFAULTS.get(k, v)) if v is None or v is False else v for k, v in fields.items()
     }
     return dataclasses.replace(run, **chosen)
 
@@ -316,6 +317,12 @@ def _check_resumable(path: Path, saved: dict[str, Any], mine: dict[str, Any]) ->
         )
 
 
+def _finished(run: RunConfig, manager: md.checkpoint.CheckpointManager | None) -> bool:
+    """Whether a resumed run's latest checkpoint is already at ``--steps`` (checked before compiling anything)."""
+    found = manager.latest() if manager is not None and run.resume else None
+    return found is not None and md.checkpoint.read_manifest(found)["metadata"].get("step") == run.steps
+
+
 def _start(
     run: RunConfig, trainer: Trainer, manager: md.checkpoint.CheckpointManager | None, out: TextIO
 ) -> tuple[Any, jax.Array, int]:
@@ -393,7 +400,7 @@ def _header(run: RunConfig, mesh: md.Mesh, layout: md.Layout) -> str:
         extra.append(f"{run.accumulate} microbatches a step")
     shown = f" ({'; '.join(extra)})" if extra else ""
     where = f"on mesh {mesh} ({jax.devices()[0].platform})"
-    return f"meshdsl train: {run.model} {run.preset} {where} under {layout}{params}{shown}\n"
+    return f"meshdsl train: {run.model} {run.preset} {where} under {layout.shown()}{params}{shown}\n"
 
 
 def _eval_batches(run: RunConfig, trainer: Trainer, tokens: TokenFile | None) -> Callable[[int], tuple[Any, jax.Array]]:
@@ -510,6 +517,9 @@ def _train(
     tokens = None if run.data is None else token_file(run, model)
     out.write(_header(run, mesh, layout))
     eval_batch = _eval_batches(run, trainer, tokens) if run.eval_every else None
+    if _finished(run, manager):
+        out.write(f"nothing to train: the checkpoint is at step {run.steps}, which is --steps (nothing compiled)\n")
+        return []
     out.write(f"compiling the train step{' and the eval step' if eval_batch else ''} ...\n")
     out.flush()
     began = time.perf_counter()
@@ -603,7 +613,9 @@ def _train(
         picture = sinks.close()
     written = [f"log: {run.log_json}" + ("" if picture is None else f", loss curve {picture}")] if run.log_json else []
     if run.tensorboard:
-        written.append(f"TensorBoard: {run.tensorboard} (tensorboard --logdir {run.tensorboard})")
+        written.append(
+            f"TensorBoard: {run.tensorboard} (view: pip install tensorboard; tensorboard --logdir {run.tensorboard})"
+        )
     summary = Summary(
         steps=len(losses),
         seconds=time.perf_counter() - began,

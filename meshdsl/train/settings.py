@@ -9,6 +9,8 @@ A layout TOML file may set the schedule and accumulation beside its mesh and rul
     min_lr_ratio = 0.1
     learning_rate = 3e-4
     accumulate = 4
+    remat = true             # what meshdsl search assumed: the model's remat and compute_dtype
+    compute_dtype = "bfloat16"
 
 A flag given on the command line wins over the table; what neither sets takes :data:`DEFAULTS`.
 """
@@ -27,6 +29,8 @@ KEYS: dict[str, tuple[type, ...]] = {
     "min_lr_ratio": (int, float),
     "learning_rate": (int, float),
     "accumulate": (int,),
+    "remat": (bool,),
+    "compute_dtype": (str,),
 }
 """The keys of a ``[train]`` table and the TOML types each takes."""
 DEFAULTS: dict[str, Any] = {"lr_schedule": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0, "accumulate": 1}
@@ -48,7 +52,7 @@ def train_table(path: Path | None) -> dict[str, Any]:
     for key, value in table.items():
         if key not in KEYS:
             raise LayoutError(f"layout file {str(path)!r}: [train] has unknown key {key!r}; known: {', '.join(KEYS)}")
-        if isinstance(value, bool) or not isinstance(value, KEYS[key]):
+        if (isinstance(value, bool) and bool not in KEYS[key]) or not isinstance(value, KEYS[key]):
             kinds = " or ".join(t.__name__ for t in KEYS[key])
             raise LayoutError(f"layout file {str(path)!r}: [train] {key} = {value!r} should be a {kinds}")
     return dict(table)
