@@ -15,7 +15,12 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from meshdsl.train.progress import duration
+
+def duration(seconds: float) -> str:
+    """``seconds`` as ``H:MM:SS`` (``M:SS`` under an hour)."""
+    s = int(round(seconds))
+    h, m = divmod(s // 60, 60)
+    return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}"
 
 
 class Waiting:
