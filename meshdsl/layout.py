@@ -299,6 +299,10 @@ class Layout:
     def __str__(self) -> str:
         return "; ".join(f"{d}:{a[0]}" if len(a) == 1 else f"{d}:({', '.join(a)})" for d, a in self.rules.items())
 
+    def shown(self) -> str:
+        """The rules as messages name them: ``str(self)``, or ``no rules (everything replicated)`` for none."""
+        return str(self) or "no rules (everything replicated)"
+
     def __repr__(self) -> str:
         params = "" if self.params is None else f", params={str(self.params)!r}"
         attention = f", attention={self.attention!r}" if self.attention else ""

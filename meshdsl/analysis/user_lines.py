@@ -38,8 +38,8 @@ def _under(path: Path, folders: tuple[Path, ...]) -> Path | None:
 
 @functools.cache
 def _meshdsl() -> tuple[Path, ...]:
-    """meshdsl's own folder (this module's)."""
-    return (Path(__file__).resolve().parent,)
+    """meshdsl's own folder (the package's: this module lives in ``meshdsl/analysis/``)."""
+    return (Path(__file__).resolve().parents[1],)
 
 
 @functools.cache

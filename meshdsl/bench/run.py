@@ -35,8 +35,9 @@ from meshdsl.pipeline import PipelineConfig, bubble, schedule_bubble
 from meshdsl.pipeline.run import stages
 from meshdsl.runtime import output_paths
 from meshdsl.runtime.layout_spec import is_shipped, layout_path, load_layout
-from meshdsl.train import optim
-from meshdsl.train.rules import unused_rules
+from meshdsl.runtime.waiting import Waiting
+from meshdsl.train import optim, settings
+from meshdsl.train.rules import split_warnings, unused_rules
 from meshdsl.train.step import Trainer
 
 
@@ -49,7 +50,10 @@ class BenchConfig:
     steps_per_round: int = 3
     baseline: str | None = None
     optimizer: str = "adamw"
-    out: str = "bench-results"
+    out: str | None = None
+    """The results folder (None: a new ``bench-results/run-N``); one holding results already needs ``force``."""
+    force: bool = False
+    """Write into an ``out`` that holds an earlier run's results (replacing them)."""
     seed: int = 0
     grad_reduce_dtype: str | None = None
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -107,9 +111,16 @@ class Entry:
         return statistics.median(self.step_times)
 
     @property
-    def spread_s(self) -> float:
+    def quartiles_s(self) -> tuple[float, float]:
+        """The step time's 25th and 75th percentiles over the rounds."""
         q = np.percentile(self.step_times, [25, 75])
-        return float(q[1] - q[0])
+        return float(q[0]), float(q[1])
+
+    @property
+    def spread_s(self) -> float:
+        """The interquartile range's width (75th minus 25th percentile)."""
+        p25, p75 = self.quartiles_s
+        return p75 - p25
 
     @property
     def overhead_spread(self) -> float | None:
@@ -167,6 +178,10 @@ class Entry:
             "compile_s": self.compile_s,
             "step_s_median": self.step_s,
             "step_s_spread": self.spread_s,
+            "step_s_p25": self.quartiles_s[0],
+            "step_s_p75": self.quartiles_s[1],
+            "examples_per_step": self.examples_per_step,
+            "example_unit": self.example_unit,
             "step_times_s": self.step_times,
             f"{self.example_unit}_per_s": None
             if self.examples_per_step is None
@@ -247,8 +262,27 @@ def check(cfg: BenchConfig, models: list[tuple[str, Any]] | None = None) -> list
     for model_name, model in models:
         for spec in _layout_specs(cfg.layouts, model, model_name):
             load_layout(spec)
-    output_paths.check_dir(cfg.out, "--out")
+    output_paths.check_dir(results_dir(cfg), "--out")
     return models
+
+
+RESULTS = Path("bench-results")
+"""Where runs without ``--out`` go, each in a new ``run-N`` folder."""
+
+
+def results_dir(cfg: BenchConfig) -> Path:
+    """The folder this run writes: ``cfg.out``, or the next free ``bench-results/run-N``. ConfigError when
+    ``cfg.out`` holds an earlier run's results and ``cfg.force`` is not set (nothing is overwritten unasked)."""
+    if cfg.out is None:
+        taken = [int(p.name[4:]) for p in RESULTS.glob("run-*") if p.name[4:].isdigit()]
+        return RESULTS / f"run-{max(taken, default=0) + 1}"
+    out = Path(cfg.out)
+    if (out / "results.json").exists() and not cfg.force:
+        raise ConfigError(
+            f"--out {cfg.out!r} holds an earlier run's results (results.json); pass --force to replace them, "
+            "or leave --out out for a new bench-results/run-N"
+        )
+    return out
 
 
 def _pipeline_variants(cfg: BenchConfig, spec: str, model: Any) -> list[tuple[PipelineConfig, int] | None]:
@@ -278,8 +312,10 @@ def _prepare(
     """Compile one model x layout (x pipeline variant: the model rebuilt for its batch); None (with a note)
     when the layout does not fit the model."""
     layout = load_layout(spec)
-    if variant is not None:
-        model = build_model(model_name, cfg.preset, **{**cfg.overrides, "batch": variant[1]})
+    assumed = model_settings(spec)
+    if variant is not None or assumed:
+        batch = {} if variant is None else {"batch": variant[1]}
+        model = build_model(model_name, cfg.preset, **{**cfg.overrides, **assumed, **batch})
     name = _label(spec)
     label = name if variant is None else f"{name}[{_schedule_label(variant[0])} M={variant[0].microbatches}]"
     optimizer = optim.make(cfg.optimizer)
@@ -328,6 +364,13 @@ def _prepare(
         if checked.note is not None:
             out(f"  {model_name} x {label}: plain-JAX baseline not timed: {checked.note}")
     return entry, step, plain
+
+
+def model_settings(spec: str) -> dict[str, Any]:
+    """The model settings a layout file's ``[train]`` table sets (``remat``, ``compute_dtype``: what ``meshdsl
+    search`` assumed when it wrote the file), which bench applies as train does; empty for inline rules."""
+    table = settings.train_table(layout_path(spec))
+    return {k: table[k] for k in ("remat", "compute_dtype") if k in table}
 
 
 def _gspmd(step: CompiledStep, grad_reduce_dtype: str | None) -> tuple[dict[str, dict[str, float]] | None, str | None]:
@@ -413,7 +456,15 @@ def _time(
     ]
     orders = round_orders(len(timed), cfg.rounds, cfg.seed)
     failed: dict[int, BaseException] = {}
-    samples = interleaved_rounds([step for _, step, _ in timed], orders, cfg.steps_per_round, failed)
+    rounds = Waiting("meshdsl bench", f"timing rounds of {len(timed)} steps x {cfg.steps_per_round}", cfg.rounds, 0)
+    rounds.show("warming up")
+    samples = interleaved_rounds(
+        [step for _, step, _ in timed],
+        orders,
+        cfg.steps_per_round,
+        failed,
+        on_round=lambda r: rounds.advance() if r else rounds.show("warmed up", force=True),
+    )
     for i, error in failed.items():
         out(f"  dropped: {fits.run_time_message(timed[i][2], error)}")
         samples[i].clear()
@@ -433,6 +484,19 @@ def device_peak_bytes() -> int | None:
     entry's); None where the device keeps no such count (XLA's CPU devices)."""
     stats = jax.local_devices()[0].memory_stats()
     return None if not stats or "peak_bytes_in_use" not in stats else int(stats["peak_bytes_in_use"])
+
+
+def _layout_warnings(spec: str, model: Any, name: str) -> list[str]:
+    """What train warns about a layout: a user's rules naming no dim of the model, and a layout (shipped ones
+    too, such as ``spatial`` on the transformer) that splits nothing, or neither the batch nor half the
+    parameters, on its mesh."""
+    layout = load_layout(spec)
+    unused = [] if is_shipped(layout_path(spec)) else unused_rules(layout, model, name)
+    try:
+        mesh = layout.mesh()
+    except (md.LayoutError, md.ConfigError):  # reported when the entry is compiled and skipped
+        return unused
+    return [*unused, *split_warnings(layout, mesh, model, name, warned=bool(unused))]
 
 
 def _name(entry: Entry) -> str:
@@ -466,14 +530,22 @@ def run(
     devices = jax.devices()
     out(f"meshdsl bench: {len(devices)} x {devices[0].device_kind} ({devices[0].platform})")
     prepared, skipped = [], []
+    total = sum(
+        len(_pipeline_variants(cfg, spec, model))
+        for model_name, model in models
+        for spec in _layout_specs(cfg.layouts, model, model_name)
+    )
+    compiling = Waiting("meshdsl bench", "entries compiled", total, every=0)
     for model_name, model in models:
         for note in notes(model, model_name):
             warn(f"meshdsl bench: note: {note}")
         for spec in _layout_specs(cfg.layouts, model, model_name):
-            for warning in [] if is_shipped(layout_path(spec)) else unused_rules(load_layout(spec), model, model_name):
+            for warning in _layout_warnings(spec, model, model_name):
                 warn(f"meshdsl bench: warning: {warning}")
             for variant in _pipeline_variants(cfg, spec, model):
+                compiling.show(f"compiling {model_name} x {_label(spec)}")
                 item = _prepare(model_name, model, cfg, spec, out_and_keep, variant)
+                compiling.done += 1
                 if item is None:
                     skipped.append(f"{model_name} x {_label(spec)}")
                 else:
@@ -495,6 +567,7 @@ def run(
     peak = device_peak_bytes()
     summaries = [{**entry.summary(), "device_peak_bytes_in_use": peak} for entry, _, _ in prepared]
     if jax.process_index() == 0:  # a multi-process run: process 0 writes the reports
-        with output_paths.writing(f"the reports in --out {cfg.out!r}", "the table above holds the results"):
-            out(write_reports(summaries, Path(cfg.out), lines))
+        folder = results_dir(cfg)
+        with output_paths.writing(f"the reports in {str(folder)!r}", "the table above holds the results"):
+            out(write_reports(summaries, folder, lines))
     return summaries

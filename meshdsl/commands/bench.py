@@ -49,7 +49,12 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
         metavar="V",
         help="the interleaved schedule's chunks per stage (default: the layout's when it is interleaved, else 2)",
     )
-    bench.add_argument("--out", default="bench-results", help="folder for JSON, markdown and PNG charts")
+    bench.add_argument(
+        "--out",
+        default=None,
+        help="folder for JSON, markdown and PNG charts (default: a new bench-results/run-N each run)",
+    )
+    bench.add_argument("--force", action="store_true", help="replace the results an earlier run left in --out")
     bench.add_argument(
         "--no-gspmd", action="store_true", help="skip compiling each step on XLA's partitioner for the '÷ gspmd' column"
     )
@@ -73,6 +78,7 @@ def config(args: argparse.Namespace) -> BenchConfig:
         baseline=args.baseline,
         optimizer=args.optimizer,
         out=args.out,
+        force=args.force,
         grad_reduce_dtype=args.grad_reduce_dtype,
         overrides=flags.overrides(args.overrides),
         microbatches=args.microbatches,

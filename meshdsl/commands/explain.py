@@ -101,7 +101,7 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> None:
         print(
             f"meshdsl explain: warning: the predicted memory, {fits.readable(prediction.memory.total)} per device, "
             f"exceeds profile {profile.name}'s {fits.readable(profile.memory_bytes)}; "
-            f"{fits.remedies(fits.Capacity(int(profile.memory_bytes), profile.name))}",
+            f"{fits.remedies(fits.Capacity(int(profile.memory_bytes), profile.name), fits.remats(model))}",
             file=sys.stderr,
         )
 

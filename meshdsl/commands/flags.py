@@ -106,7 +106,7 @@ def add_settings(
         text = (helps or {}).get(name) or setting.help or SHARED_HELP[name]
         shown = setting.default_words or (None if default is None or default is False or default == {} else default)
         if setting.table:
-            shown = f"the layout file's [train] {name}, else {shown}"
+            shown = f"the layout file's [train] {name}" + ("" if shown is None else f", else {shown}")
         kwargs: dict[str, Any] = {
             "dest": name,
             "help": (text if shown is None else f"{text} (default: {shown})").replace("%", "%%"),

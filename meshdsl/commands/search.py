@@ -95,7 +95,9 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> None:
     optimizer = optim.make(args.optimizer)
     limit = None if args.memory_gb is None else args.memory_gb * 1e9
     start = time.perf_counter()
-    result = search(model, optimizer, devices, profile, limit, pipeline=not args.no_pipeline, name=args.model)
+    result = search(
+        model, optimizer, devices, profile, limit, pipeline=not args.no_pipeline, name=args.model, status=sys.stderr
+    )
     seconds = time.perf_counter() - start
     counts = result.dropped_by_reason()
     reasons = f" ({', '.join(f'{n} {why}' for why, n in counts.items())})" if counts else ""
@@ -133,7 +135,7 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> None:
         print(verdict([p.step_s for _, p in result.ranked[:k]], times))
     if args.out:
         with output_paths.writing(f"--out {args.out!r}", "the ranking above is the search's result"):
-            write_layout(*result.best, output_paths.parent(args.out), profile)
+            write_layout(*result.best, output_paths.parent(args.out), profile, model)
         print(f"wrote the best layout to {args.out}")
 
 

@@ -40,19 +40,22 @@ def order_key(x: jax.Array) -> jax.Array:
     """Integers ordered as ``x``'s values in the total order NaN > +inf > ... > +0.0 > -0.0 > ... > -inf
     (float ``x``: its bits, the negative ones' magnitude bits flipped, every NaN made one positive
     NaN); a non-float ``x`` itself. Maxima taken of keys keep NaN, which ``pmax`` and XLA's
-    all-reduce drop on some backends (CPU), so a maximum is the same under every layout."""
+    all-reduce drop on some backends (CPU), so a maximum is the same under every layout. The
+    constants are Python scalars (jaxpr literals), so two keys of one value are one computation for
+    XLA's CSE and for ``md.explain`` alike."""
     if not jnp.issubdtype(x.dtype, jnp.floating):
         return x
-    ints = jnp.dtype(f"int{8 * x.dtype.itemsize}")
-    bits = lax.bitcast_convert_type(jnp.where(jnp.isnan(x), jnp.array(jnp.nan, x.dtype), x), ints)
-    return jnp.where(bits < 0, bits ^ jnp.array(jnp.iinfo(ints).max, ints), bits)
+    ints = np.dtype(f"int{8 * x.dtype.itemsize}")
+    nan_bits = int(np.array(np.nan, x.dtype).view(ints))
+    bits = lax.select(x != x, lax.full_like(x, 0, ints) + nan_bits, lax.bitcast_convert_type(x, ints))
+    return lax.select(bits < 0, bits ^ int(np.iinfo(ints).max), bits)
 
 
 def from_key(key: jax.Array, dtype: Any) -> jax.Array:
     """The value of ``dtype`` whose :func:`order_key` is ``key``."""
     if not jnp.issubdtype(dtype, jnp.floating):
         return key
-    bits = jnp.where(key < 0, key ^ jnp.array(jnp.iinfo(key.dtype).max, key.dtype), key)
+    bits = lax.select(key < 0, key ^ int(np.iinfo(key.dtype).max), key)
     return lax.bitcast_convert_type(bits, dtype)
 
 
@@ -104,15 +107,16 @@ def max_and_index(x: jax.Array, positions: tuple[int, ...]) -> tuple[jax.Array, 
 def _larger_first(a: tuple, b: tuple) -> tuple:
     """The reduction step of (value, index) pairs: the larger value in :func:`order_key`'s order, the
     index of the first entry equal to it (NaN largest, -0.0 equal to +0.0, as ``jnp.argmax``). One
-    function object, so JAX traces it once and equal reductions stay equal."""
+    function object without array constants (the reduction's region stays one for XLA's CSE: an
+    :func:`order_key` here kept XLA from merging a recomputed maximum with its forward one), so JAX
+    traces it once and equal reductions stay equal."""
     (va, ia), (vb, ib) = a, b
     a_nan, b_nan = va != va, vb != vb
     tie = (va == vb) | (a_nan & b_nan)
     take_a = (a_nan & ~b_nan) | (~b_nan & (va > vb)) | (tie & (ia < ib))
-    if jnp.issubdtype(va.dtype, jnp.floating):
-        value = lax.select(order_key(va) >= order_key(vb), va, vb)
-    else:
-        value = lax.select(take_a, va, vb)
+    value = lax.select(take_a, va, vb)
+    if jnp.issubdtype(va.dtype, jnp.floating):  # -0.0 and +0.0 tie; their maximum is +0.0, as jnp.max's
+        value = lax.select(tie & (va == 0), va + vb, value)
     return value, lax.select(take_a, ia, ib)
 
 

@@ -90,31 +90,38 @@ def readable(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def remedies(cap: Capacity) -> str:
-    """What would make a step fit, for the message."""
+def remedies(cap: Capacity, remat: bool = False) -> str:
+    """What would make a step fit, for the message (``remat``: the model already recomputes its
+    activations, so that is not suggested again)."""
+    recompute = "" if remat else "recompute activations (--set remat=true where the model has it), "
     return (
-        "to fit: recompute activations (--set remat=true where the model has it), a smaller batch (--set batch=N), "
+        f"to fit: {recompute}a smaller batch (--set batch=N), "
         f"more devices, or a layout `meshdsl search --memory-gb {cap.bytes / 1e9:.3g}` proposes"
     )
 
 
-def message(what: str, needed: Mapping[str, int], cap: Capacity) -> str:
+def remats(model: Any) -> bool:
+    """Whether ``model``'s config turns recomputation on (``remat``: True)."""
+    return getattr(getattr(model, "config", None), "remat", False) is True
+
+
+def message(what: str, needed: Mapping[str, int], cap: Capacity, remat: bool = False) -> str:
     """One line: ``what`` needs this much per device (and of what), a device has that much, remedies."""
     parts = " + ".join(f"{k} {readable(needed[k])}" for k in ("arguments", "outputs", "temporaries"))
     if needed.get("aliased"):
         parts += f" - donated {readable(needed['aliased'])}"
     return (
         f"{what} does not fit: it needs {readable(needed['total'])} per device ({parts}) but a device has "
-        f"{readable(cap.bytes)} ({cap.source}); {remedies(cap)}"
+        f"{readable(cap.bytes)} ({cap.source}); {remedies(cap, remat)}"
     )
 
 
-def check(what: str, needed: Mapping[str, int], cap: Capacity | None = None) -> None:
+def check(what: str, needed: Mapping[str, int], cap: Capacity | None = None, remat: bool = False) -> None:
     """Raise :class:`DoesNotFit` when ``needed`` (:func:`meshdsl.measure.timing.memory_bytes`) exceeds
-    ``cap`` (default: :func:`capacity` of the first local device)."""
+    ``cap`` (default: :func:`capacity` of the first local device); ``remat``: the model recomputes already."""
     cap = cap or capacity()
     if cap is not None and needed["total"] > cap.bytes:
-        raise DoesNotFit(message(what, needed, cap), needed["total"], cap)
+        raise DoesNotFit(message(what, needed, cap, remat), needed["total"], cap)
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -87,7 +87,7 @@ def compile_checked(trainer: Trainer, data: Any, what: str, capacity: fits.Capac
     key or a batch; concrete or abstract), checked against the device's memory first:
     :class:`meshdsl.measure.fits.DoesNotFit` (naming ``what``) when it needs more than a device has."""
     compiled = compile_abstract(trainer, data)
-    fits.check(what, memory_bytes(compiled), capacity)
+    fits.check(what, memory_bytes(compiled), capacity, remat=fits.remats(trainer.model))
     return compiled
 
 
@@ -146,13 +146,15 @@ def interleaved_rounds(
     orders: Sequence[Sequence[int]],
     steps_per_round: int,
     failed: dict[int, BaseException] | None = None,
+    on_round: Callable[[int], None] | None = None,
 ) -> list[list[float]]:
     """Seconds per step of each of ``steps``, one sample per round: after one warm-up call each,
     every round runs each step ``steps_per_round`` times, in that round's order (:func:`round_orders`).
 
     With ``failed`` (a dict to fill), a step that runs out of device memory at run time
     (:func:`meshdsl.measure.fits.is_out_of_memory`) is recorded there by index and left out of the
-    later rounds, so the other steps' samples are kept; without it, the error propagates."""
+    later rounds, so the other steps' samples are kept; without it, the error propagates.
+    ``on_round(r)`` is called after the warm-up (``r = 0``) and after each round ``r`` (progress lines)."""
 
     def run(i: int) -> bool:
         try:
@@ -166,12 +168,16 @@ def interleaved_rounds(
 
     for i in range(len(steps)):
         run(i)
+    if on_round is not None:
+        on_round(0)
     samples: list[list[float]] = [[] for _ in steps]
-    for order in orders:
+    for r, order in enumerate(orders, 1):
         for i in order:
             if failed and i in failed:
                 continue
             start = time.perf_counter()
             if all(run(i) for _ in range(steps_per_round)):
                 samples[i].append((time.perf_counter() - start) / steps_per_round)
+        if on_round is not None:
+            on_round(r)
     return samples

@@ -204,6 +204,10 @@ def collective_times(
     return out
 
 
+UNRESOLVED = 1e15
+"""The bandwidth :func:`fit` gives where the times do not grow with the bytes (its slope clamped): a placeholder."""
+
+
 def fit(points: list[tuple[float, float]]) -> Link:
     """Least-squares ``seconds = latency + bytes / bandwidth`` (latency and 1/bandwidth kept positive)."""
     x = np.array([b for b, _ in points])
@@ -212,8 +216,8 @@ def fit(points: list[tuple[float, float]]) -> Link:
         got = sorted(set(x.tolist()))
         raise ConfigError(f"calibrate: a latency and a bandwidth need points at two or more byte counts, got {got}")
     slope, intercept = np.polyfit(x, y, 1)
-    slope = max(slope, 1e-15)
-    return Link(latency_s=float(max(intercept, 0.0)), bandwidth=float(1.0 / slope))
+    bandwidth = UNRESOLVED if slope <= 1 / UNRESOLVED else 1.0 / slope
+    return Link(latency_s=float(max(intercept, 0.0)), bandwidth=float(bandwidth))
 
 
 def _meshes(count: int) -> list[jax.sharding.Mesh]:
@@ -294,10 +298,19 @@ def _measure_links(
                         }
                     )
         links[kind] = fit(points)
-        out(
-            f"  {kind}: latency {links[kind].latency_s * 1e6:.1f} us, {links[kind].bandwidth / 1e9:.2f} GB/s per device"
-        )
+        out(link_line(kind, links[kind]))
     return links
+
+
+def link_line(kind: str, link: Link) -> str:
+    """The line calibrate prints for a fitted link; a clamped fit's bandwidth is named as unresolved, not shown as a
+    figure (a dry run's sizes are too small for the time to grow with the bytes)."""
+    if link.bandwidth >= UNRESOLVED:
+        return (
+            f"  {kind}: latency {link.latency_s * 1e6:.1f} us, bandwidth not resolved (the times did not grow with "
+            "the bytes at these sizes: too small to measure it)"
+        )
+    return f"  {kind}: latency {link.latency_s * 1e6:.1f} us, {link.bandwidth / 1e9:.2f} GB/s per device"
 
 
 def _unmeasured_links(device: Any) -> tuple[dict[str, Link], str]:

@@ -44,15 +44,17 @@ import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import meshdsl as md
 from meshdsl.errors import ConfigError, UnsupportedJaxError
+from meshdsl.measure.fits import remats
 from meshdsl.planner import memory as memory_model
 from meshdsl.planner.cost import Prediction, price
 from meshdsl.planner.profile import DeviceProfile
 from meshdsl.planner.roles import DimRoles, roles
 from meshdsl.planner.trace import abstract_batch, trace_step
+from meshdsl.runtime.waiting import Waiting, is_terminal
 from meshdsl.train.step import Trainer
 
 GiB = 2.0**30
@@ -77,8 +79,9 @@ class Candidate:
         attention = "".join(f" | attention {a}={s}" for a, s in self.layout.attention.items())
         return f"[{mesh}] {str(self.layout) or 'replicated'}{params}{pipe}{attention}"
 
-    def toml(self, description: str) -> str:
-        """This candidate as a layout file ``md.Layout.load`` and ``meshdsl train --layout`` read."""
+    def toml(self, description: str, assumed: Mapping[str, Any] | None = None) -> str:
+        """This candidate as a layout file ``md.Layout.load`` and ``meshdsl train --layout`` read; ``assumed``:
+        the model settings the plan assumed (``remat``, ``compute_dtype``), as a ``[train]`` table train applies."""
 
         def table(name: str, rules: Mapping[str, tuple[str, ...]]) -> list[str]:
             body = [
@@ -102,6 +105,9 @@ class Candidate:
                 lines.append(f"virtual_stages = {p.virtual_stages}")
         if self.layout.attention:
             lines += ["", "[attention]", *(f'{a} = "{s}"' for a, s in self.layout.attention.items())]
+        if assumed:
+            values = {k: ("true" if v else "false") if isinstance(v, bool) else f'"{v}"' for k, v in assumed.items()}
+            lines += ["", "[train]", *(f"{k} = {v}" for k, v in values.items())]
         return "\n".join(lines) + "\n"
 
 
@@ -276,20 +282,31 @@ def search(
     pipeline: bool = True,
     progress: Callable[[str], None] | None = None,
     name: str = "the model",
+    status: TextIO | None = None,
 ) -> SearchResult:
     """Rank every legal candidate of ``model`` on ``devices`` devices that fits ``memory_limit`` bytes.
+
+    ``status``: where to print progress lines (candidates considered, elapsed, ETA: at most one every 2 s;
+    :class:`~meshdsl.runtime.waiting.Waiting`); None prints none.
 
     ConfigError when none fits, naming the closest candidate and by how much it is over (``name``:
     the model's name in that message).
     """
     limit = memory_limit if memory_limit is not None else profile.memory_bytes
+    if status is not None and is_terminal(status):
+        print(f"meshdsl search: tracing {name}'s state and batch to find its dims' roles ...", file=status, flush=True)
     state, batch = abstract_state(model, optimizer), abstract_batch(model)
     r = model_roles(model, state, batch.shapes)
     dims = r.sizes
     ranked: list[tuple[Candidate, Prediction]] = []
     dropped: list[Dropped] = []
     traced = 0
-    for cand in candidates(model, r, devices, pipeline):
+    every = candidates(model, r, devices, pipeline)
+    waiting = Waiting("meshdsl search", "candidates traced and priced", len(every), out=status) if status else None
+    for i, cand in enumerate(every):
+        if waiting is not None:
+            waiting.done = i
+            waiting.show(f"next: {cand.name}")
         why = indivisible(cand, dims)
         if why is not None:
             dropped.append(Dropped(cand, why))
@@ -327,6 +344,9 @@ def search(
             dropped.append(Dropped(cand, "predicted peak memory exceeds the memory limit", prediction.memory.total))
             continue
         ranked.append((cand, prediction))
+    if waiting is not None:
+        waiting.done = len(every)
+        waiting.show(force=True)
     failures = [d for d in dropped if d.failed]
     if not ranked and failures:
         first = failures[0]
@@ -335,12 +355,12 @@ def search(
             f"(a bug in meshdsl to report, not an illegal layout), e.g. {first.candidate.name}: {first.reason}"
         ) from first.error
     if not ranked:
-        raise ConfigError(_no_fit(name, devices, limit, dropped))
+        raise ConfigError(_no_fit(name, devices, limit, dropped, remats(model)))
     ranked.sort(key=lambda item: item[1].step_s)
     return SearchResult(ranked, dropped, traced)
 
 
-def _no_fit(name: str, devices: int, limit: float, dropped: list[Dropped]) -> str:
+def _no_fit(name: str, devices: int, limit: float, dropped: list[Dropped], remat: bool = False) -> str:
     over = [(d.memory_bytes, d) for d in dropped if d.memory_bytes is not None]
     if not over:
         reasons = "; ".join(sorted({d.reason for d in dropped})[:3])
@@ -349,14 +369,26 @@ def _no_fit(name: str, devices: int, limit: float, dropped: list[Dropped]) -> st
     return (
         f"no layout of {name} fits {limit / GiB:.2f} GiB per device on {devices} devices; the closest, "
         f"{best.candidate.name}, "
-        f"needs {need / GiB:.2f} GiB, {(need - limit) / GiB:.2f} GiB ({need / limit - 1:.0%}) over"
+        f"needs {need / GiB:.2f} GiB, {(need - limit) / GiB:.2f} GiB ({need / limit - 1:.0%}) over; to fit: "
+        + ("" if remat else "recompute activations (--set remat=true where the model has it), ")
+        + "a smaller batch (--set batch=N) or more devices"
     )
 
 
-def write_layout(candidate: Candidate, prediction: Prediction, path: str | Path, profile: DeviceProfile) -> None:
-    """Write ``candidate`` as a layout TOML file, its prediction in the description."""
+def assumed(model: Any) -> dict[str, Any]:
+    """The model settings a plan depends on and train can set from a layout's ``[train]`` table: ``remat`` and
+    ``compute_dtype``, those the model's config has (a model without the field is never given it)."""
+    config = getattr(model, "config", None)
+    return {k: getattr(config, k) for k in ("remat", "compute_dtype") if hasattr(config, k)}
+
+
+def write_layout(
+    candidate: Candidate, prediction: Prediction, path: str | Path, profile: DeviceProfile, model: Any = None
+) -> None:
+    """Write ``candidate`` as a layout TOML file, its prediction in the description, and what the plan assumed of
+    ``model`` (:func:`assumed`) as its ``[train]`` table, so train and bench run the program search priced."""
     description = (
         f"Chosen by meshdsl search for {profile.name}: predicted {prediction.step_s * 1e3:.3f} ms per step, "
         f"{prediction.memory.total / GiB:.3f} GiB and {prediction.total_bytes / GiB:.3f} GiB moved per device."
     )
-    Path(path).write_text(candidate.toml(description))
+    Path(path).write_text(candidate.toml(description, None if model is None else assumed(model)))

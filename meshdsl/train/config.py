@@ -94,6 +94,12 @@ def _ratio(value: Any) -> str | None:
     return None if ok else "the final learning rate is a fraction of the peak, from 0 to 1"
 
 
+def _compute_dtype(value: Any) -> str | None:
+    return (
+        None if value is None or value in COMPUTE_DTYPES else f"the compute dtype is one of {', '.join(COMPUTE_DTYPES)}"
+    )
+
+
 def _seed(value: Any) -> str | None:
     return None if SEED_RANGE[0] <= value <= SEED_RANGE[1] else "a seed is a 64-bit integer, from -2**63 to 2**63 - 1"
 
@@ -154,12 +160,15 @@ class RunConfig:
         None,
         "compute in bf16 with f32 master parameters; for a model whose Config declares a compute_dtype field",
         resume=M,
+        table=True,
+        check=_compute_dtype,
         choices=COMPUTE_DTYPES,
     )
     remat: bool = setting(
         False,
         "recompute each layer's activations in the backward pass; for a model whose Config declares a remat field",
         resume=C,
+        table=True,
     )
     grad_reduce_dtype: str | None = setting(
         None,

@@ -46,7 +46,8 @@ def _model(run: RunConfig) -> Any:
                 f"{flag}: model {run.model} cannot take it: its Config has no {field} field; "
                 f"a model takes {flag} by declaring {field}: {kind} in its Config and using it"
             )
-    return build_model(run.model, run.preset, **run.overrides, **{k: v for k, v in flags.items() if v is not None})
+    given = {k: v for k, v in flags.items() if v is not None}
+    return build_model(run.model, run.preset, **{**given, **run.overrides})  # --set wins over a layout's [train]
 
 
 def _optimizer(run: RunConfig) -> optim.Optimizer:
@@ -193,6 +194,11 @@ def rule_warnings(spec: str, layout: md.Layout, name: str, model: Any) -> list[s
     return [] if is_shipped(layout_path(spec)) else unused_rules(layout, model, name)
 
 
+def _finished(prepared: Prepared) -> bool:
+    """Whether a resumed run's checkpoint is already at ``--steps`` (known from its manifest, before compiling)."""
+    return prepared.settled.checkpoint is not None and prepared.settled.start == prepared.run.steps
+
+
 def _start(
     run: RunConfig,
     trainer: Trainer,
@@ -266,7 +272,7 @@ def _header(run: RunConfig, mesh: md.Mesh, layout: md.Layout) -> str:
         extra.append(f"{run.accumulate} microbatches a step")
     shown = f" ({'; '.join(extra)})" if extra else ""
     where = f"on mesh {mesh} ({jax.devices()[0].platform})"
-    return f"meshdsl train: {run.model} {run.preset} {where} under {layout}{params}{shown}\n"
+    return f"meshdsl train: {run.model} {run.preset} {where} under {layout.shown()}{params}{shown}\n"
 
 
 def _eval_batches(run: RunConfig, trainer: Trainer, tokens: TokenFile | None) -> Callable[[int], tuple[Any, jax.Array]]:
@@ -384,6 +390,9 @@ def _train(
     out.write(_header(run, mesh, layout))
     out.writelines(f"{note}\n" for note in prepared.settled.notes)
     eval_batch = _eval_batches(run, trainer, tokens) if run.eval_every else None
+    if _finished(prepared):
+        out.write(f"nothing to train: the checkpoint is at step {run.steps}, which is --steps (nothing compiled)\n")
+        return []
     out.write(f"compiling the train step{' and the eval step' if eval_batch else ''} ...\n")
     out.flush()
     began = time.perf_counter()
@@ -473,7 +482,9 @@ def _train(
         picture = sinks.close()
     written = [f"log: {run.log_json}" + ("" if picture is None else f", loss curve {picture}")] if run.log_json else []
     if run.tensorboard:
-        written.append(f"TensorBoard: {run.tensorboard} (tensorboard --logdir {run.tensorboard})")
+        written.append(
+            f"TensorBoard: {run.tensorboard} (view: pip install tensorboard; tensorboard --logdir {run.tensorboard})"
+        )
     summary = Summary(
         steps=len(losses),
         seconds=time.perf_counter() - began,

@@ -16,12 +16,7 @@ import shutil
 import time
 from typing import Any, TextIO
 
-
-def duration(seconds: float) -> str:
-    """``seconds`` as ``H:MM:SS`` (``M:SS`` under an hour)."""
-    s = int(round(seconds))
-    h, m = divmod(s // 60, 60)
-    return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}"
+from meshdsl.runtime.waiting import duration
 
 
 def memory(nbytes: float) -> str:

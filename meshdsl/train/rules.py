@@ -83,7 +83,7 @@ def split_warnings(layout: md.Layout, mesh: md.Mesh, model: Any, name: str, warn
             []
             if warned
             else [
-                f"layout {layout} splits no dim of model {name} (its dims: {', '.join(dims)}), "
+                f"layout {layout.shown()} splits no dim of model {name} (its dims: {', '.join(dims)}), "
                 f"so each of the {mesh.size} devices holds and computes everything"
             ]
         )
@@ -94,8 +94,8 @@ def split_warnings(layout: md.Layout, mesh: md.Mesh, model: Any, name: str, warn
     if share >= 0.5:
         return []
     return [
-        f"layout {layout} splits only {', '.join(done)} of model {name}: {share:.0%} of its parameters and none of "
-        f"its batch's dims ({', '.join(batch_dims)}), so most of the step runs replicated on each of the "
+        f"layout {layout.shown()} splits only {', '.join(done)} of model {name}: {share:.0%} of its parameters and "
+        f"none of its batch's dims ({', '.join(batch_dims)}), so most of the step runs replicated on each of the "
         f"{mesh.size} devices"
     ]
 

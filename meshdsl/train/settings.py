@@ -9,6 +9,8 @@ A layout TOML file may set the schedule and accumulation beside its mesh and rul
     min_lr_ratio = 0.1
     learning_rate = 3e-4
     accumulate = 4
+    remat = true             # what meshdsl search assumed: the model's remat and compute_dtype
+    compute_dtype = "bfloat16"
 
 A flag given on the command line wins over the table; what neither sets takes a resumed
 checkpoint's value, else the field's default (:mod:`meshdsl.train.resolve`). Which keys a table may
@@ -28,6 +30,8 @@ from meshdsl.train import config
 def _types(name: str) -> tuple[type, ...]:
     """The TOML types a ``[train]`` key takes: those of its :class:`RunConfig` field."""
     annotation = str(config.settings()[name].type)
+    if annotation == "bool":
+        return (bool,)
     if "float" in annotation:
         return (int, float)
     return (int,) if "int" in annotation else (str,)
@@ -52,7 +56,7 @@ def train_table(path: Path | None) -> dict[str, Any]:
     for key, value in table.items():
         if key not in KEYS:
             raise LayoutError(f"layout file {str(path)!r}: [train] has unknown key {key!r}; known: {', '.join(KEYS)}")
-        if isinstance(value, bool) or not isinstance(value, KEYS[key]):
+        if (isinstance(value, bool) and bool not in KEYS[key]) or not isinstance(value, KEYS[key]):
             kinds = " or ".join(t.__name__ for t in KEYS[key])
             raise LayoutError(f"layout file {str(path)!r}: [train] {key} = {value!r} should be a {kinds}")
     return dict(table)
