@@ -19,6 +19,7 @@ from meshdsl.train import config, settings
 from meshdsl.train.config import Resume, RunConfig
 from meshdsl.train.loop import train
 
+HF = Path(__file__).resolve().parent / "data" / "hf" / "llama"
 MLP = ["--model", "mlp", "--preset", "tiny", "--layout", "batch:data"]
 
 
@@ -117,6 +118,7 @@ def test_a_resume_keeps_what_the_checkpoint_records(tmp_path, monkeypatch, capsy
         (["--seed", "8"], "--seed 8: checkpoint ck/step_2 was trained with seed 7"),
         (["--learning-rate", "0.1"], "--learning-rate 0.1: checkpoint ck/step_2 was trained with learning rate 0.5"),
         (["--profile-steps", "1:3"], "--profile-steps 1:3: the run resumes from ck/step_2 at step 2"),
+        (["--init-from-hf", str(HF)], f"--init-from-hf {HF}: checkpoint ck/step_2 was trained with init from hf None"),
     ):
         assert main(["train", "--checkpoint-dir", "ck", "--resume", "--steps", "4", *refused]) == 2
         one_error_line(capsys.readouterr().err, expected)

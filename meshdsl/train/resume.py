@@ -80,7 +80,8 @@ def merge(found: Path, saved: dict[str, Any], values: dict[str, Any], sources: d
     """Take each recorded setting that ``sources`` (those set on purpose) lacks from ``saved`` into
     ``values``; ConfigError for a MATCH setting set differently. The lines that say what was taken or changed."""
     notes = []
-    for name in recorded_names():
+    # --init-from-hf first: it also sets the model (hf:DIR), and a mismatch is best named by the flag given
+    for name in sorted(recorded_names(), key=lambda n: n != "init_from_hf"):
         if name not in saved:
             continue
         theirs, mine = saved[name], values[name]
