@@ -33,6 +33,28 @@ from meshdsl.errors import ConfigError
 if TYPE_CHECKING:
     from meshdsl.tensor import Tensor
 
+__all__ = [
+    "OPTIONAL",
+    "PIPELINE_PARTS",
+    "REQUIRED",
+    "Counted",
+    "Model",
+    "Pipelined",
+    "StepCounts",
+    "capabilities",
+    "check",
+    "compute_dtype",
+    "config_field",
+    "dim_roles",
+    "has_pipeline_parts",
+    "layouts",
+    "missing",
+    "stacked_layers",
+    "step_counts",
+    "token_keys",
+    "with_batch",
+]
+
 REQUIRED = ("init", "batch", "loss")
 """The methods every model has."""
 

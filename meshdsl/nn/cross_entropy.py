@@ -51,7 +51,9 @@ def cross_entropy(
     if chunk is None or chunk >= d.size:
         return divide(_summed(logits_fn(x), targets, vocab), targets.shape.size)
     if chunk < 1 or d.size % chunk:
-        raise ConfigError(f"cross_entropy: chunk={chunk} must be a positive divisor of {d.name}={d.size}")
+        raise ConfigError(
+            f"cross_entropy: chunk={chunk} must be a positive divisor of {d.name}={d.size}", op="cross_entropy"
+        )
     chunks, piece = Dim(f"{d.name}_chunks", d.size // chunk), Dim(d.name, chunk)
     pieces = (replace_dimensions(x, d.name, [chunks, piece]), replace_dimensions(targets, d.name, [chunks, piece]))
 

@@ -29,7 +29,7 @@ class RMSNorm:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dims", as_dims(self.dims, "RMSNorm dims"))
-        number(self.eps, "RMSNorm: eps", at_least=0.0)
+        number(self.eps, "RMSNorm: eps", at_least=0.0, op="RMSNorm")
 
     def init(self, key: jax.Array | None = None, stack: Stack = ()) -> Tensor:
         """Ones ``[*stack, *dims]`` (``key`` is not used: the init is constant)."""
@@ -55,7 +55,7 @@ class LayerNorm:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dims", as_dims(self.dims, "LayerNorm dims"))
-        number(self.eps, "LayerNorm: eps", at_least=0.0)
+        number(self.eps, "LayerNorm: eps", at_least=0.0, op="LayerNorm")
 
     def init(self, key: jax.Array | None = None, stack: Stack = ()) -> Any:
         """Ones ``[*stack, *dims]`` (and zeros for the bias); ``key`` is not used."""

@@ -40,20 +40,24 @@ class Rotary:
 
     def __post_init__(self) -> None:
         if not isinstance(self.depth, Dim) or self.depth.size % 2:
-            raise ShapeError(f"Rotary: depth must be an md.Dim of even size, got {self.depth!r}")
+            raise ShapeError(f"Rotary: depth must be an md.Dim of even size, got {self.depth!r}", op="Rotary")
         if not self.theta > 0:
-            raise ShapeError(f"Rotary: theta must be positive, got {self.theta}")
+            raise ShapeError(f"Rotary: theta must be positive, got {self.theta}", op="Rotary")
 
     def __call__(self, x: Tensor, *, positions: Tensor | None = None, offset: int = 0) -> Tensor:
         d = self.depth
         if d.name not in x.shape or x.shape[d.name].size != d.size:
-            raise ShapeError(f"Rotary: input {x.shape} needs the depth dim {d}")
+            raise ShapeError(f"Rotary: input {x.shape} needs the depth dim {d}", op="Rotary")
         if positions is None:
             if self.length not in x.shape:
-                raise ShapeError(f"Rotary: input {x.shape} has no length dim {self.length!r} (or pass positions=)")
+                raise ShapeError(
+                    f"Rotary: input {x.shape} has no length dim {self.length!r} (or pass positions=)", op="Rotary"
+                )
             positions = md_range(x.shape[self.length]) + offset
         elif not jnp.issubdtype(positions.dtype, jnp.integer) or not set(positions.names) <= set(x.names):
-            raise ShapeError(f"Rotary: positions {positions.shape} must be integers over dims of the input {x.shape}")
+            raise ShapeError(
+                f"Rotary: positions {positions.shape} must be integers over dims of the input {x.shape}", op="Rotary"
+            )
         pair, half = Dim(f"{d.name}_pair", 2), Dim(f"{d.name}_half", d.size // 2)
         inverse = exp(cast(md_range(half), jnp.float32) * (-2.0 * math.log(self.theta) / d.size))
         angles = cast(positions, jnp.float32) * inverse

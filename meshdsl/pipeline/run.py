@@ -128,19 +128,23 @@ class _Run:
             if not isinstance(t, Tensor) or dim.name not in t.shape:
                 raise ConfigError(
                     f"pipeline: every batch tensor needs dim {dim.name!r} to cut into microbatches, got "
-                    f"{getattr(t, 'shape', t)}"
+                    f"{getattr(t, 'shape', t)}",
+                    op="pipeline",
                 )
             axes = self.lowering.axes(t.shape)
             a = self.lowering.prepare(t, axes)
             i = t.shape.index(dim.name)
             local = a.shape[i]
             if dim.size % self.m:
-                raise ConfigError(f"pipeline: {self.m} microbatches do not divide the batch: {dim.name} is {dim.size}")
+                raise ConfigError(
+                    f"pipeline: {self.m} microbatches do not divide the batch: {dim.name} is {dim.size}", op="pipeline"
+                )
             if local % self.m:
                 raise ConfigError(
                     f"pipeline: {self.m} microbatches do not divide the rows one device holds: {dim.name} is "
                     f"{dim.size}, "
-                    f"split over {', '.join(axes[i])} into {local} rows per device"
+                    f"split over {', '.join(axes[i])} into {local} rows per device",
+                    op="pipeline",
                 )
             a = jnp.moveaxis(a.reshape(a.shape[:i] + (local // self.m, self.m) + a.shape[i + 1 :]), i + 1, 0)
             shape = Shape(Dim(d.name, d.size // self.m) if d.name == dim.name else d for d in t.shape)
@@ -405,9 +409,11 @@ def _check_interleaved(p: int, m: int, v: int, layers: Dim) -> None:
     if m % p:
         raise ConfigError(
             f"pipeline: the interleaved schedule runs microbatches in groups of the {p} stages: "
-            f"{m} microbatches is not a multiple of {p}"
+            f"{m} microbatches is not a multiple of {p}",
+            op="pipeline",
         )
     if layers.size % (p * v):
         raise ConfigError(
-            f"pipeline: {p} stages x {v} virtual stages do not divide {layers.name} ({layers.size}) into equal chunks"
+            f"pipeline: {p} stages x {v} virtual stages do not divide {layers.name} ({layers.size}) into equal chunks",
+            op="pipeline",
         )
