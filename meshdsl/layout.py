@@ -116,6 +116,7 @@ class FrozenMap(Mapping[str, Any]):
     """
 
     __slots__ = ("_items",)
+    _items: Mapping[str, Any]
 
     def __init__(self, items: Mapping[str, Any] | Iterable[tuple[str, Any]] = ()):
         object.__setattr__(self, "_items", MappingProxyType(dict(items)))

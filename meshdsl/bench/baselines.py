@@ -32,6 +32,7 @@ from meshdsl.measure import fits
 from meshdsl.measure.timing import CompiledStep, losses_from, memory_bytes
 from meshdsl.model import protocol as model_protocol
 from meshdsl.model.loader import shipped_name
+from meshdsl.model.protocol import Model
 from meshdsl.nn.attention_impl import implementation_here
 from meshdsl.ops.scan import REMAT_POLICIES
 from meshdsl.tensor import is_tensor
@@ -242,7 +243,7 @@ class PlainStep:
 
 
 def make_step(
-    model: Any,
+    model: Model,
     layout: md.Layout,
     mesh: md.Mesh,
     state: dict,

@@ -41,6 +41,7 @@ __all__ = [
     "Model",
     "Pipelined",
     "StepCounts",
+    "batch_dim",
     "capabilities",
     "check",
     "compute_dtype",
@@ -108,13 +109,13 @@ class Pipelined(Model, Protocol):
     def with_batch(self, size: int) -> Pipelined: ...
 
 
-def missing(model: Any, needed: Sequence[str] = REQUIRED) -> list[str]:
+def missing(model: object, needed: Sequence[str] = REQUIRED) -> list[str]:
     """The methods of ``needed`` (the core, :data:`REQUIRED`) that ``model`` (an instance or a class)
     lacks or cannot call."""
     return [name for name in needed if not callable(getattr(model, name, None))]
 
 
-def check(model: Any, name: str, needed: Sequence[str] = REQUIRED) -> None:
+def check(model: object, name: str, needed: Sequence[str] = REQUIRED) -> None:
     """ConfigError, in one line naming the model ``name`` (its file, module or class) and the methods,
     unless ``model`` has the methods ``needed`` of :class:`Model`'s core (a ``Trainer`` fed batches
     needs no ``batch``)."""
@@ -126,49 +127,55 @@ def check(model: Any, name: str, needed: Sequence[str] = REQUIRED) -> None:
         )
 
 
-def capabilities(model: Any) -> frozenset[str]:
+def capabilities(model: object) -> frozenset[str]:
     """The optional parts (:data:`OPTIONAL`) ``model`` has."""
     return frozenset(part for part in OPTIONAL if getattr(model, part, None) is not None)
 
 
-def has_pipeline_parts(model: Any) -> bool:
+def has_pipeline_parts(model: Model) -> bool:
     """Whether ``model`` can run as a pipeline: it says ``pipelined`` and has every part of :class:`Pipelined`."""
     return bool(getattr(model, "pipelined", False)) and all(hasattr(model, p) for p in PIPELINE_PARTS)
 
 
-def stacked_layers(model: Any) -> Dim | None:
+def stacked_layers(model: Model) -> Dim | None:
     """The dim of the model's stacked layers (``layers``, pipelined or not), or None where it has none."""
     layers = getattr(model, "layers", None)
     return layers if isinstance(layers, Dim) else None
 
 
-def with_batch(model: Any, size: int) -> Any:
+def batch_dim(model: Model) -> Dim | None:
+    """The dim the model's batch is cut along (its ``batch_dim``), or None where it names none."""
+    dim = getattr(model, "batch_dim", None)
+    return dim if isinstance(dim, Dim) else None
+
+
+def with_batch(model: Model, size: int) -> Model:
     """``model`` for batches of ``size`` rows where it has ``with_batch``, else ``model`` itself."""
     return model.with_batch(size) if hasattr(model, "with_batch") else model
 
 
-def layouts(model: Any) -> tuple[str, ...] | None:
+def layouts(model: Model) -> tuple[str, ...] | None:
     """The layouts the model lists in ``LAYOUTS`` (bench's default), or None."""
     listed = getattr(model, "LAYOUTS", None)
     return None if listed is None else tuple(listed)
 
 
-def dim_roles(model: Any) -> Any:
+def dim_roles(model: Model) -> Any:
     """The model's ``DIM_ROLES`` as it declares it (checked by :mod:`meshdsl.planner.roles`), or None."""
     return getattr(model, "DIM_ROLES", None)
 
 
-def token_keys(model: Any) -> Any:
+def token_keys(model: Model) -> Any:
     """The model's ``TOKEN_KEYS`` as it declares it (checked by :mod:`meshdsl.train.token_batch`), or None."""
     return getattr(model, "TOKEN_KEYS", None)
 
 
-def config_field(model: Any, field: str, default: Any = None) -> Any:
+def config_field(model: Model, field: str, default: Any = None) -> Any:
     """The field ``field`` of the model's config, or ``default`` where the config has no such field."""
     return getattr(getattr(model, "config", None), field, default)
 
 
-def compute_dtype(model: Any) -> str:
+def compute_dtype(model: Model) -> str:
     """The dtype the model computes in: its config's ``compute_dtype``, else float32."""
     return str(config_field(model, "compute_dtype") or "float32")
 
@@ -189,7 +196,7 @@ class StepCounts:
         return [f"model {name} has no {part}(), so {what}" for part, value, what in lacking if value is None]
 
 
-def step_counts(model: Any) -> StepCounts:
+def step_counts(model: Model) -> StepCounts:
     """The :class:`StepCounts` of ``model``: what train and bench divide by the step time."""
     flops = model.flops_per_step() if hasattr(model, "flops_per_step") else None
     examples = model.examples_per_step() if hasattr(model, "examples_per_step") else None

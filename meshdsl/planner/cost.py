@@ -23,6 +23,7 @@ import meshdsl as md
 from meshdsl.collectives import Collective
 from meshdsl.explain import Report, report_of_jaxpr
 from meshdsl.model import protocol as model_protocol
+from meshdsl.model.protocol import Model
 from meshdsl.planner import memory as memory_model
 from meshdsl.planner.flops import Work, work
 from meshdsl.planner.profile import DeviceProfile
@@ -99,11 +100,11 @@ def span(axes: tuple[str, ...], axis_sizes: Mapping[str, int]) -> int:
     return max((stride[a] * axis_sizes[a] for a in axes), default=1)
 
 
-def _dtype(model: Any) -> str:
+def _dtype(model: Model) -> str:
     return model_protocol.compute_dtype(model)
 
 
-def price(traced: Traced, model: Any, profile: DeviceProfile) -> Prediction:
+def price(traced: Traced, model: Model, profile: DeviceProfile) -> Prediction:
     """The :class:`Prediction` of an already traced step."""
     sizes = traced.mesh.axis_sizes
     report = report_of_jaxpr(traced.jaxpr, sizes, profile.platform == "cpu")
@@ -128,7 +129,7 @@ def price(traced: Traced, model: Any, profile: DeviceProfile) -> Prediction:
 
 
 def predict(
-    model: Any,
+    model: Model,
     optimizer: Any,
     axis_sizes: Mapping[str, int],
     layout: md.Layout,

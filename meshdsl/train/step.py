@@ -25,6 +25,7 @@ from meshdsl import pipeline
 from meshdsl.lowering.base import GlobalLowering
 from meshdsl.lowering.context import use
 from meshdsl.model import protocol as model_protocol
+from meshdsl.model.protocol import Model
 from meshdsl.model.user import describe_model
 from meshdsl.pipeline.config import PipelineConfig
 from meshdsl.train import accumulate as accumulation
@@ -39,7 +40,7 @@ TRAINER_NEEDS = ("init", "loss")
 class Trainer:
     """Compiled ``init`` and ``step`` for ``model`` on ``mesh`` under ``layout``."""
 
-    model: Any
+    model: Model
     optimizer: Optimizer
     mesh: md.Mesh
     layout: md.Layout
@@ -163,7 +164,7 @@ def check_accumulate(n: Any, is_pipelined: bool) -> None:
         )
 
 
-def pipelined(model: Any, layout: md.Layout, config: PipelineConfig, backend: str = "spmd") -> bool:
+def pipelined(model: Model, layout: md.Layout, config: PipelineConfig, backend: str = "spmd") -> bool:
     """Whether a step of ``model`` under ``layout`` is pipelined: the layout splits ``layers`` into
     stages, or ``config`` asks for several microbatches. ConfigError when it is and ``model`` has no
     pipeline parts (whether or not it has a ``layers`` dim) or ``backend`` is not spmd."""
