@@ -15,7 +15,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +31,7 @@ from meshdsl.measure.peaks import peak_flops
 from meshdsl.measure.timing import CompiledStep, compile_step, interleaved_rounds, memory_bytes, round_orders
 from meshdsl.model import protocol as model_protocol
 from meshdsl.model.loader import build_model
-from meshdsl.model.protocol import Model
+from meshdsl.model.protocol import Model, Pipelined
 from meshdsl.pipeline import PipelineConfig, bubble, schedule_bubble
 from meshdsl.pipeline.run import stages
 from meshdsl.runtime import output_paths
@@ -318,7 +318,7 @@ def _prepare(
         predicted_on_accelerator=trainer.explain(state, data, platform="gpu").summary() if narrow_on_cpu else predicted,
         minimum_bytes=analytic.minimum_bytes(model, state["params"], mesh, layout, optimizer, cfg.grad_reduce_dtype),
         peak_flops=peak_flops(device.device_kind, dtype),
-        pipeline=None if pipe is None else _pipeline_fields(pipe, trainer, model, text),
+        pipeline=None if pipe is None else _pipeline_fields(pipe, trainer, cast(Pipelined, model), text),
     )
     if cfg.gspmd:
         entry.gspmd, entry.gspmd_note = _gspmd(step, cfg.grad_reduce_dtype)
@@ -354,7 +354,7 @@ def _schedule_label(pipe: PipelineConfig) -> str:
     return pipe.schedule + (f" v={pipe.virtual_stages}" if pipe.schedule == "interleaved" else "")
 
 
-def _pipeline_fields(pipe: PipelineConfig, trainer: Trainer, model: Model, hlo_text: str) -> dict[str, Any]:
+def _pipeline_fields(pipe: PipelineConfig, trainer: Trainer, model: Pipelined, hlo_text: str) -> dict[str, Any]:
     """Schedule, stages, microbatches, bubbles (theory, the timetable's ticks) and the compiled step's
     matmul FLOPs per device (loops counted by their trip counts: :mod:`meshdsl.analysis.hlo_flops`)."""
     from meshdsl.lowering.spmd import SpmdLowering

@@ -26,7 +26,6 @@ from typing import Any
 from meshdsl.errors import ConfigError
 from meshdsl.model import protocol as model_protocol
 from meshdsl.model.config import configure
-from meshdsl.model.protocol import Model
 from meshdsl.model.user import UserModel, call, error_text, location
 from meshdsl.models import NAMES
 
@@ -73,7 +72,7 @@ def build_model(spec: str, preset: str, **overrides: Any) -> Any:
     return model if shipped else UserModel(model, spec, mine)
 
 
-def shipped_name(model: Model) -> str | None:
+def shipped_name(model: object) -> str | None:
     """The shipped model ``model`` is an instance of (``"mlp"``), or None for a model of the user's,
     whatever its module is called: bench's byte formulas and plain-JAX baselines exist only for the
     shipped models' own classes."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import jax
 
@@ -41,6 +41,7 @@ __all__ = [
     "Model",
     "Pipelined",
     "StepCounts",
+    "Trainable",
     "batch_dim",
     "capabilities",
     "check",
@@ -56,6 +57,8 @@ __all__ = [
     "with_batch",
 ]
 
+M = TypeVar("M")
+
 REQUIRED = ("init", "batch", "loss")
 """The methods every model has."""
 
@@ -66,22 +69,26 @@ OPTIONAL = ("flops_per_step", "examples_per_step", "LAYOUTS", "DIM_ROLES", "TOKE
 """The optional parts, by name (:func:`capabilities`)."""
 
 
-@runtime_checkable
-class Model(Protocol):
-    """The core every model has; ``config`` is the ``Config`` it was built from (set by the loader if absent)."""
-
-    config: Any
+class Trainable(Protocol):
+    """What a ``Trainer`` fed its batches needs of a model: parameters and a loss (no ``batch``, no ``config``)."""
 
     def init(self, key: jax.Array) -> Any:
         """The parameters: a pytree of md tensors, made from ``key`` (a threefry key's data, uint32[2])."""
         ...
 
-    def batch(self, key: jax.Array) -> Any:
-        """A training batch: a pytree of md tensors, made from ``key``."""
-        ...
-
     def loss(self, params: Any, batch: Any) -> Tensor:
         """The mean loss of ``batch``: a scalar float md tensor."""
+        ...
+
+
+@runtime_checkable
+class Model(Trainable, Protocol):
+    """The core every model has; ``config`` is the ``Config`` it was built from (set by the loader if absent)."""
+
+    config: Any
+
+    def batch(self, key: jax.Array) -> Any:
+        """A training batch: a pytree of md tensors, made from ``key``."""
         ...
 
 
@@ -132,50 +139,51 @@ def capabilities(model: object) -> frozenset[str]:
     return frozenset(part for part in OPTIONAL if getattr(model, part, None) is not None)
 
 
-def has_pipeline_parts(model: Model) -> bool:
+def has_pipeline_parts(model: object) -> bool:
     """Whether ``model`` can run as a pipeline: it says ``pipelined`` and has every part of :class:`Pipelined`."""
     return bool(getattr(model, "pipelined", False)) and all(hasattr(model, p) for p in PIPELINE_PARTS)
 
 
-def stacked_layers(model: Model) -> Dim | None:
+def stacked_layers(model: object) -> Dim | None:
     """The dim of the model's stacked layers (``layers``, pipelined or not), or None where it has none."""
     layers = getattr(model, "layers", None)
     return layers if isinstance(layers, Dim) else None
 
 
-def batch_dim(model: Model) -> Dim | None:
+def batch_dim(model: object) -> Dim | None:
     """The dim the model's batch is cut along (its ``batch_dim``), or None where it names none."""
     dim = getattr(model, "batch_dim", None)
     return dim if isinstance(dim, Dim) else None
 
 
-def with_batch(model: Model, size: int) -> Model:
+def with_batch(model: M, size: int) -> M:
     """``model`` for batches of ``size`` rows where it has ``with_batch``, else ``model`` itself."""
-    return model.with_batch(size) if hasattr(model, "with_batch") else model
+    resize = getattr(model, "with_batch", None)
+    return model if resize is None else resize(size)
 
 
-def layouts(model: Model) -> tuple[str, ...] | None:
+def layouts(model: object) -> tuple[str, ...] | None:
     """The layouts the model lists in ``LAYOUTS`` (bench's default), or None."""
     listed = getattr(model, "LAYOUTS", None)
     return None if listed is None else tuple(listed)
 
 
-def dim_roles(model: Model) -> Any:
+def dim_roles(model: object) -> Any:
     """The model's ``DIM_ROLES`` as it declares it (checked by :mod:`meshdsl.planner.roles`), or None."""
     return getattr(model, "DIM_ROLES", None)
 
 
-def token_keys(model: Model) -> Any:
+def token_keys(model: object) -> Any:
     """The model's ``TOKEN_KEYS`` as it declares it (checked by :mod:`meshdsl.train.token_batch`), or None."""
     return getattr(model, "TOKEN_KEYS", None)
 
 
-def config_field(model: Model, field: str, default: Any = None) -> Any:
+def config_field(model: object, field: str, default: Any = None) -> Any:
     """The field ``field`` of the model's config, or ``default`` where the config has no such field."""
     return getattr(getattr(model, "config", None), field, default)
 
 
-def compute_dtype(model: Model) -> str:
+def compute_dtype(model: object) -> str:
     """The dtype the model computes in: its config's ``compute_dtype``, else float32."""
     return str(config_field(model, "compute_dtype") or "float32")
 
@@ -196,7 +204,7 @@ class StepCounts:
         return [f"model {name} has no {part}(), so {what}" for part, value, what in lacking if value is None]
 
 
-def step_counts(model: Model) -> StepCounts:
+def step_counts(model: object) -> StepCounts:
     """The :class:`StepCounts` of ``model``: what train and bench divide by the step time."""
     flops = model.flops_per_step() if hasattr(model, "flops_per_step") else None
     examples = model.examples_per_step() if hasattr(model, "examples_per_step") else None

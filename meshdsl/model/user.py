@@ -157,7 +157,7 @@ class UserModel:
         return out
 
 
-def describe_model(model: Model) -> str:
+def describe_model(model: object) -> str:
     """``model`` for a message: a user's model by the file or module it came from (``llama.py``), never by
     the name meshdsl imported it under; another (a shipped one) by its class (``meshdsl.models.mlp.Model``)."""
     if isinstance(model, UserModel):

@@ -49,7 +49,7 @@ from meshdsl.errors import ConfigError
 from meshdsl.lowering.base import Lowering
 from meshdsl.lowering.context import current
 from meshdsl.model import protocol as model_protocol
-from meshdsl.model.protocol import Model
+from meshdsl.model.protocol import Pipelined
 from meshdsl.model.user import describe_model
 from meshdsl.ops.scan import scan
 from meshdsl.pipeline.config import PipelineConfig
@@ -60,7 +60,7 @@ STAGE_LAYERS = "stage_layers"
 """The dim a stage's own slice of ``layers`` takes inside the stage (it has no layout rule)."""
 
 
-def check_model(model: Model) -> None:
+def check_model(model: object) -> None:
     """ConfigError unless ``model`` exposes the pipeline parts (``pre``, ``layer``, ``post``, ``with_batch``)."""
 
     if not model_protocol.has_pipeline_parts(model):
@@ -77,7 +77,7 @@ def stages(lowering: Lowering, layers: Dim) -> tuple[tuple[str, ...], int]:
 
 
 def value_and_grad(
-    model: Model, params: dict[str, Any], batch: dict[str, Tensor], config: PipelineConfig
+    model: Pipelined, params: dict[str, Any], batch: dict[str, Tensor], config: PipelineConfig
 ) -> tuple[jax.Array, Any]:
     """``(loss, grads)`` of ``model.loss(params, batch)``, as ``jax.value_and_grad`` gives them, pipelined.
 
@@ -93,7 +93,12 @@ class _Run:
     """One pipelined step: the local views of parameters and microbatches, and the two schedules."""
 
     def __init__(
-        self, model: Model, params: dict[str, Any], batch: dict[str, Tensor], config: PipelineConfig, lowering: Lowering
+        self,
+        model: Pipelined,
+        params: dict[str, Any],
+        batch: dict[str, Tensor],
+        config: PipelineConfig,
+        lowering: Lowering,
     ):
         self.lowering = lowering
         self.params = params

@@ -40,11 +40,11 @@ import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import meshdsl as md
 from meshdsl.errors import ConfigError, UnsupportedJaxError
-from meshdsl.model.protocol import Model
+from meshdsl.model.protocol import Model, Pipelined
 from meshdsl.planner import memory as memory_model
 from meshdsl.planner.cost import Prediction, price
 from meshdsl.planner.profile import DeviceProfile
@@ -200,7 +200,7 @@ def candidates(model: Model, r: DimRoles, devices: int, pipeline: bool = True) -
             pipes: list[dict[str, Any] | None] = [None]
             if "stage" in sizes and r.stage is not None:  # a stage mesh only for a model with a stage dim
                 rules[r.stage] = "stage"
-                local_batch = model.batch_dim.size // sizes.get("data", 1)
+                local_batch = cast(Pipelined, model).batch_dim.size // sizes.get("data", 1)
                 pipes = list(_pipelines(r.sizes[r.stage], local_batch, sizes["stage"]))
             elif sizes.get("data", 1) > 1:
                 param_choices += [

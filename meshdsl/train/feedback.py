@@ -26,7 +26,7 @@ import meshdsl as md
 from meshdsl import compression, jax_compat, relayout
 from meshdsl.lowering.context import current
 from meshdsl.lowering.spmd import SpmdLowering, _pvary
-from meshdsl.model.protocol import Model
+from meshdsl.model.protocol import Trainable
 from meshdsl.tensor import is_tensor
 
 
@@ -75,7 +75,7 @@ def init(params: Any, layout: md.Layout, mesh: md.Mesh) -> Any:
     return jax.tree_util.tree_map(lambda p: md.zeros([dim, *p.shape]), params, is_leaf=is_tensor)
 
 
-def value_and_grad(model: Model, params: Any, batch: Any, residuals: Any, dtype: Any) -> tuple[jax.Array, Any, Any]:
+def value_and_grad(model: Trainable, params: Any, batch: Any, residuals: Any, dtype: Any) -> tuple[jax.Array, Any, Any]:
     """``(loss, grads, new residuals)`` of ``model.loss(params, batch)``, each parameter's gradient
     summed over the batch axes in ``dtype`` with its residual added first."""
     lowering = current()
