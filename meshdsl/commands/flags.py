@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from meshdsl.collectives import GRAD_REDUCE_DTYPES
+from meshdsl.models import NAMES
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 MODEL_HELP = (
-    "a shipped model (mlp, transformer, moe, convnet, llama), a Python file (path/to/my_model.py) "
+    f"a shipped model ({', '.join(NAMES)}), a Python file (path/to/my_model.py) "
     "or an importable module (mypkg.my_model)"
 )
 PRESET_HELP = "a preset of the model's Config.PRESETS (the shipped models: tiny, small, 1b; llama also 8b)"

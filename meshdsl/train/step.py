@@ -15,7 +15,7 @@ only its rows, and a run resumed at step ``s`` sees the batches an uninterrupted
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,7 @@ from meshdsl import pipeline
 from meshdsl.lowering.base import GlobalLowering
 from meshdsl.lowering.context import use
 from meshdsl.model import protocol as model_protocol
+from meshdsl.model.protocol import Model, Pipelined, Trainable
 from meshdsl.model.user import describe_model
 from meshdsl.pipeline.config import PipelineConfig
 from meshdsl.train import accumulate as accumulation
@@ -39,7 +40,7 @@ TRAINER_NEEDS = ("init", "loss")
 class Trainer:
     """Compiled ``init`` and ``step`` for ``model`` on ``mesh`` under ``layout``."""
 
-    model: Any
+    model: Trainable
     optimizer: Optimizer
     mesh: md.Mesh
     layout: md.Layout
@@ -63,7 +64,7 @@ class Trainer:
     def _batch(self, key: jax.Array) -> Any:
         """The model's batch for ``key``; ConfigError naming the model when it has no ``batch``."""
         model_protocol.check(self.model, describe_model(self.model), ("batch",))
-        return self.model.batch(key)
+        return cast(Model, self.model).batch(key)
 
     def __post_init__(self) -> None:
         model_protocol.check(self.model, describe_model(self.model), TRAINER_NEEDS)
@@ -125,7 +126,7 @@ class Trainer:
     def loss_and_grads(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
         if self.pipelined:
             assert self.pipeline is not None  # __post_init__ set it (to the layout's when not given)
-            return pipeline.value_and_grad(self.model, params, batch, self.pipeline)
+            return pipeline.value_and_grad(cast(Pipelined, self.model), params, batch, self.pipeline)
         if self.accumulate > 1:
             return accumulation.value_and_grad(self.model, params, batch, self.accumulate)
         return jax.value_and_grad(lambda p: self.model.loss(p, batch).array)(params)
@@ -163,7 +164,7 @@ def check_accumulate(n: Any, is_pipelined: bool) -> None:
         )
 
 
-def pipelined(model: Any, layout: md.Layout, config: PipelineConfig, backend: str = "spmd") -> bool:
+def pipelined(model: Trainable, layout: md.Layout, config: PipelineConfig, backend: str = "spmd") -> bool:
     """Whether a step of ``model`` under ``layout`` is pipelined: the layout splits ``layers`` into
     stages, or ``config`` asks for several microbatches. ConfigError when it is and ``model`` has no
     pipeline parts (whether or not it has a ``layers`` dim) or ``backend`` is not spmd."""
