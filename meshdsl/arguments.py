@@ -19,9 +19,11 @@ def number(
     above: float | None = None,
     below: float | None = None,
     error: type[MeshDslError] = ConfigError,
+    op: str | None = None,
 ) -> float:
     """``value`` as a float if it is a finite real number within the bounds given; else ``error``
-    naming ``what`` (``"LayerNorm: eps"``), the value and what is allowed."""
+    naming ``what`` (``"LayerNorm: eps"``), the value and what is allowed; ``op``: the op ``what`` names
+    (the error's ``op``), when it does."""
     bounds = [
         f"at least {at_least}" if at_least is not None else "",
         f"above {above}" if above is not None else "",
@@ -29,7 +31,7 @@ def number(
     ]
     wanted = "a finite number" + "".join(f", {b}" for b in bounds if b)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise error(f"{what} must be {wanted}, got {type(value).__name__} {value!r}")
+        raise error(f"{what} must be {wanted}, got {type(value).__name__} {value!r}", op=op)
     x = float(value)
     if (
         not math.isfinite(x)
@@ -37,5 +39,5 @@ def number(
         or (above is not None and x <= above)
         or (below is not None and x >= below)
     ):
-        raise error(f"{what} must be {wanted}, got {value!r}")
+        raise error(f"{what} must be {wanted}, got {value!r}", op=op)
     return x

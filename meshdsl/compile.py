@@ -50,7 +50,8 @@ def _as_layout(layout: LayoutLike | None, default: Layout, what: str = "layout")
         return default
     if not isinstance(layout, (Layout, str, Mapping)):
         raise LayoutError(
-            f"md.compile: {what} must be an md.Layout, a string like 'batch:data' or a dict, got {describe(layout)}"
+            f"md.compile: {what} must be an md.Layout, a string like 'batch:data' or a dict, got {describe(layout)}",
+            op="compile",
         )
     return layout if isinstance(layout, Layout) else Layout(layout)
 
@@ -85,21 +86,23 @@ class Compiled:
         donate_argnums: Sequence[int] = (),
     ):
         if not callable(fn):
-            raise ConfigError(f"md.compile: fn must be a function, got {describe(fn)}")
+            raise ConfigError(f"md.compile: fn must be a function, got {describe(fn)}", op="compile")
         if not isinstance(mesh, Mesh):
             raise ConfigError(
-                f"md.compile: mesh must be an md.Mesh, got {describe(mesh)}; build one with md.Mesh({mesh!r})"
+                f"md.compile: mesh must be an md.Mesh, got {describe(mesh)}; build one with md.Mesh({mesh!r})",
+                op="compile",
             )
         if grad_reduce_dtype is not None:
             try:
                 jnp.dtype(grad_reduce_dtype)
             except TypeError:
                 raise ConfigError(
-                    f"md.compile: grad_reduce_dtype {grad_reduce_dtype!r} is not a dtype (e.g. 'bfloat16')"
+                    f"md.compile: grad_reduce_dtype {grad_reduce_dtype!r} is not a dtype (e.g. 'bfloat16')",
+                    op="compile",
                 ) from None
         backends = [b.value for b in Backend]
         if not isinstance(backend, Backend) and backend not in backends:
-            raise ConfigError(f"md.compile: backend {backend!r} is not one of {', '.join(backends)}")
+            raise ConfigError(f"md.compile: backend {backend!r} is not one of {', '.join(backends)}", op="compile")
         self.fn = fn
         self.grad_reduce_dtype = grad_reduce_dtype
         self.mesh = mesh
@@ -153,12 +156,14 @@ class Compiled:
         beyond = [i for i in self.donate_argnums if i >= len(args)]
         if beyond:
             raise ConfigError(
-                f"md.compile: donate_argnums {beyond} name no argument of a call with {len(args)} argument(s)"
+                f"md.compile: donate_argnums {beyond} name no argument of a call with {len(args)} argument(s)",
+                op="compile",
             )
         if self.in_layouts is not None and len(self.in_layouts) != len(args):
             raise LayoutError(
                 f"md.compile: {len(self.in_layouts)} in_layouts given for a call with {len(args)} argument(s); give "
-                "one per positional argument"
+                "one per positional argument",
+                op="compile",
             )
         for path, leaf in jax.tree_util.tree_flatten_with_path(args, is_leaf=is_tensor)[0]:
             _check_argument(f"argument {jax.tree_util.keystr(path)}", leaf)
@@ -171,7 +176,8 @@ class Compiled:
             if not isinstance(tree, (tuple, list)) or len(tree) != len(layouts):
                 got = f"a sequence of {len(tree)}" if isinstance(tree, (tuple, list)) else describe(tree)
                 raise LayoutError(
-                    f"md.compile: {len(layouts)} out_layouts given, one per {prefix}, but the {prefix} is {got}"
+                    f"md.compile: {len(layouts)} out_layouts given, one per {prefix}, but the {prefix} is {got}",
+                    op="compile",
                 )
             return [
                 item

@@ -6,7 +6,20 @@ message alone. Both derive from ``ValueError`` so code that already catches that
 
 
 class MeshDslError(ValueError):
-    """Base class of every error meshdsl raises for a user mistake."""
+    """Base class of every error meshdsl raises for a user mistake.
+
+    ``op``: the md op (or API function) the message names, without ``md.`` (``"einsum"``,
+    ``"compile"``, ``"random.uniform"``); None until one is known. An error raised inside an op
+    without one gets the op's name as its ``op`` and as its message's first word
+    (:func:`meshdsl.lowering.context.op_scope`), so an error names its op exactly once.
+    """
+
+    op: str | None = None
+
+    def __init__(self, *args: object, op: str | None = None):
+        super().__init__(*args)
+        if op is not None:
+            self.op = op
 
 
 class ShapeError(MeshDslError):

@@ -151,7 +151,8 @@ def _communications(eqn: Any, times: int | None, axis_sizes: Mapping[str, int], 
     if times is None:
         raise ConfigError(
             f"md.explain: {eqn.primitive.name} over {','.join(axes)} in op {op} runs inside a while_loop, whose "
-            "trip count depends on data, so its bytes cannot be counted; use md.scan or lax.scan"
+            "trip count depends on data, so its bytes cannot be counted; use md.scan or lax.scan",
+            op="explain",
         )
     widen = cpu and collective in (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER)
     senders = _senders(eqn.params["perm"], axes, axis_sizes) if collective is Collective.COLLECTIVE_PERMUTE else None
@@ -263,10 +264,13 @@ def explain(
     """
     if fn is None or mesh is None:
         missing = [name for name, value in (("fn", fn), ("mesh", mesh)) if value is None]
-        raise ConfigError(f"md.explain: no {' and no '.join(missing)} given; call md.explain(fn, mesh, layout, *args)")
+        raise ConfigError(
+            f"md.explain: no {' and no '.join(missing)} given; call md.explain(fn, mesh, layout, *args)", op="explain"
+        )
     if platform is not None and platform not in PLATFORMS:
         raise ConfigError(
-            f"md.explain: platform {platform!r} is not one of {', '.join(PLATFORMS)} (None: the mesh's devices')"
+            f"md.explain: platform {platform!r} is not one of {', '.join(PLATFORMS)} (None: the mesh's devices')",
+            op="explain",
         )
     compiled = Compiled(
         fn, mesh, layout, backend, in_layouts=in_layouts, out_layouts=out_layouts, grad_reduce_dtype=grad_reduce_dtype
@@ -275,17 +279,21 @@ def explain(
         if isinstance(mesh.jax_mesh, jax.sharding.AbstractMesh):
             raise ConfigError(
                 f"md.explain: backend gspmd compiles for real devices, but mesh {mesh} is abstract; build it on "
-                f"devices (md.Mesh({mesh}))"
+                f"devices (md.Mesh({mesh}))",
+                op="explain",
             )
         here = mesh.devices.flat[0].platform
         if platform not in (None, here):
             raise ConfigError(
                 f"md.explain: backend gspmd is measured on the devices at hand ({here}); it cannot be priced as on "
-                f"{platform}"
+                f"{platform}",
+                op="explain",
             )
         text = compiled.lower(*args).compile().as_text()
         if text is None:
-            raise ConfigError(f"md.explain: backend gspmd reads the compiled program's HLO, which {here} does not give")
+            raise ConfigError(
+                f"md.explain: backend gspmd reads the compiled program's HLO, which {here} does not give", op="explain"
+            )
         return report_of_hlo(text, mesh)
     closed = jax.make_jaxpr(compiled.spmd_function)(*args)
     return report_of_jaxpr(closed.jaxpr, mesh.axis_sizes, (platform or mesh.devices.flat[0].platform) == "cpu")

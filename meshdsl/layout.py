@@ -21,11 +21,13 @@ A split must divide the dim's size, and no tensor may split two dims over one me
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import tomllib
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from jax.sharding import NamedSharding, PartitionSpec
@@ -132,8 +134,44 @@ def _parse(rules: str | Mapping[str, RuleValue] | Layout | None) -> dict[str, tu
     raise LayoutError(f"a layout is a rule string, a dict or md.Layout, got {type(rules).__name__}")
 
 
+class FrozenMap(Mapping[str, Any]):
+    """A read-only mapping that keeps its insertion order (for printing) and hashes over its items.
+
+    What a :class:`Layout` holds instead of a dict: it cannot change after the layout is built,
+    and two equal maps (in any order) hash alike.
+    """
+
+    __slots__ = ("_items",)
+    _items: Mapping[str, Any]
+
+    def __init__(self, items: Mapping[str, Any] | Iterable[tuple[str, Any]] = ()):
+        object.__setattr__(self, "_items", MappingProxyType(dict(items)))
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._items.items()))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is read-only")
+
+    def __repr__(self) -> str:
+        return repr(dict(self._items))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FrozenMap, (dict(self._items),))
+
+
+@dataclasses.dataclass(frozen=True, init=False, repr=False)
 class Layout:
-    """Rules that map dim names to mesh axes: ``Layout("batch:data; d_ff:model")``.
+    """Rules that map dim names to mesh axes: ``Layout("batch:data; d_ff:model")``. Immutable.
 
     ``params``: optional separate rules for parameters and optimizer state (FSDP / ZeRO-3: stored
     split, gathered for compute). ``mesh_axes``: the mesh a layout file asks for, if any.
@@ -141,7 +179,16 @@ class Layout:
     ``[pipeline]`` table) for a layout that splits ``layers`` into pipeline stages.
     ``attention``: ``{mesh axis: strategy}`` (:data:`ATTENTION_STRATEGIES`), how attention runs where
     the keys' ``memory`` is split over that axis; an axis not named gathers them (``all_gather``).
+
+    A frozen dataclass: equality and hash are over every field, so a field added later counts
+    without touching them; the maps it holds are :class:`FrozenMap`.
     """
+
+    rules: FrozenMap
+    params: Layout | None
+    mesh_axes: FrozenMap | None
+    pipeline: PipelineConfig
+    attention: FrozenMap
 
     def __init__(
         self,
@@ -151,16 +198,23 @@ class Layout:
         pipeline: Any = None,
         attention: Mapping[str, str] | None = None,
     ):
-        self.rules: dict[str, tuple[str, ...]] = _parse(rules)
-        self.attention: dict[str, str] = _parse_attention(attention)
-        self.pipeline: PipelineConfig = PipelineConfig.of(pipeline)
-        self.params: Layout | None = None if params is None else Layout(params)
-        self.mesh_axes: dict[str, int] | None = None if mesh_axes is None else dict(mesh_axes)
+        own_params = None if params is None else Layout(params)
+        own_mesh = None if mesh_axes is None else FrozenMap(mesh_axes)
+        own_pipeline = PipelineConfig.of(pipeline)
+        own_attention = FrozenMap(_parse_attention(attention))
         if isinstance(rules, Layout):
-            self.params = self.params or rules.params
-            self.mesh_axes = self.mesh_axes or rules.mesh_axes
-            self.pipeline = rules.pipeline if pipeline is None else self.pipeline
-            self.attention = dict(rules.attention) if attention is None else self.attention
+            own_params = own_params or rules.params
+            own_mesh = own_mesh or rules.mesh_axes
+            own_pipeline = rules.pipeline if pipeline is None else own_pipeline
+            own_attention = rules.attention if attention is None else own_attention
+        for name, value in (
+            ("rules", FrozenMap(_parse(rules))),
+            ("params", own_params),
+            ("mesh_axes", own_mesh),
+            ("pipeline", own_pipeline),
+            ("attention", own_attention),
+        ):
+            object.__setattr__(self, name, value)
 
     @classmethod
     def load(cls, path: str | Path) -> Layout:
@@ -284,17 +338,6 @@ class Layout:
         """The ``NamedSharding`` of a tensor of ``shape`` on ``mesh`` (checked: LayoutError if it does not fit)."""
         self.axes(shape, mesh)
         return NamedSharding(mesh.jax_mesh, self.spec(shape))
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, Layout)
-            and self.rules == other.rules
-            and self.params == other.params
-            and self.attention == other.attention
-        )
-
-    def __hash__(self) -> int:
-        return hash((tuple(sorted(self.rules.items())), self.params, tuple(sorted(self.attention.items()))))
 
     def __str__(self) -> str:
         return "; ".join(f"{d}:{a[0]}" if len(a) == 1 else f"{d}:({', '.join(a)})" for d, a in self.rules.items())

@@ -23,6 +23,8 @@ from meshdsl.errors import ConfigError, ShapeError
 from meshdsl.lowering.context import current, op
 from meshdsl.tensor import Tensor, describe, dtype_of
 
+__all__ = ["bits", "dropout", "normal", "uniform"]
+
 
 def _key_words(key: Any) -> tuple[jax.Array, jax.Array]:
     if hasattr(key, "dtype") and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
@@ -37,7 +39,7 @@ def bits(key: Any, shape: ShapeLike) -> Tensor:
     """Uniformly random uint32 values of ``shape``."""
     shape = as_shape(shape)
     if shape.size >= 2**32:
-        raise ShapeError(f"md.random: {shape} has {shape.size} elements; at most 2**32 - 1 are supported")
+        raise ShapeError(f"md.random: {shape} has {shape.size} elements; at most 2**32 - 1 are supported", op="random")
     lowering = current()
     axes = lowering.axes(shape)
     position = jnp.zeros((), jnp.uint32)
@@ -61,13 +63,16 @@ def _float_dtype(dtype: Any, name: str) -> np.dtype:
     """``dtype`` if it is a float dtype; ShapeError otherwise (an int dtype truncates the draws to a few values)."""
     dtype = dtype_of(dtype, f"md.random.{name}")
     if not jnp.issubdtype(dtype, jnp.floating):
-        raise ShapeError(f"md.random.{name}: dtype {dtype.name} is not a floating dtype (float32, bfloat16, ...)")
+        raise ShapeError(
+            f"md.random.{name}: dtype {dtype.name} is not a floating dtype (float32, bfloat16, ...)",
+            op=f"random.{name}",
+        )
     return dtype
 
 
 def check_rate(rate: Any) -> float:
     """``rate`` if it is a dropout rate, a number in [0, 1); ConfigError otherwise (NaN included)."""
-    return number(rate, "dropout rate", at_least=0.0, below=1.0)
+    return number(rate, "dropout rate", at_least=0.0, below=1.0, op="dropout")
 
 
 def _unit_floats(raw: jax.Array, dtype: Any) -> jax.Array:
@@ -80,9 +85,10 @@ def _unit_floats(raw: jax.Array, dtype: Any) -> jax.Array:
 def uniform(key: Any, shape: ShapeLike, dtype: Any = jnp.float32, minval: float = 0.0, maxval: float = 1.0) -> Tensor:
     """Uniform values in ``[minval, maxval)`` (``minval`` itself when they are equal); a float ``dtype``."""
     dtype = _float_dtype(dtype, "uniform")
-    minval, maxval = number(minval, "md.random.uniform: minval"), number(maxval, "md.random.uniform: maxval")
+    minval = number(minval, "md.random.uniform: minval", op="random.uniform")
+    maxval = number(maxval, "md.random.uniform: maxval", op="random.uniform")
     if minval > maxval:
-        raise ConfigError(f"md.random.uniform: minval {minval} is above maxval {maxval}")
+        raise ConfigError(f"md.random.uniform: minval {minval} is above maxval {maxval}", op="random.uniform")
     raw = bits(key, shape)
     lowering = current()
     unit = _unit_floats(raw._data, jnp.float32)

@@ -161,7 +161,9 @@ def dtype_of(dtype: Any, what: str) -> np.dtype:
     try:
         return jnp.dtype(dtype)
     except TypeError:
-        raise ShapeError(f"{what}: {dtype!r} is not a dtype (e.g. jnp.float32, 'bfloat16', 'int32')") from None
+        raise ShapeError(
+            f"{what}: {dtype!r} is not a dtype (e.g. jnp.float32, 'bfloat16', 'int32')", op=what.removeprefix("md.")
+        ) from None
 
 
 def tensor(array: Any, dims: ShapeLike | str | Sequence[str]) -> Tensor:
@@ -175,7 +177,9 @@ def tensor(array: Any, dims: ShapeLike | str | Sequence[str]) -> Tensor:
     if isinstance(dims, str):
         dims = dims.split()
     if not isinstance(dims, (Dim, Shape, list, tuple)):
-        raise ShapeError(f"md.tensor: dims must be md.Dims, a Shape, names or a string of names, got {describe(dims)}")
+        raise ShapeError(
+            f"md.tensor: dims must be md.Dims, a Shape, names or a string of names, got {describe(dims)}", op="tensor"
+        )
     dims = [dims] if isinstance(dims, Dim) else list(dims.dims if isinstance(dims, Shape) else dims)
     if len(dims) != array.ndim:
         raise ShapeError(
@@ -205,7 +209,7 @@ def _as_array(data: Any) -> jax.Array:
     except (TypeError, ValueError, OverflowError):
         host = None
     if host is None:
-        raise ShapeError(f"md.tensor: {describe(data)} is not an array of numbers")
+        raise ShapeError(f"md.tensor: {describe(data)} is not an array of numbers", op="tensor")
     target = jax.dtypes.canonicalize_dtype(host.dtype) if host.dtype.kind in "iu" else host.dtype
     if host.size and np.dtype(target).itemsize < host.dtype.itemsize:
         info = np.iinfo(target)
@@ -214,9 +218,10 @@ def _as_array(data: Any) -> jax.Array:
             bad = hi if hi > info.max else lo
             raise ShapeError(
                 f"md.tensor: value {bad} does not fit {np.dtype(target).name}, the integer type JAX uses here (range "
-                f"{info.min}..{info.max}; jax_enable_x64 is off), so it would wrap; keep ids and counts in that range"
+                f"{info.min}..{info.max}; jax_enable_x64 is off), so it would wrap; keep ids and counts in that range",
+                op="tensor",
             )
     try:
         return jnp.asarray(host)
     except TypeError:
-        raise ShapeError(f"md.tensor: {describe(data)} is not an array of numbers") from None
+        raise ShapeError(f"md.tensor: {describe(data)} is not an array of numbers", op="tensor") from None

@@ -218,8 +218,8 @@ class Model:
     def post(self, params: dict[str, Any], x: md.Tensor, batch: dict[str, md.Tensor]) -> md.Tensor:
         """The loss of the residual stream leaving the last layer (targets ``IGNORE_INDEX`` left out of the mean)."""
         head = functools.partial(self.head, params)
-        chunk = self.config.loss_chunk
-        chunk = chunk if chunk > 0 and self.length.size % chunk == 0 else None
+        size = self.config.loss_chunk
+        chunk = size if size > 0 and self.length.size % size == 0 else None
         return md.nn.cross_entropy(x, batch["targets"], head, self.vocab, self.length, chunk, ignore_index=IGNORE_INDEX)
 
     def batch(self, key: jax.Array) -> dict[str, md.Tensor]:

@@ -1,4 +1,4 @@
-"""The package's import graph: no circle but the operator overloads', no two sibling subpackages importing each other.
+"""The package's import graph: no circle but the operator overloads', subpackages importing only as ``MAY_IMPORT`` says.
 
 The graph is read from the source (``ast``), not from ``sys.modules``: an import inside a function
 counts as much as one at the top of a file, since the circle it closes is only hidden until the
@@ -12,6 +12,7 @@ the loader's imports of the shipped models by name (``importlib``, which ``ast``
 from __future__ import annotations
 
 import ast
+import functools
 import itertools
 from pathlib import Path
 
@@ -30,6 +31,37 @@ the resulting ``Tensor``. Haliax has the same circle (``NamedArray`` and its ops
 SIBLINGS = tuple(sorted(p.parent.name for p in (ROOT / "meshdsl").glob("*/__init__.py")))
 """The subpackages of ``meshdsl`` (bench, planner, train, lowering, ops, nn, measure, ...): any two may
 import one another in one direction only."""
+
+MAY_IMPORT: dict[str, frozenset[str]] = {
+    # the core's helpers: they import only the top-level modules (dims, tensor, layout, ...)
+    "lowering": frozenset(),
+    "measure": frozenset(),
+    "model": frozenset({"hf"}),  # the loader builds an ``hf:DIR`` model spec with md.hf
+    "runtime": frozenset(),
+    # what programs are written in: ops run under a lowering, layers are built of ops
+    "ops": frozenset({"lowering"}),
+    "nn": frozenset({"lowering", "ops"}),
+    "analysis": frozenset({"model"}),
+    "checkpoint": frozenset({"runtime"}),
+    "pipeline": frozenset({"lowering", "model", "ops"}),
+    # what runs programs: training, the planner, the benchmark
+    "train": frozenset({"lowering", "measure", "model", "pipeline", "runtime"}),
+    "planner": frozenset({"analysis", "lowering", "measure", "model", "nn", "runtime", "train"}),
+    "bench": frozenset(
+        {"analysis", "lowering", "measure", "model", "nn", "ops", "pipeline", "planner", "runtime", "train"}
+    ),
+    "labs": frozenset({"train"}),
+    # what a model is used for besides training: decoding with a KV cache, Hugging Face folders in and out
+    "decoding": frozenset({"measure", "model", "ops", "runtime"}),
+    "hf": frozenset({"checkpoint"}),
+    # the command line: one file per command, on top of everything
+    "commands": frozenset(
+        {"bench", "checkpoint", "decoding", "hf", "labs", "measure", "model", "planner", "runtime", "train"}
+    ),
+}
+"""Which subpackage may import which (the top-level modules, the core, any may import): the flow of
+docs/design.md from the bottom (lowering, model, runtime) up to the commands. A new edge is a design
+decision, made here, where the reviewer sees it; an edge that points back down the flow makes a circle."""
 
 DYNAMIC = {"meshdsl.model.loader": {f"meshdsl.models.{name}" for name in NAMES}}
 """Imports made by name at run time: the loader imports a shipped model as ``meshdsl.models.<name>``."""
@@ -84,6 +116,7 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
     """Module -> the package's modules it imports (at the top or in a function, or by name: ``DYNAMIC``)."""
     modules = _modules()
@@ -177,3 +210,19 @@ def test_no_two_sibling_subpackages_import_each_other():
         if (a, b) in edges and (b, a) in edges
     ]
     assert not both, "sibling subpackages importing each other: " + "; ".join(both)
+
+
+def test_every_subpackage_is_in_the_table():
+    assert set(MAY_IMPORT) == set(SIBLINGS), f"MAY_IMPORT lists {sorted(MAY_IMPORT)}, the package has {SIBLINGS}"
+
+
+def test_subpackages_import_only_what_the_table_allows():
+    edges = sibling_edges(import_graph())
+    wrong = [f"{a} -> {b}: {edges[a, b][0]}" for a, b in sorted(edges) if b not in MAY_IMPORT[a]]
+    assert not wrong, "imports the table MAY_IMPORT does not allow:\n  " + "\n  ".join(wrong)
+
+
+def test_the_table_allows_no_circle():
+    """Read as a graph, the table itself has no circle, so no two subpackages import each other."""
+    graph = {a: set(b) for a, b in MAY_IMPORT.items()}
+    assert cycles(graph) == [] and all(a not in b for a, b in graph.items())

@@ -13,6 +13,8 @@ every input inside and around ``md.compile``, and md.explain against the compile
 
 from __future__ import annotations
 
+import collections
+
 import harness
 import jax
 import jax.numpy as jnp
@@ -66,47 +68,30 @@ def ops(y, z):
     }
 
 
-def program(
-    y,
-    z,
-    x,
-    pad,
-    scale,
-    wq,
-    wkv,
-    wo,
-    w_gate,
-    w_in,
-    w_out,
-    table,
-    wqkv,
-    bqkv,
-    wo2,
-    bo2,
-    g_gate,
-    gb_gate,
-    g_in,
-    gb_in,
-    g_out,
-    gb_out,
-    mq,
-    mk,
-    mv,
-):
-    h = x + GQA({"wq": wq, "wkv": wkv, "wo": wo}, RMS(scale, x))
-    h = h + SWIGLU({"w_gate": w_gate, "w_in": w_in, "w_out": w_out}, RMS(scale, h))
-    g = POS(table, x)
-    g = g + BIASED({"wqkv": {"kernel": wqkv, "bias": bqkv}, "wo": {"kernel": wo2, "bias": bo2}}, g, mask=pad)
+INPUTS = (
+    "y z x pad scale wq wkv wo w_gate w_in w_out table wqkv bqkv wo2 bo2 "
+    "g_gate gb_gate g_in gb_in g_out gb_out mq mk mv"
+).split()
+Inputs = collections.namedtuple("Inputs", INPUTS)
+"""The program's inputs by name, in :func:`_args`'s order: one list for the program and its reference."""
+
+
+def program(*args: md.Tensor):
+    a = Inputs(*args)
+    h = a.x + GQA({"wq": a.wq, "wkv": a.wkv, "wo": a.wo}, RMS(a.scale, a.x))
+    h = h + SWIGLU({"w_gate": a.w_gate, "w_in": a.w_in, "w_out": a.w_out}, RMS(a.scale, h))
+    g = POS(a.table, a.x)
+    g = g + BIASED({"wqkv": {"kernel": a.wqkv, "bias": a.bqkv}, "wo": {"kernel": a.wo2, "bias": a.bo2}}, g, mask=a.pad)
     g = g + GEGLU(
         {
-            "w_gate": {"kernel": g_gate, "bias": gb_gate},
-            "w_in": {"kernel": g_in, "bias": gb_in},
-            "w_out": {"kernel": g_out, "bias": gb_out},
+            "w_gate": {"kernel": a.g_gate, "bias": a.gb_gate},
+            "w_in": {"kernel": a.g_in, "bias": a.gb_in},
+            "w_out": {"kernel": a.g_out, "bias": a.gb_out},
         },
         g,
     )
-    mqa = md.nn.dot_product_attention(mq, mk, mv, heads="one_kv", causal=True)
-    return ops(y, z), h, g, mqa
+    mqa = md.nn.dot_product_attention(a.mq, a.mk, a.mv, heads="one_kv", causal=True)
+    return ops(a.y, a.z), h, g, mqa
 
 
 # ---- the reference -------------------------------------------------------------------------------
@@ -160,53 +145,32 @@ def ref_ops(y, z):
     }
 
 
-def ref_program(
-    y,
-    z,
-    x,
-    pad,
-    scale,
-    wq,
-    wkv,
-    wo,
-    w_gate,
-    w_in,
-    w_out,
-    table,
-    wqkv,
-    bqkv,
-    wo2,
-    bo2,
-    g_gate,
-    gb_gate,
-    g_in,
-    gb_in,
-    g_out,
-    gb_out,
-    mq,
-    mk,
-    mv,
-):
-    n = ref_rms(x, scale)
-    q = ref_rotary(R.einsum("batch kv_heads heads length d_kv", n, wq), False)
-    k, v = R.unstack(R.einsum("kv batch kv_heads length d_kv", n, wkv), "kv")
+def ref_program(*args: Named):
+    a = Inputs(*args)
+    n = ref_rms(a.x, a.scale)
+    q = ref_rotary(R.einsum("batch kv_heads heads length d_kv", n, a.wq), False)
+    k, v = R.unstack(R.einsum("kv batch kv_heads length d_kv", n, a.wkv), "kv")
     k, v = R.rename(ref_rotary(k, False), "length", "memory"), R.rename(v, "length", "memory")
-    h = x + R.einsum("batch length d_model", ref_attend(q, k, v, ["kv_heads", "heads"], causal()), wo)
-    n = ref_rms(h, scale)
-    gated = silu(R.einsum("batch length d_ff", n, w_gate)) * R.einsum("batch length d_ff", n, w_in)
-    h = h + R.einsum("batch length d_model", gated, w_out)
+    h = a.x + R.einsum("batch length d_model", ref_attend(q, k, v, ["kv_heads", "heads"], causal()), a.wo)
+    n = ref_rms(h, a.scale)
+    gated = silu(R.einsum("batch length d_ff", n, a.w_gate)) * R.einsum("batch length d_ff", n, a.w_in)
+    h = h + R.einsum("batch length d_model", gated, a.w_out)
 
-    g = x + R.rename(table, "positions", "length")
-    qkv = R.einsum("qkv batch heads length d_kv", g, wqkv) + bqkv
+    g = a.x + R.rename(a.table, "positions", "length")
+    qkv = R.einsum("qkv batch heads length d_kv", g, a.wqkv) + a.bqkv
     q, k, v = R.unstack(qkv, "qkv")
     q, k = ref_rotary(q, True), R.rename(ref_rotary(k, True), "length", "memory")
-    attended = ref_attend(q, k, R.rename(v, "length", "memory"), ["heads"], pad)
-    g = g + R.einsum("batch length d_model", attended, wo2) + bo2
-    gate = R.gelu(R.einsum("batch length d_ff", g, g_gate) + gb_gate)
-    g = g + R.einsum("batch length d_model", gate * (R.einsum("batch length d_ff", g, g_in) + gb_in), g_out) + gb_out
+    attended = ref_attend(q, k, R.rename(v, "length", "memory"), ["heads"], a.pad)
+    g = g + R.einsum("batch length d_model", attended, a.wo2) + a.bo2
+    gate = R.gelu(R.einsum("batch length d_ff", g, a.g_gate) + a.gb_gate)
+    g = (
+        g
+        + R.einsum("batch length d_model", gate * (R.einsum("batch length d_ff", g, a.g_in) + a.gb_in), a.g_out)
+        + a.gb_out
+    )
 
-    mqa = ref_attend(mq, mk, mv, ["one_kv", "heads"], causal())
-    return ref_ops(y, z), h, g, mqa.to(mq.names)
+    mqa = ref_attend(a.mq, a.mk, a.mv, ["one_kv", "heads"], causal())
+    return ref_ops(a.y, a.z), h, g, mqa.to(a.mq.names)
 
 
 def _args() -> list[md.Tensor]:

@@ -16,6 +16,7 @@ and shown to run on each shard's local blocks.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import harness
@@ -297,58 +298,43 @@ def ref_convnet(x, k1, b1, k2):
 # ---- every layer, under several layouts ---------------------------------------------------------
 
 
-def every_layer(
-    ids,
-    pad,
-    image,
-    table,
-    scale,
-    wqkv,
-    wo,
-    ln_scale,
-    ln_bias,
-    w_in,
-    b_in,
-    w_out,
-    b_out,
-    w2,
-    b2,
-    w_gate,
-    e_in,
-    e_out,
-    k1,
-    b1,
-    k2,
-):
-    logits, proj, x = block(ids, pad, table, scale, wqkv, wo, ln_scale, ln_bias, w_in, b_in, w_out, b_out, w2, b2)
-    return logits, proj, *moe_layer(x, w_gate, e_in, e_out), convnet(image, k1, b1, k2)
+def _every_layer(block_fn: Callable, moe_fn: Callable, conv_fn: Callable) -> Callable:
+    """The program wiring every layer together, built of the md layers or of their references: one
+    list of the 21 inputs (in :func:`_args`'s order) for both."""
+
+    def run(
+        ids,
+        pad,
+        image,
+        table,
+        scale,
+        wqkv,
+        wo,
+        ln_scale,
+        ln_bias,
+        w_in,
+        b_in,
+        w_out,
+        b_out,
+        w2,
+        b2,
+        w_gate,
+        e_in,
+        e_out,
+        k1,
+        b1,
+        k2,
+    ):
+        logits, proj, x = block_fn(
+            ids, pad, table, scale, wqkv, wo, ln_scale, ln_bias, w_in, b_in, w_out, b_out, w2, b2
+        )
+        return logits, proj, *moe_fn(x, w_gate, e_in, e_out), conv_fn(image, k1, b1, k2)
+
+    return run
 
 
-def ref_every_layer(
-    ids,
-    pad,
-    image,
-    table,
-    scale,
-    wqkv,
-    wo,
-    ln_scale,
-    ln_bias,
-    w_in,
-    b_in,
-    w_out,
-    b_out,
-    w2,
-    b2,
-    w_gate,
-    e_in,
-    e_out,
-    k1,
-    b1,
-    k2,
-):
-    logits, proj, x = ref_block(ids, pad, table, scale, wqkv, wo, ln_scale, ln_bias, w_in, b_in, w_out, b_out, w2, b2)
-    return logits, proj, *ref_moe(x, w_gate, e_in, e_out), ref_convnet(image, k1, b1, k2)
+every_layer = _every_layer(block, moe_layer, convnet)
+ref_every_layer = _every_layer(ref_block, ref_moe, ref_convnet)
 
 
 def _args(seed: int = 0) -> list[md.Tensor]:

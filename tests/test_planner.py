@@ -744,3 +744,19 @@ def test_search_proposes_every_pipeline_schedule_and_prices_their_bubbles(tmp_pa
     one_f_one_b, gpipe, interleaved = (priced[c] for c in want)
     assert one_f_one_b.work.matmul_flops == gpipe.work.matmul_flops > interleaved.work.matmul_flops
     assert one_f_one_b.memory.peak_temporaries < gpipe.memory.peak_temporaries
+
+
+def test_a_predictions_terms_are_its_step_time_and_its_table() -> None:
+    """The time terms are one mapping: the step time sums them and the table prints each, so a new cost
+    term (here ``"offload"``) is one entry and nothing else changes."""
+    from meshdsl.planner.cost import COMPUTE, Prediction
+    from meshdsl.planner.flops import Work
+    from meshdsl.planner.memory import MemoryBreakdown
+
+    terms = {COMPUTE: 0.004, "all-reduce": 0.002, "offload": 0.001}
+    report = md.explain(lambda x: x, md.Mesh({"data": 2}), md.Layout(), md.tensor(np.ones(2), "a"))
+    p = Prediction({"data": 2}, md.Layout(), report, MemoryBreakdown(1, 2, 3, 4), Work(10.0, 20.0), terms)
+    assert p.step_s == pytest.approx(0.007)
+    assert p.compute_s == 0.004 and p.collective_s == {"all-reduce": 0.002, "offload": 0.001}
+    rows = {line.split()[0]: float(line.split()[-1]) for line in p.table().splitlines()[-4:]}
+    assert rows == {COMPUTE: 4.0, "all-reduce": 2.0, "offload": 1.0, "total": 7.0}

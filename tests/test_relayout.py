@@ -39,6 +39,7 @@ import meshdsl as md
 from meshdsl import relayout
 from meshdsl.analysis import hlo
 from meshdsl.collectives import Collective
+from meshdsl.lowering import relayout_run
 from meshdsl.relayout import State, Step, StepKind
 
 AG, A2A, PSUM, PS, SLICE = (
@@ -413,7 +414,7 @@ def test_apply_every_step(axis_sizes, shape):
     def body(*arrays):
         out = []
         for (src, pending, dst), a in zip(cases, arrays):
-            out.append(relayout.apply(a[0], relayout.plan(src, dst, pending, shape, axis_sizes), axis_sizes)[None])
+            out.append(relayout_run.apply(a[0], relayout.plan(src, dst, pending, shape, axis_sizes), axis_sizes)[None])
         return tuple(out)
 
     spec = PartitionSpec(names)  # one row per device, in mesh order
@@ -481,7 +482,7 @@ def _partial(x, y, pending, axis_sizes):
     if not pending:
         return x
     n = math.prod(axis_sizes[a] for a in pending)
-    i = relayout.axis_index(pending, axis_sizes)
+    i = relayout_run.axis_index(pending, axis_sizes)
     k = (n - 1) * (n + 2) // 2  # sum of (i + 1) for i in 1..n-1
     return lax.select(i == 0, x - k * y, (i + 1).astype(x.dtype) * y)
 
@@ -512,7 +513,7 @@ def test_apply_keeps_the_value(mesh, data, rng):
             steps = relayout.plan(src, dst, pending, shape, sizes)
             for step in steps:
                 event(f"step {step.kind.value}")
-            out.append(relayout.apply(_partial(x, y, pending, sizes), steps, sizes))
+            out.append(relayout_run.apply(_partial(x, y, pending, sizes), steps, sizes))
         return tuple(out)
 
     in_specs = tuple(_spec(src) for _, _, src, _, _ in cases for _ in range(2))
@@ -599,7 +600,7 @@ def test_gradient_moves_the_least_bytes_back(axis_sizes, shape):
         out = []
         for (src, dst), x, c in zip(cases, xs, cs):
             steps = relayout.plan(src, dst, (), shape, axis_sizes)
-            _, pull = jax.vjp(lambda v, steps=steps: relayout.apply(v, steps, axis_sizes), x)
+            _, pull = jax.vjp(lambda v, steps=steps: relayout_run.apply(v, steps, axis_sizes), x)
             out.append(pull(c)[0])
         return tuple(out)
 

@@ -40,14 +40,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
-import jaxlib
 import numpy as np
 from jax import lax
-from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: drop what XLA would drop as dead
 from jax.extend import core as jex_core
 from jax.extend.core import primitives as jex_primitives
 
 from meshdsl.errors import UnsupportedJaxError
+from meshdsl.jax_compat import dce_jaxpr, jaxlib_version
 
 _NO_OP = frozenset({"name", "stop_gradient"})
 """Primitives JAX lowers to nothing whose result has its operand's type: ``checkpoint_name``'s and
@@ -61,11 +60,7 @@ GATHERED_CONSTANT = jex_core.Primitive("gathered_constant")
 """A ``shard_map`` body's per-device result becoming a global result (``spec``, ``mesh``): no data moves."""
 
 
-def _jaxlib_version() -> tuple[int, ...]:
-    return tuple(int(p) for p in jaxlib.__version__.split(".")[:2] if p.isdigit())
-
-
-CSE_AFTER_BARRIERS = _jaxlib_version() < (0, 11)
+CSE_AFTER_BARRIERS = jaxlib_version() < (0, 11)
 """Whether the XLA at hand merges, after expanding optimization barriers, what only a barrier kept
 apart (all-reduces excepted): measured so with jaxlib 0.10.2; with 0.12.0.1 (and, by the same
 tests failing there, 0.11.2) nothing behind a barrier merges, collective or not."""
@@ -214,7 +209,7 @@ def as_compiled(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
 
 def _dead_dropped(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
     """``jaxpr`` without the equations no output needs (its inputs all kept, used or not)."""
-    return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
+    return dce_jaxpr(jaxpr)
 
 
 def _unused_dropped(

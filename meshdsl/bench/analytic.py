@@ -51,6 +51,7 @@ from meshdsl import compression, relayout
 from meshdsl.collectives import Collective, bytes_moved
 from meshdsl.measure.sizes import local_bytes
 from meshdsl.model.loader import shipped_name
+from meshdsl.model.protocol import Model
 from meshdsl.tensor import is_tensor
 from meshdsl.train.optim import OptaxOptimizer
 from meshdsl.train.rules import model_dims
@@ -121,7 +122,7 @@ def _activations(
 
 
 def terms(
-    model: Any, params: Any, mesh: md.Mesh, layout: md.Layout, optimizer: Any, grad_reduce_dtype: Any = None
+    model: Model, params: Any, mesh: md.Mesh, layout: md.Layout, optimizer: Any, grad_reduce_dtype: Any = None
 ) -> dict[str, float] | None:
     """Least bytes per device of one training step under ``layout``'s rules, term by term
     (parameter gathers, gradient sums, activations, loss, clipping); None where there is no formula."""
@@ -147,7 +148,7 @@ def terms(
 
 
 def minimum_bytes(
-    model: Any, params: Any, mesh: md.Mesh, layout: md.Layout, optimizer: Any, grad_reduce_dtype: Any = None
+    model: Model, params: Any, mesh: md.Mesh, layout: md.Layout, optimizer: Any, grad_reduce_dtype: Any = None
 ) -> float | None:
     """The sum of :func:`terms`: least bytes per device one step moves under these rules; None if no formula."""
     parts = terms(model, params, mesh, layout, optimizer, grad_reduce_dtype)

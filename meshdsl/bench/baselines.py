@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,7 @@ from meshdsl.measure import fits
 from meshdsl.measure.timing import CompiledStep, losses_from, memory_bytes
 from meshdsl.model import protocol as model_protocol
 from meshdsl.model.loader import shipped_name
+from meshdsl.model.protocol import Model
 from meshdsl.nn.attention_impl import implementation_here
 from meshdsl.ops.scan import REMAT_POLICIES
 from meshdsl.tensor import is_tensor
@@ -147,7 +148,8 @@ def unfaithful(trainer: Trainer) -> str | None:
         return f"pipelined ({p.schedule}, {p.microbatches} microbatches): plain JAX has no version of the schedule"
     if compression.scaled(trainer.grad_reduce_dtype):
         return f"gradients summed in {trainer.grad_reduce_dtype} with a per-tensor scale: plain JAX has no such sum"
-    split = sorted(d for d in model_dims(trainer.model) - {"batch"} if trainer.layout.axes_of(d))
+    model = cast(Model, trainer.model)  # a shipped model (checked above): the whole protocol
+    split = sorted(d for d in model_dims(model) - {"batch"} if trainer.layout.axes_of(d))
     if split and relayout.narrower(jnp.float32, trainer.grad_reduce_dtype):
         return (
             f"gradients summed in {trainer.grad_reduce_dtype} with {', '.join(split)} split: meshdsl sums activation "
@@ -242,7 +244,7 @@ class PlainStep:
 
 
 def make_step(
-    model: Any,
+    model: Model,
     layout: md.Layout,
     mesh: md.Mesh,
     state: dict,
@@ -311,7 +313,9 @@ def baseline(step: CompiledStep) -> Baseline:
     if why is not None:
         return Baseline(None, None, why)
     try:
-        plain = make_step(t.model, t.layout, t.mesh, step.state, step.data, t.optimizer, t.grad_reduce_dtype)
+        plain = make_step(
+            cast(Model, t.model), t.layout, t.mesh, step.state, step.data, t.optimizer, t.grad_reduce_dtype
+        )
         assert plain is not None  # unfaithful() ruled out the models without a plain-JAX step
         ours, theirs = step.losses(CHECKED_STEPS), plain.losses(CHECKED_STEPS)
     except fits.DoesNotFit as e:

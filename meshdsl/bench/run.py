@@ -15,7 +15,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,7 @@ from meshdsl.measure.peaks import peak_flops
 from meshdsl.measure.timing import CompiledStep, compile_step, interleaved_rounds, memory_bytes, round_orders
 from meshdsl.model import protocol as model_protocol
 from meshdsl.model.loader import build_model
+from meshdsl.model.protocol import Model, Pipelined
 from meshdsl.pipeline import PipelineConfig, bubble, schedule_bubble
 from meshdsl.pipeline.run import stages
 from meshdsl.runtime import output_paths
@@ -217,7 +218,7 @@ class Entry:
         }
 
 
-def _layout_specs(names: list[str] | None, model: Any, model_name: str) -> list[str]:
+def _layout_specs(names: list[str] | None, model: Model, model_name: str) -> list[str]:
     """The layouts asked for (files anywhere, shipped names, inline rules: as ``train --layout``
     takes them), or the shipped ones the model lists in ``LAYOUTS``."""
     if names:
@@ -237,7 +238,7 @@ def _label(spec: str) -> str:
     return spec if path is None else path.stem
 
 
-def notes(model: Any, name: str) -> list[str]:
+def notes(model: Model, name: str) -> list[str]:
     """What bench cannot report for ``model`` (named ``name``) because it lacks an optional part."""
     return model_protocol.step_counts(model).notes(name)
 
@@ -285,7 +286,7 @@ def results_dir(cfg: BenchConfig) -> Path:
     return out
 
 
-def _pipeline_variants(cfg: BenchConfig, spec: str, model: Any) -> list[tuple[PipelineConfig, int] | None]:
+def _pipeline_variants(cfg: BenchConfig, spec: str, model: Model) -> list[tuple[PipelineConfig, int] | None]:
     """For a layout that splits ``layers``: each schedule x microbatch count asked for, with its batch
     (microbatches x the rows per microbatch of the layout's own setting); else ``[None]``."""
     layout = load_layout(spec)
@@ -303,7 +304,7 @@ def _pipeline_variants(cfg: BenchConfig, spec: str, model: Any) -> list[tuple[Pi
 
 def _prepare(
     model_name: str,
-    model: Any,
+    model: Model,
     cfg: BenchConfig,
     spec: str,
     out: Callable[[str], None],
@@ -353,7 +354,7 @@ def _prepare(
         predicted_on_accelerator=trainer.explain(state, data, platform="gpu").summary() if narrow_on_cpu else predicted,
         minimum_bytes=analytic.minimum_bytes(model, state["params"], mesh, layout, optimizer, cfg.grad_reduce_dtype),
         peak_flops=peak_flops(device.device_kind, dtype),
-        pipeline=None if pipe is None else _pipeline_fields(pipe, trainer, model, text),
+        pipeline=None if pipe is None else _pipeline_fields(pipe, trainer, cast(Pipelined, model), text),
     )
     if cfg.gspmd:
         entry.gspmd, entry.gspmd_note = _gspmd(step, cfg.grad_reduce_dtype)
@@ -402,7 +403,7 @@ def _schedule_label(pipe: PipelineConfig) -> str:
     return pipe.schedule + (f" v={pipe.virtual_stages}" if pipe.schedule == "interleaved" else "")
 
 
-def _pipeline_fields(pipe: PipelineConfig, trainer: Trainer, model: Any, hlo_text: str) -> dict[str, Any]:
+def _pipeline_fields(pipe: PipelineConfig, trainer: Trainer, model: Pipelined, hlo_text: str) -> dict[str, Any]:
     """Schedule, stages, microbatches, bubbles (theory, the timetable's ticks) and the compiled step's
     matmul FLOPs per device (loops counted by their trip counts: :mod:`meshdsl.analysis.hlo_flops`)."""
     from meshdsl.lowering.spmd import SpmdLowering

@@ -8,10 +8,22 @@ How the files are laid out and committed is in :mod:`.store`'s docstring.
 """
 
 from meshdsl.checkpoint.safetensors_io import Source, check_safetensors, load_safetensors
-from meshdsl.checkpoint.store import FORMAT, CheckpointManager, latest, read_manifest, restore, save, steps
+from meshdsl.checkpoint.store import (
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    CheckpointManager,
+    latest,
+    read_manifest,
+    restore,
+    save,
+    steps,
+)
 
 __all__ = [
     "FORMAT",
+    "MANIFEST",
+    "VERSION",
     "CheckpointManager",
     "Source",
     "latest",

@@ -14,10 +14,11 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from meshdsl.models import NAMES
 from meshdsl.train.config import COMPUTE_DTYPES, HF_HELP
 
 MODEL_HELP = (
-    "a shipped model (mlp, transformer, moe, convnet, llama), a Python file (path/to/my_model.py) "
+    f"a shipped model ({', '.join(NAMES)}), a Python file (path/to/my_model.py) "
     "or an importable module (mypkg.my_model)"
 )
 PRESET_HELP = "a preset of the model's Config.PRESETS (the shipped models: tiny, small, 1b; llama also 8b)"

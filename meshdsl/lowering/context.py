@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import re
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
@@ -68,10 +67,22 @@ def op_scope(name: str) -> Iterator[None]:
         with jax.named_scope(f"md.{name}"):
             yield
     except MeshDslError as e:
-        # Already named: by this op, by another one, or by the user's file and line (ModelError).
-        if isinstance(e, ModelError) or re.match(rf"(md\.)?{name}\W|[\w.]+: ", str(e)):
+        # Already named: by this op, by another one (its ``op``), or by the user's file and line (ModelError).
+        if isinstance(e, ModelError) or e.op is not None:
             raise
-        raise type(e)(f"{name}: {e}") from None
+        raise type(e)(f"{name}: {e}", op=name) from None
+
+
+@contextlib.contextmanager
+def naming(name: str) -> Iterator[None]:
+    """The md errors raised in the block name the op ``name`` already (their message starts with it,
+    as ``conv2d result [...]: ...`` does): their ``op`` is ``name``, so :func:`op_scope` adds nothing."""
+    try:
+        yield
+    except MeshDslError as e:
+        if e.op is None:
+            e.op = name
+        raise
 
 
 def op(name: str) -> Callable[[F], F]:
@@ -95,7 +106,8 @@ def op(name: str) -> Callable[[F], F]:
                     if p in bound and not isinstance(bound[p], Tensor):
                         raise ShapeError(
                             f"{name}: {p} must be an md tensor, got {describe(bound[p])}; wrap an array with "
-                            "md.tensor(array, dims)"
+                            "md.tensor(array, dims)",
+                            op=name,
                         )
             with op_scope(name):
                 return fn(*args, **kwargs)

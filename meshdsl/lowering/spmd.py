@@ -18,10 +18,12 @@ from jax import lax
 
 from meshdsl import compression, relayout
 from meshdsl.dims import Shape
+from meshdsl.jax_compat import aval_varying
+from meshdsl.jax_compat import varying_axes as _varying_axes
 from meshdsl.layout import Layout, Split
+from meshdsl.lowering import relayout_run
 from meshdsl.lowering.base import Lowering, exact_max, pmax_total
 from meshdsl.mesh import Mesh
-from meshdsl.relayout import varying_axes as _varying_axes
 from meshdsl.tensor import Tensor
 
 
@@ -114,7 +116,7 @@ class SpmdLowering(Lowering):
         if not steps:
             return array
         with jax.named_scope(str(shape)):
-            return relayout.apply(array, steps, self.axis_sizes, varying, self.grad_reduce_dtype)
+            return relayout_run.apply(array, steps, self.axis_sizes, varying, self.grad_reduce_dtype)
 
     def prepare(self, t: Tensor, axes: Split | None = None, beside: Sequence[Tensor] = ()) -> jax.Array:
         own = self.axes(t.shape)
@@ -154,7 +156,7 @@ class SpmdLowering(Lowering):
         for (axes, _, _), members in groups.items():
             to = "varying" if varying.issuperset(axes) else "invarying"
             with jax.named_scope(f"[{len(members)} stored tensors]"):
-                gathered = relayout.gather_together(
+                gathered = relayout_run.gather_together(
                     [arrays[i] for i, _ in members],
                     [dim for _, dim in members],
                     axes,
@@ -202,9 +204,7 @@ class SpmdLowering(Lowering):
         return SpmdLowering(self.mesh, layout, self.grad_reduce_dtype)
 
     def zeros_traced(self, like: Any) -> jax.Array:
-        manual = getattr(like, "manual_axis_type", None)  # JAX >= 0.10; earlier releases call it vma
-        varying = manual.varying if manual is not None else getattr(like, "vma", ())
-        return _pvary(jnp.zeros(like.shape, like.dtype), tuple(sorted(varying)))
+        return _pvary(jnp.zeros(like.shape, like.dtype), tuple(sorted(aval_varying(like))))
 
     def vary_like(self, x: jax.Array, *others: jax.Array) -> jax.Array:
         missing = frozenset().union(*(_varying_axes(o) for o in others)) - _varying_axes(x)
@@ -218,7 +218,7 @@ class SpmdLowering(Lowering):
         return relayout.group_size(axes, self.axis_sizes)
 
     def axis_index(self, axes: Sequence[str]) -> Any:
-        return relayout.axis_index(axes, self.axis_sizes) if axes else 0
+        return relayout_run.axis_index(axes, self.axis_sizes) if axes else 0
 
     def reduce_max(self, x: jax.Array, positions: tuple[int, ...], axes: Sequence[str]) -> jax.Array:
         local = int(np.prod([x.shape[p] for p in positions], dtype=int))

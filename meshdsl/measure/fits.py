@@ -59,7 +59,10 @@ def _host_available() -> int | None:
 
 
 def capacity(device: Any = None) -> Capacity | None:
-    """The memory of ``device`` (default: the first local device), per the module docstring; None where unknown."""
+    """The memory of ``device`` (default: the first local device), per the module docstring; None where unknown.
+
+    The one reading of a device's memory: this check and ``meshdsl calibrate's`` profile both use it.
+    """
     override = os.environ.get(ENV)
     if override is not None:
         try:

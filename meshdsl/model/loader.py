@@ -81,7 +81,7 @@ def build_model(spec: str, preset: str, **overrides: Any) -> Any:
     return model if shipped else UserModel(model, spec, mine)
 
 
-def shipped_name(model: Any) -> str | None:
+def shipped_name(model: object) -> str | None:
     """The shipped model ``model`` is an instance of (``"mlp"``), or None for a model of the user's,
     whatever its module is called: bench's byte formulas and plain-JAX baselines exist only for the
     shipped models' own classes."""

@@ -22,8 +22,8 @@ The functions below are the only places that probe a model for these parts, so t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import jax
 
@@ -32,6 +32,33 @@ from meshdsl.errors import ConfigError
 
 if TYPE_CHECKING:
     from meshdsl.tensor import Tensor
+
+__all__ = [
+    "OPTIONAL",
+    "PIPELINE_PARTS",
+    "REQUIRED",
+    "Counted",
+    "HuggingFaceMapped",
+    "Model",
+    "Pipelined",
+    "StepCounts",
+    "Trainable",
+    "batch_dim",
+    "capabilities",
+    "check",
+    "compute_dtype",
+    "config_field",
+    "dim_roles",
+    "has_pipeline_parts",
+    "layouts",
+    "missing",
+    "stacked_layers",
+    "step_counts",
+    "token_keys",
+    "with_batch",
+]
+
+M = TypeVar("M")
 
 REQUIRED = ("init", "batch", "loss")
 """The methods every model has."""
@@ -43,22 +70,34 @@ OPTIONAL = ("flops_per_step", "examples_per_step", "LAYOUTS", "DIM_ROLES", "TOKE
 """The optional parts, by name (:func:`capabilities`)."""
 
 
-@runtime_checkable
-class Model(Protocol):
-    """The core every model has; ``config`` is the ``Config`` it was built from (set by the loader if absent)."""
-
-    config: Any
+class Trainable(Protocol):
+    """What a ``Trainer`` fed its batches needs of a model: parameters and a loss (no ``batch``, no ``config``)."""
 
     def init(self, key: jax.Array) -> Any:
         """The parameters: a pytree of md tensors, made from ``key`` (a threefry key's data, uint32[2])."""
         ...
 
+    def loss(self, params: Any, batch: Any) -> Tensor:
+        """The mean loss of ``batch``: a scalar float md tensor."""
+        ...
+
+
+@runtime_checkable
+class Model(Trainable, Protocol):
+    """The core every model has; ``config`` is the ``Config`` it was built from (set by the loader if absent)."""
+
+    config: Any
+
     def batch(self, key: jax.Array) -> Any:
         """A training batch: a pytree of md tensors, made from ``key``."""
         ...
 
-    def loss(self, params: Any, batch: Any) -> Tensor:
-        """The mean loss of ``batch``: a scalar float md tensor."""
+
+class HuggingFaceMapped(Model, Protocol):
+    """A model whose parameters map to a Hugging Face checkpoint's tensors (``--init-from-hf``, ``md.hf``)."""
+
+    def hf_names(self) -> Mapping[str, Any]:
+        """Parameter path -> where its tensor is in the files (:class:`md.checkpoint.Source`)."""
         ...
 
 
@@ -86,13 +125,13 @@ class Pipelined(Model, Protocol):
     def with_batch(self, size: int) -> Pipelined: ...
 
 
-def missing(model: Any, needed: Sequence[str] = REQUIRED) -> list[str]:
+def missing(model: object, needed: Sequence[str] = REQUIRED) -> list[str]:
     """The methods of ``needed`` (the core, :data:`REQUIRED`) that ``model`` (an instance or a class)
     lacks or cannot call."""
     return [name for name in needed if not callable(getattr(model, name, None))]
 
 
-def check(model: Any, name: str, needed: Sequence[str] = REQUIRED) -> None:
+def check(model: object, name: str, needed: Sequence[str] = REQUIRED) -> None:
     """ConfigError, in one line naming the model ``name`` (its file, module or class) and the methods,
     unless ``model`` has the methods ``needed`` of :class:`Model`'s core (a ``Trainer`` fed batches
     needs no ``batch``)."""
@@ -104,49 +143,56 @@ def check(model: Any, name: str, needed: Sequence[str] = REQUIRED) -> None:
         )
 
 
-def capabilities(model: Any) -> frozenset[str]:
+def capabilities(model: object) -> frozenset[str]:
     """The optional parts (:data:`OPTIONAL`) ``model`` has."""
     return frozenset(part for part in OPTIONAL if getattr(model, part, None) is not None)
 
 
-def has_pipeline_parts(model: Any) -> bool:
+def has_pipeline_parts(model: object) -> bool:
     """Whether ``model`` can run as a pipeline: it says ``pipelined`` and has every part of :class:`Pipelined`."""
     return bool(getattr(model, "pipelined", False)) and all(hasattr(model, p) for p in PIPELINE_PARTS)
 
 
-def stacked_layers(model: Any) -> Dim | None:
+def stacked_layers(model: object) -> Dim | None:
     """The dim of the model's stacked layers (``layers``, pipelined or not), or None where it has none."""
     layers = getattr(model, "layers", None)
     return layers if isinstance(layers, Dim) else None
 
 
-def with_batch(model: Any, size: int) -> Any:
+def batch_dim(model: object) -> Dim | None:
+    """The dim the model's batch is cut along (its ``batch_dim``), or None where it names none."""
+    dim = getattr(model, "batch_dim", None)
+    return dim if isinstance(dim, Dim) else None
+
+
+def with_batch(model: M, size: int) -> M:
     """``model`` for batches of ``size`` rows where it has ``with_batch``, else ``model`` itself."""
-    return model.with_batch(size) if hasattr(model, "with_batch") else model
+    resize = getattr(model, "with_batch", None)
+    return model if resize is None else resize(size)
 
 
-def layouts(model: Any) -> tuple[str, ...] | None:
+def layouts(model: object) -> tuple[str, ...] | None:
     """The layouts the model lists in ``LAYOUTS`` (bench's default), or None."""
     listed = getattr(model, "LAYOUTS", None)
     return None if listed is None else tuple(listed)
 
 
-def dim_roles(model: Any) -> Any:
+def dim_roles(model: object) -> Any:
     """The model's ``DIM_ROLES`` as it declares it (checked by :mod:`meshdsl.planner.roles`), or None."""
     return getattr(model, "DIM_ROLES", None)
 
 
-def token_keys(model: Any) -> Any:
+def token_keys(model: object) -> Any:
     """The model's ``TOKEN_KEYS`` as it declares it (checked by :mod:`meshdsl.train.token_batch`), or None."""
     return getattr(model, "TOKEN_KEYS", None)
 
 
-def config_field(model: Any, field: str, default: Any = None) -> Any:
+def config_field(model: object, field: str, default: Any = None) -> Any:
     """The field ``field`` of the model's config, or ``default`` where the config has no such field."""
     return getattr(getattr(model, "config", None), field, default)
 
 
-def compute_dtype(model: Any) -> str:
+def compute_dtype(model: object) -> str:
     """The dtype the model computes in: its config's ``compute_dtype``, else float32."""
     return str(config_field(model, "compute_dtype") or "float32")
 
@@ -167,7 +213,7 @@ class StepCounts:
         return [f"model {name} has no {part}(), so {what}" for part, value, what in lacking if value is None]
 
 
-def step_counts(model: Any) -> StepCounts:
+def step_counts(model: object) -> StepCounts:
     """The :class:`StepCounts` of ``model``: what train and bench divide by the step time."""
     flops = model.flops_per_step() if hasattr(model, "flops_per_step") else None
     examples = model.examples_per_step() if hasattr(model, "examples_per_step") else None

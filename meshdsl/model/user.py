@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from meshdsl.errors import MeshDslError, ModelError
+from meshdsl.model.protocol import Model
 from meshdsl.tensor import Tensor, describe, is_tensor
 
 LOSS = "a scalar float md tensor (the mean loss, e.g. md.reduce_mean(...) over every dim)"
@@ -102,7 +103,7 @@ class UserModel:
 
     __slots__ = ("model", "spec", "mine")
 
-    def __init__(self, model: Any, spec: str, mine: Sequence[Path]):
+    def __init__(self, model: Model, spec: str, mine: Sequence[Path]):
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "spec", spec)
         object.__setattr__(self, "mine", tuple(mine))
@@ -156,7 +157,7 @@ class UserModel:
         return out
 
 
-def describe_model(model: Any) -> str:
+def describe_model(model: object) -> str:
     """``model`` for a message: a user's model by the file or module it came from (``llama.py``), never by
     the name meshdsl imported it under; another (a shipped one) by its class (``meshdsl.models.mlp.Model``)."""
     if isinstance(model, UserModel):
@@ -164,7 +165,7 @@ def describe_model(model: Any) -> str:
     return f"{type(model).__module__}.{type(model).__qualname__}"
 
 
-def _check_signature(model: Any, name: str, args: tuple[str, ...]) -> None:
+def _check_signature(model: Model, name: str, args: tuple[str, ...]) -> None:
     """ModelError at the method's line unless ``model.name`` can be called with ``args``."""
     method = getattr(model, name)
     try:

@@ -86,9 +86,11 @@ class MultiHeadAttention:
         names = [self.model.name, self.heads.name, self.d_kv.name, self.length, self.memory]
         names += [self.fused] if self.kv_heads is None else [self.fused_kv, self.kv_heads.name]
         if len(set(names)) != len(names):
-            raise ShapeError(f"MultiHeadAttention: dim names {names} must be distinct")
+            raise ShapeError(f"MultiHeadAttention: dim names {names} must be distinct", op="MultiHeadAttention")
         if self.kv_heads is not None and not isinstance(self.kv_heads, Dim):
-            raise ShapeError(f"MultiHeadAttention: kv_heads must be an md.Dim, got {self.kv_heads!r}")
+            raise ShapeError(
+                f"MultiHeadAttention: kv_heads must be an md.Dim, got {self.kv_heads!r}", op="MultiHeadAttention"
+            )
         if self.kv_heads is not None:
             check_sizes("MultiHeadAttention", [self.kv_heads])
         if self.qk_norm is not None and [d.name for d in dims_of(self.qk_norm.dims)] != [self.d_kv.name]:
@@ -96,7 +98,8 @@ class MultiHeadAttention:
         if self.rotary is not None and (self.rotary.depth != self.d_kv or self.rotary.length != self.length):
             raise ShapeError(
                 f"MultiHeadAttention: rotary over {self.rotary.depth} and {self.rotary.length!r} "
-                f"must be over this layer's d_kv {self.d_kv} and length {self.length!r}"
+                f"must be over this layer's d_kv {self.d_kv} and length {self.length!r}",
+                op="MultiHeadAttention",
             )
 
     @property
@@ -120,7 +123,8 @@ class MultiHeadAttention:
         if self.kv_heads is None:
             raise ShapeError(
                 "MultiHeadAttention: kv_projection is for grouped-query attention (kv_heads); "
-                "without kv_heads the keys and values come from qkv_projection"
+                "without kv_heads the keys and values come from qkv_projection",
+                op="MultiHeadAttention",
             )
         return Linear(self.model, [Dim(self.fused_kv, 2), self.kv_heads, self.d_kv], bias=self.bias)
 
@@ -159,7 +163,9 @@ class MultiHeadAttention:
         check_float("MultiHeadAttention", x)
         check_has("MultiHeadAttention", x, [self.model], "model")
         if self.length not in x.shape:
-            raise ShapeError(f"MultiHeadAttention: input {x.shape} has no length dim {self.length!r}")
+            raise ShapeError(
+                f"MultiHeadAttention: input {x.shape} has no length dim {self.length!r}", op="MultiHeadAttention"
+            )
         batch = [d for d in x.shape if d.name not in (self.length, self.model.name)]
         length = x.shape[self.length]
         # Dims ordered as the matmuls want them (heads before length): no transposes between them.

@@ -70,20 +70,27 @@ def _check(
     """The batch dims and the query-group dims, in ``q``'s order; ShapeError when the operands do not fit together."""
     if t == s:
         raise ShapeError(
-            f"dot_product_attention: the query length and memory dims need distinct names, got {t!r} twice"
+            f"dot_product_attention: the query length and memory dims need distinct names, got {t!r} twice",
+            op="dot_product_attention",
         )
     for x, role, need in ((q, "query", (h, t, d)), (k, "key", (h, s, d)), (v, "value", (h, s, d))):
         missing = [n for n in need if n not in x.shape]
         if missing:
-            raise ShapeError(f"dot_product_attention: {role} {x.shape} lacks dims {missing}")
+            raise ShapeError(
+                f"dot_product_attention: {role} {x.shape} lacks dims {missing}", op="dot_product_attention"
+            )
     if set(k.shape) != set(v.shape):
-        raise ShapeError(f"dot_product_attention: keys {k.shape} and values {v.shape} must have the same dims")
+        raise ShapeError(
+            f"dot_product_attention: keys {k.shape} and values {v.shape} must have the same dims",
+            op="dot_product_attention",
+        )
     batch = [n for n in q.names if n not in (h, t, d) and n in k.shape]
     groups = [n for n in q.names if n not in (h, t, d) and n not in k.shape]
     if {x for x in q.shape if x.name in batch} | {q.shape[h], q.shape[d]} != {x for x in k.shape if x.name != s}:
         also = f" (and the query groups {groups})" if groups else ""
         raise ShapeError(
-            f"dot_product_attention: queries {q.shape} and keys {k.shape} differ in dims other than {t} and {s}{also}"
+            f"dot_product_attention: queries {q.shape} and keys {k.shape} differ in dims other than {t} and {s}{also}",
+            op="dot_product_attention",
         )
     if len({jnp.dtype(q.dtype), jnp.dtype(k.dtype), jnp.dtype(v.dtype)}) > 1:
         raise ShapeError(
@@ -95,7 +102,8 @@ def _check(
         if mask.dtype != jnp.bool_ or not set(mask.names) <= allowed:
             raise ShapeError(
                 f"dot_product_attention: mask {mask.shape} ({mask.dtype}) must be boolean over dims of "
-                f"{sorted(allowed)}"
+                f"{sorted(allowed)}",
+                op="dot_product_attention",
             )
         sizes = {**{x.name: x for x in k.shape}, **{x.name: x for x in q.shape}}
         other = [f"{x} (the inputs' {sizes[x.name]})" for x in mask.shape if sizes[x.name].size != x.size]
@@ -129,7 +137,7 @@ def dot_product_attention(
     for role, x in (("queries", q), ("keys", k), ("values", v)):
         check_float(f"dot_product_attention {role}", x)
     if scale is not None:
-        number(scale, "dot_product_attention: scale", above=0.0)
+        number(scale, "dot_product_attention: scale", above=0.0, op="dot_product_attention")
     h, t, s, d = map(_name, (heads, length, memory, depth))
     batch, groups = _check(q, k, v, h, t, s, d, mask)
     scale = q.shape[d].size ** -0.5 if scale is None else scale

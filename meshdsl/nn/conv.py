@@ -47,7 +47,9 @@ class Conv2d:
         check_sizes("Conv2d channels", [self.in_channels, self.out_channels])
         for what, pair in (("kernel", self.kernel), ("stride", self.stride)):
             if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(_positive_int(n) for n in pair)):
-                raise ShapeError(f"Conv2d: {what} must be a pair of positive ints (height, width), got {pair!r}")
+                raise ShapeError(
+                    f"Conv2d: {what} must be a pair of positive ints (height, width), got {pair!r}", op="Conv2d"
+                )
             object.__setattr__(self, what, tuple(int(n) for n in pair))
         check_scale("Conv2d", self.init_scale)
         names = [
@@ -59,7 +61,7 @@ class Conv2d:
             self.kernel_width,
         ]
         if len(set(names)) != len(names):
-            raise ShapeError(f"Conv2d: dim names {names} must be distinct")
+            raise ShapeError(f"Conv2d: dim names {names} must be distinct", op="Conv2d")
 
     @property
     def kernel_dims(self) -> list[Dim]:

@@ -137,9 +137,13 @@ def cross_entropy(
         total, count = _summed(logits, targets, vocab, ignore)
         return _mean(total, count, targets)
     if chunk < 1 or d.size % chunk:
-        raise ConfigError(f"cross_entropy: chunk={chunk} must be a positive divisor of {d.name}={d.size}")
+        raise ConfigError(
+            f"cross_entropy: chunk={chunk} must be a positive divisor of {d.name}={d.size}", op="cross_entropy"
+        )
     if d.name not in targets.shape or targets.shape[d.name] != d:
-        raise ShapeError(f"cross_entropy: targets {targets.shape} do not have the chunked dim {d} of x {x.shape}")
+        raise ShapeError(
+            f"cross_entropy: targets {targets.shape} do not have the chunked dim {d} of x {x.shape}", op="cross_entropy"
+        )
     chunks, piece = Dim(f"{d.name}_chunks", d.size // chunk), Dim(d.name, chunk)
     pieces = (replace_dimensions(x, d.name, [chunks, piece]), replace_dimensions(targets, d.name, [chunks, piece]))
     classes: list[int] = []

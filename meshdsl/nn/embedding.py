@@ -39,7 +39,7 @@ class Embedding:
         check_scale("Embedding", self.init_scale)
         object.__setattr__(self, "features", as_dims(self.features, "Embedding features"))
         if self.vocab.name in {d.name for d in dims_of(self.features)}:
-            raise ShapeError(f"Embedding: vocab {self.vocab} is also a feature dim")
+            raise ShapeError(f"Embedding: vocab {self.vocab} is also a feature dim", op="Embedding")
 
     def init(self, key: jax.Array, stack: Stack = ()) -> Tensor:
         """The table ``[*stack, vocab, *features]``."""
@@ -70,5 +70,7 @@ def _check_ids(ids: Tensor, vocab: Dim) -> None:
     bad = values[(values < 0) | (values >= vocab.size)]
     if bad.size:
         raise ShapeError(
-            f"Embedding: id {bad.flat[0]} of ids {ids.shape} is outside the vocab {vocab} (ids are 0..{vocab.size - 1})"
+            f"Embedding: id {bad.flat[0]} of ids {ids.shape} is outside the vocab {vocab} "
+            f"(ids are 0..{vocab.size - 1})",
+            op="Embedding",
         )

@@ -51,7 +51,8 @@ class Linear:
         names = [d.name for d in (*ins, *outs)]
         if len(set(names)) != len(names):
             raise ShapeError(
-                f"Linear: inputs {list(map(str, ins))} and outputs {list(map(str, outs))} must have distinct names"
+                f"Linear: inputs {list(map(str, ins))} and outputs {list(map(str, outs))} must have distinct names",
+                op="Linear",
             )
         object.__setattr__(self, "inputs", ins)
         object.__setattr__(self, "outputs", outs)
@@ -70,7 +71,8 @@ class Linear:
         extra = [n for n in w.names if n not in x.shape and n not in {d.name for d in outs}]
         if extra:
             raise ShapeError(
-                f"Linear: weight {w.shape} has dims {extra} that are neither outputs nor dims of the input {x.shape}"
+                f"Linear: weight {w.shape} has dims {extra} that are neither outputs nor dims of the input {x.shape}",
+                op="Linear",
             )
         inputs = {d.name for d in ins}
         out = [d for d in x.shape if d.name not in inputs] + list(outs)

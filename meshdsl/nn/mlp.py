@@ -37,7 +37,8 @@ class MLP:
         if not callable(self.activation):
             raise ConfigError(
                 f"{name}: activation must be a function of an md tensor (e.g. md.relu, md.gelu), "
-                f"got {self.activation!r}"
+                f"got {self.activation!r}",
+                op=name,
             )
         object.__setattr__(self, "inputs", as_dims(self.inputs, f"{name} inputs"))
         object.__setattr__(self, "hidden", as_dims(self.hidden, f"{name} hidden"))

@@ -75,11 +75,11 @@ class MoE:
     def __post_init__(self) -> None:
         check_sizes("MoE", [self.model, self.hidden, self.experts])
         if isinstance(self.top, bool) or not isinstance(self.top, int) or not 1 <= self.top <= self.experts.size:
-            raise ShapeError(f"MoE: top {self.top!r} must be an int between 1 and {self.experts}")
-        number(self.capacity_factor, "MoE: capacity_factor", above=0.0)
+            raise ShapeError(f"MoE: top {self.top!r} must be an int between 1 and {self.experts}", op="MoE")
+        number(self.capacity_factor, "MoE: capacity_factor", above=0.0, op="MoE")
         if not callable(self.activation):
             raise ConfigError(
-                f"MoE: activation must be a function of an md tensor (e.g. md.gelu), got {self.activation!r}"
+                f"MoE: activation must be a function of an md tensor (e.g. md.gelu), got {self.activation!r}", op="MoE"
             )
         names = [
             self.model.name,
@@ -93,7 +93,7 @@ class MoE:
             self.choices,
         ]
         if len(set(names)) != len(names):
-            raise ShapeError(f"MoE: dim names {names} must be distinct")
+            raise ShapeError(f"MoE: dim names {names} must be distinct", op="MoE")
 
     @property
     def router(self) -> Linear:
@@ -152,7 +152,8 @@ class MoE:
             or x.shape[self.model.name] != self.model
         ):
             raise ShapeError(
-                f"MoE: input {x.shape} must have exactly the dims {self.group}, {self.tokens} and {self.model}"
+                f"MoE: input {x.shape} must have exactly the dims {self.group}, {self.tokens} and {self.model}",
+                op="MoE",
             )
         b, dm, E = x.shape[self.group], self.model, self.experts
         Eu, G = Dim(self.experts_unsplit, E.size), Dim(self.groups, b.size)

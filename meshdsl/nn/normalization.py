@@ -31,8 +31,8 @@ class RMSNorm:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dims", as_dims(self.dims, "RMSNorm dims"))
-        number(self.eps, "RMSNorm: eps", at_least=0.0)
-        number(self.offset, "RMSNorm: offset")
+        number(self.eps, "RMSNorm: eps", at_least=0.0, op="RMSNorm")
+        number(self.offset, "RMSNorm: offset", op="RMSNorm")
 
     def init(self, key: jax.Array | None = None, stack: Stack = ()) -> Tensor:
         """``1 - offset`` (ones) ``[*stack, *dims]`` (``key`` is not used: the init is constant)."""
@@ -59,7 +59,7 @@ class LayerNorm:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dims", as_dims(self.dims, "LayerNorm dims"))
-        number(self.eps, "LayerNorm: eps", at_least=0.0)
+        number(self.eps, "LayerNorm: eps", at_least=0.0, op="LayerNorm")
 
     def init(self, key: jax.Array | None = None, stack: Stack = ()) -> Any:
         """Ones ``[*stack, *dims]`` (and zeros for the bias); ``key`` is not used."""

@@ -27,7 +27,7 @@ def as_dims(dims: Dims, what: str) -> tuple[Dim, ...]:
     out = (dims,) if isinstance(dims, Dim) else tuple(dims) if isinstance(dims, (list, tuple)) else ()
     if not out or not all(isinstance(d, Dim) for d in out):
         raise ShapeError(
-            f"{what}: expected an md.Dim or a non-empty sequence of md.Dims (sizes are needed), got {dims!r}"
+            f"{what}: expected an md.Dim or a non-empty sequence of md.Dims (sizes are needed), got {dims!r}", op=what
         )
     check_sizes(what, out)
     return out
@@ -38,26 +38,27 @@ def check_sizes(what: str, dims: Sequence[Dim]) -> None:
     dim makes an empty weight: its init divides by a fan-in of 0, its output is silently all zeros)."""
     for d in dims:
         if not isinstance(d, Dim):
-            raise ShapeError(f"{what}: expected an md.Dim (sizes are needed), got {d!r}")
+            raise ShapeError(f"{what}: expected an md.Dim (sizes are needed), got {d!r}", op=what)
         if d.size < 1:
-            raise ShapeError(f"{what}: dim {d} has size {d.size}; a layer's dims need a size of at least 1")
+            raise ShapeError(f"{what}: dim {d} has size {d.size}; a layer's dims need a size of at least 1", op=what)
 
 
 def check_float(layer: str, x: Tensor) -> None:
     """ShapeError unless the input ``x`` is floating: layers compute in their input's dtype, so integer
     inputs would cast the weights to integers (mostly zeros) and return zeros."""
     if not isinstance(x, Tensor):
-        raise ShapeError(f"{layer}: input must be an md tensor, got {describe(x)}")
+        raise ShapeError(f"{layer}: input must be an md tensor, got {describe(x)}", op=layer)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ShapeError(
             f"{layer}: input {x.shape} is {x.dtype}, but a layer computes in its input's float dtype; "
-            "cast it first (md.cast(x, 'float32')), or look integer ids up with md.nn.Embedding"
+            "cast it first (md.cast(x, 'float32')), or look integer ids up with md.nn.Embedding",
+            op=layer,
         )
 
 
 def check_scale(layer: str, init_scale: float) -> None:
     """ConfigError unless ``init_scale`` is a finite number of at least 0 (0: zero weights)."""
-    number(init_scale, f"{layer}: init_scale", at_least=0.0)
+    number(init_scale, f"{layer}: init_scale", at_least=0.0, op=layer)
 
 
 def scaled_normal(key: jax.Array, dims: Sequence[Dim], fan_in: int, scale: float) -> Tensor:
@@ -80,7 +81,7 @@ def check_has(layer: str, x: Tensor, dims: Sequence[Dim], role: str) -> None:
     """ShapeError unless ``x`` has every dim of ``dims`` (by name and size)."""
     for d in dims:
         if d.name not in x.shape or x.shape[d.name].size != d.size:
-            raise ShapeError(f"{layer}: input {x.shape} needs the {role} dim {d}")
+            raise ShapeError(f"{layer}: input {x.shape} needs the {role} dim {d}", op=layer)
 
 
 def cast_like(p: Tensor, x: Tensor) -> Tensor:

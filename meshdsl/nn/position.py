@@ -35,7 +35,9 @@ class PositionEmbedding:
     def __post_init__(self) -> None:
         object.__setattr__(self, "features", as_dims(self.features, "PositionEmbedding features"))
         if self.positions.name in {d.name for d in dims_of(self.features)}:
-            raise ShapeError(f"PositionEmbedding: positions {self.positions} is also a feature dim")
+            raise ShapeError(
+                f"PositionEmbedding: positions {self.positions} is also a feature dim", op="PositionEmbedding"
+            )
 
     def init(self, key: jax.Array, stack: Stack = ()) -> Tensor:
         """The table ``[*stack, positions, *features]``."""
@@ -44,12 +46,15 @@ class PositionEmbedding:
     def __call__(self, table: Tensor, x: Tensor, *, offset: int = 0) -> Tensor:
         check_has("PositionEmbedding", x, dims_of(self.features), "feature")
         if self.length not in x.shape:
-            raise ShapeError(f"PositionEmbedding: input {x.shape} has no length dim {self.length!r}")
+            raise ShapeError(
+                f"PositionEmbedding: input {x.shape} has no length dim {self.length!r}", op="PositionEmbedding"
+            )
         n = x.shape[self.length].size
         if offset < 0 or offset + n > self.positions.size:
             raise ShapeError(
                 f"PositionEmbedding: positions {offset}..{offset + n - 1} of {x.shape} "
-                f"are outside the table's {self.positions}"
+                f"are outside the table's {self.positions}",
+                op="PositionEmbedding",
             )
         rows = table if offset == 0 and n == self.positions.size else md_slice(table, offset, n, self.positions.name)
         if self.positions.name != self.length:

@@ -45,32 +45,39 @@ class Rotary:
 
     def __post_init__(self) -> None:
         if not isinstance(self.depth, Dim) or self.depth.size % 2:
-            raise ShapeError(f"Rotary: depth must be an md.Dim of even size, got {self.depth!r}")
+            raise ShapeError(f"Rotary: depth must be an md.Dim of even size, got {self.depth!r}", op="Rotary")
         theta = self.theta
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
-            raise ConfigError(f"Rotary: theta must be a finite number above 0, got {theta!r}")
+            raise ConfigError(f"Rotary: theta must be a finite number above 0, got {theta!r}", op="Rotary")
         if self.inverse is not None and len(self.inverse) != self.depth.size // 2:
-            raise ShapeError(f"Rotary: {len(self.inverse)} inverse frequencies for depth {self.depth} (needs half)")
+            raise ShapeError(
+                f"Rotary: {len(self.inverse)} inverse frequencies for depth {self.depth} (needs half)", op="Rotary"
+            )
 
     def __call__(self, x: Tensor, *, positions: Tensor | None = None, offset: int = 0) -> Tensor:
         d = self.depth
         check_float("Rotary", x)
         if d.name not in x.shape or x.shape[d.name].size != d.size:
-            raise ShapeError(f"Rotary: input {x.shape} needs the depth dim {d}")
+            raise ShapeError(f"Rotary: input {x.shape} needs the depth dim {d}", op="Rotary")
         if positions is None:
             if self.length not in x.shape:
-                raise ShapeError(f"Rotary: input {x.shape} has no length dim {self.length!r} (or pass positions=)")
+                raise ShapeError(
+                    f"Rotary: input {x.shape} has no length dim {self.length!r} (or pass positions=)", op="Rotary"
+                )
             n = x.shape[self.length].size
             if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)):
-                raise ShapeError(f"Rotary: offset must be an int, got {offset!r}")
+                raise ShapeError(f"Rotary: offset must be an int, got {offset!r}", op="Rotary")
             if not (_INT32.min <= offset and offset + n - 1 <= _INT32.max):
                 raise ShapeError(
                     f"Rotary: offset {offset} puts positions {offset}..{offset + n - 1} outside int32 "
-                    f"[{_INT32.min}, {_INT32.max}]"
+                    f"[{_INT32.min}, {_INT32.max}]",
+                    op="Rotary",
                 )
             positions = md_range(x.shape[self.length]) + offset
         elif not jnp.issubdtype(positions.dtype, jnp.integer) or not set(positions.names) <= set(x.names):
-            raise ShapeError(f"Rotary: positions {positions.shape} must be integers over dims of the input {x.shape}")
+            raise ShapeError(
+                f"Rotary: positions {positions.shape} must be integers over dims of the input {x.shape}", op="Rotary"
+            )
         pair, half = Dim(f"{d.name}_pair", 2), Dim(f"{d.name}_half", d.size // 2)
         if self.inverse is None:
             inverse = exp(cast(md_range(half), jnp.float32) * (-2.0 * math.log(self.theta) / d.size))

@@ -55,7 +55,7 @@ def concat(xs: Sequence[Tensor], dim: DimLike) -> Tensor:
     name = first.shape[position].name
     for t in xs[1:]:
         if t.shape.without([name]) != first.shape.without([name]) or name not in t.shape:
-            raise ShapeError(f"concat along {name}: {t.shape} does not match {first.shape} outside {name}")
+            raise ShapeError(f"concat along {name}: {t.shape} does not match {first.shape} outside {name}", op="concat")
     lowering = current()
     arrays = []
     for t in xs:
@@ -72,12 +72,14 @@ def split(x: Tensor, dim: DimLike, num_or_size_splits: int | Sequence[int]) -> l
     size = x.shape[position].size
     if isinstance(num_or_size_splits, int):
         if num_or_size_splits <= 0 or size % num_or_size_splits:
-            raise ShapeError(f"split: {x.shape[position]} cannot be cut into {num_or_size_splits} equal parts")
+            raise ShapeError(
+                f"split: {x.shape[position]} cannot be cut into {num_or_size_splits} equal parts", op="split"
+            )
         sizes = [size // num_or_size_splits] * num_or_size_splits
     else:
         sizes = list(num_or_size_splits)
         if sum(sizes) != size or min(sizes) < 0:
-            raise ShapeError(f"split: sizes {sizes} do not add up to {x.shape[position]}")
+            raise ShapeError(f"split: sizes {sizes} do not add up to {x.shape[position]}", op="split")
     out, start = [], 0
     for s in sizes:
         part = lax.slice_in_dim(array, start, start + s, axis=position)
@@ -90,11 +92,11 @@ def split(x: Tensor, dim: DimLike, num_or_size_splits: int | Sequence[int]) -> l
 def slice(x: Tensor, begin: int, size: int, dim: DimLike) -> Tensor:  # noqa: A001  (as Mesh-TF)
     """The ``size`` entries of ``x`` along ``dim`` starting at ``begin``."""
     if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in (begin, size)):
-        raise ShapeError(f"slice: begin and size must be ints, got {begin!r} and {size!r}")
+        raise ShapeError(f"slice: begin and size must be ints, got {begin!r} and {size!r}", op="slice")
     lowering, position, array, axes = _along(x, dim)
     d = x.shape[position]
     if begin < 0 or size < 0 or begin + size > d.size:
-        raise ShapeError(f"slice [{begin}, {begin + size}) is outside {d}")
+        raise ShapeError(f"slice [{begin}, {begin + size}) is outside {d}", op="slice")
     part = lax.slice_in_dim(array, begin, begin + size, axis=position)
     return lowering.finish(part, _resized(x.shape, position, size), axes)
 
@@ -107,7 +109,7 @@ def pad(x: Tensor, paddings: Sequence[int], dim: DimLike, value: float = 0) -> T
         or len(paddings) != 2
         or not all(isinstance(p, int) and p >= 0 for p in paddings)
     ):
-        raise ShapeError(f"pad: paddings must be [before, after], two non-negative ints, got {paddings!r}")
+        raise ShapeError(f"pad: paddings must be [before, after], two non-negative ints, got {paddings!r}", op="pad")
     before, after = paddings
     lowering, position, array, axes = _along(x, dim)
     widths = [(0, 0)] * array.ndim
@@ -122,7 +124,7 @@ def stack(xs: Sequence[Tensor], dim: str, axis: int = 0) -> Tensor:
     xs = _tensors(xs)
     for t in xs[1:]:
         if t.shape != xs[0].shape:
-            raise ShapeError(f"stack: {t.shape} differs from {xs[0].shape}")
+            raise ShapeError(f"stack: {t.shape} differs from {xs[0].shape}", op="stack")
     lowering = current()
     dims = list(xs[0].shape)
     dims.insert(axis, Dim(dim, len(xs)))

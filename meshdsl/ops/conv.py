@@ -39,7 +39,7 @@ from jax import lax
 from meshdsl.dims import Dim, DimLike, Shape
 from meshdsl.errors import ShapeError
 from meshdsl.lowering import compute_split
-from meshdsl.lowering.context import current, op
+from meshdsl.lowering.context import current, naming, op
 from meshdsl.ops.window import Window, extend
 from meshdsl.tensor import Tensor
 
@@ -70,27 +70,30 @@ def conv2d(
     h, w, c, o, kh, kw = map(_name, (height, width, in_dim, out_dim, kernel_height, kernel_width))
     strides = (stride, stride) if isinstance(stride, int) else tuple(stride)
     if len(strides) != 2:
-        raise ShapeError(f"conv2d: stride {stride!r} is one int or (height, width)")
+        raise ShapeError(f"conv2d: stride {stride!r} is one int or (height, width)", op="conv2d")
     if len({h, w, c}) != 3:
         raise ShapeError(
-            f"conv2d: height {h!r}, width {w!r} and in_dim {c!r} must be three different dims of the input {x.shape}"
+            f"conv2d: height {h!r}, width {w!r} and in_dim {c!r} must be three different dims of the input {x.shape}",
+            op="conv2d",
         )
     if len({kh, kw, c, o}) != 4:
         raise ShapeError(
             f"conv2d: kernel_height {kh!r}, kernel_width {kw!r}, in_dim {c!r} and out_dim {o!r} must be four "
-            "different names"
+            "different names",
+            op="conv2d",
         )
     if sorted(kernel.shape.names) != sorted({kh, kw, c, o}):
-        raise ShapeError(f"conv2d: kernel {kernel.shape} must have exactly the dims {kh}, {kw}, {c}, {o}")
+        raise ShapeError(f"conv2d: kernel {kernel.shape} must have exactly the dims {kh}, {kw}, {c}, {o}", op="conv2d")
     for name in (h, w, c):
         if name not in x.shape:
-            raise ShapeError(f"conv2d: input {x.shape} has no dim {name!r}")
+            raise ShapeError(f"conv2d: input {x.shape} has no dim {name!r}", op="conv2d")
     if x.shape[c].size != kernel.shape[c].size:
-        raise ShapeError(f"conv2d: {c} is {x.shape[c]} in the input but {kernel.shape[c]} in the kernel")
+        raise ShapeError(f"conv2d: {c} is {x.shape[c]} in the input but {kernel.shape[c]} in the kernel", op="conv2d")
     for role, name in (("out_dim", o), ("kernel_height", kh), ("kernel_width", kw)):
         if name in x.shape:
             raise ShapeError(
-                f"conv2d: {role} {name!r} is also a dim of the input {x.shape}; name the kernel's dims differently"
+                f"conv2d: {role} {name!r} is also a dim of the input {x.shape}; name the kernel's dims differently",
+                op="conv2d",
             )
     sizes = {h: kernel.shape[kh].size, w: kernel.shape[kw].size}
     windows = {n: Window.checked("conv2d", n, x.shape[n].size, sizes[n], s, padding) for n, s in zip((h, w), strides)}
@@ -100,7 +103,8 @@ def conv2d(
         kernel.shape[o] if d.name == c else Dim(d.name, windows[d.name].out) if d.name in windows else d
         for d in x.shape
     )
-    lowering.axes(out, "conv2d result")  # a clear LayoutError if the layout cannot hold the result
+    with naming("conv2d"):
+        lowering.axes(out, "conv2d result")  # a clear LayoutError if the layout cannot hold the result
     batch = [n for n in x.shape.names if n not in (h, w, c)]
 
     def result(split: compute_split.NameAxes):

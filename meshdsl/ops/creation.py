@@ -20,7 +20,7 @@ def full(shape: ShapeLike, value: Any, dtype: Any = jnp.float32) -> Tensor:
     if not isinstance(value, (bool, int, float, complex, np.number, np.bool_)) and not (
         hasattr(value, "shape") and value.shape == ()
     ):
-        raise ShapeError(f"full: value must be a number, got {describe(value)}")
+        raise ShapeError(f"full: value must be a number, got {describe(value)}", op="full")
     lowering = current()
     shape = as_shape(shape)
     axes = lowering.axes(shape)

@@ -29,7 +29,9 @@ def _output_shape(tensors: Sequence[Tensor], out: Sequence[DimLike] | Shape | st
             if d.name in dims and dims[d.name].size != d.size:
                 shapes = ", ".join(str(x.shape) for x in tensors)
                 raise ShapeError(
-                    f"einsum: dim {d.name} has size {dims[d.name].size} in one input and {d.size} in another ({shapes})"
+                    f"einsum: dim {d.name} has size {dims[d.name].size} in one input and {d.size} in another "
+                    f"({shapes})",
+                    op="einsum",
                 )
             dims.setdefault(d.name, d)
             count[d.name] = count.get(d.name, 0) + 1
@@ -37,21 +39,21 @@ def _output_shape(tensors: Sequence[Tensor], out: Sequence[DimLike] | Shape | st
         return Shape(d for n, d in dims.items() if count[n] == 1)
     if not isinstance(out, (str, Dim, Shape, list, tuple)):
         raise ShapeError(
-            f"einsum: out must be dims (names, md.Dims, a Shape or a string of names), got {describe(out)}"
+            f"einsum: out must be dims (names, md.Dims, a Shape or a string of names), got {describe(out)}", op="einsum"
         )
     items = out.split() if isinstance(out, str) else [out] if isinstance(out, Dim) else list(out)
     names = [item.name if isinstance(item, Dim) else item for item in items]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
-        raise ShapeError(f"einsum output {names} repeats dim name(s) {', '.join(repeated)}")
+        raise ShapeError(f"einsum output {names} repeats dim name(s) {', '.join(repeated)}", op="einsum")
     result = []
     for item in items:
         name = item.name if isinstance(item, Dim) else item
         if name not in dims:
             inputs = ", ".join(str(t.shape) for t in tensors)
-            raise ShapeError(f"einsum output names dim {name!r}, which no input has (inputs: {inputs})")
+            raise ShapeError(f"einsum output names dim {name!r}, which no input has (inputs: {inputs})", op="einsum")
         if isinstance(item, Dim) and item.size != dims[name].size:
-            raise ShapeError(f"einsum output dim {item} does not match the inputs' {dims[name]}")
+            raise ShapeError(f"einsum output dim {item} does not match the inputs' {dims[name]}", op="einsum")
         result.append(dims[name])
     return Shape(result)
 
@@ -66,10 +68,10 @@ def einsum(*tensors: Tensor, out: Sequence[DimLike] | Shape | str | None = None)
     if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
         tensors = tuple(tensors[0])
     if not tensors:
-        raise ShapeError("einsum: needs at least one md tensor, got none")
+        raise ShapeError("einsum: needs at least one md tensor, got none", op="einsum")
     for i, t in enumerate(tensors):
         if not isinstance(t, Tensor):
-            raise ShapeError(f"einsum: input {i} must be an md tensor, got {describe(t)}")
+            raise ShapeError(f"einsum: input {i} must be an md tensor, got {describe(t)}", op="einsum")
     lowering = current()
     out_shape = _output_shape(tensors, out)
     summed = [n for n in dict.fromkeys(n for t in tensors for n in t.shape.names) if n not in out_shape]

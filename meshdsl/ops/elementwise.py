@@ -34,7 +34,8 @@ def _check_operand(x: Any, name: str) -> None:
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         if len(x.shape):
             raise ShapeError(
-                f"{name}: operand of shape {tuple(x.shape)} has no dim names; wrap it with md.tensor(array, dims)"
+                f"{name}: operand of shape {tuple(x.shape)} has no dim names; wrap it with md.tensor(array, dims)",
+                op=name,
             )
         if (
             np.issubdtype(np.dtype(x.dtype), np.number)
@@ -42,7 +43,7 @@ def _check_operand(x: Any, name: str) -> None:
             or jnp.issubdtype(x.dtype, jnp.floating)
         ):
             return
-    raise ShapeError(f"{name}: operand {describe(x)} is neither an md tensor nor a number")
+    raise ShapeError(f"{name}: operand {describe(x)} is neither an md tensor nor a number", op=name)
 
 
 def broadcast_shape(operands: Sequence[Any], name: str) -> Shape:
@@ -56,7 +57,8 @@ def broadcast_shape(operands: Sequence[Any], name: str) -> Shape:
                     shapes = ", ".join(str(t.shape) for t in operands if isinstance(t, Tensor))
                     raise ShapeError(
                         f"{name}: dim {d.name} has size {dims[d.name].size} in one operand and {d.size} in another "
-                        f"({shapes})"
+                        f"({shapes})",
+                        op=name,
                     )
                 dims.setdefault(d.name, d)
     return Shape(dims.values())
@@ -215,9 +217,9 @@ def map(fn: Callable[..., jax.Array], *operands: Any) -> Tensor:  # noqa: A001  
     result is not the shape of its broadcast inputs is a ShapeError: it is not element-wise.
     """
     if not callable(fn):
-        raise ShapeError(f"map: the function to apply must be callable, got {describe(fn)}")
+        raise ShapeError(f"map: the function to apply must be callable, got {describe(fn)}", op="map")
     if not any(isinstance(x, Tensor) for x in operands):
-        raise ShapeError("map: at least one operand must be an md tensor")
+        raise ShapeError("map: at least one operand must be an md tensor", op="map")
     label = getattr(fn, "__name__", "fn")
 
     def checked(*arrays: Any) -> jax.Array:
@@ -225,7 +227,8 @@ def map(fn: Callable[..., jax.Array], *operands: Any) -> Tensor:  # noqa: A001  
         want = jnp.broadcast_shapes(*(jnp.shape(a) for a in arrays))
         if result.shape != want:
             raise ShapeError(
-                f"map: {label} turned blocks of shape {want} into {result.shape}; it must work element by element"
+                f"map: {label} turned blocks of shape {want} into {result.shape}; it must work element by element",
+                op="map",
             )
         return result
 
@@ -248,7 +251,9 @@ def where(condition: Any, x: Any, y: Any) -> Tensor:
     kind = condition.dtype if isinstance(condition, Tensor) or hasattr(condition, "dtype") else type(condition)
     if not (kind is bool or (not isinstance(kind, type) and jnp.dtype(kind) == jnp.bool_)):
         name = jnp.dtype(kind).name if not isinstance(kind, type) else kind.__name__
-        raise ShapeError(f"where: the condition must be boolean, got {name}; compare it (c != 0) or md.cast(c, bool)")
+        raise ShapeError(
+            f"where: the condition must be boolean, got {name}; compare it (c != 0) or md.cast(c, bool)", op="where"
+        )
     return _map("where", jnp.where, condition, x, y)
 
 

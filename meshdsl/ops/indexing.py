@@ -48,14 +48,17 @@ def one_hot(
 ) -> Tensor:
     """``on_value`` where ``indices`` equals the position along the new dim ``output_dim``, else ``off_value``."""
     if not jnp.issubdtype(indices.dtype, jnp.integer):
-        raise ShapeError(f"one_hot: indices must be integers, got {describe(indices)}")
+        raise ShapeError(f"one_hot: indices must be integers, got {describe(indices)}", op="one_hot")
     if not isinstance(output_dim, Dim):
-        raise ShapeError(f"one_hot: output_dim must be an md.Dim (name and size), got {describe(output_dim)}")
+        raise ShapeError(
+            f"one_hot: output_dim must be an md.Dim (name and size), got {describe(output_dim)}", op="one_hot"
+        )
     dtype = dtype_of(dtype, "one_hot")
     if output_dim.name in indices.shape:
         raise ShapeError(
             f"one_hot: output_dim {output_dim} is already a dim of the indices {indices.shape}; name the new dim "
-            "differently"
+            "differently",
+            op="one_hot",
         )
     lowering = current()
     out = indices.shape + [output_dim]
@@ -74,20 +77,22 @@ def gather(weights: Tensor, indices: Tensor, dim: DimLike) -> Tensor:
     lowering = current()
     d = weights.shape[dim]
     if not jnp.issubdtype(indices.dtype, jnp.integer):
-        raise ShapeError(f"gather: indices must be integers, got {indices.dtype}")
+        raise ShapeError(f"gather: indices must be integers, got {indices.dtype}", op="gather")
     rest = weights.shape.without([d.name])
     if d.name in indices.shape:
         raise ShapeError(
             f"gather: the indices {indices.shape} have a dim named {d.name}, like the dim {d} gathered from the "
             "weights "
-            f"{weights.shape}; the result's {d.name} would be another dim of the same name: rename one (md.rename)"
+            f"{weights.shape}; the result's {d.name} would be another dim of the same name: rename one (md.rename)",
+            op="gather",
         )
     shared = [n for n in indices.shape.names if n in rest]
     if shared:
         raise ShapeError(
             f"gather: the indices {indices.shape} and the weights {weights.shape} both have dim(s) "
             f"{', '.join(shared)}; "
-            f"the result (the indices' dims, then the weights' without {d.name}) would hold them twice"
+            f"the result (the indices' dims, then the weights' without {d.name}) would hold them twice",
+            op="gather",
         )
     out = indices.shape + rest
 
@@ -123,17 +128,19 @@ def take_along(x: Tensor, indices: Tensor, dim: DimLike) -> Tensor:
     lowering = current()
     d = x.shape[dim]
     if not jnp.issubdtype(indices.dtype, jnp.integer):
-        raise ShapeError(f"take_along: indices {indices.shape} must be integers, got {indices.dtype}")
+        raise ShapeError(f"take_along: indices {indices.shape} must be integers, got {indices.dtype}", op="take_along")
     if d.name in indices.shape:
         raise ShapeError(
             f"take_along: the indices {indices.shape} have the looked-up dim {d.name}; they index along it, over dims "
-            f"of x {x.shape} other than {d.name}"
+            f"of x {x.shape} other than {d.name}",
+            op="take_along",
         )
     extra = [n for n in indices.shape.names if n not in x.shape]
     if extra:
         raise ShapeError(
             f"take_along: the indices {indices.shape} have dim(s) {', '.join(extra)} that x {x.shape} lacks; they "
-            f"index over dims of x other than {d.name}"
+            f"index over dims of x other than {d.name}",
+            op="take_along",
         )
     out = x.shape.without([d.name])
     axes = lowering.axes(x.shape)
@@ -160,16 +167,17 @@ def top_k(x: Tensor, reduced_dim: DimLike, k_dim: Dim) -> tuple[Tensor, Tensor]:
     Both have shape ``x.shape - reduced_dim + k_dim``, largest first; ties go to the lower index.
     """
     if not isinstance(k_dim, Dim):
-        raise ShapeError(f"top_k: k_dim must be an md.Dim (name and size k), got {describe(k_dim)}")
+        raise ShapeError(f"top_k: k_dim must be an md.Dim (name and size k), got {describe(k_dim)}", op="top_k")
     lowering = current()
     position = x.shape.index(reduced_dim)
     require_entries("top_k", x, [position], "a top_k")
     d, k = x.shape[position], k_dim.size
     if k > d.size:
-        raise ShapeError(f"top_k: k_dim {k_dim} is larger than {d}")
+        raise ShapeError(f"top_k: k_dim {k_dim} is larger than {d}", op="top_k")
     if k_dim.name != d.name and k_dim.name in x.shape:
         raise ShapeError(
-            f"top_k: k_dim {k_dim} is named like the dim {x.shape[k_dim.name]} of x {x.shape}, which the result keeps"
+            f"top_k: k_dim {k_dim} is named like the dim {x.shape[k_dim.name]} of x {x.shape}, which the result keeps",
+            op="top_k",
         )
     out = x.shape.without([d.name]) + [k_dim]
     axes = list(lowering.axes(x.shape))
@@ -231,7 +239,7 @@ def cumsum(x: Tensor, dim: DimLike, exclusive: bool = False) -> Tensor:
 def shift(x: Tensor, offset: int, dim: DimLike, wrap: bool = False) -> Tensor:
     """``x`` moved by ``offset`` along ``dim`` (``out[i] = x[i - offset]``); zeros come in unless ``wrap``."""
     if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)):
-        raise ShapeError(f"shift: offset must be an int, got {describe(offset)}")
+        raise ShapeError(f"shift: offset must be an int, got {describe(offset)}", op="shift")
     lowering = current()
     position = x.shape.index(dim)
     size = x.shape[position].size
@@ -255,15 +263,16 @@ def shift(x: Tensor, offset: int, dim: DimLike, wrap: bool = False) -> Tensor:
 def range(dim: Dim, dtype: Any = jnp.int32) -> Tensor:  # noqa: A001  (md.range, as Mesh-TF's mtf.range)
     """The tensor ``[0, 1, ..., dim.size - 1]`` along ``dim``."""
     if not isinstance(dim, Dim):
-        raise ShapeError(f"range: dim must be an md.Dim (name and size), got {describe(dim)}")
+        raise ShapeError(f"range: dim must be an md.Dim (name and size), got {describe(dim)}", op="range")
     dtype = dtype_of(dtype, "range")
     if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
-        raise ShapeError(f"range: dtype {dtype.name} is neither an integer nor a float dtype")
+        raise ShapeError(f"range: dtype {dtype.name} is neither an integer nor a float dtype", op="range")
     exact = jnp.iinfo(dtype).max if jnp.issubdtype(dtype, jnp.integer) else 2 ** (jnp.finfo(dtype).nmant + 1)
     if dim.size - 1 > exact:
         raise ShapeError(
             f"range: {dim} counts to {dim.size - 1}, but {dtype.name} holds integers exactly only up to {exact}; "
-            "use a wider dtype"
+            "use a wider dtype",
+            op="range",
         )
     lowering = current()
     shape = Shape([dim])

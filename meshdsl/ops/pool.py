@@ -28,7 +28,7 @@ from jax import lax
 
 from meshdsl.dims import Dim, DimLike, Shape
 from meshdsl.errors import ShapeError
-from meshdsl.lowering.context import current, op
+from meshdsl.lowering.context import current, naming, op
 from meshdsl.ops.window import Window, extend
 from meshdsl.tensor import Tensor, tensor
 
@@ -39,21 +39,22 @@ def _windows(name: str, x: Tensor, window: WindowSpec, stride: WindowSpec | None
     sizes = {(d.name if isinstance(d, Dim) else d): k for d, k in window.items()}
     steps = sizes if stride is None else {(d.name if isinstance(d, Dim) else d): s for d, s in stride.items()}
     if not sizes:
-        raise ShapeError(f"{name}: no dims to pool; window maps dim names to window sizes")
+        raise ShapeError(f"{name}: no dims to pool; window maps dim names to window sizes", op=name)
     if set(steps) != set(sizes):
         raise ShapeError(
-            f"{name}: stride names {sorted(steps)}, window names {sorted(sizes)}; they must be the same dims"
+            f"{name}: stride names {sorted(steps)}, window names {sorted(sizes)}; they must be the same dims", op=name
         )
     for n in sizes:
         if n not in x.shape:
-            raise ShapeError(f"{name}: input {x.shape} has no dim {n!r}")
+            raise ShapeError(f"{name}: input {x.shape} has no dim {n!r}", op=name)
     return {n: Window.checked(name, n, x.shape[n].size, k, steps[n], padding) for n, k in sizes.items()}
 
 
 def _pool(name: str, x: Tensor, windows: dict[str, Window], init: float, reducer: Callable) -> Tensor:
     lowering = current()
     out = Shape(Dim(d.name, windows[d.name].out) if d.name in windows else d for d in x.shape)
-    lowering.axes(out, f"{name} result")  # a clear LayoutError if the layout cannot hold the result
+    with naming(name):
+        lowering.axes(out, f"{name} result")  # a clear LayoutError if the layout cannot hold the result
     axes = list(lowering.axes(x.shape))
     for i, n in enumerate(x.shape.names):  # windows a halo cannot serve: gather the dim instead
         if n in windows and axes[i] and windows[n].halo(lowering.group_size(axes[i])) is None:
@@ -84,7 +85,7 @@ def _pool(name: str, x: Tensor, windows: dict[str, Window], init: float, reducer
 def max_pool(x: Tensor, window: WindowSpec, stride: WindowSpec | None = None, padding: str = "VALID") -> Tensor:
     """Maximum over windows: ``window`` and ``stride`` map dim names to sizes (``stride`` None: the window)."""
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ShapeError(f"max_pool: input must be floating point, got {x.dtype}")
+        raise ShapeError(f"max_pool: input must be floating point, got {x.dtype}", op="max_pool")
     return _pool("max_pool", x, _windows("max_pool", x, window, stride, padding), -np.inf, lax.max)
 
 
@@ -92,7 +93,7 @@ def max_pool(x: Tensor, window: WindowSpec, stride: WindowSpec | None = None, pa
 def avg_pool(x: Tensor, window: WindowSpec, stride: WindowSpec | None = None, padding: str = "VALID") -> Tensor:
     """Mean over windows of the entries they cover (padding not counted); arguments as :func:`max_pool`."""
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ShapeError(f"avg_pool: input must be floating point, got {x.dtype}")
+        raise ShapeError(f"avg_pool: input must be floating point, got {x.dtype}", op="avg_pool")
     windows = _windows("avg_pool", x, window, stride, padding)
     total = _pool("avg_pool", x, windows, 0.0, lax.add)
     if all(w.lo == 0 and w.hi == 0 for w in windows.values()):

@@ -57,7 +57,9 @@ def reshape(x: Tensor, new_shape: ShapeLike) -> Tensor:
     """``x``'s data, row-major, read as ``new_shape`` (same number of elements)."""
     new_shape = as_shape(new_shape)
     if new_shape.size != x.shape.size:
-        raise ShapeError(f"reshape: {x.shape} has {x.shape.size} elements, {new_shape} has {new_shape.size}")
+        raise ShapeError(
+            f"reshape: {x.shape} has {x.shape.size} elements, {new_shape} has {new_shape.size}", op="reshape"
+        )
     lowering = current()
     own, target = lowering.axes(x.shape), lowering.axes(new_shape)
     compute: list[tuple[str, ...]] = list(own)
@@ -84,7 +86,7 @@ def rename(x: Tensor, old: DimLike, new: DimLike) -> Tensor:
     d = x.shape[old]
     new_dim = new if isinstance(new, Dim) else Dim(new, d.size)
     if new_dim.size != d.size:
-        raise ShapeError(f"rename: {new_dim} does not have the size of {d}")
+        raise ShapeError(f"rename: {new_dim} does not have the size of {d}", op="rename")
     return reshape(x, Shape(new_dim if e.name == d.name else e for e in x.shape))
 
 
@@ -94,7 +96,9 @@ def replace_dimensions(x: Tensor, old: DimLike | Sequence[DimLike], new: Dim | S
     names = dim_names(old)
     positions = [x.shape.index(n) for n in names]
     if positions != list(range(positions[0], positions[0] + len(positions))):
-        raise ShapeError(f"replace_dimensions: dims {list(names)} are not consecutive in {x.shape}")
+        raise ShapeError(
+            f"replace_dimensions: dims {list(names)} are not consecutive in {x.shape}", op="replace_dimensions"
+        )
     new_dims = [new] if isinstance(new, Dim) else list(new)
     dims = list(x.shape)
     dims[positions[0] : positions[-1] + 1] = new_dims
@@ -106,7 +110,7 @@ def transpose(x: Tensor, dims: Sequence[DimLike] | str) -> Tensor:
     """``x`` with its dims reordered as ``dims`` (all of them, by name). No communication."""
     names = dim_names(dims)
     if sorted(names) != sorted(x.shape.names):
-        raise ShapeError(f"transpose: {list(names)} is not a reordering of the dims of {x.shape}")
+        raise ShapeError(f"transpose: {list(names)} is not a reordering of the dims of {x.shape}", op="transpose")
     lowering = current()
     perm = [x.shape.index(n) for n in names]
     axes = lowering.axes(x.shape)
@@ -122,7 +126,7 @@ def _side(text: str) -> list[tuple[str | None, list[str], bool]]:
     try:
         ParsedExpression(re.sub(r"[A-Za-z_]\w*\s*:", "", text))
     except EinopsError as e:
-        raise ShapeError(f"rearrange: {e}") from None
+        raise ShapeError(f"rearrange: {e}", op="rearrange") from None
     entries: list[tuple[str | None, list[str], bool]] = []
     for m in _TOKEN.finditer(text):
         if m.group(3) is not None:
@@ -143,17 +147,20 @@ def rearrange(x: Tensor, pattern: str, /, **sizes: int | Dim) -> Tensor:
     are positional, so a dim may be called ``x`` or ``pattern``.
     """
     if pattern.count("->") != 1:
-        raise ShapeError(f"rearrange: pattern {pattern!r} needs exactly one '->'")
+        raise ShapeError(f"rearrange: pattern {pattern!r} needs exactly one '->'", op="rearrange")
     left_text, right_text = pattern.split("->")
     left, right = _side(left_text), _side(right_text)
     if len(left) != x.shape.rank:
         raise ShapeError(
-            f"rearrange: left side {left_text.strip()!r} has {len(left)} entries but {x.shape} has {x.shape.rank} dims"
+            f"rearrange: left side {left_text.strip()!r} has {len(left)} entries but {x.shape} has {x.shape.rank} dims",
+            op="rearrange",
         )
     atoms: dict[str, Dim] = {}
     for (name, names, grouped), d in zip(left, x.shape):
         if (name or (names[0] if not grouped else d.name)) != d.name:
-            raise ShapeError(f"rearrange: left side names {name or names[0]!r} where {x.shape} has dim {d.name!r}")
+            raise ShapeError(
+                f"rearrange: left side names {name or names[0]!r} where {x.shape} has dim {d.name!r}", op="rearrange"
+            )
         if not grouped:
             atoms[d.name] = d
             continue
@@ -163,7 +170,7 @@ def rearrange(x: Tensor, pattern: str, /, **sizes: int | Dim) -> Tensor:
         for s in known.values():
             product *= s
         if len(unknown) > 1 or (not unknown and product != d.size) or (unknown and (product == 0 or d.size % product)):
-            raise ShapeError(f"rearrange: cannot split {d} into {names} with sizes {known}")
+            raise ShapeError(f"rearrange: cannot split {d} into {names} with sizes {known}", op="rearrange")
         for n in names:
             atoms[n] = Dim(n, known.get(n, d.size // product if product else 0))
     order: list[str] = []
@@ -171,16 +178,22 @@ def rearrange(x: Tensor, pattern: str, /, **sizes: int | Dim) -> Tensor:
     for name, names, grouped in right:
         missing = [n for n in names if n not in atoms]
         if missing:
-            raise ShapeError(f"rearrange: right side names {missing}, which the left side does not have")
+            raise ShapeError(
+                f"rearrange: right side names {missing}, which the left side does not have", op="rearrange"
+            )
         if grouped and name is None:
-            raise ShapeError(f"rearrange: name the merged dim, e.g. ({'_'.join(names)}: {' '.join(names)})")
+            raise ShapeError(
+                f"rearrange: name the merged dim, e.g. ({'_'.join(names)}: {' '.join(names)})", op="rearrange"
+            )
         order.extend(names)
         size = 1
         for n in names:
             size *= atoms[n].size
         out.append(atoms[names[0]] if name is None else Dim(name, size))  # a group has a name (checked above)
     if sorted(order) != sorted(atoms):
-        raise ShapeError(f"rearrange: right side must use each dim of the left once: {sorted(atoms)} vs {order}")
+        raise ShapeError(
+            f"rearrange: right side must use each dim of the left once: {sorted(atoms)} vs {order}", op="rearrange"
+        )
     y = x
     split = Shape(atoms.values())
     if split != y.shape:

@@ -75,7 +75,7 @@ def remat_policy(remat: bool | str) -> tuple[bool, Callable[..., Any] | None]:
     if isinstance(remat, bool):
         return remat, None
     if remat not in REMAT_POLICIES:
-        raise ConfigError(f"md.scan: remat={remat!r}: use True, False or one of {', '.join(REMAT_POLICIES)}")
+        raise ConfigError(f"md.scan: remat={remat!r}: use True, False or one of {', '.join(REMAT_POLICIES)}", op="scan")
     return True, REMAT_POLICIES[remat]
 
 
@@ -110,13 +110,15 @@ def _check_carry(init: Any, out: Any) -> None:
     outs: tuple[list[Any], Any] = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_tensor)
     if ins[1] != outs[1]:
         raise ShapeError(
-            f"md.scan: fn returns a carry shaped {outs[1]} for one shaped {ins[1]}: the carry keeps its structure"
+            f"md.scan: fn returns a carry shaped {outs[1]} for one shaped {ins[1]}: the carry keeps its structure",
+            op="scan",
         )
     for (path, t), (_, u) in zip(ins[0], outs[0]):
         if _leaf_type(t) != _leaf_type(u):
             raise ShapeError(
                 f"md.scan: fn returns the carry{jax.tree_util.keystr(path)} as {_leaf_type(u)}, but it came in as "
-                f"{_leaf_type(t)}: the carry keeps its dims and dtypes"
+                f"{_leaf_type(t)}: the carry keeps its dims and dtypes",
+                op="scan",
             )
 
 
@@ -136,11 +138,13 @@ def scan(
     leaves, treedef = jax.tree_util.tree_flatten(xs, is_leaf=is_tensor)
     tensors = [x for x in leaves if isinstance(x, Tensor)]
     if not tensors:
-        raise ShapeError("md.scan: xs holds no md tensor to scan over")
+        raise ShapeError("md.scan: xs holds no md tensor to scan over", op="scan")
     try:
         name = tensors[0].shape[dim].name
     except ShapeError as e:
-        raise ShapeError(f"md.scan over {getattr(dim, 'name', dim)!r}: xs tensor {tensors[0].shape}: {e}") from None
+        raise ShapeError(
+            f"md.scan over {getattr(dim, 'name', dim)!r}: xs tensor {tensors[0].shape}: {e}", op="scan"
+        ) from None
     length = tensors[0].shape[name].size
 
     def settle(carry: Any) -> Any:
@@ -156,7 +160,8 @@ def scan(
     for x in leaves:
         if not isinstance(x, Tensor) or name not in x.shape or x.shape[name].size != length:
             raise ShapeError(
-                f"md.scan over {name}={length}: every tensor in xs needs that dim, got {getattr(x, 'shape', x)}"
+                f"md.scan over {name}={length}: every tensor in xs needs that dim, got {getattr(x, 'shape', x)}",
+                op="scan",
             )
         position = x.shape.index(name)
         axes = tuple(() if i == position else a for i, a in enumerate(lowering.split_of(x)))
@@ -165,7 +170,7 @@ def scan(
         slices.append((x.shape.without([name]), rest))
 
     # Slices stored split in another layout than the rules (FSDP parameters) are gathered at the
-    # start of each step, all of a step's in one all-gather (see relayout.gather_together).
+    # start of each step, all of a step's in one all-gather (see lowering.relayout_run.gather_together).
     gathers = [lowering.stored_gather(shape, axes) for shape, axes in slices]
     held = [(shape, axes if g is None else lowering.axes(shape)) for (shape, axes), g in zip(slices, gathers)]
     # The gather's equations keep this call's stack (md.explain names the line calling md.scan), not
@@ -186,7 +191,7 @@ def scan(
         )
         out = fn(carry, x)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise ShapeError(f"md.scan: fn(carry, x) must return (carry, y), got {describe(out)}")
+            raise ShapeError(f"md.scan: fn(carry, x) must return (carry, y), got {describe(out)}", op="scan")
         return settle(out[0]), settle(out[1])
 
     def carry_out(carry: Any, stacked: list) -> Any:

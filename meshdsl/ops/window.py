@@ -45,12 +45,12 @@ class Window:
     def checked(cls, op: str, dim: str, size: int, window: int, stride: int, padding: str) -> Window:
         """The window, or a ShapeError naming ``op`` and ``dim`` when it cannot slide over ``size`` rows."""
         if padding not in PADDINGS:
-            raise ShapeError(f"{op}: padding {padding!r} is not one of {', '.join(PADDINGS)}")
+            raise ShapeError(f"{op}: padding {padding!r} is not one of {', '.join(PADDINGS)}", op=op)
         if window < 1 or stride < 1:
-            raise ShapeError(f"{op}: window {window} and stride {stride} along {dim} must be at least 1")
+            raise ShapeError(f"{op}: window {window} and stride {stride} along {dim} must be at least 1", op=op)
         if padding == "VALID" and window > size:
             raise ShapeError(
-                f"{op}: window {window} is longer than {dim}={size}; 'VALID' needs at least one whole window"
+                f"{op}: window {window} is longer than {dim}={size}; 'VALID' needs at least one whole window", op=op
             )
         return cls(size, window, stride, padding)
 

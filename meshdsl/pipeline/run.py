@@ -49,6 +49,7 @@ from meshdsl.errors import ConfigError
 from meshdsl.lowering.base import Lowering
 from meshdsl.lowering.context import current
 from meshdsl.model import protocol as model_protocol
+from meshdsl.model.protocol import Pipelined
 from meshdsl.model.user import describe_model
 from meshdsl.ops.scan import scan
 from meshdsl.pipeline.config import PipelineConfig
@@ -59,7 +60,7 @@ STAGE_LAYERS = "stage_layers"
 """The dim a stage's own slice of ``layers`` takes inside the stage (it has no layout rule)."""
 
 
-def check_model(model: Any) -> None:
+def check_model(model: object) -> None:
     """ConfigError unless ``model`` exposes the pipeline parts (``pre``, ``layer``, ``post``, ``with_batch``)."""
 
     if not model_protocol.has_pipeline_parts(model):
@@ -76,7 +77,7 @@ def stages(lowering: Lowering, layers: Dim) -> tuple[tuple[str, ...], int]:
 
 
 def value_and_grad(
-    model: Any, params: dict[str, Any], batch: dict[str, Tensor], config: PipelineConfig
+    model: Pipelined, params: dict[str, Any], batch: dict[str, Tensor], config: PipelineConfig
 ) -> tuple[jax.Array, Any]:
     """``(loss, grads)`` of ``model.loss(params, batch)``, as ``jax.value_and_grad`` gives them, pipelined.
 
@@ -92,7 +93,12 @@ class _Run:
     """One pipelined step: the local views of parameters and microbatches, and the two schedules."""
 
     def __init__(
-        self, model: Any, params: dict[str, Any], batch: dict[str, Tensor], config: PipelineConfig, lowering: Lowering
+        self,
+        model: Pipelined,
+        params: dict[str, Any],
+        batch: dict[str, Tensor],
+        config: PipelineConfig,
+        lowering: Lowering,
     ):
         self.lowering = lowering
         self.params = params
@@ -128,19 +134,23 @@ class _Run:
             if not isinstance(t, Tensor) or dim.name not in t.shape:
                 raise ConfigError(
                     f"pipeline: every batch tensor needs dim {dim.name!r} to cut into microbatches, got "
-                    f"{getattr(t, 'shape', t)}"
+                    f"{getattr(t, 'shape', t)}",
+                    op="pipeline",
                 )
             axes = self.lowering.axes(t.shape)
             a = self.lowering.prepare(t, axes)
             i = t.shape.index(dim.name)
             local = a.shape[i]
             if dim.size % self.m:
-                raise ConfigError(f"pipeline: {self.m} microbatches do not divide the batch: {dim.name} is {dim.size}")
+                raise ConfigError(
+                    f"pipeline: {self.m} microbatches do not divide the batch: {dim.name} is {dim.size}", op="pipeline"
+                )
             if local % self.m:
                 raise ConfigError(
                     f"pipeline: {self.m} microbatches do not divide the rows one device holds: {dim.name} is "
                     f"{dim.size}, "
-                    f"split over {', '.join(axes[i])} into {local} rows per device"
+                    f"split over {', '.join(axes[i])} into {local} rows per device",
+                    op="pipeline",
                 )
             a = jnp.moveaxis(a.reshape(a.shape[:i] + (local // self.m, self.m) + a.shape[i + 1 :]), i + 1, 0)
             shape = Shape(Dim(d.name, d.size // self.m) if d.name == dim.name else d for d in t.shape)
@@ -407,9 +417,11 @@ def check_interleaved(p: int, m: int, v: int, layers: Dim) -> None:
     if m % p:
         raise ConfigError(
             f"pipeline: the interleaved schedule runs microbatches in groups of the {p} stages: "
-            f"{m} microbatches is not a multiple of {p}"
+            f"{m} microbatches is not a multiple of {p}",
+            op="pipeline",
         )
     if layers.size % (p * v):
         raise ConfigError(
-            f"pipeline: {p} stages x {v} virtual stages do not divide {layers.name} ({layers.size}) into equal chunks"
+            f"pipeline: {p} stages x {v} virtual stages do not divide {layers.name} ({layers.size}) into equal chunks",
+            op="pipeline",
         )

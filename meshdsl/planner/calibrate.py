@@ -326,10 +326,8 @@ def _unmeasured_links(device: Any) -> tuple[dict[str, Link], str]:
 
 
 def _memory_bytes(device: Any) -> float:
-    """The device's memory (its allocator's limit, or the host's RAM shared by every simulated device)."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and "bytes_limit" in stats:
-        return float(stats["bytes_limit"])
-    import os
-
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / len(jax.devices())
+    """The device's memory as every command reads it (:func:`meshdsl.measure.fits.capacity`)."""
+    cap = fits.capacity(device)
+    if cap is None:
+        raise ConfigError(f"cannot read the memory of {device}: set {fits.ENV} to its bytes, e.g. 24e9")
+    return float(cap.bytes)

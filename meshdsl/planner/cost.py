@@ -23,28 +23,46 @@ import meshdsl as md
 from meshdsl.collectives import Collective
 from meshdsl.explain import Report, report_of_jaxpr
 from meshdsl.model import protocol as model_protocol
+from meshdsl.model.protocol import Model
 from meshdsl.planner import memory as memory_model
 from meshdsl.planner.flops import Work, work
 from meshdsl.planner.profile import DeviceProfile
 from meshdsl.planner.program import block
 from meshdsl.planner.trace import Traced, shard_map_body, trace_step
 
+COMPUTE = "compute"
+"""The compute term of :attr:`Prediction.terms`; the other terms are the collective kinds'."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
-    """What one step of a model under a layout costs per device."""
+    """What one step of a model under a layout costs per device.
+
+    ``terms``: the predicted step time by term, in seconds (``"compute"``, then one entry per
+    collective kind): the step time is their sum, and :meth:`table` prints each. A new cost term is
+    one more entry that :func:`price` adds; nothing here names the terms.
+    """
 
     axis_sizes: Mapping[str, int]
     layout: md.Layout
     report: Report
     memory: memory_model.MemoryBreakdown
     work: Work
-    compute_s: float
-    collective_s: Mapping[str, float]
+    terms: Mapping[str, float]
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + sum(self.collective_s.values())
+        return sum(self.terms.values())
+
+    @property
+    def compute_s(self) -> float:
+        """The compute term (matmuls, attention and memory traffic)."""
+        return self.terms[COMPUTE]
+
+    @property
+    def collective_s(self) -> dict[str, float]:
+        """The collectives' terms, by collective kind."""
+        return {k: v for k, v in self.terms.items() if k != COMPUTE}
 
     @property
     def total_bytes(self) -> float:
@@ -69,12 +87,8 @@ class Prediction:
             lines.append(
                 f"  total (compiled)    {compiled_memory / mib:12.3f}   ({m.total / compiled_memory - 1:+.1%})"
             )
-        lines += [
-            f"FLOPs per device      {self.work.flops:14.4g}",
-            "predicted step time (ms)",
-            f"  compute             {self.compute_s * 1e3:12.3f}",
-        ]
-        lines += [f"  {kind:<20}{s * 1e3:12.3f}" for kind, s in self.collective_s.items()]
+        lines += [f"FLOPs per device      {self.work.flops:14.4g}", "predicted step time (ms)"]
+        lines += [f"  {term:<20}{s * 1e3:12.3f}" for term, s in self.terms.items()]
         lines.append(f"  total               {self.step_s * 1e3:12.3f}")
         return "\n".join(lines)
 
@@ -86,11 +100,11 @@ def span(axes: tuple[str, ...], axis_sizes: Mapping[str, int]) -> int:
     return max((stride[a] * axis_sizes[a] for a in axes), default=1)
 
 
-def _dtype(model: Any) -> str:
+def _dtype(model: Model) -> str:
     return model_protocol.compute_dtype(model)
 
 
-def price(traced: Traced, model: Any, profile: DeviceProfile) -> Prediction:
+def price(traced: Traced, model: Model, profile: DeviceProfile) -> Prediction:
     """The :class:`Prediction` of an already traced step."""
     sizes = traced.mesh.axis_sizes
     report = report_of_jaxpr(traced.jaxpr, sizes, profile.platform == "cpu")
@@ -103,19 +117,19 @@ def price(traced: Traced, model: Any, profile: DeviceProfile) -> Prediction:
         + done.attention_flops / profile.attention_rate(dtype)
         + done.memory_bytes / profile.memory_bandwidth
     )
-    comm: dict[str, float] = {}
+    terms: dict[str, float] = {COMPUTE: compute}
     permutes = [r.bytes for r in report.rows if r.collective is Collective.COLLECTIVE_PERMUTE]
     # Permutes whose sources differ (a pipeline's ticks) are priced as the busiest device sends them.
     scale = report.summary()[Collective.COLLECTIVE_PERMUTE.value]["bytes"] / sum(permutes) if any(permutes) else 1.0
     for r in report.rows:
         link = profile.link(r.collective.value, span(r.axes, sizes))
         nbytes = r.bytes * scale if r.collective is Collective.COLLECTIVE_PERMUTE else r.bytes
-        comm[r.collective.value] = comm.get(r.collective.value, 0.0) + link.seconds(nbytes, r.count)
-    return Prediction(dict(sizes), traced.layout, report, mem, done, compute, comm)
+        terms[r.collective.value] = terms.get(r.collective.value, 0.0) + link.seconds(nbytes, r.count)
+    return Prediction(dict(sizes), traced.layout, report, mem, done, terms)
 
 
 def predict(
-    model: Any,
+    model: Model,
     optimizer: Any,
     axis_sizes: Mapping[str, int],
     layout: md.Layout,

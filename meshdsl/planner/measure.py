@@ -15,12 +15,13 @@ import scipy.stats
 
 import meshdsl as md
 from meshdsl.measure.timing import compile_step, interleaved_rounds, round_orders
+from meshdsl.model.protocol import Model
 from meshdsl.planner.search import Candidate
 from meshdsl.train.step import Trainer
 
 
 def measure(
-    model: Any, optimizer: Any, candidates: Sequence[Candidate], rounds: int = 5, steps: int = 2, seed: int = 0
+    model: Model, optimizer: Any, candidates: Sequence[Candidate], rounds: int = 5, steps: int = 2, seed: int = 0
 ) -> list[float]:
     """Median seconds per step of each candidate, timed in ``rounds`` interleaved rounds of ``steps``
     steps, the candidates in a fresh shuffled order each round (:func:`meshdsl.measure.timing.interleaved_rounds`)."""

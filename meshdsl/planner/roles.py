@@ -43,6 +43,7 @@ import meshdsl as md
 from meshdsl.errors import ConfigError
 from meshdsl.lowering.recorder import recorded_shapes
 from meshdsl.model import protocol as model_protocol
+from meshdsl.model.protocol import Model
 from meshdsl.tensor import is_tensor
 
 ROLES = ("batch", "tensor", "fsdp")
@@ -92,7 +93,7 @@ class DimRoles:
         return [d for d in free if self.coverage[d] == most]
 
 
-def roles(model: Any, params: Any, batch: Any) -> DimRoles:
+def roles(model: Model, params: Any, batch: Any) -> DimRoles:
     """The roles of ``model``'s dims, from ``params`` and ``batch`` (pytrees of md tensors, abstract
     values are enough) and one trace of ``model.loss`` on them. ConfigError for ``DIM_ROLES`` that
     name a dim the model lacks or a role not in :data:`ROLES`."""
@@ -173,7 +174,7 @@ def _undominated(dims: list[str], shapes: list[set[str]], by: list[str]) -> list
     return [d for d in dims if not dominated(d)]
 
 
-def _declared(model: Any, sizes: Mapping[str, int]) -> dict[str, tuple[str, ...]] | None:
+def _declared(model: Model, sizes: Mapping[str, int]) -> dict[str, tuple[str, ...]] | None:
     """``model.DIM_ROLES`` as ``{dim: roles}``, checked; None when the model declares none."""
     table = model_protocol.dim_roles(model)
     if table is None:

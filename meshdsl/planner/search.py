@@ -44,11 +44,12 @@ import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import meshdsl as md
 from meshdsl.errors import ConfigError, UnsupportedJaxError
 from meshdsl.measure.fits import remats
+from meshdsl.model.protocol import Model, Pipelined
 from meshdsl.planner import memory as memory_model
 from meshdsl.planner.cost import Prediction, price
 from meshdsl.planner.profile import DeviceProfile
@@ -156,7 +157,7 @@ class SearchResult:
         return {k: n for k, n in counts.items() if n}
 
 
-def model_roles(model: Any, state: Any, batch: Any) -> DimRoles:
+def model_roles(model: Model, state: Any, batch: Any) -> DimRoles:
     """The roles of ``model``'s dims (:func:`meshdsl.planner.roles.roles`) from its abstract state and batch."""
     return roles(model, state["params"], batch)
 
@@ -194,7 +195,7 @@ def _data_choices(r: DimRoles) -> list[tuple[str, ...]]:
     return [r.batch] + [tuple(b for b in r.batch if not r.meet(b, e)) + (e,) for e in r.expert]
 
 
-def candidates(model: Any, r: DimRoles, devices: int, pipeline: bool = True) -> list[Candidate]:
+def candidates(model: Model, r: DimRoles, devices: int, pipeline: bool = True) -> list[Candidate]:
     """Every candidate mesh x layout for ``model``, whose dims have the roles ``r``, on ``devices`` devices."""
     groups = [*r.groups, *((d,) for d in r.tensor)]
     stages = [s for s in _divisors(r.sizes[r.stage])[1:] if s <= 8] if pipeline and r.stage is not None else []
@@ -212,7 +213,7 @@ def candidates(model: Any, r: DimRoles, devices: int, pipeline: bool = True) -> 
             pipes: list[dict[str, Any] | None] = [None]
             if "stage" in sizes and r.stage is not None:  # a stage mesh only for a model with a stage dim
                 rules[r.stage] = "stage"
-                local_batch = model.batch_dim.size // sizes.get("data", 1)
+                local_batch = cast(Pipelined, model).batch_dim.size // sizes.get("data", 1)
                 pipes = list(_pipelines(r.sizes[r.stage], local_batch, sizes["stage"]))
             elif sizes.get("data", 1) > 1:
                 param_choices += [
@@ -262,19 +263,19 @@ def indivisible(candidate: Candidate, dims: Mapping[str, int]) -> str | None:
     return None
 
 
-def abstract_state(model: Any, optimizer: Any) -> Any:
+def abstract_state(model: Model, optimizer: Any) -> Any:
     """Global shapes of the training state (layout-independent)."""
     return Trainer(model, optimizer, md.Mesh.abstract({"data": 1}), md.Layout()).abstract_state()
 
 
-def legal_candidates(model: Any, optimizer: Any, devices: int, pipeline: bool = True) -> list[Candidate]:
+def legal_candidates(model: Model, optimizer: Any, devices: int, pipeline: bool = True) -> list[Candidate]:
     """Every candidate of ``model`` on ``devices`` devices whose rules divide their dims (what search traces)."""
     r = model_roles(model, abstract_state(model, optimizer), abstract_batch(model).shapes)
     return [c for c in candidates(model, r, devices, pipeline) if indivisible(c, r.sizes) is None]
 
 
 def search(
-    model: Any,
+    model: Model,
     optimizer: Any,
     devices: int,
     profile: DeviceProfile,

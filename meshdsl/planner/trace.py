@@ -19,6 +19,7 @@ import meshdsl as md
 from meshdsl.analysis.jaxpr_walk import called
 from meshdsl.lowering.base import GlobalLowering
 from meshdsl.lowering.context import use
+from meshdsl.model.protocol import Model
 from meshdsl.nn.attention_impl import traced_for
 from meshdsl.planner.memory import peak_bytes
 from meshdsl.planner.program import block
@@ -45,7 +46,7 @@ class Traced:
     layout: md.Layout
 
 
-def abstract_batch(model: Any) -> Batch:
+def abstract_batch(model: Model) -> Batch:
     """The synthetic batch of ``model``, traced once on global arrays (the same under every layout)."""
     with use(GlobalLowering()):
         closed, shapes = jax.make_jaxpr(model.batch, return_shape=True)(jax.ShapeDtypeStruct((2,), jnp.uint32))
@@ -54,7 +55,7 @@ def abstract_batch(model: Any) -> Batch:
 
 
 def trace_step(
-    model: Any,
+    model: Model,
     optimizer: Any,
     axis_sizes: Mapping[str, int],
     layout: md.Layout,

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from meshdsl.errors import ConfigError
+from meshdsl.model.protocol import Model
 from meshdsl.runtime.devices import simulate_devices
 
 MEMORY_TOLERANCE = 0.10
@@ -68,7 +69,7 @@ class Check:
         )
 
 
-def check(name: str, model: Any, optimizer: Any, candidate: Any, devices: int) -> Check | None:
+def check(name: str, model: Model, optimizer: Any, candidate: Any, devices: int) -> Check | None:
     """Predict ``candidate`` of ``model`` (profile cpu-sim) and compare it with its compiled step;
     None when tracing it raises a layout or shape error (the search drops it as illegal)."""
     import meshdsl as md

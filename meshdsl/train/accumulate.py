@@ -28,16 +28,17 @@ from meshdsl.dims import Dim, Shape
 from meshdsl.errors import ConfigError, ShapeError
 from meshdsl.lowering.context import current
 from meshdsl.model import protocol as model_protocol
+from meshdsl.model.protocol import Trainable
 from meshdsl.tensor import is_tensor
 
 BATCH = "batch"
 """The dim a batch is cut along when the model names no ``batch_dim``."""
 
 
-def batch_dim_name(model: Any) -> str:
+def batch_dim_name(model: object) -> str:
     """The name of the dim ``model``'s batch is cut along: its ``batch_dim``'s, else :data:`BATCH`."""
-    dim = getattr(model, "batch_dim", None)
-    return dim.name if isinstance(dim, Dim) else BATCH
+    dim = model_protocol.batch_dim(model)
+    return BATCH if dim is None else dim.name
 
 
 def split(batch: Any, n: int, name: str = BATCH) -> tuple[list[jax.Array], Callable[[list[jax.Array]], Any], int]:
@@ -78,7 +79,7 @@ def split(batch: Any, n: int, name: str = BATCH) -> tuple[list[jax.Array], Calla
     return stacks, microbatch, size
 
 
-def _loss(model: Any, size: int, n: int) -> Callable[[Any, Any], jax.Array]:
+def _loss(model: Trainable, size: int, n: int) -> Callable[[Any, Any], jax.Array]:
     """The loss of a microbatch of ``size // n`` rows, as an array; a ShapeError in it as a ConfigError saying why."""
     micro = model_protocol.with_batch(model, size // n) if n > 1 else model
 
@@ -96,7 +97,7 @@ def _loss(model: Any, size: int, n: int) -> Callable[[Any, Any], jax.Array]:
     return loss
 
 
-def value_and_grad(model: Any, params: Any, batch: Any, n: int) -> tuple[jax.Array, Any]:
+def value_and_grad(model: Trainable, params: Any, batch: Any, n: int) -> tuple[jax.Array, Any]:
     """``(loss, grads)`` of ``model.loss(params, batch)`` as the mean over ``n`` microbatches (see the module)."""
     stacks, microbatch, size = split(batch, n, batch_dim_name(model))
     loss = _loss(model, size, n)
@@ -112,7 +113,7 @@ def value_and_grad(model: Any, params: Any, batch: Any, n: int) -> tuple[jax.Arr
     return total / n, jax.tree_util.tree_map(lambda g: g / n, grads)
 
 
-def evaluate(model: Any, params: Any, batch: Any, n: int) -> jax.Array:
+def evaluate(model: Trainable, params: Any, batch: Any, n: int) -> jax.Array:
     """The mean of the model's loss over ``n`` microbatches of ``batch`` (no gradient)."""
     if n == 1:
         return model.loss(params, batch).array

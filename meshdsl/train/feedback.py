@@ -23,9 +23,10 @@ import jax
 from jax import lax
 
 import meshdsl as md
-from meshdsl import compression, relayout
+from meshdsl import compression, jax_compat, relayout
 from meshdsl.lowering.context import current
 from meshdsl.lowering.spmd import SpmdLowering, _pvary
+from meshdsl.model.protocol import Trainable
 from meshdsl.tensor import is_tensor
 
 
@@ -74,7 +75,7 @@ def init(params: Any, layout: md.Layout, mesh: md.Mesh) -> Any:
     return jax.tree_util.tree_map(lambda p: md.zeros([dim, *p.shape]), params, is_leaf=is_tensor)
 
 
-def value_and_grad(model: Any, params: Any, batch: Any, residuals: Any, dtype: Any) -> tuple[jax.Array, Any, Any]:
+def value_and_grad(model: Trainable, params: Any, batch: Any, residuals: Any, dtype: Any) -> tuple[jax.Array, Any, Any]:
     """``(loss, grads, new residuals)`` of ``model.loss(params, batch)``, each parameter's gradient
     summed over the batch axes in ``dtype`` with its residual added first."""
     lowering = current()
@@ -87,7 +88,7 @@ def value_and_grad(model: Any, params: Any, batch: Any, residuals: Any, dtype: A
     stored = jax.tree_util.tree_leaves(residuals, is_leaf=is_tensor)
 
     def attach(p: md.Tensor, r: jax.Array) -> md.Tensor:
-        missing = tuple(a for a in axes if a not in relayout.varying_axes(p._data))
+        missing = tuple(a for a in axes if a not in jax_compat.varying_axes(p._data))
         if not missing or not relayout.narrower(p.dtype, dtype):
             return p
         return lowering.keep(_vary_with_feedback(p._data, r, missing, n, dtype), p.shape, lowering.split_of(p))
@@ -95,7 +96,7 @@ def value_and_grad(model: Any, params: Any, batch: Any, residuals: Any, dtype: A
     def loss(ps: list[md.Tensor], rs: list[jax.Array]) -> jax.Array:
         attached = [attach(p, r) for p, r in zip(ps, rs, strict=True)]
         value = model.loss(jax.tree_util.tree_unflatten(tree, attached), batch).array
-        if relayout.varying_axes(value) & set(axes):
+        if jax_compat.varying_axes(value) & set(axes):
             raise md.ConfigError(
                 f"--grad-error-feedback: the loss still varies along {', '.join(axes)} (batch): it must be a "
                 "reduction over the batch it is given, split there, as the gradient sums each device's part"

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,7 @@ from meshdsl.measure.peaks import peak_flops
 from meshdsl.measure.timing import compile_checked
 from meshdsl.model import protocol as model_protocol
 from meshdsl.model.loader import build_model, load_module
+from meshdsl.model.protocol import HuggingFaceMapped
 from meshdsl.runtime import distributed, output_paths
 from meshdsl.runtime.layout_spec import is_shipped, layout_path, load_layout
 from meshdsl.train import feedback, logs, optim, resolve, resume, settings
@@ -230,8 +231,9 @@ def _start(
 
 def _hf_params(folder: str, trainer: Trainer, like: Any) -> Any:
     """The weights of the Hugging Face ``folder`` in the trainer's stored layout, each device reading its block."""
+    model = cast(HuggingFaceMapped, trainer.model)  # built from the folder's config.json (an hf: model spec)
     return md.checkpoint.load_safetensors(
-        folder, like=like, names=trainer.model.hf_names(), mesh=trainer.mesh, layout=trainer.layout.param_layout
+        folder, like=like, names=model.hf_names(), mesh=trainer.mesh, layout=trainer.layout.param_layout
     )
 
 

@@ -14,7 +14,6 @@ model it runs.
 from __future__ import annotations
 
 import difflib
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +22,11 @@ import meshdsl as md
 from meshdsl.lowering.base import GlobalLowering
 from meshdsl.lowering.context import use
 from meshdsl.lowering.recorder import recorded_shapes
+from meshdsl.model.protocol import Model
 from meshdsl.tensor import is_tensor
 
 
-def model_dims(model: Any) -> set[str]:
+def model_dims(model: Model) -> set[str]:
     """Names of the dims of every tensor in ``model``'s loss: parameters, batch and activations.
 
     The loss is traced on global arrays (``jax.eval_shape``): nothing is compiled or computed.
@@ -38,7 +38,7 @@ def model_dims(model: Any) -> set[str]:
     return {name for shape in recorded_shapes(loss, jax.ShapeDtypeStruct((2,), jnp.uint32)) for name in shape.names}
 
 
-def unused_rules(layout: md.Layout, model: Any, name: str) -> list[str]:
+def unused_rules(layout: md.Layout, model: Model, name: str) -> list[str]:
     """One warning per rule of ``layout`` (``[rules]`` and ``[params]``) naming no dim of ``model``."""
     dims = model_dims(model)
     shown = ", ".join(sorted(dims))
@@ -56,7 +56,7 @@ def unused_rules(layout: md.Layout, model: Any, name: str) -> list[str]:
     return out
 
 
-def split_warnings(layout: md.Layout, mesh: md.Mesh, model: Any, name: str, warned: bool = False) -> list[str]:
+def split_warnings(layout: md.Layout, mesh: md.Mesh, model: Model, name: str, warned: bool = False) -> list[str]:
     """A warning when ``layout`` on ``mesh`` splits no dim of ``model``, or neither its batch nor at least
     half of its parameters (a layout written for other dim names, such as ``dp_tp`` on a model whose
     batch dim is ``examples``: it splits only ``vocab``, and the step runs almost replicated).
@@ -100,7 +100,7 @@ def split_warnings(layout: md.Layout, mesh: md.Mesh, model: Any, name: str, warn
     ]
 
 
-def _traced(model: Any) -> tuple[list[str], list[md.Tensor], list[str]]:
+def _traced(model: Model) -> tuple[list[str], list[md.Tensor], list[str]]:
     """The model's dims, its parameter tensors and its batch's dims, traced on global arrays (nothing computed)."""
     key = jax.ShapeDtypeStruct((2,), jnp.uint32)
     with use(GlobalLowering()):

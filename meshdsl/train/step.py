@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,7 @@ from meshdsl import pipeline
 from meshdsl.lowering.base import GlobalLowering
 from meshdsl.lowering.context import use
 from meshdsl.model import protocol as model_protocol
+from meshdsl.model.protocol import Model, Pipelined, Trainable
 from meshdsl.model.user import describe_model
 from meshdsl.pipeline import run
 from meshdsl.pipeline.config import PipelineConfig
@@ -41,7 +42,7 @@ TRAINER_NEEDS = ("init", "loss")
 class Trainer:
     """Compiled ``init`` and ``step`` for ``model`` on ``mesh`` under ``layout``."""
 
-    model: Any
+    model: Trainable
     optimizer: Optimizer
     mesh: md.Mesh
     layout: md.Layout
@@ -65,7 +66,7 @@ class Trainer:
     def _batch(self, key: jax.Array) -> Any:
         """The model's batch for ``key``; ConfigError naming the model when it has no ``batch``."""
         model_protocol.check(self.model, describe_model(self.model), ("batch",))
-        return self.model.batch(key)
+        return cast(Model, self.model).batch(key)
 
     def __post_init__(self) -> None:
         model_protocol.check(self.model, describe_model(self.model), TRAINER_NEEDS)
@@ -127,7 +128,7 @@ class Trainer:
     def loss_and_grads(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
         if self.pipelined:
             assert self.pipeline is not None  # __post_init__ set it (to the layout's when not given)
-            return pipeline.value_and_grad(self.model, params, batch, self.pipeline)
+            return pipeline.value_and_grad(cast(Pipelined, self.model), params, batch, self.pipeline)
         if self.accumulate > 1:
             return accumulation.value_and_grad(self.model, params, batch, self.accumulate)
         return jax.value_and_grad(lambda p: self.model.loss(p, batch).array)(params)
@@ -165,7 +166,7 @@ def check_accumulate(n: Any, is_pipelined: bool) -> None:
         )
 
 
-def pipelined(model: Any, layout: md.Layout, config: PipelineConfig, backend: str = "spmd") -> bool:
+def pipelined(model: Trainable, layout: md.Layout, config: PipelineConfig, backend: str = "spmd") -> bool:
     """Whether a step of ``model`` under ``layout`` is pipelined: the layout splits ``layers`` into
     stages, or ``config`` asks for several microbatches. ConfigError when it is and ``model`` has no
     pipeline parts (whether or not it has a ``layers`` dim) or ``backend`` is not spmd."""
@@ -180,10 +181,10 @@ def pipelined(model: Any, layout: md.Layout, config: PipelineConfig, backend: st
         raise md.ConfigError(f"the layout pipelines ({why}), but {e}") from None
     if backend != "spmd":
         raise md.ConfigError(f"pipelining ({why}) needs the spmd backend, not {backend}")
-    sizes = layout.mesh_axes or {}
+    sizes: dict[str, int] = dict(layout.mesh_axes or {})
     if config.schedule == "interleaved" and split and all(sizes.get(a, -1) > 0 for a in split):
         stages = math.prod(sizes[a] for a in split)
-        run.check_interleaved(stages, config.microbatches, config.virtual_stages, model.layers)
+        run.check_interleaved(stages, config.microbatches, config.virtual_stages, cast(Any, model).layers)
     return True
 
 

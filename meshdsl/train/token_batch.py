@@ -26,6 +26,7 @@ from meshdsl.errors import ConfigError, MeshDslError
 from meshdsl.lowering.base import GlobalLowering
 from meshdsl.lowering.context import use
 from meshdsl.model import protocol as model_protocol
+from meshdsl.model.protocol import Model
 
 INPUT_NAMES = ("inputs", "input_ids", "tokens", "x")
 TARGET_NAMES = ("targets", "labels", "target_ids", "y")
@@ -51,7 +52,7 @@ class TokenBatch:
         return md.Shape([self.rows, self.positions])
 
 
-def token_batch_of(model: Any, what: str) -> TokenBatch:
+def token_batch_of(model: Model, what: str) -> TokenBatch:
     """The :class:`TokenBatch` of ``model``'s own ``batch(key)`` (see the module docstring for the rule);
     ConfigError naming what ``--data`` needs when the batch has no such pair, ``what`` its first words
     (``"--data 'tokens.npy': model llama.py"``)."""
@@ -88,7 +89,7 @@ def token_batch_of(model: Any, what: str) -> TokenBatch:
     return TokenBatch(rows, positions, inputs, targets, np.dtype(x.dtype))
 
 
-def _pair(model: Any, batch: dict[str, md.Tensor], what: str, shown: str) -> tuple[str, str]:
+def _pair(model: Model, batch: dict[str, md.Tensor], what: str, shown: str) -> tuple[str, str]:
     """The inputs' and targets' keys: the model's ``TOKEN_KEYS``, else the keys' names."""
     declared = model_protocol.token_keys(model)
     if declared is not None:
