@@ -85,9 +85,9 @@ def _checkpoint(run: RunConfig) -> Path | None:
     already holds one when ``run`` does not resume."""
     if run.checkpoint_dir is None:
         return None
-    from meshdsl.checkpoint.store import latest
+    import meshdsl as md  # the package's checkpoint names (train imports no checkpoint module itself)
 
-    found = latest(run.checkpoint_dir)
+    found = md.checkpoint.latest(run.checkpoint_dir)
     if found is not None and not run.resume:
         raise ConfigError(
             f"checkpoint dir {run.checkpoint_dir!r} already holds {found.name}; pass --resume to continue that run, "

@@ -51,9 +51,9 @@ def config_of(model: Any) -> dict[str, Any]:
 def recorded(found: Path) -> dict[str, Any]:
     """The settings the checkpoint ``found`` records (an older checkpoint's schedule record read as
     settings); DataError for one not saved by ``meshdsl train`` or renamed."""
-    from meshdsl.checkpoint.store import read_manifest
+    import meshdsl as md  # the package's checkpoint names (train imports no checkpoint module itself)
 
-    saved = dict(read_manifest(found)["metadata"])
+    saved = dict(md.checkpoint.read_manifest(found)["metadata"])
     if not isinstance(saved.get("step"), int):
         raise DataError(
             f"checkpoint {found} records no training step in its metadata; it was not saved by meshdsl train"
