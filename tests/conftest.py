@@ -73,6 +73,12 @@ settings.load_profile("meshdsl")
 LONGEST_FILES = (
     "test_programs.py",
     "test_programs_more.py",
+    "test_context_attention.py",
+    "test_generate.py",
+    "test_generate_cli.py",
+    "test_hf.py",
+    "test_hf_cli.py",
+    "test_signals.py",
     "test_pipeline.py",
     "test_planner.py",
     "test_cli.py",
