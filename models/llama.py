@@ -84,6 +84,10 @@ class Config(Presets):
     """Positions along ``length`` whose logits the loss computes at once (``md.nn.cross_entropy``): the
     whole ``[batch, length, vocab]`` float32 logits are never held. ``length`` or more, or a size that
     does not divide ``length``: all at once. The values are the same either way."""
+    ignore_labels: bool = False
+    """Targets equal to ``IGNORE_INDEX`` (transformers' -100) are left out of the loss's mean (fine-tuning on
+    padded examples; a Hugging Face folder's model sets it). Off, the loss counts no positions, so a step
+    moves no extra all-reduce for the count."""
 
     PRESETS = {
         "tiny": dict(batch=32, length=16, d_model=32, heads=16, kv_heads=8, d_kv=4, d_ff=64, vocab=64, layers=2),

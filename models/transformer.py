@@ -51,6 +51,10 @@ class Config(Presets):
     """Positions along ``length`` whose logits the loss computes at once (``md.nn.cross_entropy``): the
     whole ``[batch, length, vocab]`` float32 logits are never held. ``length`` or more, or a size that
     does not divide ``length``: all at once. The values are the same either way."""
+    ignore_labels: bool = False
+    """Targets equal to ``IGNORE_INDEX`` (transformers' -100) are left out of the loss's mean (fine-tuning on
+    padded examples; a Hugging Face folder's model sets it). Off, the loss counts no positions, so a step
+    moves no extra all-reduce for the count."""
 
     PRESETS = {
         "tiny": dict(batch=8, length=16, d_model=32, heads=8, d_kv=4, d_ff=64, vocab=64, layers=2),
@@ -140,7 +144,7 @@ class Model:
     def cross_entropy(self, logits: md.Tensor, targets: md.Tensor) -> md.Tensor:
         """Mean next-token cross-entropy over the targets that are not ``IGNORE_INDEX``; over a split ``vocab``
         it costs one pmax and two small psums."""
-        return md.nn.cross_entropy(logits, targets, lambda t: t, self.vocab, self.length, ignore_index=IGNORE_INDEX)
+        return md.nn.cross_entropy(logits, targets, lambda t: t, self.vocab, self.length, ignore_index=self._ignored)
 
     def logits(self, params: dict[str, Any], tokens: md.Tensor) -> md.Tensor:
         x, _ = md.scan(
@@ -151,6 +155,11 @@ class Model:
             remat=self.remat,
         )
         return self.head(params, x)
+
+    @property
+    def _ignored(self) -> int | None:
+        """The target the loss leaves out (``IGNORE_INDEX`` with ``config.ignore_labels``), else None."""
+        return IGNORE_INDEX if self.config.ignore_labels else None
 
     @property
     def decodes(self) -> bool:
@@ -220,7 +229,9 @@ class Model:
         head = functools.partial(self.head, params)
         size = self.config.loss_chunk
         chunk = size if size > 0 and self.length.size % size == 0 else None
-        return md.nn.cross_entropy(x, batch["targets"], head, self.vocab, self.length, chunk, ignore_index=IGNORE_INDEX)
+        return md.nn.cross_entropy(
+            x, batch["targets"], head, self.vocab, self.length, chunk, ignore_index=self._ignored
+        )
 
     def batch(self, key: jax.Array) -> dict[str, md.Tensor]:
         """A synthetic batch of the task in the module docstring."""

@@ -125,6 +125,9 @@ class SpyReads:
             def get_shape(self):
                 return part.get_shape()
 
+            def get_dtype(self):
+                return part.get_dtype()
+
             def __getitem__(self, index):
                 spy.reads.append((name, index))
                 return part[index]

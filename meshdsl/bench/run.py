@@ -277,6 +277,8 @@ def results_dir(cfg: BenchConfig) -> Path:
     if cfg.out is None:
         taken = [int(p.name[4:]) for p in RESULTS.glob("run-*") if p.name[4:].isdigit()]
         return RESULTS / f"run-{max(taken, default=0) + 1}"
+    if not cfg.out:
+        raise ConfigError("--out is empty: name a folder, or leave --out out for a new bench-results/run-N")
     out = Path(cfg.out)
     if (out / "results.json").exists() and not cfg.force:
         raise ConfigError(

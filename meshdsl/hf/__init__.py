@@ -44,7 +44,7 @@ def config_of(path: str | Path, **overrides: Any) -> Any:
             f"hf.model: {clash[0]}={overrides[clash[0]]!r} would change the checkpoint's model; "
             f"{where} sets it ({clash[0]}={fields[clash[0]]!r})"
         )
-    values = {"batch": DEFAULT_BATCH, "length": DEFAULT_LENGTH, **fields, **overrides}
+    values = {"batch": DEFAULT_BATCH, "length": DEFAULT_LENGTH, "ignore_labels": True, **fields, **overrides}
     return llama.Config.preset("tiny", **values)  # checked as --set values are
 
 
