@@ -489,7 +489,7 @@ def device_peak_bytes() -> int | None:
     return None if not stats or "peak_bytes_in_use" not in stats else int(stats["peak_bytes_in_use"])
 
 
-def _layout_warnings(spec: str, model: Any, name: str) -> list[str]:
+def _layout_warnings(spec: str, model: Model, name: str) -> list[str]:
     """What train warns about a layout: a user's rules naming no dim of the model, and a layout (shipped ones
     too, such as ``spatial`` on the transformer) that splits nothing, or neither the batch nor half the
     parameters, on its mesh."""

@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from meshdsl.commands import Command
+
+if TYPE_CHECKING:
+    from meshdsl.model.protocol import HuggingFaceMapped, Model
 
 
 def add_arguments(export: argparse.ArgumentParser) -> None:
@@ -29,7 +32,7 @@ def add_arguments(export: argparse.ArgumentParser) -> None:
 @dataclasses.dataclass(frozen=True)
 class Checked:
     path: Path
-    model: Any
+    model: Model
 
 
 def check(args: argparse.Namespace, config: None) -> Checked:
@@ -73,7 +76,11 @@ def run(args: argparse.Namespace, checked: Checked) -> None:
 
     state, _ = md.checkpoint.restore(checked.path, md.Mesh({"data": 1}))
     out = md.hf.save(
-        args.out, checked.model, state["params"], dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 1e9)
+        args.out,
+        cast("HuggingFaceMapped", checked.model),
+        state["params"],
+        dtype=args.dtype,
+        max_shard_bytes=int(args.max_shard_gb * 1e9),
     )
     print(f"meshdsl export: {checked.path} -> {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,7 @@ from meshdsl.decoding.generate import Generation, run
 from meshdsl.errors import ConfigError
 from meshdsl.measure.fits import readable
 from meshdsl.measure.timing import memory_bytes
+from meshdsl.model.protocol import Decoding, Model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +80,7 @@ def _step_inputs(decoder: Decoder, cfg: DecodeBench) -> tuple[md.Tensor, dict, d
     return tokens, decoder.cache(cfg.batch, memory), step
 
 
-def _prepare(model: Any, label: str, layout: md.Layout, cfg: DecodeBench, backend: str, seed: int) -> Row:
+def _prepare(model: Decoding, label: str, layout: md.Layout, cfg: DecodeBench, backend: str, seed: int) -> Row:
     mesh = layout.mesh()
     decoder = Decoder(model, mesh, layout, backend)
     params = decoder.place(model.init(jax.random.key(seed)))
@@ -95,7 +96,7 @@ def _time(row: Row, prompts: list[list[int]], new: int) -> Generation:
     return run(row.decoder, row.params, prompts, new)
 
 
-def layouts_of(names: list[str] | None, model: Any, model_name: str) -> list[tuple[str, md.Layout]]:
+def layouts_of(names: list[str] | None, model: Model, model_name: str) -> list[tuple[str, md.Layout]]:
     """``(label, layout)`` of each layout asked for (as ``bench --layouts`` takes them), or the model's ``LAYOUTS``."""
     from meshdsl.model import protocol
     from meshdsl.runtime.layout_spec import layout_path, load_layout
@@ -111,7 +112,7 @@ def layouts_of(names: list[str] | None, model: Any, model_name: str) -> list[tup
 
 
 def bench(
-    model: Any,
+    model: Model,
     layouts: list[tuple[str, md.Layout]],
     cfg: DecodeBench,
     backend: str = "spmd",
@@ -123,7 +124,7 @@ def bench(
     rows = []
     for label, layout in layouts:
         try:
-            row = _prepare(model, label, layout, cfg, backend, seed)
+            row = _prepare(cast(Decoding, model), label, layout, cfg, backend, seed)  # Decoder checks it
         except (md.LayoutError, md.ConfigError) as e:
             out(f"  {label}: skipped, the layout does not fit: {e}")
             continue

@@ -23,12 +23,13 @@ from meshdsl.dims import Dim
 from meshdsl.errors import ConfigError
 from meshdsl.layout import Layout
 from meshdsl.mesh import Mesh
+from meshdsl.model.protocol import Decoding, Model
 from meshdsl.model.user import describe_model
 from meshdsl.ops.creation import zeros as md_zeros
 from meshdsl.tensor import Tensor, tensor
 
 
-def check_model(model: Any) -> None:
+def check_model(model: Model) -> None:
     """ConfigError unless ``model`` can decode (a ``decode`` and ``cache_shape``, as the shipped decoders)."""
     missing = [name for name in ("decode", "cache_shape") if not callable(getattr(model, name, None))]
     if not missing and not getattr(model, "decodes", True):
@@ -45,7 +46,7 @@ class Decoder:
     """``model`` decoding on ``mesh`` under ``layout`` (``backend`` "spmd" or "gspmd"): :meth:`cache`,
     :meth:`advance`; ``step`` is the compiled ``model.decode`` (for ``md.explain`` and cost analysis)."""
 
-    model: Any
+    model: Decoding
     mesh: Mesh
     layout: Layout | str
     backend: str = "spmd"

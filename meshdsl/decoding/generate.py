@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,7 @@ from meshdsl.decoding.decoder import Decoder, check_model
 from meshdsl.errors import ConfigError
 from meshdsl.layout import Layout
 from meshdsl.mesh import Mesh
+from meshdsl.model.protocol import Decoding, Model
 
 Progress = Callable[[int, int], None]
 """``progress(tokens done, tokens in all)``, called after the prefill and after each decode step."""
@@ -44,7 +45,7 @@ class Generation:
     decode_seconds: float
 
 
-def _model_sizes(model: Any) -> tuple[int, int]:
+def _model_sizes(model: Model) -> tuple[int, int]:
     """The model's vocab and positions (its config's ``vocab`` and ``length``)."""
     config = getattr(model, "config", None)
     vocab, length = getattr(config, "vocab", None), getattr(config, "length", None)
@@ -119,7 +120,7 @@ def run(
 
 
 def generate(
-    model: Any,
+    model: Model,
     params: Any,
     prompt_ids: Any,
     *,
@@ -149,5 +150,5 @@ def generate(
     n = checks.lengths(max(map(len, rows)), max_new_tokens, positions)
     sampling = checks.sampling(temperature, top_k, top_p, key, vocab)
     eos = checks.eos(eos_token_id, vocab)
-    decoder = Decoder(model, mesh, layout, backend, sampling, eos)
+    decoder = Decoder(cast(Decoding, model), mesh, layout, backend, sampling, eos)  # Decoder checks it can
     return run(decoder, decoder.place(params), rows, n, key).ids

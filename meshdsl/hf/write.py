@@ -17,7 +17,7 @@ import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -25,6 +25,9 @@ import numpy as np
 from meshdsl.checkpoint.safetensors_io import Source
 from meshdsl.errors import ConfigError, DataError
 from meshdsl.tensor import Tensor, is_tensor
+
+if TYPE_CHECKING:
+    from meshdsl.model.protocol import HuggingFaceMapped
 
 SHARD_BYTES = 5 * 10**9
 """transformers' default ``max_shard_size`` ("5GB")."""
@@ -59,7 +62,7 @@ def _tensors(leaf: Tensor, source: Source) -> Iterator[tuple[str, Any]]:
         yield name, (value, sizes)
 
 
-def _plan(model: Any, params: Any) -> list[tuple[str, Any, list[int]]]:
+def _plan(model: HuggingFaceMapped, params: Any) -> list[tuple[str, Any, list[int]]]:
     """Every file tensor ``(name, array function, shape)`` in ``hf_names()`` order; ConfigError for a mismatch."""
     names = model.hf_names()
     leaves = _leaves(params)
@@ -91,7 +94,12 @@ def _shards(plan: list[tuple[str, Any, list[int]]], itemsize: int, limit: int) -
 
 
 def save(
-    path: str | Path, model: Any, params: Any, *, dtype: str = "float32", max_shard_bytes: int = SHARD_BYTES
+    path: str | Path,
+    model: HuggingFaceMapped,
+    params: Any,
+    *,
+    dtype: str = "float32",
+    max_shard_bytes: int = SHARD_BYTES,
 ) -> Path:
     """Write ``model``'s ``config.json`` and ``params`` as a Hugging Face folder at ``path`` (module docstring)."""
     from safetensors.numpy import save_file

@@ -103,7 +103,7 @@ def remedies(cap: Capacity, remat: bool = False) -> str:
     )
 
 
-def remats(model: Any) -> bool:
+def remats(model: object) -> bool:
     """Whether ``model``'s config turns recomputation on (``remat``: True)."""
     return getattr(getattr(model, "config", None), "remat", False) is True
 

@@ -38,6 +38,7 @@ __all__ = [
     "PIPELINE_PARTS",
     "REQUIRED",
     "Counted",
+    "Decoding",
     "HuggingFaceMapped",
     "Model",
     "Pipelined",
@@ -98,6 +99,18 @@ class HuggingFaceMapped(Model, Protocol):
 
     def hf_names(self) -> Mapping[str, Any]:
         """Parameter path -> where its tensor is in the files (:class:`md.checkpoint.Source`)."""
+        ...
+
+
+class Decoding(Model, Protocol):
+    """A model that decodes with a KV cache (``md.generate``, ``meshdsl generate``): the shipped decoders."""
+
+    def cache_shape(self, batch: Dim, memory: Dim) -> list[Dim]:
+        """The dims of one cached keys (or values) tensor of ``batch`` sequences of ``memory`` positions."""
+        ...
+
+    def decode(self, params: Any, tokens: Tensor, cache: Any, step: Any) -> tuple[Tensor, Any]:
+        """The last position's logits and the cache with ``tokens``' keys and values written in."""
         ...
 
 

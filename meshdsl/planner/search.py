@@ -224,7 +224,7 @@ def candidates(model: Model, r: DimRoles, devices: int, pipeline: bool = True) -
     return out + _context_candidates(model, r, devices)
 
 
-def sequence_dims(model: Any, r: DimRoles) -> tuple[str, str] | None:
+def sequence_dims(model: Model, r: DimRoles) -> tuple[str, str] | None:
     """The query ``length`` and key ``memory`` dims of the model's self-attention (its ``attention``
     layer's, an ``md.nn.MultiHeadAttention``), when the model has both; else None."""
     attention = getattr(model, "attention", None)
@@ -234,7 +234,7 @@ def sequence_dims(model: Any, r: DimRoles) -> tuple[str, str] | None:
     return None
 
 
-def _context_candidates(model: Any, r: DimRoles, devices: int) -> list[Candidate]:
+def _context_candidates(model: Model, r: DimRoles, devices: int) -> list[Candidate]:
     """The sequence split over ``context`` (every divisor of the devices from 2 to 8), the batch dims over
     ``data`` on the rest, attention by each of ``ring`` and ``all_to_all`` (one that the head counts do
     not allow drops out as illegal when traced)."""
@@ -376,7 +376,7 @@ def _no_fit(name: str, devices: int, limit: float, dropped: list[Dropped], remat
     )
 
 
-def assumed(model: Any) -> dict[str, Any]:
+def assumed(model: Model) -> dict[str, Any]:
     """The model settings a plan depends on and train can set from a layout's ``[train]`` table: ``remat`` and
     ``compute_dtype``, those the model's config has (a model without the field is never given it)."""
     config = getattr(model, "config", None)
@@ -384,7 +384,7 @@ def assumed(model: Any) -> dict[str, Any]:
 
 
 def write_layout(
-    candidate: Candidate, prediction: Prediction, path: str | Path, profile: DeviceProfile, model: Any = None
+    candidate: Candidate, prediction: Prediction, path: str | Path, profile: DeviceProfile, model: Model | None = None
 ) -> None:
     """Write ``candidate`` as a layout TOML file, its prediction in the description, and what the plan assumed of
     ``model`` (:func:`assumed`) as its ``[train]`` table, so train and bench run the program search priced."""

@@ -22,7 +22,7 @@ from meshdsl.measure.peaks import peak_flops
 from meshdsl.measure.timing import compile_checked
 from meshdsl.model import protocol as model_protocol
 from meshdsl.model.loader import build_model, load_module
-from meshdsl.model.protocol import HuggingFaceMapped
+from meshdsl.model.protocol import HuggingFaceMapped, Model
 from meshdsl.runtime import distributed, output_paths
 from meshdsl.runtime.layout_spec import is_shipped, layout_path, load_layout
 from meshdsl.train import feedback, logs, optim, resolve, resume, settings
@@ -59,13 +59,13 @@ def _optimizer(run: RunConfig) -> optim.Optimizer:
     return optim.make(run.optimizer, None if steady else multiplier, **kwargs)
 
 
-def build_trainer(run: RunConfig, mesh: md.Mesh | None = None, model: Any = None) -> Trainer:
+def build_trainer(run: RunConfig, mesh: md.Mesh | None = None, model: Model | None = None) -> Trainer:
     """The trainer ``run`` asks for, its settings decided first (:func:`meshdsl.train.resolve.settle`);
     ``model``: the model ``run`` names, when already built (by :func:`check`)."""
     return _trainer(resolve.settle(run).run, mesh, model)
 
 
-def _trainer(run: RunConfig, mesh: md.Mesh | None, model: Any) -> Trainer:
+def _trainer(run: RunConfig, mesh: md.Mesh | None, model: Model | None) -> Trainer:
     """:func:`build_trainer` of a settled ``run``."""
     layout = load_layout(run.layout)
     pipeline = layout.pipeline.replace(run.microbatches, run.schedule, run.virtual_stages)
@@ -83,7 +83,7 @@ def _trainer(run: RunConfig, mesh: md.Mesh | None, model: Any) -> Trainer:
     )
 
 
-def token_file(run: RunConfig, model: Any) -> TokenFile:
+def token_file(run: RunConfig, model: Model) -> TokenFile:
     """The token file ``run.data`` for ``model`` (an ``.npz``: padded examples, :mod:`meshdsl.train.examples`),
     in the keys and dims of the model's own batch (:mod:`meshdsl.train.token_batch`); ConfigError for a
     model that reads no token sequences."""
@@ -114,11 +114,11 @@ class Prepared:
     """A run ready to build: its settings decided and checked, its model built."""
 
     run: RunConfig
-    model: Any
+    model: Model
     settled: resolve.Settled
 
 
-def prepare(run: RunConfig, model: Any = None) -> Prepared:
+def prepare(run: RunConfig, model: Model | None = None) -> Prepared:
     """``run``'s settings decided and checked in one place (:func:`meshdsl.train.resolve.settle`: flag,
     layout file, resumed checkpoint, default), then the mistakes that need the model; ``model``: the
     model ``run`` names, when a caller's earlier check built it.
@@ -148,7 +148,7 @@ def prepare(run: RunConfig, model: Any = None) -> Prepared:
         _check_data(settled.checkpoint, saved.get("data_state"), tokens, settled.start)
     if run.init_from_hf is not None:  # the weights' names and shapes, from the files' headers alone
         like = jax.eval_shape(model.init, jax.random.key(0))
-        md.checkpoint.check_safetensors(run.init_from_hf, like=like, names=model.hf_names())
+        md.checkpoint.check_safetensors(run.init_from_hf, like=like, names=cast(HuggingFaceMapped, model).hf_names())
     if run.checkpoint_dir is not None:
         md.checkpoint.CheckpointManager(run.checkpoint_dir, run.save_every, run.keep)
         output_paths.check_dir(run.checkpoint_dir, "--checkpoint-dir")
@@ -159,7 +159,7 @@ def prepare(run: RunConfig, model: Any = None) -> Prepared:
     return Prepared(run, model, settled)
 
 
-def check(run: RunConfig, model: Any = None) -> Any:
+def check(run: RunConfig, model: Model | None = None) -> Any:
     """Raise the md error for each mistake in ``run`` that shows before any device is used
     (:func:`prepare`); return the model ``run`` names, built to check it."""
     return prepare(run, model).model
@@ -189,7 +189,7 @@ def _profile_dir(run: RunConfig) -> str:
     return run.profile_dir or run.tensorboard or "profile"
 
 
-def rule_warnings(spec: str, layout: md.Layout, name: str, model: Any) -> list[str]:
+def rule_warnings(spec: str, layout: md.Layout, name: str, model: Model) -> list[str]:
     """Warnings for the rules of a user's layout ``spec`` that name no dim of the model ``name``
     (none for a shipped layout: see :mod:`meshdsl.train.rules`)."""
     return [] if is_shipped(layout_path(spec)) else unused_rules(layout, model, name)
@@ -332,7 +332,7 @@ def train(
     out: TextIO = sys.stdout,
     mesh: md.Mesh | None = None,
     err: TextIO = sys.stderr,
-    model: Any = None,
+    model: Model | None = None,
     signals: bool = False,
 ) -> list[float]:
     """Train as ``run`` says and return the loss of every step it ran.

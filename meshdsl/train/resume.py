@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from meshdsl.errors import ConfigError, DataError
+from meshdsl.model.protocol import Model
 from meshdsl.train import config
 from meshdsl.train.config import Resume, RunConfig
 
@@ -34,7 +35,7 @@ def recorded_names() -> tuple[str, ...]:
     return tuple(n for n in config.settings() if config.setting_of(n).resume is not Resume.OWN)
 
 
-def record(run: RunConfig, model: Any) -> dict[str, Any]:
+def record(run: RunConfig, model: Model) -> dict[str, Any]:
     """What a checkpoint records about the run beside its state: each recorded setting and the model's config."""
     return {
         **{name: getattr(run, name) for name in recorded_names()},
@@ -42,7 +43,7 @@ def record(run: RunConfig, model: Any) -> dict[str, Any]:
     }
 
 
-def config_of(model: Any) -> dict[str, Any]:
+def config_of(model: Model) -> dict[str, Any]:
     """``model``'s config as a checkpoint records it (JSON values)."""
     found: dict[str, Any] = json.loads(json.dumps(dataclasses.asdict(model.config)))
     return found
