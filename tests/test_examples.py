@@ -88,3 +88,15 @@ def test_file_mistakes_are_one_line(tmp_path, arrays, message):
 def test_a_missing_file_is_named(tmp_path):
     with pytest.raises(md.DataError, match="not found"):
         ExampleFile(str(tmp_path / "none.npz"), spec(), VOCAB)
+
+
+def test_padded_examples_need_a_model_that_ignores_their_labels(tmp_path, examples, capsys):
+    """A shipped decoder counts -100 as a label unless ``ignore_labels``: refused before anything runs,
+    the remedy named; nothing written."""
+    from meshdsl.cli import main
+
+    argv = ["train", "--model", "llama", "--preset", "tiny", "--set", f"length={T - 1}", "--data", examples[2]]
+    assert main([*argv, "--steps", "1", "--log-json", str(tmp_path / "log.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--set ignore_labels=true" in err, err
+    assert not (tmp_path / "log.json").exists()

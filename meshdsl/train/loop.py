@@ -105,6 +105,11 @@ def token_file(run: RunConfig, model: Model) -> TokenFile:
         )
     assert run.data is not None  # a token file is read for a run with --data
     if run.data.endswith(".npz"):  # padded examples (input_ids, labels with -100)
+        if model_protocol.config_field(model, "ignore_labels") is False:
+            raise ConfigError(
+                f"{what}: padded examples hold -100 targets, which this model's loss counts as labels (NaN); "
+                "leave them out of its loss with --set ignore_labels=true"
+            )
         return ExampleFile(run.data, spec, vocab, seed=run.seed, eval_fraction=run.eval_fraction)
     return TokenFile(run.data, spec, vocab, seed=run.seed, eval_fraction=run.eval_fraction)
 
