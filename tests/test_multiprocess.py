@@ -82,34 +82,46 @@ LAYOUTS = ["dp_tp", "fsdp"]
 STEPS = 3
 
 
+def _start_training(layout: str, folder: Path) -> subprocess.Popen:
+    """``meshdsl launch`` of a 2-process training run under ``layout``; its output goes to ``folder``."""
+    cmd = _launch_cmd(
+        "train",
+        "--model",
+        "transformer",
+        "--preset",
+        "tiny",
+        "--layout",
+        layout,
+        "--steps",
+        str(STEPS),
+        "--log-json",
+        str(folder / "losses.jsonl"),
+        "--checkpoint-dir",
+        str(folder / "ckpt"),
+        "--save-every",
+        "2",
+    )
+    with open(folder / "output.txt", "w") as output:
+        # PYTHONFAULTHANDLER: a crash inside the runtime prints the Python stack it happened under.
+        env = _env(PYTHONFAULTHANDLER="1")
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT)
+
+
+def _finished(proc: subprocess.Popen, folder: Path) -> int:
+    """The launch's exit status; a hung launch fails the test with its output."""
+    try:
+        return proc.wait(timeout=HANG_GUARD_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"meshdsl launch hung:\n{(folder / 'output.txt').read_text()}")
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[subprocess.Popen, Path]]]:
     """Both layouts' 2-process runs, started together: they overlap each other and the references."""
     runs = {}
     for layout in LAYOUTS:
         folder = tmp_path_factory.mktemp(layout)
-        cmd = _launch_cmd(
-            "train",
-            "--model",
-            "transformer",
-            "--preset",
-            "tiny",
-            "--layout",
-            layout,
-            "--steps",
-            str(STEPS),
-            "--log-json",
-            str(folder / "losses.jsonl"),
-            "--checkpoint-dir",
-            str(folder / "ckpt"),
-            "--save-every",
-            "2",
-        )
-        with open(folder / "output.txt", "w") as output:
-            runs[layout] = (
-                subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=output, stderr=subprocess.STDOUT),
-                folder,
-            )
+        runs[layout] = (_start_training(layout, folder), folder)
     yield runs
     for proc, folder in runs.values():
         if proc.poll() is None:
@@ -123,10 +135,19 @@ def test_two_processes_match_one(layout: str, launched: dict[str, tuple[subproce
     """2 processes x 4 devices train exactly as 1 process x 8 devices, and only process 0 prints."""
     reference = train(RunConfig(model="transformer", preset="tiny", layout=layout, steps=STEPS), out=io.StringIO())
     proc, folder = launched[layout]
-    try:
-        code = proc.wait(timeout=HANG_GUARD_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"meshdsl launch hung:\n{(folder / 'output.txt').read_text()}")
+    code = _finished(proc, folder)
+    if code == 128 + signal.SIGSEGV:
+        # XLA:CPU's gloo collectives crash now and then on a loaded 2-core host (CI saw it once in
+        # many runs, in fsdp's reduce-scatter program; openxla/xla#16430 and jax-ml/jax#40830 are
+        # the runtime's open faults there). A crash is never taken for a pass: the run starts again,
+        # once, and must then train exactly as one process does.
+        first = (folder / "output.txt").read_text()
+        shutil.rmtree(folder / "ckpt", ignore_errors=True)
+        (folder / "losses.jsonl").unlink(missing_ok=True)
+        proc = _start_training(layout, folder)
+        launched[layout] = (proc, folder)  # the checkpoint test reads this run's files
+        code = _finished(proc, folder)
+        print(f"the first launch was killed by SIGSEGV; its output:\n{first}")
     output = (folder / "output.txt").read_text()
     assert code == 0, output
     got = [json.loads(line) for line in (folder / "losses.jsonl").read_text().splitlines()]
