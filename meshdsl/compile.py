@@ -194,8 +194,12 @@ class Compiled:
     def _spec(leaf: Any, layout: Layout) -> PartitionSpec:
         return layout.spec(leaf.shape) if isinstance(leaf, Tensor) else PartitionSpec()
 
-    def spmd_function(self, *args: Any) -> Any:
-        """The unjitted spmd program: one ``shard_map`` over the mesh (``md.explain`` traces this)."""
+    def spmd_function(self, *args: Any, shapes: Any = None) -> Any:
+        """The unjitted spmd program: one ``shard_map`` over the mesh (``md.explain`` traces this).
+
+        ``shapes``: the global results' shapes when the caller knows them (the planner, which traces one step
+        under many layouts: they are the same under each), else traced here on global arrays.
+        """
         treedef = jax.tree_util.tree_structure(args, is_leaf=is_tensor)
         ins = [
             item
@@ -203,8 +207,9 @@ class Compiled:
             for item in self._leaves(a, self.in_layouts[i] if self.in_layouts else None, f"argument [{i}]")
         ]
         in_axes = [self._axes(*item) for item in ins]
-        with use(GlobalLowering()):
-            shapes = jax.eval_shape(self.fn, *args)
+        if shapes is None:
+            with use(GlobalLowering()):
+                shapes = jax.eval_shape(self.fn, *args)
         out_tree = jax.tree_util.tree_structure(shapes, is_leaf=is_tensor)
         outs = self._leaves(shapes, self.out_layouts, "result")
         out_axes = [self._axes(*item) for item in outs]

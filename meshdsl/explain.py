@@ -200,7 +200,13 @@ def report_of_jaxpr(jaxpr: jex_core.Jaxpr, axis_sizes: Mapping[str, int], cpu: b
     ``cpu``: 16-bit float reductions count as f32, as XLA on CPU runs them. ConfigError for a
     collective inside a ``while_loop`` (its trip count is unknown).
     """
-    rows = [r for eqn, times in walk(as_compiled(jaxpr)) for r in _communications(eqn, times, axis_sizes, cpu)]
+    return report_of_compiled(as_compiled(jaxpr), axis_sizes, cpu)
+
+
+def report_of_compiled(compiled: jex_core.Jaxpr, axis_sizes: Mapping[str, int], cpu: bool) -> Report:
+    """:func:`report_of_jaxpr` of a program already read as XLA compiles it (``as_compiled``'s result: the
+    planner reads one program for its collectives, memory and work)."""
+    rows = [r for eqn, times in walk(compiled) for r in _communications(eqn, times, axis_sizes, cpu)]
     return Report(_merge(rows))
 
 

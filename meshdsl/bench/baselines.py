@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import meshdsl as md
 from meshdsl import compression, relayout
+from meshdsl.models.transformer import task_terms
 from meshdsl.measure import fits
 from meshdsl.measure.timing import CompiledStep, losses_from, memory_bytes
 from meshdsl.model import protocol as model_protocol
@@ -72,10 +73,7 @@ def _mlp_loss(p: dict, batch: dict[str, jax.Array], c: Any, constrain: Constrain
 
 def _transformer_batch(key: jax.Array, c: Any) -> dict[str, jax.Array]:
     start = (jax.random.bits(key, (c.batch,)) % c.vocab).astype(jnp.int32)
-    powers = jnp.asarray([pow(5, k, c.vocab) for k in range(c.length + 1)], jnp.int32)
-    offsets = jnp.asarray(
-        [3 * sum(pow(5, j, c.vocab) for j in range(k)) % c.vocab for k in range(c.length + 1)], jnp.int32
-    )
+    powers, offsets = (jnp.asarray(t, jnp.int32) for t in task_terms(c.vocab, c.length + 1))
     tokens = (start[:, None] * powers[None, :] + offsets[None, :]) % c.vocab
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 

@@ -123,6 +123,7 @@ class _Run:
             return lowering.prepare(x, self.x_axes)
 
         self.x_like = lowering.vary_like(lowering.zeros_traced(jax.eval_shape(first_input)), self.ref)
+        self._stage = jax.jit(self._stage_layers, inline=True)
 
     # ---- local views ----------------------------------------------------------------------------
 
@@ -229,7 +230,7 @@ class _Run:
     def _pre(self, rest: dict[str, Any], mb: dict[str, Tensor]) -> jax.Array:
         return self.lowering.prepare(self._pre_tensor(rest, mb), self.x_axes)
 
-    def _stage(self, w: list[jax.Array], x: jax.Array) -> jax.Array:
+    def _stage_layers(self, w: list[jax.Array], x: jax.Array) -> jax.Array:
         """This stage's layers on the local activations ``x``."""
         layers = jax.tree_util.tree_unflatten(
             self.layer_tree, [self.lowering.keep(a, s, ax) for a, (s, ax) in zip(w, self.layer_meta)]

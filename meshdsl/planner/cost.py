@@ -21,14 +21,15 @@ from typing import Any
 
 import meshdsl as md
 from meshdsl.collectives import Collective
-from meshdsl.explain import Report, report_of_jaxpr
+from meshdsl.analysis.jaxpr_walk import as_compiled
+from meshdsl.explain import Report, report_of_compiled
 from meshdsl.model import protocol as model_protocol
 from meshdsl.model.protocol import Model
 from meshdsl.planner import memory as memory_model
 from meshdsl.planner.flops import Work, work
 from meshdsl.planner.profile import DeviceProfile
-from meshdsl.planner.program import block
-from meshdsl.planner.trace import Traced, shard_map_body, trace_step
+from meshdsl.planner.program import compiled_block
+from meshdsl.planner.trace import Traced, trace_step
 
 COMPUTE = "compute"
 """The compute term of :attr:`Prediction.terms`; the other terms are the collective kinds'."""
@@ -107,8 +108,9 @@ def _dtype(model: Model) -> str:
 def price(traced: Traced, model: Model, profile: DeviceProfile) -> Prediction:
     """The :class:`Prediction` of an already traced step."""
     sizes = traced.mesh.axis_sizes
-    report = report_of_jaxpr(traced.jaxpr, sizes, profile.platform == "cpu")
-    body = block(shard_map_body(traced.jaxpr))
+    compiled = as_compiled(traced.jaxpr)  # read once: the collectives, memory and work walk the same program
+    report = report_of_compiled(compiled, sizes, profile.platform == "cpu")
+    body = compiled_block(compiled)
     mem = memory_model.breakdown(traced.state, traced.batch, traced.layout, traced.mesh, body)
     done = work(body)
     dtype = _dtype(model)

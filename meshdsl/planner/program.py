@@ -114,3 +114,10 @@ def _block(jaxpr: Any, ids: _Ids) -> Block:
 def block(jaxpr: Any) -> Block:
     """The flat :class:`Block` of ``jaxpr`` as XLA compiles it."""
     return _block(as_compiled(jaxpr), _Ids())
+
+
+def compiled_block(compiled: Any) -> Block:
+    """The flat :class:`Block` of a program already read as XLA compiles it (``as_compiled``'s result). A
+    ``shard_map`` is inlined there between markers that pass values through: of a step that is one ``shard_map``,
+    this is the per-device program, its inputs the step's and its outputs the per-device results."""
+    return _block(compiled, _Ids())

@@ -54,7 +54,7 @@ from meshdsl.planner import memory as memory_model
 from meshdsl.planner.cost import Prediction, price
 from meshdsl.planner.profile import DeviceProfile
 from meshdsl.planner.roles import DimRoles, roles
-from meshdsl.planner.trace import abstract_batch, trace_step
+from meshdsl.planner.trace import abstract_batch, step_results, trace_step
 from meshdsl.runtime.waiting import Waiting, is_terminal
 from meshdsl.train.step import Trainer
 
@@ -295,9 +295,12 @@ def search(
     """
     limit = memory_limit if memory_limit is not None else profile.memory_bytes
     if status is not None and is_terminal(status):
-        print(f"meshdsl search: tracing {name}'s state and batch to find its dims' roles ...", file=status, flush=True)
+        print(
+            f"meshdsl search: tracing {name}'s state, batch and step to find its dims' roles ...", file=status, flush=True
+        )
     state, batch = abstract_state(model, optimizer), abstract_batch(model)
     r = model_roles(model, state, batch.shapes)
+    results = step_results(model, optimizer, batch)
     dims = r.sizes
     ranked: list[tuple[Candidate, Prediction]] = []
     dropped: list[Dropped] = []
@@ -326,7 +329,15 @@ def search(
         try:
             traced += 1
             prediction = price(
-                trace_step(model, optimizer, cand.axis_sizes, cand.layout, batch=batch, platform=profile.platform),
+                trace_step(
+                    model,
+                    optimizer,
+                    cand.axis_sizes,
+                    cand.layout,
+                    batch=batch,
+                    platform=profile.platform,
+                    results=results,
+                ),
                 model,
                 profile,
             )

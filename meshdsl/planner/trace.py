@@ -9,6 +9,7 @@ nothing is compiled or computed: tracing costs the same for a tiny model and a 1
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,6 +63,7 @@ def trace_step(
     grad_reduce_dtype: str | None = None,
     batch: Batch | None = None,
     platform: str | None = None,
+    results: Any = None,
 ) -> Traced:
     """Trace one step of ``model`` under ``layout`` on a mesh of ``axis_sizes``; LayoutError if illegal.
 
@@ -70,14 +72,24 @@ def trace_step(
     no collectives, and tracing it costs far more than the step itself for long sequences.
     ``platform``: the device profile's, whose attention kernel the step is traced with
     (:func:`meshdsl.nn.attention_impl.traced_for`: cuDNN's fused attention for a GPU); None: the host's.
+    ``results``: the step's global result shapes (:func:`step_results`, the same under every layout), else
+    traced here on global arrays: a third of a step's tracing, which the search does once, not per candidate.
     """
     mesh = md.Mesh.abstract(axis_sizes)
     trainer = Trainer(model, optimizer, mesh, layout, grad_reduce_dtype=grad_reduce_dtype)
     state = trainer.abstract_state()
     batch = abstract_batch(model) if batch is None else batch
     with traced_for(platform):
-        closed = jax.make_jaxpr(trainer.step.spmd_function)(state, batch.shapes)
+        closed = jax.make_jaxpr(functools.partial(trainer.step.spmd_function, shapes=results))(state, batch.shapes)
     return Traced(closed.jaxpr, state, batch, mesh, layout)
+
+
+def step_results(model: Model, optimizer: Any, batch: Batch) -> Any:
+    """The global shapes of one training step's results (new state and loss), traced on global arrays: the
+    same under every layout (a layout never changes a shape), so :func:`trace_step` can take them once."""
+    trainer = Trainer(model, optimizer, md.Mesh.abstract({"data": 1}), md.Layout())
+    with use(GlobalLowering()):
+        return jax.eval_shape(trainer.step.fn, trainer.abstract_state(), batch.shapes)
 
 
 def shard_map_body(jaxpr: Any) -> Any:
