@@ -123,7 +123,11 @@ class _Run:
             return lowering.prepare(x, self.x_axes)
 
         self.x_like = lowering.vary_like(lowering.zeros_traced(jax.eval_shape(first_input)), self.ref)
+        # The three parts run in every segment of the timetable (tens of them for 8 stages): each is traced once
+        # and its jaxpr inlined where it runs (``inline=True``: the program is what tracing each anew gives).
         self._stage = jax.jit(self._stage_layers, inline=True)
+        self._pre = jax.jit(self._pre_array, inline=True)
+        self._post = jax.jit(self._post_loss, inline=True)
 
     # ---- local views ----------------------------------------------------------------------------
 
@@ -227,7 +231,7 @@ class _Run:
     def _pre_tensor(self, rest: dict[str, Any], mb: dict[str, Tensor]) -> Tensor:
         return self.micro_model.pre(rest, mb)
 
-    def _pre(self, rest: dict[str, Any], mb: dict[str, Tensor]) -> jax.Array:
+    def _pre_array(self, rest: dict[str, Any], mb: dict[str, Tensor]) -> jax.Array:
         return self.lowering.prepare(self._pre_tensor(rest, mb), self.x_axes)
 
     def _stage_layers(self, w: list[jax.Array], x: jax.Array) -> jax.Array:
@@ -239,7 +243,7 @@ class _Run:
         out, _ = scan(lambda c, lp: (self.micro_model.layer(c, lp), None), x_t, layers, STAGE_LAYERS, remat=self.remat)
         return self.lowering.prepare(out, self.x_axes)
 
-    def _post(self, rest: dict[str, Any], y: jax.Array, mb: dict[str, Tensor]) -> jax.Array:
+    def _post_loss(self, rest: dict[str, Any], y: jax.Array, mb: dict[str, Tensor]) -> jax.Array:
         loss = self.micro_model.post(rest, self.lowering.keep(y, self.x_shape, self.x_axes), mb)
         return self.lowering.prepare(loss, ())
 
