@@ -22,7 +22,7 @@ from meshdsl.cli import main
 from meshdsl.model.loader import build_model
 from meshdsl.planner import validate
 from meshdsl.planner.cost import predict, span
-from meshdsl.planner.memory import Lifetime, heap_bytes
+from meshdsl.planner.memory import Lifetime, _best_fit, heap_bytes
 from meshdsl.planner.profile import DeviceProfile, load_profile, shipped
 from meshdsl.planner.roles import roles
 from meshdsl.planner.search import Candidate, abstract_state, candidates, legal_candidates, search
@@ -97,12 +97,32 @@ def test_heap_takes_the_better_of_two_packings() -> None:
 @settings(max_examples=S.examples(60), deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 6), st.integers(1, 8)), min_size=1, max_size=25))
 def test_heap_lies_between_the_live_peak_and_the_sum(spans: list[tuple[int, int, int]]) -> None:
-    """No packing beats the most bytes live at one tick, nor needs more than every buffer apart."""
+    """No packing beats the most bytes live at one tick, nor needs more than every buffer apart; and the
+    vectorised packing is the plain best fit (each buffer in the smallest gap among those placed that
+    overlap it in time, the earliest of equal gaps), written here pair by pair."""
     buffers = [Lifetime(start, start + length, 64 * blocks) for start, length, blocks in spans]
     live = np.zeros(27, dtype=np.int64)
     for buf in buffers:
         live[buf.start : buf.end + 1] += buf.size
     assert live.max() <= heap_bytes(buffers) <= sum(buf.size for buf in buffers)
+    for order in (sorted(buffers, key=lambda b: -b.size), sorted(buffers, key=lambda b: b.start - b.end), buffers):
+        assert _best_fit(order) == _plain_best_fit(order)
+
+
+def _plain_best_fit(buffers: list[Lifetime]) -> int:
+    placed: list[tuple[Lifetime, int]] = []
+    top = 0
+    for buf in buffers:
+        taken = sorted((o, o + b.size) for b, o in placed if b.start <= buf.end and buf.start <= b.end)
+        best, cursor = None, 0
+        for low, high in taken:
+            if low - cursor >= buf.size and (best is None or low - cursor < best[0]):
+                best = (low - cursor, cursor)
+            cursor = max(cursor, high)
+        offset = cursor if best is None else best[1]
+        placed.append((buf, offset))
+        top = max(top, offset + buf.size)
+    return top
 
 
 def test_bytes_equal_explain_on_the_real_mesh() -> None:
