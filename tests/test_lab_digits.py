@@ -4,6 +4,7 @@ same training written in plain JAX on global arrays; compressed sums' accuracy w
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 
 import jax
@@ -27,9 +28,36 @@ def _args(**overrides) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), **overrides})
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
 @pytest.fixture(scope="module")
-def results() -> dict[str, digits.Result]:
-    return {f"{r.run.name}/{r.run.devices}": r for r in digits.run(_args(), out=lambda line: None)}
+def lab() -> tuple[dict[str, digits.Result], list[str], str]:
+    """One run of the lab: its results, the lines it printed, and its progress lines (as a terminal gets them)."""
+    lines: list[str] = []
+    status = _Terminal()
+    done = digits.run(_args(), out=lines.append, status=status)
+    return {f"{r.run.name}/{r.run.devices}": r for r in done}, lines, status.getvalue()
+
+
+@pytest.fixture(scope="module")
+def results(lab) -> dict[str, digits.Result]:
+    return lab[0]
+
+
+def test_the_lab_says_which_run_it_compiles_and_where_the_time_went(lab) -> None:
+    """A progress line before each run (its compile was a silent 10 s), and a note after the table saying what
+    the training times leave out."""
+    results, lines, status = lab
+    runs = list(results.values())
+    shown = status.splitlines()
+    assert len(shown) == len(runs)
+    assert shown[0].startswith(f"meshdsl lab-digits: 0/{len(runs)} runs trained (next: serial on 1: compiling")
+    assert shown[-1].startswith(f"meshdsl lab-digits: {len(runs) - 1}/{len(runs)} runs trained")
+    training = sum(r.seconds for r in runs)
+    assert lines[-1].startswith(f"training time counts each run's steps after its first: {training:.1f} s of the ")
 
 
 def _plain_jax(args: argparse.Namespace) -> dict[str, np.ndarray]:

@@ -28,12 +28,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import meshdsl as md
 from meshdsl import compression, relayout
-from meshdsl.models.transformer import task_terms
 from meshdsl.measure import fits
 from meshdsl.measure.timing import CompiledStep, losses_from, memory_bytes
 from meshdsl.model import protocol as model_protocol
 from meshdsl.model.loader import shipped_name
 from meshdsl.model.protocol import Model
+from meshdsl.models.transformer import task_terms
 from meshdsl.nn.attention_impl import implementation_here
 from meshdsl.ops.scan import REMAT_POLICIES
 from meshdsl.tensor import is_tensor

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import meshdsl as md
-from meshdsl.collectives import Collective
 from meshdsl.analysis.jaxpr_walk import as_compiled
+from meshdsl.collectives import Collective
 from meshdsl.explain import Report, report_of_compiled
 from meshdsl.model import protocol as model_protocol
 from meshdsl.model.protocol import Model

@@ -296,7 +296,9 @@ def search(
     limit = memory_limit if memory_limit is not None else profile.memory_bytes
     if status is not None and is_terminal(status):
         print(
-            f"meshdsl search: tracing {name}'s state, batch and step to find its dims' roles ...", file=status, flush=True
+            f"meshdsl search: tracing {name}'s state, batch and step to find its dims' roles ...",
+            file=status,
+            flush=True,
         )
     state, batch = abstract_state(model, optimizer), abstract_batch(model)
     r = model_roles(model, state, batch.shapes)
