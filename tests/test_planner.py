@@ -479,8 +479,13 @@ def test_calibrate_fits_latency_and_bandwidth() -> None:
     assert link.latency_s == pytest.approx(1e-4, rel=1e-6) and link.bandwidth == pytest.approx(2e9, rel=1e-6)
 
 
-def test_calibrate_cli_writes_a_loadable_profile(tmp_path, monkeypatch) -> None:
+def test_calibrate_cli_writes_a_loadable_profile(tmp_path, monkeypatch, capsys) -> None:
+    """... and says it is still measuring while it measures (a terminal gets a line every HEARTBEAT_S)."""
     from meshdsl.planner import calibrate
+    from meshdsl.runtime import waiting
+
+    monkeypatch.setattr(waiting, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(waiting, "is_terminal", lambda out: True)
 
     monkeypatch.setattr(calibrate, "SIZES", (2**12, 2**14))
     monkeypatch.setattr(calibrate, "MATMUL_SIZES", (64, 128))
@@ -492,6 +497,7 @@ def test_calibrate_cli_writes_a_loadable_profile(tmp_path, monkeypatch) -> None:
     profile = load_profile(out)
     assert isinstance(profile, DeviceProfile) and profile.platform == "cpu" and profile.node_size == 8
     assert json.loads(out.read_text())["measurements"] and json.loads(out.read_text())["name"] == "cpu-sim"
+    assert "meshdsl calibrate: still measuring (matmuls, memory bandwidth" in capsys.readouterr().err
 
 
 def test_search_cli_measure_prints_predicted_beside_measured(capsys) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 import meshdsl as md
 from meshdsl.cli import main
+from meshdsl.runtime import waiting
 from meshdsl.train import optim
 from meshdsl.train.loop import RunConfig, train
 from meshdsl.train.progress import Progress, Step
@@ -224,7 +225,12 @@ def _plain_mlp_loss(params: dict, batch: dict) -> float:
     return float(np.mean(np.square(h @ params["w2"] - batch["y"])))
 
 
-def test_a_watched_run_evaluates_logs_and_traces(tmp_path):
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_watched_run_evaluates_logs_and_traces(tmp_path, monkeypatch):
     """A cosine schedule with warmup and 2 microbatches, evaluated every 3 steps: the printed lines,
     JSON log, TensorBoard events (read back by tensorboard's own reader), PNG, trace and summary agree,
     the learning rates follow the schedule's formula and the eval loss is the mean loss of the eval
@@ -247,9 +253,12 @@ def test_a_watched_run_evaluates_logs_and_traces(tmp_path):
         profile_steps="2:3",
         checkpoint_dir=str(tmp_path / "ck"),
     )
-    losses = train(run, out)
+    monkeypatch.setattr(waiting, "HEARTBEAT_S", 0.05)
+    err = _Terminal()
+    losses = train(run, out, err=err)
     printed = out.getvalue()
     assert "compiling the train step and the eval step ...\ncompiled in " in printed
+    assert "meshdsl train: still compiling the train step, 0:00 elapsed" in err.getvalue()  # never silent 10 s
     lines = [line for line in printed.splitlines() if line.startswith("step ")]
     assert [line.split("/")[0] for line in lines] == ["step 1", "step 2", "step 3", "step 4", "step 6"], printed
     assert "eval loss" in lines[2] and "eval loss" in lines[4] and "ETA" in lines[1]

@@ -29,13 +29,16 @@ def run(args: argparse.Namespace, config: None) -> None:
 
     from meshdsl.planner.calibrate import calibrate
     from meshdsl.runtime import output_paths
+    from meshdsl.runtime.waiting import heartbeat
 
     device = jax.devices()[0]
     name = args.name or ("cpu-sim" if device.platform == "cpu" else device.device_kind.lower().replace(" ", "-"))
     path = Path(args.out or f"{name}.json")
     output_paths.check_file(path, "--out")
     print(f"meshdsl calibrate: {len(jax.devices())} x {device.device_kind} ({device.platform})")
-    profile, raw = calibrate(name, print)
+    what = "measuring (matmuls, memory bandwidth, attention, then each collective kind)"
+    with heartbeat("meshdsl calibrate", what):
+        profile, raw = calibrate(name, print)
     lost = "the measurements above were not saved; calibrate again with another --out"
     with output_paths.writing(f"--out {str(path)!r}", lost):
         profile.save(path, measurements=raw)

@@ -10,9 +10,11 @@ is a parameter so tests count lines without waiting. Lines print where ``out`` i
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TextIO
 
 
@@ -68,3 +70,33 @@ class Waiting:
 def is_terminal(out: TextIO) -> bool:
     """Whether ``out`` is a terminal (False for a stream without ``isatty``)."""
     return bool(getattr(out, "isatty", lambda: False)())
+
+
+HEARTBEAT_S = 10.0
+"""Seconds between :func:`heartbeat`'s lines: no command is silent longer."""
+
+
+@contextlib.contextmanager
+def heartbeat(
+    command: str, what: str, out: TextIO | None = None, every: float | None = None, live: bool | None = None
+) -> Iterator[None]:
+    """While the block runs (one long call with no count: a compile, a measurement), a line every ``every``
+    seconds (:data:`HEARTBEAT_S`), ``meshdsl train: still compiling the train step, 0:20 elapsed``, so the command
+    is never silent longer; printed where ``out`` (default stderr) is a terminal, or ``live``."""
+    stream = out or sys.stderr
+    if not (live if live is not None else is_terminal(stream)):
+        yield
+        return
+    start, stop, every = time.monotonic(), threading.Event(), HEARTBEAT_S if every is None else every
+
+    def beat() -> None:
+        while not stop.wait(every):
+            print(f"{command}: still {what}, {duration(time.monotonic() - start)} elapsed", file=stream, flush=True)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

@@ -25,6 +25,7 @@ from meshdsl.model.loader import build_model, load_module
 from meshdsl.model.protocol import HuggingFaceMapped, Model
 from meshdsl.runtime import distributed, output_paths
 from meshdsl.runtime.layout_spec import is_shipped, layout_path, load_layout
+from meshdsl.runtime.waiting import heartbeat
 from meshdsl.train import feedback, logs, optim, resolve, resume, settings
 from meshdsl.train.config import RunConfig
 from meshdsl.train.data import TokenFile
@@ -407,7 +408,8 @@ def _train(
     # find the executable in JAX's cache and, being jit calls, take host-local inputs (the data key)
     # as every process's copy of one array.
     like = jax.random.key_data(jax.random.key(run.seed)) if tokens is None else tokens.abstract_batch(mesh, layout)
-    compile_checked(trainer, like, f"a training step of {run.model} {run.preset} under {run.layout}")
+    with heartbeat("meshdsl train", "compiling the train step", err):
+        compile_checked(trainer, like, f"a training step of {run.model} {run.preset} under {run.layout}")
     state, data_key, first = _start(run, trainer, manager, out, prepared.settled.checkpoint)
     if first == run.steps:
         out.write(f"nothing to train: the checkpoint is at step {first}, which is --steps\n")
