@@ -3,7 +3,7 @@
 ``jax.sharding.AbstractMesh`` has axis names and sizes but no devices; ``jax.shard_map`` over it
 traces to a jaxpr with the local (per-device) shapes and every collective meshdsl emits, exactly
 as ``md.explain`` sees them on real devices. So a 64-device layout is planned on a laptop, and
-nothing is compiled or computed: tracing costs the same for a tiny model and a 1B one.
+nothing is compiled or computed: tracing costs about the same for a tiny model and a 1B one.
 """
 
 from __future__ import annotations
