@@ -190,6 +190,21 @@ def test_device_memory_is_the_devices_own_count_where_it_keeps_one(monkeypatch: 
     assert "device memory: 12.1 KiB at most in use on the first device over the whole run" in notes([row])
 
 
+def test_pipelined_entries_say_the_batch_grows_and_the_bubble_is_a_trend() -> None:
+    """Issue 33: bench showed measured bubbles of -0.31 and -0.48 with no caveat, and not that the batch grows
+    with the microbatch count."""
+    from meshdsl.bench.report import notes
+
+    rows = [
+        {"baseline_note": None, "round_orders": [[]], "timing_seed": 0, "pipeline": {"microbatches": m}}
+        | {"model": "transformer", "layout": f"pipe{m}", "examples_per_step": 4 * m}
+        for m in (2, 4)
+    ]
+    text = notes(rows)
+    assert "the batch grows with the microbatch count M (M=2: 8 examples, M=4: 16 examples)" in text
+    assert "comes out negative when the timings are noisier than the bubble" in text
+
+
 def test_gpu_check_dry_runs_every_step_and_writes_one_report(tmp_path: Path) -> None:
     """``meshdsl gpu-check --dry``: every step at tiny sizes on the CPU, each recorded, the transformer
     step timed beside its plain-JAX baseline and the planner's predictions, in markdown and JSON."""
@@ -217,6 +232,7 @@ def test_gpu_check_dry_runs_every_step_and_writes_one_report(tmp_path: Path) -> 
     text = (tmp_path / "check.md").read_text()
     row = f"| data_parallel | {entry['step_s_median'] * 1e3:.1f} | - |"
     assert row in text and f"{big['predictions'][1]['step_s'] * 1e3:.1f}" in text
+    assert "1000000.00" not in "\n".join(lines) + text  # issue 33: placeholder rates were printed as figures
 
 
 def test_gpu_check_skips_a_step_its_budget_no_longer_covers(tmp_path: Path) -> None:

@@ -259,6 +259,7 @@ def test_a_watched_run_evaluates_logs_and_traces(tmp_path, monkeypatch):
     printed = out.getvalue()
     assert "compiling the train step and the eval step ...\ncompiled in " in printed
     assert "meshdsl train: still compiling the train step, 0:00 elapsed" in err.getvalue()  # never silent 10 s
+    assert f"(view: pip install tensorboard; tensorboard --logdir {tmp_path / 'tb'})" in printed  # not in the base
     lines = [line for line in printed.splitlines() if line.startswith("step ")]
     assert [line.split("/")[0] for line in lines] == ["step 1", "step 2", "step 3", "step 4", "step 6"], printed
     assert "eval loss" in lines[2] and "eval loss" in lines[4] and "ETA" in lines[1]
