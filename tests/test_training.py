@@ -205,3 +205,14 @@ def test_remat_policy_dots_trains_alike_and_recomputes_no_matmul():
 def test_remat_policy_mistake_is_named():
     with pytest.raises(md.ConfigError, match="remat_policy must be one of 'full', 'dots', got 'some'"):
         transformer.Config(remat_policy="some")
+
+
+def test_the_synthetic_tasks_terms_are_the_powers_and_their_geometric_sums() -> None:
+    """``task_terms`` builds in one pass what the task is defined as: ``5^i mod vocab`` and ``3 (5^0 + ... +
+    5^(i-1)) mod vocab`` (summed anew per position it took half a minute at the 8B preset's 4,096)."""
+    from meshdsl.models.transformer import task_terms
+
+    for vocab in (1, 2, 7, 64, 32000):
+        powers, offsets = task_terms(vocab, 40)
+        assert powers == [pow(5, i, vocab) for i in range(40)]
+        assert offsets == [3 * sum(pow(5, j, vocab) for j in range(i)) % vocab for i in range(40)]
