@@ -64,10 +64,7 @@ class TokenFile:
         seed: int = 0,
         eval_fraction: float = EVAL_FRACTION,
     ):
-        self.path, self.spec, self.vocab = Path(path), spec, vocab
-        self.batch, self.length = spec.rows.size, spec.positions.size
-        if not 0 <= eval_fraction < 1:
-            raise ConfigError(f"--eval-fraction {eval_fraction}: the held-out tail is a fraction in [0, 1)")
+        self._settle(path, spec, vocab, eval_fraction)
         if vocab - 1 > np.iinfo(spec.dtype).max:
             raise ConfigError(f"vocab {vocab} does not fit the model's token dtype {np.dtype(spec.dtype)}")
         self.tokens = _open(self.path, dtype, self.length)
@@ -85,6 +82,13 @@ class TokenFile:
         self.crc32 = _scan(self.path, self.tokens, vocab)
         self.seed = seed % 2**32
         self.order = grain.MapDataset.range(self.windows).shuffle(seed=self.seed)
+
+    def _settle(self, path: str | Path, spec: TokenBatch, vocab: int, eval_fraction: float) -> None:
+        """What every file of batches keeps (its path, spec, vocab and batch shape), the held-out fraction checked."""
+        self.path, self.spec, self.vocab = Path(path), spec, vocab
+        self.batch, self.length = spec.rows.size, spec.positions.size
+        if not 0 <= eval_fraction < 1:
+            raise ConfigError(f"--eval-fraction {eval_fraction}: the held-out tail is a fraction in [0, 1)")
 
     @property
     def _where(self) -> str:

@@ -46,10 +46,7 @@ class ExampleFile(TokenFile):
         seed: int = 0,
         eval_fraction: float = EVAL_FRACTION,
     ):
-        self.path, self.spec, self.vocab = Path(path), spec, vocab
-        self.batch, self.length = spec.rows.size, spec.positions.size
-        if not 0 <= eval_fraction < 1:
-            raise ConfigError(f"--eval-fraction {eval_fraction}: the held-out tail is a fraction in [0, 1)")
+        self._settle(path, spec, vocab, eval_fraction)
         if np.iinfo(spec.dtype).min > IGNORE:
             raise ConfigError(f"the model's token dtype {np.dtype(spec.dtype)} cannot hold the label {IGNORE}")
         self.inputs, self.targets = _read(self.path, self.length, vocab, spec.dtype)
