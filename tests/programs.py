@@ -62,46 +62,67 @@ class NearKink(Exception):
 
 
 _margins = [False]
+_exact_ties = [False]
 
 
 @contextlib.contextmanager
-def margins() -> Iterator[None]:
-    """Inside the block, :func:`apart` checks the values a numpy reference tells apart."""
-    _margins[0] = True
+def margins(nonfinite: bool = False) -> Iterator[None]:
+    """Inside the block, :func:`apart` checks the values a numpy reference tells apart.
+
+    ``nonfinite``: the inputs hold NaN, +-inf or -0.0 (:func:`harness.sprinkle`) and only forward
+    values are compared. Then two values that are *exactly* equal (``inf == inf``, ``-0.0 == 0.0``,
+    two sprinkled zeros) are no near kink: float32 and float64 decide them alike, and a tie must be
+    broken as ``jnp`` breaks it (the first index), which is what the test is after. Near ties of
+    finite values still are (rounding may decide them either way)."""
+    _margins[0], _exact_ties[0] = True, nonfinite
     try:
         yield
     finally:
-        _margins[0] = False
+        _margins[0], _exact_ties[0] = False, False
 
 
 def _checking(*values: Any) -> bool:
     return _margins[0] and R.xp_of(*values) is np
 
 
+def _too_close(diff: np.ndarray, scale: float) -> bool:
+    """Whether a finite entry of ``diff`` (a NaN or inf entry compares exactly) is under ``MARGIN * scale``;
+    exact ties count only outside the non-finite mode (:func:`margins`)."""
+    close = np.isfinite(diff) & (diff < MARGIN * scale)
+    if _exact_ties[0]:
+        close &= diff != 0
+    return bool(np.any(close))
+
+
+def _finite_scale(*arrays: Any) -> float:
+    """``max(1, |finite entries|)``: the scale of the margin (an infinity decides exactly)."""
+    return max([1.0] + [float(np.max(np.abs(a), initial=0, where=np.isfinite(a))) for a in map(np.asarray, arrays)])
+
+
 def apart(a: Named, b: Named | float = 0.0) -> None:
-    """Raise :class:`NearKink` if ``a`` and ``b`` (broadcast by name) come within ``MARGIN`` anywhere."""
+    """Raise :class:`NearKink` if ``a`` and ``b`` (broadcast by name) come within ``MARGIN`` anywhere
+    (where both are finite: NaN and +-inf compare exactly)."""
     if not _checking(a, b):
         return
-    diff = np.abs((a - b).array) if isinstance(b, Named) else np.abs(a.array - b)
-    scale = max(
-        1.0,
-        float(np.max(np.abs(a.array), initial=0)),
-        float(np.max(np.abs(b.array), initial=0)) if isinstance(b, Named) else abs(b),
-    )
-    if diff.size and float(np.min(diff)) < MARGIN * scale:
+    with np.errstate(invalid="ignore"):
+        diff = np.abs((a - b).array) if isinstance(b, Named) else np.abs(a.array - b)
+    scale = _finite_scale(a.array, b.array if isinstance(b, Named) else b)
+    if _too_close(diff, scale):
         raise NearKink(f"values within {MARGIN:g} of each other at a kink")
 
 
 def distinct_top(x: Named, dims: Sequence[str], k: int) -> None:
-    """Raise :class:`NearKink` unless the ``k + 1`` largest values over ``dims`` (of each slice) are ``MARGIN``
-    apart."""
+    """Raise :class:`NearKink` unless the ``k + 1`` largest values over ``dims`` (of each slice, in
+    ``lax.top_k``'s order: NaN first) are ``MARGIN`` apart where both are finite."""
     if not _checking(x):
         return
     rest = [n for n in x.names if n not in dims]
     a = x.to([*rest, *dims]).array.reshape([x.sizes[n] for n in rest] + [-1])
-    top = -np.sort(-a, axis=-1)[..., : k + 1]
-    scale = max(1.0, float(np.max(np.abs(a), initial=0)))
-    if top.shape[-1] > 1 and float(np.min(top[..., :-1] - top[..., 1:])) < MARGIN * scale:
+    order = R._stable_descending(np, a)[..., : k + 1]
+    top = np.take_along_axis(a, order, axis=-1)
+    with np.errstate(invalid="ignore"):
+        diff = top[..., :-1] - top[..., 1:]
+    if top.shape[-1] > 1 and _too_close(diff, _finite_scale(a)):
         raise NearKink(f"near ties among the {k + 1} largest over {list(dims)}")
 
 

@@ -13,6 +13,7 @@ is a reduce-scatter; and the known md.explain bug with XLA's CSE.
 
 import harness
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as R
@@ -158,12 +159,12 @@ def test_partial_sums_are_added_before_a_nonlinear_op_needs_them():
     assert harness.assert_explain_matches_hlo(fn, mesh, layout, [a, b])["all-reduce"]["count"] == 1
 
 
-def test_contraction_into_a_dim_that_wants_the_axis_is_a_reduce_scatter():
-    # d_model and batch are both split over model and never meet in one tensor, but the
-    # einsum x[d_model] * y[batch] -> [batch] must pick one to keep model. Keeping it on
-    # d_model costs an all-gather of y (1/2 * 32 B) and a reduce-scatter of the partial sums
-    # into batch (1/2 * 32 B); keeping it on batch would gather x (1/2 * 256 B). So: one
-    # all-gather and one reduce-scatter of 16 bytes each.
+def test_a_lone_summed_dim_is_summed_before_the_product():
+    # d_model and batch are both split over model and never meet in one tensor; d_model is in x
+    # alone and summed, so x is summed over it first (one all-reduce of the 4-byte scalar), as
+    # jnp.einsum sums it on the global array, and the product with y keeps batch split: no
+    # gather, no reduce-scatter of partial products (which would make inf * 0 + inf * 3 a NaN
+    # where jnp gives inf * 3; issue 31).
     mesh, layout = harness.mesh("data4_model2"), {"d_model": "model", "batch": "model"}
     x, y = _inputs(2, {"d_model": 64}, {"batch": 8})
 
@@ -172,8 +173,7 @@ def test_contraction_into_a_dim_that_wants_the_axis_is_a_reduce_scatter():
 
     assert harness.check(fn, [x, y], lambda x, y: R.einsum("batch", x, y), mesh, layout)
     assert harness.assert_explain_matches_hlo(fn, mesh, layout, [x, y]) == {
-        "all-gather": {"count": 1, "bytes": 16.0},
-        "reduce-scatter": {"count": 1, "bytes": 16.0},
+        "all-reduce": {"count": 1, "bytes": 4.0},
     }
 
 
@@ -221,3 +221,23 @@ def test_explain_counts_a_repeated_collective_once_as_xla_runs_it():
     np.testing.assert_allclose(
         md.compile(grad, mesh, layout)(*args).numpy(), 2 * args[2].numpy().sum(axis=1), rtol=1e-5
     )
+
+
+@pytest.mark.parametrize("layout", ["heads:model", "seq:data; heads:model", "batch:model"])
+def test_a_split_lone_dim_keeps_the_infinities_of_jnp(layout):
+    """sum over seq, batch, heads of x[seq, batch] * w[d_model, heads]: jnp.einsum sums each operand's
+    lone dims first, inf * (0 + 1 + 1 + 1) = inf; summing partial products over split heads gave
+    inf * 0 + inf * 3 = NaN under spmd (issue 31: a layout changed a number)."""
+    x = np.ones((4, 8), np.float32)
+    x[1, 3] = np.inf
+    w = np.ones((2, 4), np.float32)
+    w[0, 1] = 0.0
+    want = np.asarray(jnp.einsum("sb,dh->d", x, w))
+    assert want.tolist() == [np.inf, np.inf]
+    xt = harness.from_numpy(x, harness.dims({"seq": 4, "batch": 8}))
+    wt = harness.from_numpy(w, harness.dims({"d_model": 2, "heads": 4}))
+    for backend in harness.BACKENDS:
+        got = md.compile(
+            lambda a, b: md.einsum(a, b, out=["d_model"]), harness.mesh("data2_model4"), layout, backend=backend
+        )(xt, wt)
+        np.testing.assert_array_equal(got.numpy(), want, err_msg=f"{backend} {layout}")

@@ -86,28 +86,37 @@ def _check(
     around: bool = True,
     closed: frozenset[int] = frozenset(),
     backends: tuple[str, ...] = harness.BACKENDS,
+    share: float = 0.0,
 ) -> bool:
     """harness.check of ``program`` on ``backends``, the inputs at ``closed`` closed over (False if no
-    input values kept the values its ops compare apart)."""
+    input values kept the values its ops compare apart).
+
+    ``share`` > 0: about that share of the inputs' entries are NaN, +-inf or -0.0
+    (:func:`harness.sprinkle`), and only the forward values are compared (NaN for NaN, inf for inf,
+    the sign of a zero where ``jnp`` gives one): no gradient, since a derivative through an infinity
+    or a NaN is NaN on both sides or hangs on conventions (a tie's share of a maximum's derivative,
+    ``0 * inf``) that say nothing about a layout, and the values are what a layout must not change."""
     for attempt in range(ATTEMPTS):
-        fn, reference, args = _closing_over(
-            program, program.make_inputs(np.random.default_rng([seed, attempt])), closed
-        )
+        rng = np.random.default_rng([seed, attempt])
+        inputs = harness.sprinkle(rng, program.make_inputs(rng), share)
+        fn, reference, args = _closing_over(program, inputs, closed)
         try:
-            with P.margins():
-                assert harness.check(fn, args, reference, mesh, layout, around=around, backends=backends)
+            with P.margins(nonfinite=share > 0):
+                assert harness.check(
+                    fn, args, reference, mesh, layout, around=around, backends=backends, nonfinite=share > 0
+                )
             return True
         except P.NearKink:
             continue
     return False
 
 
-def _failing_alone(program: P.Program, mesh, layout, seed: int) -> list[int]:
+def _failing_alone(program: P.Program, mesh, layout, seed: int, share: float) -> list[int]:
     """The chains of a failing program that fail on their own (to print with the failure)."""
     failing = []
     for i, chain in enumerate(program.chains):
         try:
-            _check(P.Program([chain]), mesh, layout, seed)
+            _check(P.Program([chain]), mesh, layout, seed, share=share)
         except Exception as e:  # noqa: BLE001  (any failure of the chain)
             if not isinstance(e, UnsatisfiedAssumption):
                 failing.append(i)
@@ -121,6 +130,7 @@ def check_random_program(data: st.DataObject, seed: int) -> None:
     rules = data.draw(P.pool_rules(mesh, pool), label="pool rules")
     around = data.draw(st.booleans(), label="grad around md.compile")
     backends = data.draw(S.backends(), label="backends")
+    share = data.draw(S.specials(), label="NaN/inf/-0.0 share")
     ctx = P.Context(data.draw, mesh, pool, rules)
     program = P.Program([data.draw(P.chains(ctx), label=f"chain {i}") for i in range(CHAINS)])
     closing = data.draw(st.lists(st.booleans(), min_size=CHAINS, max_size=CHAINS), label="chains closing over x")
@@ -130,15 +140,21 @@ def check_random_program(data: st.DataObject, seed: int) -> None:
     note(f"layout: {layout}")
     P.fill_randoms(program.randoms())
     try:
-        checked = _check(program, mesh, layout, seed, around, closed, backends)
+        checked = _check(program, mesh, layout, seed, around, closed, backends, share)
     except Exception as e:
         if not isinstance(e, UnsatisfiedAssumption):
-            note(f"chains that fail alone: {_failing_alone(program, mesh, layout, seed)}")
+            note(f"chains that fail alone: {_failing_alone(program, mesh, layout, seed, share)}")
         raise
     if not checked:
         reject()
     _checked[0] += CHAINS
-    event("grad around md.compile" if around else "grad inside md.compile only")
+    event(
+        "NaN/inf/-0.0 inputs, forward only"
+        if share
+        else "grad around md.compile"
+        if around
+        else "grad inside md.compile only"
+    )
     event(" and ".join(backends))
 
 

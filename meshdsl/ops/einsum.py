@@ -58,6 +58,29 @@ def _output_shape(tensors: Sequence[Tensor], out: Sequence[DimLike] | Shape | st
     return Shape(result)
 
 
+def _lone_sums_first(lowering, tensors: Sequence[Tensor], out_shape: Shape) -> tuple[Tensor, ...]:
+    """``tensors`` with each one's *lone* summed dims (in no other input, not in ``out``) summed first
+    where one of them is split, as ``jnp.einsum`` sums them on the global array before it multiplies.
+
+    Multiplying a partial sum and adding the products after is the same number for finite values,
+    not for all: ``inf * (0 + 3)`` is ``inf``, ``inf * 0 + inf * 3`` is NaN; so a split of a lone dim
+    would change NaN and inf results (issue 31). Summed first, the operand's partial sums are added
+    (one ``psum`` of the smaller, reduced operand) before any product is formed."""
+    from meshdsl.ops.reduction import reduce_sum
+
+    counts: dict[str, int] = {}
+    for t in tensors:
+        for n in t.shape.names:
+            counts[n] = counts.get(n, 0) + 1
+    done = []
+    for t in tensors:
+        lone = [n for n in t.shape.names if counts[n] == 1 and n not in out_shape]
+        split = dict(zip(t.shape.names, lowering.split_of(t)))
+        rules = dict(zip(t.shape.names, lowering.axes(t.shape)))
+        done.append(reduce_sum(t, lone) if any(split[n] or rules[n] for n in lone) else t)
+    return tuple(done)
+
+
 @op("einsum")
 def einsum(*tensors: Tensor, out: Sequence[DimLike] | Shape | str | None = None) -> Tensor:
     """Multiply ``tensors`` and sum over every dim not in ``out``.
@@ -74,6 +97,7 @@ def einsum(*tensors: Tensor, out: Sequence[DimLike] | Shape | str | None = None)
             raise ShapeError(f"einsum: input {i} must be an md tensor, got {describe(t)}", op="einsum")
     lowering = current()
     out_shape = _output_shape(tensors, out)
+    tensors = _lone_sums_first(lowering, tensors, out_shape)
     summed = [n for n in dict.fromkeys(n for t in tensors for n in t.shape.names) if n not in out_shape]
 
     def result(split: compute_split.NameAxes):
