@@ -217,6 +217,9 @@ class Context:
     pool: dict[str, int]
     rules: dict[str, tuple[str, ...]]
     names: Iterator[int] = dataclasses.field(default_factory=itertools.count)
+    nonfinite: bool = False
+    """The inputs will hold NaN, +-inf or -0.0 (ops whose non-finite results are not yet those of
+    ``jnp`` under every layout are left out: see :func:`build_einsum`)."""
 
     def group(self, name: str) -> int:
         """Devices the dim ``name`` is split over."""
@@ -313,7 +316,8 @@ UNARY = [
     (
         "cast(h > 0, float32) * h",
         lambda h: md.cast(h > 0, jnp.float32) * h,
-        lambda h: R.cast(R.greater(h, 0.0), np.float32) * h,
+        # XLA makes cast(pred) * h a select (so -inf and NaN give 0 under jit, as md's compiled function)
+        lambda h: R.where(R.greater(h, 0.0), h, 0.0),
         True,
         0.0,
     ),
@@ -580,7 +584,10 @@ def build_einsum(ctx: Context, h: Value) -> Step | None:
     w = {n: h.dims.get(n, s) for n, s in w.items()}
     union = _union(h.dims, w)
     out = [n for n in ctx.draw(st.permutations(list(union))) if ctx.draw(st.booleans())][:MAX_RANK]
-    kind = ctx.one(["plain", "bias", "sum", "three"])
+    # Open defect (issue 31): an einsum of three operands contracts in the order opt_einsum picks for
+    # the shapes it sees, the blocks under spmd and the global arrays under jnp, and the order
+    # decides NaN against inf; so it is drawn on finite inputs only.
+    kind = ctx.one(["plain", "bias", "sum"] + ([] if ctx.nonfinite else ["three"]))
     w2 = ctx.some_dims(1) if kind == "three" else {}
     w2 = {n: union.get(n, s) for n, s in w2.items()}
     every = _union(union, w2)
@@ -939,7 +946,7 @@ def build_random(ctx: Context, h: Value) -> Step | None:
         return Step(
             f"dropout(key {seed}, h, {rate}, [{_s(noise)}])",
             lambda t: md.dropout(key, t, rate, shape),
-            lambda t: t * R.cast(R.greater_equal(r.named(), rate), np.float64) / (1.0 - rate),
+            lambda t: R.where(R.greater_equal(r.named(), rate), t / (1.0 - rate), 0.0).to(t.names),  # a dropped inf: 0
             randoms=(r,),
             tied=True,
         )

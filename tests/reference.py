@@ -282,6 +282,12 @@ def einsum(out: str | Sequence[str], *xs: Named) -> Named:
     """Product of ``xs`` summed over every dim not in ``out`` (space-separated names or a list)."""
     out = tuple(out.split()) if isinstance(out, str) else tuple(out)
     union_names(*xs)  # sizes must agree
+    # As jnp.einsum: a dim in one operand alone (and not in out) is summed before any product, which
+    # decides NaN against inf: inf * (0 + 3) is inf, inf * 0 + inf * 3 NaN.
+    counts = {n: sum(n in x.names for x in xs) for x in xs for n in x.names}
+    xs = tuple(
+        reduce("sum", x, lone) if (lone := [n for n in x.names if counts[n] == 1 and n not in out]) else x for x in xs
+    )
     letters = {n: string.ascii_letters[i] for i, n in enumerate(dict.fromkeys(n for x in xs for n in x.names))}
     spec = ",".join("".join(letters[n] for n in x.names) for x in xs) + "->" + "".join(letters[n] for n in out)
     xp = xp_of(*xs)

@@ -131,7 +131,7 @@ def check_random_program(data: st.DataObject, seed: int) -> None:
     around = data.draw(st.booleans(), label="grad around md.compile")
     backends = data.draw(S.backends(), label="backends")
     share = data.draw(S.specials(), label="NaN/inf/-0.0 share")
-    ctx = P.Context(data.draw, mesh, pool, rules)
+    ctx = P.Context(data.draw, mesh, pool, rules, nonfinite=share > 0)
     program = P.Program([data.draw(P.chains(ctx), label=f"chain {i}") for i in range(CHAINS)])
     closing = data.draw(st.lists(st.booleans(), min_size=CHAINS, max_size=CHAINS), label="chains closing over x")
     starts = np.cumsum([0, *(len(c.inputs) for c in program.chains)])[:-1]
