@@ -13,7 +13,10 @@ gets every program; gspmd (sharding constraints, XLA's partitioner) half of them
 suite near 15 minutes. Each chain's first input is, for a drawn half of the chains, closed over
 instead of passed (a constant on the default device, as in a user's loss): the lowering slices it
 to each device's block, and an operand beside it that the layout replicates gets its gradient
-summed as an argument's would be.
+summed as an argument's would be. In a quarter of the examples (picked by the seed, so the
+programs are those CI always drew) some input entries are NaN, +-inf or -0.0 (``harness.sprinkle``,
+except in chains holding an einsum the open defect of issue 31 concerns, ``programs.Step.finite_only``):
+those check the forward values only, NaN for NaN and inf for inf (see :func:`_check`).
 
 A CI run checks ``2 * CHAINS * EXAMPLES`` = 500 programs (a program: one drawn chain checked end
 to end; about 250 of them on gspmd too): half here, half in tests/test_programs_more.py (other
@@ -98,7 +101,7 @@ def _check(
     ``0 * inf``) that say nothing about a layout, and the values are what a layout must not change."""
     for attempt in range(ATTEMPTS):
         rng = np.random.default_rng([seed, attempt])
-        inputs = harness.sprinkle(rng, program.make_inputs(rng), share)
+        inputs = program.sprinkled(rng, program.make_inputs(rng), share)
         fn, reference, args = _closing_over(program, inputs, closed)
         try:
             with P.margins(nonfinite=share > 0):
@@ -130,12 +133,13 @@ def check_random_program(data: st.DataObject, seed: int) -> None:
     rules = data.draw(P.pool_rules(mesh, pool), label="pool rules")
     around = data.draw(st.booleans(), label="grad around md.compile")
     backends = data.draw(S.backends(), label="backends")
-    share = data.draw(S.specials(), label="NaN/inf/-0.0 share")
-    ctx = P.Context(data.draw, mesh, pool, rules, nonfinite=share > 0)
+    ctx = P.Context(data.draw, mesh, pool, rules)
     program = P.Program([data.draw(P.chains(ctx), label=f"chain {i}") for i in range(CHAINS)])
     closing = data.draw(st.lists(st.booleans(), min_size=CHAINS, max_size=CHAINS), label="chains closing over x")
     starts = np.cumsum([0, *(len(c.inputs) for c in program.chains)])[:-1]
     closed = frozenset(int(s) for s, c in zip(starts, closing) if c)
+    share = S.SPECIAL_SHARES[seed % len(S.SPECIAL_SHARES)]  # from the seed: no draw, the programs stay CI's
+    note(f"NaN/inf/-0.0 share: {share}")
     layout = P.legal_layout(rules, mesh, program.shapes())
     note(f"layout: {layout}")
     P.fill_randoms(program.randoms())
