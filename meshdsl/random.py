@@ -118,5 +118,12 @@ def dropout(key: Any, x: Tensor, rate: float, noise_shape: ShapeLike | None = No
         x.shape.index(d)  # a ShapeError unless every dim of noise_shape is one of x's
     if rate == 0.0:
         return x
+    from meshdsl.ops.elementwise import where
+    from meshdsl.ops.reshape import transpose
+
     keep = uniform(key, noise) >= rate
-    return x * keep / (1.0 - rate)
+    # A select, not x * keep: a dropped NaN or inf is 0 under every layout (XLA turns a product by a
+    # converted mask into a select only where its fusion sees both, so the product gave NaN in one
+    # program and 0 in another; issue 31).
+    kept = where(keep, x / (1.0 - rate), 0.0)
+    return kept if kept.names == x.names else transpose(kept, x.names)

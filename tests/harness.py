@@ -232,9 +232,14 @@ def assert_values_close(
         assert _is_float(got.dtype), f"{what}: dtype {got.dtype}, reference is float"
         if nonfinite:
             special = ~np.isfinite(want)
-            np.testing.assert_array_equal(
-                np.where(special, got, 0), np.where(special, want, 0), err_msg=f"{what}: NaN/inf places"
-            )
+            differ = special & ~((got == want) | (np.isnan(got) & np.isnan(want)))
+            differ |= ~special & ~np.isfinite(got)
+            if np.any(differ):
+                at = [tuple(map(int, i)) for i in np.argwhere(differ)[:4]]
+                raise AssertionError(
+                    f"{what}: NaN/inf places differ at {int(differ.sum())} of {differ.size} entries, e.g. "
+                    + ", ".join(f"{i}: got {got[i]}, reference {want[i]}" for i in at)
+                )
             got, want = np.where(special, 0, got), np.where(special, 0, want)
             floor = None if floor is None else np.where(special, 0, floor)
         assert np.all(np.isfinite(got)), f"{what}: non-finite values where the reference is finite\n got {got}"

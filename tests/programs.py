@@ -62,46 +62,67 @@ class NearKink(Exception):
 
 
 _margins = [False]
+_exact_ties = [False]
 
 
 @contextlib.contextmanager
-def margins() -> Iterator[None]:
-    """Inside the block, :func:`apart` checks the values a numpy reference tells apart."""
-    _margins[0] = True
+def margins(nonfinite: bool = False) -> Iterator[None]:
+    """Inside the block, :func:`apart` checks the values a numpy reference tells apart.
+
+    ``nonfinite``: the inputs hold NaN, +-inf or -0.0 (:func:`harness.sprinkle`) and only forward
+    values are compared. Then two values that are *exactly* equal (``inf == inf``, ``-0.0 == 0.0``,
+    two sprinkled zeros) are no near kink: float32 and float64 decide them alike, and a tie must be
+    broken as ``jnp`` breaks it (the first index), which is what the test is after. Near ties of
+    finite values still are (rounding may decide them either way)."""
+    _margins[0], _exact_ties[0] = True, nonfinite
     try:
         yield
     finally:
-        _margins[0] = False
+        _margins[0], _exact_ties[0] = False, False
 
 
 def _checking(*values: Any) -> bool:
     return _margins[0] and R.xp_of(*values) is np
 
 
+def _too_close(diff: np.ndarray, scale: float) -> bool:
+    """Whether a finite entry of ``diff`` (a NaN or inf entry compares exactly) is under ``MARGIN * scale``;
+    exact ties count only outside the non-finite mode (:func:`margins`)."""
+    close = np.isfinite(diff) & (diff < MARGIN * scale)
+    if _exact_ties[0]:
+        close &= diff != 0
+    return bool(np.any(close))
+
+
+def _finite_scale(*arrays: Any) -> float:
+    """``max(1, |finite entries|)``: the scale of the margin (an infinity decides exactly)."""
+    return max([1.0] + [float(np.max(np.abs(a), initial=0, where=np.isfinite(a))) for a in map(np.asarray, arrays)])
+
+
 def apart(a: Named, b: Named | float = 0.0) -> None:
-    """Raise :class:`NearKink` if ``a`` and ``b`` (broadcast by name) come within ``MARGIN`` anywhere."""
+    """Raise :class:`NearKink` if ``a`` and ``b`` (broadcast by name) come within ``MARGIN`` anywhere
+    (where both are finite: NaN and +-inf compare exactly)."""
     if not _checking(a, b):
         return
-    diff = np.abs((a - b).array) if isinstance(b, Named) else np.abs(a.array - b)
-    scale = max(
-        1.0,
-        float(np.max(np.abs(a.array), initial=0)),
-        float(np.max(np.abs(b.array), initial=0)) if isinstance(b, Named) else abs(b),
-    )
-    if diff.size and float(np.min(diff)) < MARGIN * scale:
+    with np.errstate(invalid="ignore"):
+        diff = np.abs((a - b).array) if isinstance(b, Named) else np.abs(a.array - b)
+    scale = _finite_scale(a.array, b.array if isinstance(b, Named) else b)
+    if _too_close(diff, scale):
         raise NearKink(f"values within {MARGIN:g} of each other at a kink")
 
 
 def distinct_top(x: Named, dims: Sequence[str], k: int) -> None:
-    """Raise :class:`NearKink` unless the ``k + 1`` largest values over ``dims`` (of each slice) are ``MARGIN``
-    apart."""
+    """Raise :class:`NearKink` unless the ``k + 1`` largest values over ``dims`` (of each slice, in
+    ``lax.top_k``'s order: NaN first) are ``MARGIN`` apart where both are finite."""
     if not _checking(x):
         return
     rest = [n for n in x.names if n not in dims]
     a = x.to([*rest, *dims]).array.reshape([x.sizes[n] for n in rest] + [-1])
-    top = -np.sort(-a, axis=-1)[..., : k + 1]
-    scale = max(1.0, float(np.max(np.abs(a), initial=0)))
-    if top.shape[-1] > 1 and float(np.min(top[..., :-1] - top[..., 1:])) < MARGIN * scale:
+    order = R._stable_descending(np, a)[..., : k + 1]
+    top = np.take_along_axis(a, order, axis=-1)
+    with np.errstate(invalid="ignore"):
+        diff = top[..., :-1] - top[..., 1:]
+    if top.shape[-1] > 1 and _too_close(diff, _finite_scale(a)):
         raise NearKink(f"near ties among the {k + 1} largest over {list(dims)}")
 
 
@@ -173,6 +194,9 @@ class Step:
     """The result may hold ties: True; cannot: False; None: as the operand."""
     randoms: tuple[Random, ...] = ()
     family: str = ""
+    finite_only: bool = False
+    """Its non-finite results are not yet those of ``jnp`` under every layout (an open defect): its
+    chain gets finite inputs in a program that draws NaN and inf (see :func:`build_einsum`)."""
 
     def __repr__(self) -> str:
         return self.name
@@ -292,7 +316,8 @@ UNARY = [
     (
         "cast(h > 0, float32) * h",
         lambda h: md.cast(h > 0, jnp.float32) * h,
-        lambda h: R.cast(R.greater(h, 0.0), np.float32) * h,
+        # XLA makes cast(pred) * h a select (so -inf and NaN give 0 under jit, as md's compiled function)
+        lambda h: R.where(R.greater(h, 0.0), h, 0.0),
         True,
         0.0,
     ),
@@ -566,6 +591,12 @@ def build_einsum(ctx: Context, h: Value) -> Step | None:
     summed = math.prod(s for n, s in every.items() if n not in out)
     scale = 1.0 / math.sqrt(summed)
     out_dims = {n: every[n] for n in out}
+    # Open defect (issue 31, tests/test_einsum.py's xfails): under spmd a summed dim that one operand
+    # alone has, split, leaves partial sums that are multiplied before they are added, and three
+    # operands contract in the order opt_einsum picks for the blocks; jnp sums such dims first and
+    # contracts in the global arrays' order, which decides NaN against inf.
+    lone = any((n in h.dims) != (n in w) and n not in out for n in union)
+    finite_only = kind == "three" or lone
     name = f"einsum(h, w[{_s(w)}]{f', v[{_s(w2)}]' if w2 else ''}, out=[{_s(out)}]) * {scale:.3g}"
     if kind == "plain":
         return Step(
@@ -573,6 +604,7 @@ def build_einsum(ctx: Context, h: Value) -> Step | None:
             lambda h, a: md.einsum(h, a, out=out) * scale,
             lambda h, a: R.einsum(out, h, a) * scale,
             (Input(_items(w)),),
+            finite_only=finite_only,
         )
     if kind == "three":
         return Step(
@@ -580,6 +612,7 @@ def build_einsum(ctx: Context, h: Value) -> Step | None:
             lambda h, a, b: md.einsum(h, a, b, out=out) * scale,
             lambda h, a, b: R.einsum(out, h, a, b) * scale,
             (Input(_items(w)), Input(_items(w2))),
+            finite_only=finite_only,
         )
     if kind == "bias":
         bias = ctx.subset(out_dims)
@@ -588,12 +621,14 @@ def build_einsum(ctx: Context, h: Value) -> Step | None:
             lambda h, a, b: md.einsum(h, a, out=out) * scale + b,
             lambda h, a, b: R.einsum(out, h, a) * scale + b,
             (Input(_items(w)), Input(_items(bias))),
+            finite_only=finite_only,
         )
     return Step(
         f"{name} + 0.5 * einsum(h, w2) * s",
         lambda h, a, b: md.einsum(h, a, out=out) * scale + 0.5 * md.einsum(h, b, out=out) * scale,
         lambda h, a, b: R.einsum(out, h, a) * scale + 0.5 * R.einsum(out, h, b) * scale,
         (Input(_items(w)), Input(_items(w))),
+        finite_only=finite_only,
     )
 
 
@@ -918,7 +953,7 @@ def build_random(ctx: Context, h: Value) -> Step | None:
         return Step(
             f"dropout(key {seed}, h, {rate}, [{_s(noise)}])",
             lambda t: md.dropout(key, t, rate, shape),
-            lambda t: t * R.cast(R.greater_equal(r.named(), rate), np.float64) / (1.0 - rate),
+            lambda t: R.where(R.greater_equal(r.named(), rate), t / (1.0 - rate), 0.0).to(t.names),  # a dropped inf: 0
             randoms=(r,),
             tied=True,
         )
@@ -1035,7 +1070,15 @@ def draw_steps(ctx: Context, value: Value, count: int, families: Sequence[str]) 
 def _composite(
     name: str, md_fn: Callable, ref_fn: Callable, fresh: Sequence[Input], subs: Sequence[Step], tied: bool
 ) -> Step:
-    return Step(name, md_fn, ref_fn, tuple(fresh), tied=tied, randoms=tuple(r for s in subs for r in s.randoms))
+    return Step(
+        name,
+        md_fn,
+        ref_fn,
+        tuple(fresh),
+        tied=tied,
+        randoms=tuple(r for s in subs for r in s.randoms),
+        finite_only=any(s.finite_only for s in subs),
+    )
 
 
 SCAN_BODY = ("unary", "binary", "select", "reduction", "softmax", "einsum", "random")
@@ -1232,6 +1275,15 @@ class Program:
 
     def make_inputs(self, rng: np.random.Generator) -> list[md.Tensor]:
         return [i.make(rng) for i in self.inputs]
+
+    def sprinkled(self, rng: np.random.Generator, inputs: list[md.Tensor], share: float) -> list[md.Tensor]:
+        """``inputs`` with NaN, +-inf and -0.0 (:func:`harness.sprinkle`) in the chains that hold no
+        :attr:`Step.finite_only` step."""
+        out = []
+        for c, span in zip(self.chains, self._spans()):
+            mine = inputs[span]
+            out += mine if any(s.finite_only for s in c.steps) else harness.sprinkle(rng, mine, share)
+        return out
 
     def shapes(self) -> list[dict[str, int]]:
         """Every tensor the reference makes (inputs, intermediates, results), from placeholder inputs."""

@@ -186,7 +186,7 @@ def _gelu(xp, a):
 
 def _softplus(xp, a):
     """log(1 + exp(a)) as logaddexp(0, a): exact for large |a| both ways, and so is its gradient."""
-    return xp.logaddexp(0 * a, a)
+    return xp.logaddexp(xp.zeros_like(a), a)
 
 
 # Component-wise functions, written out from their definitions, each finite (with a finite
@@ -200,7 +200,7 @@ tanh = lift(lambda xp, a: xp.tanh(a))
 sigmoid = lift(_sigmoid)
 softplus = lift(_softplus)
 log_sigmoid = lift(lambda xp, a: -_softplus(xp, -a))
-relu = lift(lambda xp, a: xp.where(a > 0, a, 0 * a))
+relu = lift(lambda xp, a: xp.where((a > 0) | xp.isnan(a), a, xp.zeros_like(a)))  # relu(-inf) is 0, relu(NaN) NaN
 gelu = lift(_gelu)
 square = lift(lambda xp, a: a * a)
 abs = lift(lambda xp, a: xp.abs(a))  # noqa: A001
@@ -282,6 +282,12 @@ def einsum(out: str | Sequence[str], *xs: Named) -> Named:
     """Product of ``xs`` summed over every dim not in ``out`` (space-separated names or a list)."""
     out = tuple(out.split()) if isinstance(out, str) else tuple(out)
     union_names(*xs)  # sizes must agree
+    # As jnp.einsum: a dim in one operand alone (and not in out) is summed before any product, which
+    # decides NaN against inf: inf * (0 + 3) is inf, inf * 0 + inf * 3 NaN.
+    counts = {n: sum(n in x.names for x in xs) for x in xs for n in x.names}
+    xs = tuple(
+        reduce("sum", x, lone) if (lone := [n for n in x.names if counts[n] == 1 and n not in out]) else x for x in xs
+    )
     letters = {n: string.ascii_letters[i] for i, n in enumerate(dict.fromkeys(n for x in xs for n in x.names))}
     spec = ",".join("".join(letters[n] for n in x.names) for x in xs) + "->" + "".join(letters[n] for n in out)
     xp = xp_of(*xs)
@@ -372,7 +378,7 @@ def gather(weights: Named, indices: Named, dim: str) -> Named:
     taken = w[xp.clip(idx, 0, n - 1)]  # indices.shape + rest
     mask = xp.reshape(inside, inside.shape + (1,) * (w.ndim - 1))
     rest = [m for m in weights.names if m != dim]
-    return Named(xp.where(mask, taken, 0 * taken), [*indices.names, *rest])
+    return Named(xp.where(mask, taken, xp.zeros_like(taken)), [*indices.names, *rest])
 
 
 def take_along(x: Named, indices: Named, dim: str) -> Named:
@@ -385,17 +391,22 @@ def take_along(x: Named, indices: Named, dim: str) -> Named:
     idx = xp.broadcast_to(expand(indices, rest), a.shape[:-1])
     inside = (idx >= 0) & (idx < n)
     taken = xp.take_along_axis(a, xp.clip(idx, 0, n - 1)[..., None], axis=-1)[..., 0]
-    return Named(xp.where(inside, taken, 0 * taken), rest)
+    return Named(xp.where(inside, taken, xp.zeros_like(taken)), rest)
 
 
 def _stable_descending(xp, a):
-    """Positions along the last axis, largest first, NaN before everything (as ``lax.top_k``), ties in
-    index order (a stable sort of -a, NaN made -inf's predecessor)."""
-    key = xp.where(xp.isnan(a), -xp.inf, -a)
-    nan_first = xp.where(xp.isnan(a), 0, 1)
+    """Positions along the last axis, largest first in ``lax.top_k``'s order (a total order: a NaN
+    with its sign bit clear first, one with it set last, ``+0.0`` before ``-0.0``), ties in index
+    order (a stable sort of -a, keyed first by the NaN's class, the sign bit breaking the tie of two
+    zeros)."""
+    nan = xp.isnan(a)
+    negative = xp.signbit(a)
+    rank = xp.where(nan, xp.where(negative, 2, 0), 1)
+    key = xp.where(nan, xp.zeros_like(a), -a)
+    sign = negative.astype(np.int32)
     if xp is np:
-        return np.lexsort((key, nan_first), axis=-1)
-    return jnp.lexsort((key, nan_first), axis=-1)
+        return np.lexsort((sign, key, rank), axis=-1)
+    return jnp.lexsort((sign, key, rank), axis=-1)
 
 
 def top_k(x: Named, dim: str, k_name: str, k: int) -> tuple[Named, Named]:

@@ -13,6 +13,7 @@ is a reduce-scatter; and the known md.explain bug with XLA's CSE.
 
 import harness
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as R
@@ -221,3 +222,53 @@ def test_explain_counts_a_repeated_collective_once_as_xla_runs_it():
     np.testing.assert_allclose(
         md.compile(grad, mesh, layout)(*args).numpy(), 2 * args[2].numpy().sum(axis=1), rtol=1e-5
     )
+
+
+OPEN_LONE_SUMS = (
+    "open defect (issue 31): spmd multiplies the partial sums of a split dim that one operand alone "
+    "has before adding them; summing it first (branch gen31-einsum-fix) makes md.explain miss XLA "
+    "hoisting that all-reduce out of a scan body"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=OPEN_LONE_SUMS)
+@pytest.mark.parametrize("layout", ["heads:model", "seq:data; heads:model"])
+def test_a_split_lone_dim_keeps_the_infinities_of_jnp(layout):
+    """sum over seq, batch, heads of x[seq, batch] * w[d_model, heads]: jnp.einsum sums each operand's
+    lone dims first, inf * (0 + 1 + 1 + 1) = inf; summing partial products over split heads gives
+    inf * 0 + inf * 3 = NaN under spmd (issue 31: a layout changes a number)."""
+    x = np.ones((4, 8), np.float32)
+    x[1, 3] = np.inf
+    w = np.ones((2, 4), np.float32)
+    w[0, 1] = 0.0
+    want = np.asarray(jnp.einsum("sb,dh->d", x, w))
+    assert want.tolist() == [np.inf, np.inf]
+    xt = harness.from_numpy(x, harness.dims({"seq": 4, "batch": 8}))
+    wt = harness.from_numpy(w, harness.dims({"d_model": 2, "heads": 4}))
+    for backend in harness.BACKENDS:
+        got = md.compile(
+            lambda a, b: md.einsum(a, b, out=["d_model"]), harness.mesh("data2_model4"), layout, backend=backend
+        )(xt, wt)
+        np.testing.assert_array_equal(got.numpy(), want, err_msg=f"{backend} {layout}")
+
+
+@pytest.mark.xfail(strict=True, reason=OPEN_LONE_SUMS)
+def test_three_operands_contract_as_jnp_under_a_split():
+    """einsum(h[b heads s], w[d s], v[s heads b]) -> [s b d] with an inf in w: jnp contracts h with v
+    over heads first, then multiplies by w (-inf); with heads split over 8 devices spmd multiplies
+    each device's partial sum by w and adds after (NaN where the partials' signs differ)."""
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal((2, 8, 2)).astype(np.float32)
+    w = rng.standard_normal((2, 2)).astype(np.float32)
+    w[rng.integers(2), rng.integers(2)] = np.inf
+    v = rng.standard_normal((2, 8, 2)).astype(np.float32)
+    want = np.asarray(jnp.einsum("bhs,ds,shb->sbd", h, w, v))
+    args = [
+        harness.from_numpy(h, harness.dims({"batch": 2, "heads": 8, "seq": 2})),
+        harness.from_numpy(w, harness.dims({"d_model": 2, "seq": 2})),
+        harness.from_numpy(v, harness.dims({"seq": 2, "heads": 8, "batch": 2})),
+    ]
+    compiled = md.compile(
+        lambda *t: md.einsum(*t, out=["seq", "batch", "d_model"]), harness.mesh("a2_b2_c2"), "heads:(b, c, a)"
+    )
+    harness.assert_values_close(compiled(*args).numpy(), want, what="spmd 3-operand einsum", nonfinite=True)

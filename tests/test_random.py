@@ -227,6 +227,24 @@ def test_dropout_mask_and_scale_are_the_same_under_every_layout(mesh, layout):
             assert abs(float(np.mean(g.numpy() == 0)) - rate) < 0.1  # roughly the rate dropped (512 draws)
 
 
+@pytest.mark.parametrize("layout", ["", "d:model", "batch:data; d:model"])
+def test_dropout_drops_nan_and_inf_to_zero_everywhere(layout):
+    """A dropped NaN or inf is 0, eagerly and compiled, under every layout (issue 31): x * mask gave
+    NaN eagerly, and compiled 0 or NaN as XLA's fusion turned the product into a select or not."""
+    key, rate = jax.random.key(3), 0.5
+    a = np.full((4, 8), np.inf, np.float32)
+    a[::2, ::3] = np.nan
+    x = harness.from_numpy(a, harness.dims({"batch": 4, "d": 8}))
+    keep = np.asarray(jax.random.uniform(key, (8,))) >= rate  # noise over d
+    want = np.where(keep, a, 0.0)
+    np.testing.assert_array_equal(md.dropout(key, x, rate, [md.Dim("d", 8)]).numpy(), want, err_msg="eager")
+    for backend in harness.BACKENDS:
+        got = md.compile(
+            lambda x: md.dropout(key, x, rate, [md.Dim("d", 8)]), harness.mesh("data4_model2"), layout, backend=backend
+        )(x)
+        np.testing.assert_array_equal(got.numpy(), want, err_msg=backend)
+
+
 def test_dropout_noise_shape_shares_the_draw():
     # noise_shape [d, batch]: one draw per (batch, d), the same for every seq position.
     key, rate = jax.random.key(5), 0.5
