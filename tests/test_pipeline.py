@@ -242,21 +242,24 @@ def test_four_stages_match_one_device_and_send_only_the_schedules_transfers(sche
     assert pairs[0] and len(pairs[0]) == 2, pairs  # warm-up's first tick: stage 0 alone sends (on both data rows)
 
 
-@pytest.mark.parametrize("microbatches", [4, 8])
-def test_1f1b_runs_no_more_flops_than_gpipe_and_its_ticks_give_gpipes_bubble(microbatches):
+def test_1f1b_runs_no_more_flops_than_gpipe_and_its_ticks_give_gpipes_bubble():
+    """At M = 4 (the four-stage test's compiled steps): 1F1B's matmul FLOPs at most GPipe's, at least
+    the layers' count over M + p - 1 ticks; the tick and bubble formulas at M = 4 and 8 (the timetable
+    test runs those schedules tick by tick)."""
+    microbatches = 4
     flops = {s: hlo_flops.matmul_flops(_four_stages(s, microbatches)[1].as_text()) for s in ("gpipe", "1f1b")}
     assert flops["1f1b"] <= flops["gpipe"], flops
-    model = _four_stages("gpipe", microbatches)[0]
-    c = model.config
+    c = _four_stages("gpipe", microbatches)[0].config
     # The layer matmuls alone, forward and backward (3 x forward), of (M + p - 1) ticks of 2 layers on a microbatch.
     tokens = c.batch // 2 // microbatches * c.length
     layer = 2 * tokens * (4 * c.d_model * c.heads * c.d_kv + 2 * c.d_model * c.d_ff)
     assert flops["1f1b"] >= 3 * 2 * layer * (microbatches + 3)
-    for schedule in ("gpipe", "1f1b"):
-        assert pipeline.ticks(schedule, 4, microbatches) == microbatches + 3
-        assert pipeline.schedule_bubble(schedule, 4, microbatches) == pytest.approx(3 / (microbatches + 3))
-    assert pipeline.ticks("interleaved", 4, microbatches, 2) == 2 * microbatches + 3
-    assert pipeline.schedule_bubble("interleaved", 4, microbatches, 2) == pytest.approx(3 / (2 * microbatches + 3))
+    for m in (4, 8):
+        for schedule in ("gpipe", "1f1b"):
+            assert pipeline.ticks(schedule, 4, m) == m + 3
+            assert pipeline.schedule_bubble(schedule, 4, m) == pytest.approx(3 / (m + 3))
+        assert pipeline.ticks("interleaved", 4, m, 2) == 2 * m + 3
+        assert pipeline.schedule_bubble("interleaved", 4, m, 2) == pytest.approx(3 / (2 * m + 3))
 
 
 @pytest.mark.parametrize(
