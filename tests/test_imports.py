@@ -50,7 +50,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "bench": frozenset(
         {"analysis", "lowering", "measure", "model", "nn", "ops", "pipeline", "planner", "runtime", "train"}
     ),
-    "labs": frozenset({"train"}),
+    "labs": frozenset({"runtime", "train"}),
     # what a model is used for besides training: decoding with a KV cache, Hugging Face folders in and out
     "decoding": frozenset({"measure", "model", "ops", "runtime"}),
     "hf": frozenset({"checkpoint"}),
