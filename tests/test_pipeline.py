@@ -96,9 +96,10 @@ def _busiest(p: int, m: int, v: int) -> int:
     return (2 * v - 1) * m if p == 2 else 2 * v * m
 
 
-@pytest.mark.parametrize("schedule", pipeline.SCHEDULES)
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 def test_explain_matches_hlo_with_one_layer_per_stage(schedule):
     # XLA removes each stage's one-trip layer loop, then drops the (1F1B) recompute's dead last all-reduce.
+    # GPipe is left out: its stages' one-trip loops are removed alike, and it has no recompute to drop.
     model = _tiny(layers=2)
     params, batch = _shapes(model)
     mesh = md.Mesh({"stage": 2, "data": 2, "model": 2})
