@@ -210,7 +210,7 @@ def test_search_reports_its_progress_and_is_quiet_off_a_terminal() -> None:
     search(model, optim.make("adamw"), 8, load_profile("cpu-sim"), None, pipeline=False, status=log)
     lines = shown.getvalue().splitlines()
     total = len(result.ranked) + len(result.dropped)
-    assert lines[0].startswith("meshdsl search: tracing the model's state and batch")
+    assert lines[0].startswith("meshdsl search: tracing the model's state, batch and step")
     assert lines[1].startswith(f"meshdsl search: 0/{total} candidates traced and priced (next: [")
     assert lines[-1].startswith(f"meshdsl search: {total}/{total} candidates traced and priced, ")
     assert log.getvalue() == ""
