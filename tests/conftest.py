@@ -33,7 +33,7 @@ os.environ["XLA_FLAGS"] = " ".join([*_others, *_fast, f"{_FLAG}={DEVICE_COUNT}"]
 # it on CPU unless the user chose the platform.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from cpu_times import pytest_addoption, pytest_runtest_protocol  # noqa: E402, F401 (--cpu-times FILE)
+from cpu_times import pytest_addoption, pytest_configure, pytest_runtest_protocol  # noqa: E402, F401 (--cpu-times FILE)
 from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 from worker_teardown import pytest_sessionfinish  # noqa: E402, F401 (a hook: an xdist worker done ignores SIGINT)
 

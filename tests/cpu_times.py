@@ -18,12 +18,20 @@ import resource
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--cpu-times", metavar="FILE", help="append each test's CPU seconds to FILE (JSON lines)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A ``--cpu-times`` file that cannot be written is one line before any test runs, not an error after the first."""
+    path = config.getoption("--cpu-times")
+    if path and (Path(path).is_dir() or not Path(path).parent.is_dir()):
+        raise pytest.UsageError(f"--cpu-times {path}: not a file in an existing folder")
 
 
 def _cpu_seconds() -> float:
