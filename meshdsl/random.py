@@ -21,6 +21,8 @@ from meshdsl.arguments import number
 from meshdsl.dims import ShapeLike, as_shape
 from meshdsl.errors import ConfigError, ShapeError
 from meshdsl.lowering.context import current, op
+from meshdsl.ops.elementwise import where
+from meshdsl.ops.reshape import transpose
 from meshdsl.tensor import Tensor, describe, dtype_of
 
 __all__ = ["bits", "dropout", "normal", "uniform"]
@@ -118,9 +120,6 @@ def dropout(key: Any, x: Tensor, rate: float, noise_shape: ShapeLike | None = No
         x.shape.index(d)  # a ShapeError unless every dim of noise_shape is one of x's
     if rate == 0.0:
         return x
-    from meshdsl.ops.elementwise import where
-    from meshdsl.ops.reshape import transpose
-
     keep = uniform(key, noise) >= rate
     # A select, not x * keep: a dropped NaN or inf is 0 under every layout (XLA turns a product by a
     # converted mask into a select only where its fusion sees both, so the product gave NaN in one
