@@ -194,9 +194,6 @@ class Step:
     """The result may hold ties: True; cannot: False; None: as the operand."""
     randoms: tuple[Random, ...] = ()
     family: str = ""
-    finite_only: bool = False
-    """Its non-finite results are not yet those of ``jnp`` under every layout (an open defect): its
-    chain gets finite inputs in a program that draws NaN and inf (see :func:`build_einsum`)."""
 
     def __repr__(self) -> str:
         return self.name
@@ -591,12 +588,6 @@ def build_einsum(ctx: Context, h: Value) -> Step | None:
     summed = math.prod(s for n, s in every.items() if n not in out)
     scale = 1.0 / math.sqrt(summed)
     out_dims = {n: every[n] for n in out}
-    # Open defect (issue 31, tests/test_einsum.py's xfails): under spmd a summed dim that one operand
-    # alone has, split, leaves partial sums that are multiplied before they are added, and three
-    # operands contract in the order opt_einsum picks for the blocks; jnp sums such dims first and
-    # contracts in the global arrays' order, which decides NaN against inf.
-    lone = any((n in h.dims) != (n in w) and n not in out for n in union)
-    finite_only = kind == "three" or lone
     name = f"einsum(h, w[{_s(w)}]{f', v[{_s(w2)}]' if w2 else ''}, out=[{_s(out)}]) * {scale:.3g}"
     if kind == "plain":
         return Step(
@@ -604,7 +595,6 @@ def build_einsum(ctx: Context, h: Value) -> Step | None:
             lambda h, a: md.einsum(h, a, out=out) * scale,
             lambda h, a: R.einsum(out, h, a) * scale,
             (Input(_items(w)),),
-            finite_only=finite_only,
         )
     if kind == "three":
         return Step(
@@ -612,7 +602,6 @@ def build_einsum(ctx: Context, h: Value) -> Step | None:
             lambda h, a, b: md.einsum(h, a, b, out=out) * scale,
             lambda h, a, b: R.einsum(out, h, a, b) * scale,
             (Input(_items(w)), Input(_items(w2))),
-            finite_only=finite_only,
         )
     if kind == "bias":
         bias = ctx.subset(out_dims)
@@ -621,14 +610,12 @@ def build_einsum(ctx: Context, h: Value) -> Step | None:
             lambda h, a, b: md.einsum(h, a, out=out) * scale + b,
             lambda h, a, b: R.einsum(out, h, a) * scale + b,
             (Input(_items(w)), Input(_items(bias))),
-            finite_only=finite_only,
         )
     return Step(
         f"{name} + 0.5 * einsum(h, w2) * s",
         lambda h, a, b: md.einsum(h, a, out=out) * scale + 0.5 * md.einsum(h, b, out=out) * scale,
         lambda h, a, b: R.einsum(out, h, a) * scale + 0.5 * R.einsum(out, h, b) * scale,
         (Input(_items(w)), Input(_items(w))),
-        finite_only=finite_only,
     )
 
 
@@ -1077,7 +1064,6 @@ def _composite(
         tuple(fresh),
         tied=tied,
         randoms=tuple(r for s in subs for r in s.randoms),
-        finite_only=any(s.finite_only for s in subs),
     )
 
 
@@ -1276,14 +1262,6 @@ class Program:
     def make_inputs(self, rng: np.random.Generator) -> list[md.Tensor]:
         return [i.make(rng) for i in self.inputs]
 
-    def sprinkled(self, rng: np.random.Generator, inputs: list[md.Tensor], share: float) -> list[md.Tensor]:
-        """``inputs`` with NaN, +-inf and -0.0 (:func:`harness.sprinkle`) in the chains that hold no
-        :attr:`Step.finite_only` step."""
-        out = []
-        for c, span in zip(self.chains, self._spans()):
-            mine = inputs[span]
-            out += mine if any(s.finite_only for s in c.steps) else harness.sprinkle(rng, mine, share)
-        return out
 
     def shapes(self) -> list[dict[str, int]]:
         """Every tensor the reference makes (inputs, intermediates, results), from placeholder inputs."""

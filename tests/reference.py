@@ -282,6 +282,8 @@ def einsum(out: str | Sequence[str], *xs: Named) -> Named:
     """Product of ``xs`` summed over every dim not in ``out`` (space-separated names or a list)."""
     out = tuple(out.split()) if isinstance(out, str) else tuple(out)
     union_names(*xs)  # sizes must agree
+    if len(xs) > 2 and (paired := _pairwise_einsum(out, xs)) is not None:
+        return paired
     # As jnp.einsum: a dim in one operand alone (and not in out) is summed before any product, which
     # decides NaN against inf: inf * (0 + 3) is inf, inf * 0 + inf * 3 NaN.
     counts = {n: sum(n in x.names for x in xs) for x in xs for n in x.names}
@@ -292,6 +294,29 @@ def einsum(out: str | Sequence[str], *xs: Named) -> Named:
     spec = ",".join("".join(letters[n] for n in x.names) for x in xs) + "->" + "".join(letters[n] for n in out)
     xp = xp_of(*xs)
     return Named(xp.einsum(spec, *(x.array for x in xs)), out)
+
+
+def _pairwise_einsum(out: tuple[str, ...], xs: Sequence[Named]) -> Named | None:
+    """Three or more operands contracted two at a time, in the order ``jnp.einsum`` takes on these
+    global shapes (opt_einsum's path), each pair's summed dims added before the next product: the
+    order decides NaN against inf where an inf meets a zero. None where the path contracts three
+    or more at once (so does jnp)."""
+    sizes = {n: s for x in xs for n, s in x.sizes.items()}
+    letters = {n: string.ascii_letters[i] for i, n in enumerate(sizes)}
+    spec = ",".join("".join(letters[n] for n in x.names) for x in xs) + "->" + "".join(letters[n] for n in out)
+    shapes = [jax.ShapeDtypeStruct(tuple(sizes[n] for n in x.names), np.float32) for x in xs]
+    path = jnp.einsum_path(spec, *shapes, optimize="auto")[0]
+    if any(len(step) > 2 for step in path):
+        return None
+    ops = list(xs)
+    for step in path:
+        picked = [ops[i] for i in sorted(step)]
+        for i in sorted(step, reverse=True):
+            ops.pop(i)
+        needed = {n for x in ops for n in x.names} | set(out)
+        ops.append(einsum([n for n in dict.fromkeys(n for x in picked for n in x.names) if n in needed], *picked))
+    (result,) = ops
+    return result.to(out)
 
 
 # ---- reshapes, cuts and index ops (test_reshape, test_concat, test_indexing, test_scan) ----

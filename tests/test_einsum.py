@@ -159,12 +159,12 @@ def test_partial_sums_are_added_before_a_nonlinear_op_needs_them():
     assert harness.assert_explain_matches_hlo(fn, mesh, layout, [a, b])["all-reduce"]["count"] == 1
 
 
-def test_contraction_into_a_dim_that_wants_the_axis_is_a_reduce_scatter():
-    # d_model and batch are both split over model and never meet in one tensor, but the
-    # einsum x[d_model] * y[batch] -> [batch] must pick one to keep model. Keeping it on
-    # d_model costs an all-gather of y (1/2 * 32 B) and a reduce-scatter of the partial sums
-    # into batch (1/2 * 32 B); keeping it on batch would gather x (1/2 * 256 B). So: one
-    # all-gather and one reduce-scatter of 16 bytes each.
+def test_a_split_dim_of_one_operand_alone_is_summed_before_the_product():
+    # x[d_model] * y[batch] -> [batch] with d_model and batch both split over model: d_model is in
+    # x alone, so x is summed over it first (as jnp.einsum does on the global array), one all-reduce
+    # of a scalar (2 * 1/2 * 4 B), and the product needs nothing more. Multiplying first would move
+    # the partial products (a gather of y and a reduce-scatter into batch, 16 B each) and get NaN
+    # where an inf meets a partial sum of 0.
     mesh, layout = harness.mesh("data4_model2"), {"d_model": "model", "batch": "model"}
     x, y = _inputs(2, {"d_model": 64}, {"batch": 8})
 
@@ -172,10 +172,31 @@ def test_contraction_into_a_dim_that_wants_the_axis_is_a_reduce_scatter():
         return md.einsum(x, y, out=["batch"])
 
     assert harness.check(fn, [x, y], lambda x, y: R.einsum("batch", x, y), mesh, layout)
-    assert harness.assert_explain_matches_hlo(fn, mesh, layout, [x, y]) == {
-        "all-gather": {"count": 1, "bytes": 16.0},
-        "reduce-scatter": {"count": 1, "bytes": 16.0},
-    }
+    assert harness.assert_explain_matches_hlo(fn, mesh, layout, [x, y]) == {"all-reduce": {"count": 1, "bytes": 4.0}}
+
+
+@pytest.mark.parametrize("three", [False, True])
+def test_a_loop_invariant_sum_runs_once_as_xla_hoists_it(three):
+    """In a scan body, einsum(u, w[vocab d_model]) with vocab split sums the loop constant w over
+    vocab first (and v over d_ff, split too, in the three-operand einsum): each all-reduce reads a
+    constant alone, and XLA moves it before the loop, where it runs once, not once per step
+    (md.explain's walker hoists it too: ``jaxpr_walk.loop_invariant``)."""
+    rng = np.random.default_rng(0)
+    xs = harness.rand(rng, {"n": 3, "d_model": 4})
+    w = harness.rand(rng, {"vocab": 8, "d_model": 4})
+    v = harness.rand(rng, {"d_ff": 8})
+
+    def fn(xs, w, v):
+        def body(c, x):
+            u = c + x * 0.5
+            e = md.einsum(u, w, v, out=["d_model"]) if three else md.einsum(u, w, out=["d_model"])
+            return md.tanh(e), e
+
+        return md.scan(body, md.zeros([md.Dim("d_model", 4)]), xs, "n")
+
+    layout = "vocab:model; d_ff:data"
+    summary = harness.assert_explain_matches_hlo(fn, harness.mesh("data2_model4"), layout, [xs, w, v])
+    assert summary["all-reduce"]["count"] == (2 if three else 1), summary
 
 
 def test_clash_over_a_pair_of_axes():
@@ -224,19 +245,11 @@ def test_explain_counts_a_repeated_collective_once_as_xla_runs_it():
     )
 
 
-OPEN_LONE_SUMS = (
-    "open defect (issue 31): spmd multiplies the partial sums of a split dim that one operand alone "
-    "has before adding them; summing it first (branch gen31-einsum-fix) makes md.explain miss XLA "
-    "hoisting that all-reduce out of a scan body"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=OPEN_LONE_SUMS)
 @pytest.mark.parametrize("layout", ["heads:model", "seq:data; heads:model"])
 def test_a_split_lone_dim_keeps_the_infinities_of_jnp(layout):
     """sum over seq, batch, heads of x[seq, batch] * w[d_model, heads]: jnp.einsum sums each operand's
     lone dims first, inf * (0 + 1 + 1 + 1) = inf; summing partial products over split heads gives
-    inf * 0 + inf * 3 = NaN under spmd (issue 31: a layout changes a number)."""
+    inf * 0 + inf * 3 = NaN under spmd before the fix (issue 31: a layout changed a number)."""
     x = np.ones((4, 8), np.float32)
     x[1, 3] = np.inf
     w = np.ones((2, 4), np.float32)
@@ -252,11 +265,10 @@ def test_a_split_lone_dim_keeps_the_infinities_of_jnp(layout):
         np.testing.assert_array_equal(got.numpy(), want, err_msg=f"{backend} {layout}")
 
 
-@pytest.mark.xfail(strict=True, reason=OPEN_LONE_SUMS)
 def test_three_operands_contract_as_jnp_under_a_split():
     """einsum(h[b heads s], w[d s], v[s heads b]) -> [s b d] with an inf in w: jnp contracts h with v
     over heads first, then multiplies by w (-inf); with heads split over 8 devices spmd multiplies
-    each device's partial sum by w and adds after (NaN where the partials' signs differ)."""
+    each device's partial sum by w and added after, before the fix (NaN where the partials' signs differ)."""
     rng = np.random.default_rng(0)
     h = rng.standard_normal((2, 8, 2)).astype(np.float32)
     w = rng.standard_normal((2, 2)).astype(np.float32)

@@ -221,3 +221,41 @@ def test_report_of_an_optax_step_around_a_compiled_function_with_a_number() -> N
     traced = jax.make_jaxpr(train_step)(w, opt.init(w), x)
     compiled = jax.jit(train_step).lower(w, opt.init(w), x).compile().as_text()
     assert report_of_jaxpr(traced.jaxpr, mesh.axis_sizes, True).summary() == hlo.summary(compiled)
+
+
+_LOOP_COLLECTIVES = {
+    "psum": lambda w: lax.psum(w, "x"),
+    "pmax": lambda w: lax.pmax(w, "x"),
+    "all_gather": lambda w: lax.all_gather(w, "x", tiled=True)[: w.shape[0]],
+    "psum_scatter": lambda w: jnp.tile(lax.psum_scatter(w, "x", tiled=True), 8),
+    "all_to_all": lambda w: lax.all_to_all(w, "x", 0, 0, tiled=True),
+    "ppermute": lambda w: lax.ppermute(w, "x", [(i, (i + 1) % 8) for i in range(8)]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_LOOP_COLLECTIVES))
+def test_a_collective_of_loop_constants_runs_once_as_xla_hoists_it(kind) -> None:
+    """A scan body's collective of a constant the body closes over runs once (XLA's loop-invariant
+    code motion moves it before the loop); the same collective of the carry runs once per step.
+    The walker's counts are checked against the compiled HLO's."""
+    from meshdsl.analysis import hlo
+    from meshdsl.explain import report_of_jaxpr
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
+    collective = _LOOP_COLLECTIVES[kind]
+
+    def program(of_carry: bool):
+        def f(xs, w):
+            def step(c, x):
+                return c + x * collective(w + c if of_carry else w), None
+
+            return lax.scan(step, jnp.zeros_like(w), xs)[0]
+
+        return jax.shard_map(f, mesh=mesh, in_specs=(P(None, "x"), P("x")), out_specs=P("x"), check_vma=False)
+
+    xs, w = jnp.ones((5, 64)), jnp.arange(64.0)
+    for of_carry, steps in [(False, 1), (True, 5)]:
+        f = program(of_carry)
+        compiled = hlo.summary(jax.jit(f).lower(xs, w).compile().as_text())
+        walked = report_of_jaxpr(jax.make_jaxpr(f)(xs, w).jaxpr, {"x": 8}, cpu=True).summary()
+        assert walked == compiled and next(iter(walked.values()))["count"] == steps, (kind, of_carry, walked)

@@ -14,8 +14,7 @@ suite near 15 minutes. Each chain's first input is, for a drawn half of the chai
 instead of passed (a constant on the default device, as in a user's loss): the lowering slices it
 to each device's block, and an operand beside it that the layout replicates gets its gradient
 summed as an argument's would be. In a quarter of the examples (picked by the seed, so the
-programs are those CI always drew) some input entries are NaN, +-inf or -0.0 (``harness.sprinkle``,
-except in chains holding an einsum the open defect of issue 31 concerns, ``programs.Step.finite_only``):
+programs are those CI always drew) some input entries are NaN, +-inf or -0.0 (``harness.sprinkle``):
 those check the forward values only, NaN for NaN and inf for inf (see :func:`_check`).
 
 A CI run checks ``2 * CHAINS * EXAMPLES`` = 350 programs (a program: one drawn chain checked end
@@ -101,7 +100,7 @@ def _check(
     ``0 * inf``) that say nothing about a layout, and the values are what a layout must not change."""
     for attempt in range(ATTEMPTS):
         rng = np.random.default_rng([seed, attempt])
-        inputs = program.sprinkled(rng, program.make_inputs(rng), share)
+        inputs = harness.sprinkle(rng, program.make_inputs(rng), share)
         fn, reference, args = _closing_over(program, inputs, closed)
         try:
             with P.margins(nonfinite=share > 0):

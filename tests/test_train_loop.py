@@ -6,9 +6,12 @@ gradients of the whole batch (``jax.grad`` of a jax.numpy function on global arr
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import logging
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -313,7 +316,8 @@ def test_a_resumed_schedule_continues_exactly(tmp_path):
     steps 4-6 are bit-identical to the uninterrupted run's; resuming under another schedule is refused."""
     common = dict(**MLP, steps=6, lr_schedule="wsd", warmup_steps=2, min_lr_ratio=0.2, accumulate=2, save_every=3)
     train(RunConfig(**common, checkpoint_dir=str(tmp_path / "a"), log_json=str(tmp_path / "a.jsonl")), io.StringIO())
-    train(RunConfig(**common, checkpoint_dir=str(tmp_path / "b")), io.StringIO())
+    with _compiles() as fresh:
+        train(RunConfig(**common, checkpoint_dir=str(tmp_path / "b")), io.StringIO())
     for part in (tmp_path / "b" / "step_6").iterdir():
         part.unlink() if part.is_file() else __import__("shutil").rmtree(part)
     (tmp_path / "b" / "step_6").rmdir()
@@ -324,13 +328,38 @@ def test_a_resumed_schedule_continues_exactly(tmp_path):
             RunConfig(**{**common, "lr_schedule": "cosine"}, checkpoint_dir=str(tmp_path / "b"), resume=True),
             io.StringIO(),
         )
-    train(
-        RunConfig(**common, checkpoint_dir=str(tmp_path / "b"), resume=True, log_json=str(tmp_path / "b.jsonl")),
-        io.StringIO(),
-    )
+    with _compiles() as again:
+        train(
+            RunConfig(**common, checkpoint_dir=str(tmp_path / "b"), resume=True, log_json=str(tmp_path / "b.jsonl")),
+            io.StringIO(),
+        )
     whole, resumed = _json(tmp_path / "a.jsonl")[3:], _json(tmp_path / "b.jsonl")
     assert [r["step"] for r in resumed] == [4, 5, 6]
     assert [(r["learning_rate"], r["loss"]) for r in resumed] == [(r["learning_rate"], r["loss"]) for r in whole]
+    # Each program compiles once: a fresh run its init and its step, a resumed run its step (the
+    # restored data key once had the checkpoint's sharding, not the one the step was compiled for,
+    # and the resumed run's first step compiled the step again).
+    assert (len(fresh), len(again)) == (2, 1), (fresh, again)
+
+
+@contextlib.contextmanager
+def _compiles() -> Iterator[list[str]]:
+    """The meshdsl programs XLA compiles inside the block (``jax.log_compiles``' lines naming ``spmd_function``)."""
+    found: list[str] = []
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if message.startswith("Compiling ") and "spmd_function" in message.split(" with ")[0]:
+                found.append(message.split(" with ")[0])
+
+    seen, logger = Seen(), logging.getLogger("jax")
+    logger.addHandler(seen)
+    try:
+        with jax.log_compiles(True):
+            yield found
+    finally:
+        logger.removeHandler(seen)
 
 
 def test_the_train_table_of_a_layout_file_sets_the_schedule(tmp_path):

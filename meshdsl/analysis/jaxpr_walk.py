@@ -14,6 +14,9 @@
   A ``policy`` only changes what is saved, hence what is recomputed.
 * A one-trip ``scan`` is replaced by its body, as XLA removes such a loop; other loops keep
   their bodies (:func:`trip_count` says how often a body runs).
+* What a ``scan`` body computes from the loop's constants alone runs once, not once per step
+  (:func:`walk`, :func:`loop_invariant`), as XLA's loop-invariant code motion moves it, collectives
+  included, before the loop.
 * Dead code is dropped: before inlining, as JAX does before lowering, and after (with a loop's
   carries no next iteration needs); and at the end, what merging left unused.
 * Identical computations are merged within each computation (a loop body or branch is a
@@ -184,14 +187,35 @@ def trip_count(eqn: jex_core.JaxprEqn) -> int | None:
     return None if eqn.primitive.name == "while" else 1
 
 
-def walk(jaxpr: jex_core.Jaxpr, times: int | None = 1) -> Iterator[tuple[jex_core.JaxprEqn, int | None]]:
+def walk(
+    jaxpr: jex_core.Jaxpr, times: int | None = 1, outside: int | None = 1, hoisted: frozenset[int] = frozenset()
+) -> Iterator[tuple[jex_core.JaxprEqn, int | None]]:
     """Every equation of ``jaxpr`` at any depth, with how often it runs per run of ``jaxpr``
-    (None inside a ``while`` loop)."""
+    (None inside a ``while`` loop).
+
+    An equation of a ``scan`` body that :func:`loop_invariant` finds runs once per run of the loop,
+    as XLA hoists it (``outside``: how often the loop runs; ``hoisted``: the ids of those equations).
+    """
     for eqn in jaxpr.eqns:
-        yield eqn, times
+        here = outside if id(eqn) in hoisted else times
+        yield eqn, here
         k = trip_count(eqn)
         for body in bodies(eqn):
-            yield from walk(body, None if times is None or k is None else times * k)
+            inside = None if here is None or k is None else here * k
+            yield from walk(body, inside, here, loop_invariant(eqn, body))
+
+
+def loop_invariant(loop: jex_core.JaxprEqn, body: jex_core.Jaxpr) -> frozenset[int]:
+    """Ids of the equations of a ``scan`` 's ``body`` that XLA moves before the loop, where they run
+    once: those whose results :func:`_loop_invariants_marked` found computed from the loop's
+    constants alone. Empty for anything but such a ``scan``."""
+    marked = loop.params.get(HOISTED, frozenset())
+    found = set()
+    for eqn in body.eqns:
+        outs = [v for v in eqn.outvars if not isinstance(v, jex_core.DropVar)]
+        if outs and all(v in marked for v in outs):
+            found.add(id(eqn))
+    return frozenset(found)
 
 
 # ---- the rewrite -------------------------------------------------------------------------------
@@ -203,6 +227,7 @@ def as_compiled(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
     inlined = _dead_dropped(_rewritten(live, _inline_eqns, {}))
     inlined = _rewritten(inlined, _constant_collectives_dropped, {})
     merged = _rewritten(inlined, functools.partial(_merge_eqns, barriers=True), {})
+    merged = _rewritten(merged, _loop_invariants_marked, {})
     merged = _rewritten(merged, functools.partial(_merge_eqns, barriers=False, merge=CSE_AFTER_BARRIERS), {})
     return _rewritten(merged, _unused_dropped, {})
 
@@ -435,6 +460,43 @@ def _one_trip(scan: jex_core.JaxprEqn, subst: dict[Any, Any]) -> list[jex_core.J
         grow = {"new_sizes": tuple(v.aval.shape), "dimensions": None, "sharding": None}
         eqns.append(_reshaped(jex_primitives.reshape_p, grow, y, v, scan))
     return eqns
+
+
+# ---- loop-invariant code (XLA's WhileLoopInvariantCodeMotion) ------------------------------------
+
+
+HOISTED = "meshdsl_loop_invariant"
+"""The param :func:`_loop_invariants_marked` adds to a ``scan``: the values of its body computed from
+the loop's constants alone (read by :func:`loop_invariant`; the program is only read, never run)."""
+
+
+def _loop_invariants_marked(
+    jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dict[Any, Any]
+) -> list[jex_core.JaxprEqn]:
+    """Each ``scan`` marked with the values of its body that XLA computes once, before the loop.
+
+    A value is invariant when it is a loop constant, a carry the body passes on unchanged, or the
+    result of an equation whose operands all are (literals count), with no effect beyond naming
+    mesh axes and no body of its own; collectives move too (all-reduce, all-gather, reduce-scatter,
+    all-to-all and permute alike, measured on JAX 0.10 and 0.12). Marked while the optimization
+    barriers of a recomputation are still in place, as XLA moves code before it expands them: a
+    barrier passing a loop constant beside the carry keeps what reads it inside the loop.
+    """
+    out = []
+    for eqn in eqns:
+        if eqn.primitive.name == "scan":
+            (body,) = bodies(eqn)
+            n_consts, n_carry = scan_counts(eqn.params)
+            carries = body.invars[n_consts : n_consts + n_carry]
+            fixed = set(body.invars[:n_consts]) | {v for v, o in zip(carries, body.outvars) if o is v}
+            for inner in body.eqns:
+                if bodies(inner) or _effectful(inner):
+                    continue
+                if all(isinstance(v, jex_core.Literal) or v in fixed for v in inner.invars):
+                    fixed.update(inner.outvars)
+            eqn = eqn.replace(params={**eqn.params, HOISTED: frozenset(fixed)})
+        out.append(eqn)
+    return out
 
 
 # ---- all-reduces of constants (XLA's all-reduce simplifier) ------------------------------------

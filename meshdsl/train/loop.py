@@ -14,6 +14,7 @@ from typing import Any, TextIO, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import meshdsl as md
 from meshdsl import models
@@ -232,7 +233,13 @@ def _start(
     like = {**jax.eval_shape(trainer.init, jax.random.key_data(key)), "data_key": data_key}
     state, _ = md.checkpoint.restore(found, trainer.mesh, trainer.layout.param_layout, like=like)
     out.write(f"resuming from {found} at step {saved['step']}\n")
-    return state, state.pop("data_key"), int(saved["step"])
+    return state, _as_fresh(state.pop("data_key")), int(saved["step"])
+
+
+def _as_fresh(key: jax.Array) -> jax.Array:
+    """A restored data key as a fresh run holds it: an uncommitted array, not the checkpoint's replicated
+    global one (whose sharding, unlike the key the step was compiled with, made the first step compile again)."""
+    return jnp.asarray(np.asarray(key.addressable_data(0)))
 
 
 def _hf_params(folder: str, trainer: Trainer, like: Any) -> Any:
