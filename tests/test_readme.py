@@ -13,22 +13,23 @@ after ``:`` its reason::
 
     run [LINES] [with `OLD` -> `NEW`, ...]    runs it (`OLD` must occur in each line it applies to)
     check [LINES] [with ...]: REASON          only parses and checks it (``meshdsl.cli.check``:
-                                              every mistake that shows before a device is used)
-    skip [LINES]: REASON                      not run at all
+                                              every mistake that shows before a device is used;
+                                              Python: compiled, not run)
+    skip [LINES]: REASON                      not run at all (the only verb for another language)
     output of `COMMAND` [with ...]            (a text block) runs COMMAND, which the README must
                                               show in backticks, and holds its output to the lines
     same as `FILE`                            (a toml block) loads to the layout FILE loads to
 
-Every line is named by exactly one clause; ``check`` and ``skip`` need a reason, and a block with
-no marker fails. ``run`` is: a ``meshdsl`` command through ``meshdsl.cli.main`` in this process
-(its 8 simulated devices; exit status 0, or 2 where a console block shows ``meshdsl ...: error:``),
-a Python block ``exec``-ed, a toml block loaded as a layout. Shown output (a console block's, an
-``output of`` block's) must be printed, in order, numbers read as placeholders
-(tests/doc_blocks.py, as for docs/tutorial.md). Anything but a ``meshdsl`` command (pip, pytest,
-ruff) can only be skipped. Everything runs in one temporary folder holding what a clone and the
-docs give a reader: the repository's ``layouts/``, docs/tutorial.md's files (``my_model.py``, ...),
-``tokens.npy`` (a token file of the tiny Transformer's vocab), and ``notes.txt`` (the file the
-README's mistake writes a checkpoint to).
+Every line is named by exactly one clause and every clause names a line; ``check`` and ``skip``
+need a reason, and a block with no marker fails. ``run`` is: a ``meshdsl`` command through
+``meshdsl.cli.main`` in this process (its 8 simulated devices; exit status 0, or 2 where a
+console block shows ``meshdsl ...: error:``), a Python block ``exec``-ed, a toml block loaded as
+a layout. Shown output (a console block's, an ``output of`` block's) must be printed, in order,
+numbers read as placeholders (tests/doc_blocks.py, as for docs/tutorial.md). Anything but a
+``meshdsl`` command (pip, pytest, ruff) can only be skipped. Everything runs in one temporary
+folder holding what a clone and the docs give a reader: the repository's ``layouts/``,
+docs/tutorial.md's files (``my_model.py``, ...), ``tokens.npy`` (a token file of the tiny
+Transformer's vocab) and ``notes.txt`` (the file the README's mistake writes a checkpoint to).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ _CLAUSE = re.compile(
     r"(?:: (?P<reason>.+))?$"
 )
 _SUB = re.compile(r"`([^`]*)` -> `([^`]*)`")
+_RUNS = ("bash", "sh", "console", "python", "toml")  # the languages a block can run in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,9 +147,14 @@ def plan(block: Block) -> list[Step]:
             assert block.lang == "text" and owner.verb in ("output", "skip"), (
                 f"{where}: a text block's lines are output: `output of` or `skip`"
             )
-        elif owner.verb in ("run", "check") and block.lang in ("bash", "sh", "console"):
-            assert line.startswith("meshdsl "), f"{where}: only meshdsl commands run or are checked: {line!r}"
+        elif owner.verb in ("run", "check"):
+            assert block.lang in _RUNS, f"{where}: a ```{block.lang} block cannot run: `skip` it with a reason"
+            assert block.lang not in ("bash", "sh", "console") or line.startswith("meshdsl "), (
+                f"{where}: only meshdsl commands run or are checked: {line!r}"
+            )
         steps.append(Step(line, owner, shown))
+    idle = [c for c in named if not any(s.clause is c for s in steps)]
+    assert not idle, f"{where}: the clause `{idle[0].verb}` names no line"
     return steps
 
 
@@ -213,8 +220,10 @@ def run_block(block: Block, cwd: Path, capsys: pytest.CaptureFixture[str]) -> No
             continue
         line = step.clause.apply(step.line)
         if block.lang == "python":
-            exec(compile(line, f"README.md:{block.line}", "exec"), {"__name__": "__main__"})
-            capsys.readouterr()
+            program = compile(line, f"README.md:{block.line}", "exec")
+            if step.clause.verb == "run":
+                exec(program, {"__name__": "__main__"})
+                capsys.readouterr()
         elif block.lang == "toml":
             (cwd / "block.toml").write_text(line)
             md.Layout.load(cwd / "block.toml")
@@ -287,6 +296,10 @@ def test_a_block_with_no_marker_a_bad_clause_or_an_unnamed_line_fails() -> None:
         steps[0].clause.apply("meshdsl train --model mlp --steps 5")
     with pytest.raises(AssertionError, match="only meshdsl commands"):
         plan(dataclasses.replace(text, text="pip install meshdsl\nmeshdsl gpu-check\n"))
+    with pytest.raises(AssertionError, match="names no line"):
+        plan(dataclasses.replace(text, above="<!-- test: run lines 1-2 | skip: needs a GPU -->"))
+    with pytest.raises(AssertionError, match="cannot run"):
+        plan(dataclasses.replace(text, lang="yaml", above="<!-- test: run -->"))
 
 
 def test_a_changed_word_in_shown_output_fails(
