@@ -102,7 +102,10 @@ def clauses(block: Block) -> list[Clause]:
     """The clauses of ``block``'s marker; AssertionError naming the README line where it has none or a bad one."""
     where = f"README.md:{block.line}"
     marker = _MARKER.match(block.above)
-    assert marker, f"{where}: a ```{block.lang} block with no `<!-- test: ... -->` line just above it"
+    assert marker, (
+        f"{where}: a ```{block.lang} block with no `<!-- test: ... -->` line just above it "
+        "(tests/test_readme.py says what it may say)"
+    )
     out = []
     for text in marker.group(1).split(" | "):
         m = _CLAUSE.match(text.strip())
