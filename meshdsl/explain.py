@@ -29,7 +29,7 @@ from jax.extend import core as jex_core
 
 from meshdsl.analysis import hlo
 from meshdsl.analysis.jaxpr_walk import as_compiled, walk
-from meshdsl.analysis.user_lines import user_line
+from meshdsl.analysis.user_lines import ranked_line
 from meshdsl.collectives import Collective, busiest_device, bytes_moved, priced_buffer
 from meshdsl.compile import Backend, Compiled
 from meshdsl.errors import ConfigError
@@ -137,8 +137,11 @@ def _nbytes(aval: Any, widen: bool) -> int:
     return math.prod(aval.shape) * itemsize
 
 
-def _communications(eqn: Any, times: int | None, axis_sizes: Mapping[str, int], cpu: bool) -> list[Communication]:
-    """The rows of ``eqn`` if it is a collective over more than one device (``times`` runs of it)."""
+def _communications(
+    eqn: Any, times: int | None, axis_sizes: Mapping[str, int], cpu: bool, source: str = ""
+) -> list[Communication]:
+    """The rows of ``eqn`` if it is a collective over more than one device (``times`` runs of it),
+    credited to ``source`` (:func:`_source`)."""
     collective = _PRIMITIVES.get(eqn.primitive.name)
     if collective is None:
         return []
@@ -161,11 +164,7 @@ def _communications(eqn: Any, times: int | None, axis_sizes: Mapping[str, int], 
         given, got = _nbytes(a.aval, widen), _nbytes(b.aval, widen)
         buffer = int(priced_buffer(collective, given, got, n))
         moved = float(bytes_moved(collective, given, got, n) * times)
-        rows.append(
-            Communication(
-                op, tensor, collective, axes, buffer, times, moved, user_line(eqn.source_info), senders=senders
-            )
-        )
+        rows.append(Communication(op, tensor, collective, axes, buffer, times, moved, source, senders=senders))
     return rows
 
 
@@ -206,8 +205,41 @@ def report_of_jaxpr(jaxpr: jex_core.Jaxpr, axis_sizes: Mapping[str, int], cpu: b
 def report_of_compiled(compiled: jex_core.Jaxpr, axis_sizes: Mapping[str, int], cpu: bool) -> Report:
     """:func:`report_of_jaxpr` of a program already read as XLA compiles it (``as_compiled``'s result: the
     planner reads one program for its collectives, memory and work)."""
-    rows = [r for eqn, times in walk(compiled) for r in _communications(eqn, times, axis_sizes, cpu)]
+    walked = list(walk(compiled))
+    made_by = {v: eqn for eqn, _ in walked for v in eqn.outvars}
+    rows = [
+        r
+        for eqn, times in walked
+        if eqn.primitive.name in _PRIMITIVES
+        for r in _communications(eqn, times, axis_sizes, cpu, _source(eqn, made_by))
+    ]
     return Report(_merge(rows))
+
+
+_FOLLOWED = 64
+"""How many equations back :func:`_source` looks for the user's line of a result's pending sum."""
+
+
+def _source(eqn: Any, made_by: Mapping[Any, Any]) -> str:
+    """The user's line a collective comes from (:func:`meshdsl.analysis.user_lines.ranked_line`).
+
+    A partial sum is added where its value is needed; one still pending when the compiled
+    function returns is added there (op ``result``), in meshdsl's code: it comes from the user's op
+    that left it pending (``md.reduce_sum`` over a split dim), found by following the collective's
+    operand back to the nearest equation the user's code traced.
+    """
+    rank, line = ranked_line(eqn.source_info)
+    if rank == 0 or _scope(str(eqn.source_info.name_stack))[0] != "result":
+        return line
+    seen, todo = 0, [v for v in eqn.invars if isinstance(v, jex_core.Var) and v in made_by]
+    while todo and seen < _FOLLOWED:
+        maker = made_by[todo.pop(0)]
+        seen += 1
+        maker_rank, maker_line = ranked_line(maker.source_info)
+        if maker_rank == 0:
+            return maker_line
+        todo += [v for v in maker.invars if isinstance(v, jex_core.Var) and v in made_by]
+    return line
 
 
 def report_of_hlo(hlo_text: str, mesh: Mesh) -> Report:

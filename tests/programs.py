@@ -1262,7 +1262,6 @@ class Program:
     def make_inputs(self, rng: np.random.Generator) -> list[md.Tensor]:
         return [i.make(rng) for i in self.inputs]
 
-
     def shapes(self) -> list[dict[str, int]]:
         """Every tensor the reference makes (inputs, intermediates, results), from placeholder inputs."""
         with R.recording() as made:

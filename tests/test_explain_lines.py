@@ -31,6 +31,10 @@ def grad(x, w):
     return jax.grad(lambda w: norm(x, w).array)(w)
 
 
+def rows(x, w):
+    return md.reduce_sum(md.relu(md.einsum(x, w, out=["d_ff", "batch"])), "d_ff")
+
+
 def layers(x, ws):
     def step(total, w):
         return total + md.reduce_sum(md.tanh(md.einsum(w, x, out=["batch", "d_ff"]))), None
@@ -114,3 +118,19 @@ def test_a_collective_of_meshdsl_s_own_names_meshdsl_s_line() -> None:
 
 def test_an_equation_without_a_traceback_names_nothing() -> None:
     assert user_line(None) == "" and user_line(jax.extend.source_info_util.new_source_info()) == ""
+
+
+def test_a_sum_left_pending_until_the_result_names_the_line_that_left_it(tmp_path) -> None:
+    """A sum over a split dim that nothing needs before the compiled function returns is added there,
+    in meshdsl's code; its row names the user's ``md.reduce_sum`` (README's first program)."""
+    module, path = _module(tmp_path)
+    report = md.explain(
+        module.rows, md.Mesh({"data": 4, "model": 2}), "batch:data; d_ff:model", _tensor(B, D), _tensor(D, F)
+    )
+    assert [(r.op, r.collective.value, r.source) for r in report.rows] == [
+        (
+            "result",
+            "all-reduce",
+            _line(path, 'return md.reduce_sum(md.relu(md.einsum(x, w, out=["d_ff", "batch"])), "d_ff")'),
+        )
+    ], str(report)

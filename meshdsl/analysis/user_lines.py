@@ -79,6 +79,12 @@ def _rank(filename: str) -> tuple[int, str]:
 def user_line(source_info: Any) -> str:
     """``FILE:LINE`` of the innermost frame of the user's code in ``source_info`` (a jaxpr equation's),
     the file relative to the working folder when inside it; else of meshdsl's (see the module); else ""."""
+    return ranked_line(source_info)[1]
+
+
+def ranked_line(source_info: Any) -> tuple[int, str]:
+    """:func:`user_line` with its rank: 0 for the user's code (or a shipped model), 1 for meshdsl's
+    outside the ops' machinery, 2 inside it, 3 for no line."""
     traceback = getattr(source_info, "traceback", None)
     best: tuple[int, str] = (3, "")
     for frame in getattr(traceback, "frames", ()):
@@ -87,4 +93,4 @@ def user_line(source_info: Any) -> str:
             best = (rank, f"{shown}:{frame.line_num}")
             if rank == 0:
                 break
-    return best[1]
+    return best
