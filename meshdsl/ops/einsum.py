@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import string
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +72,7 @@ def _pairwise(tensors: Sequence[Tensor], out_shape: Shape) -> Tensor | None:
     letters = {n: string.ascii_letters[i] for i, n in enumerate(names)}
     spec = ",".join("".join(letters[n] for n in t.shape.names) for t in tensors)
     spec += "->" + "".join(letters[n] for n in out_shape.names)
-    shapes = [jax.ShapeDtypeStruct(t.shape.sizes, t.dtype) for t in tensors]
+    shapes: list[Any] = [jax.ShapeDtypeStruct(t.shape.sizes, t.dtype) for t in tensors]  # shapes are all it reads
     path = jnp.einsum_path(spec, *shapes, optimize="auto")[0]
     if any(len(step) > 2 for step in path):  # jnp contracts them at once too
         return None
