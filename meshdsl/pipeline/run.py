@@ -260,12 +260,24 @@ class _Run:
 
         A ``lax.cond``: the other devices skip ``fn``'s work. ``pred`` depends on the stage only, so
         every device of a group that ``fn``'s collectives span (they share the stage) takes the same branch.
+
+        ``fn`` is traced once: JAX traces the true branch first, and the zeros take the types of its results
+        (``jax.eval_shape`` of ``fn`` beforehand traced it twice, a fifth of a pipelined step's tracing).
         """
-        like = jax.eval_shape(fn)
-        zeros = lambda: jax.tree_util.tree_map(self.lowering.zeros_traced, like)  # noqa: E731
+        made: list[Any] = []
+
+        def run() -> Any:
+            out = fn()
+            made.append(jax.tree_util.tree_map(jax.typeof, out))
+            return out
+
+        def zeros() -> Any:
+            like = made[-1] if made else jax.eval_shape(fn)  # eval_shape: were the branches ever traced the other way
+            return jax.tree_util.tree_map(self.lowering.zeros_traced, like)
+
         if isinstance(pred, (bool, np.bool_)):  # one stage (global arrays): known when tracing
             return fn() if pred else zeros()
-        return lax.cond(pred, fn, zeros)
+        return lax.cond(pred, run, zeros)
 
     def _live(self, stages: frozenset[int]) -> Any:
         """Whether this device's stage is in ``stages`` (a Python bool with one stage)."""
