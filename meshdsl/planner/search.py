@@ -362,6 +362,7 @@ def search(
                         batch=batch,
                         platform=profile.platform,
                         results=results,
+                        state=state,
                     ),
                     model,
                     profile,
