@@ -261,8 +261,10 @@ the passes of one :func:`as_compiled`: most equations' params are plain, and an 
 its equations' params, so each is searched for jaxprs once, not once per copy and pass."""
 
 
-def _rewritten(jaxpr: jex_core.Jaxpr, rewrite: _Pass, memo: _Memo, plain: _Plain) -> jex_core.Jaxpr:
-    """``jaxpr`` with ``rewrite`` applied to it and to every jaxpr inside it (``jaxpr`` itself if nothing changes)."""
+def _rewritten(jaxpr: jex_core.Jaxpr, rewrite: _Pass, memo: _Memo, plain: _Plain | None = None) -> jex_core.Jaxpr:
+    """``jaxpr`` with ``rewrite`` applied to it and to every jaxpr inside it (``jaxpr`` itself if nothing changes);
+    ``plain``: the params known to hold no jaxpr, shared by several passes (None: this pass's own)."""
+    plain = {} if plain is None else plain
     if id(jaxpr) not in memo:
         eqns = [_params_rewritten(e, rewrite, memo, plain) for e in jaxpr.eqns]
         subst: dict[Any, Any] = {}
