@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import jax
 import numpy as np
@@ -770,6 +771,36 @@ def test_search_proposes_every_pipeline_schedule_and_prices_their_bubbles(tmp_pa
     one_f_one_b, gpipe, interleaved = (priced[c] for c in want)
     assert one_f_one_b.work.matmul_flops == gpipe.work.matmul_flops > interleaved.work.matmul_flops
     assert one_f_one_b.memory.peak_temporaries < gpipe.memory.peak_temporaries
+
+
+def _figures(p: Any) -> tuple:
+    """Every figure of a prediction: time terms, memory, work, and each collective (not its source line)."""
+    rows = [(r.op, r.tensor, r.collective, r.axes, r.buffer_bytes, r.count, r.bytes) for r in p.report.rows]
+    return dict(p.terms), p.memory, p.work, rows
+
+
+def test_the_planners_shared_traces_price_as_tracing_each_anew(monkeypatch) -> None:
+    """The search's shortcuts change no figure: a pipeline's parts, its chunk forward and backward and the
+    head's and embedding's gradients traced once per step and inlined where they run (``jax.jit(...,
+    inline=True)``), and ``as_compiled`` searching each equation's params for jaxprs once, price the
+    interleaved schedule (1F1B's code, with chunks) exactly as tracing each where it runs and searching
+    every equation's params on every pass."""
+    from meshdsl.models import transformer
+
+    from meshdsl.analysis import jaxpr_walk
+
+    model = transformer.Model(transformer.Config.preset("tiny", layers=4, batch=32))
+    optimizer = optim.make("adamw")
+    mesh = {"stage": 2, "data": 4}
+    layout = md.Layout(
+        {"batch": "data", "layers": "stage"},
+        mesh_axes=mesh,
+        pipeline={"microbatches": 4, "schedule": "interleaved", "virtual_stages": 2},
+    )
+    shared = _figures(predict(model, optimizer, mesh, layout, CPU))
+    monkeypatch.setattr(jax, "jit", lambda fn, **_: fn)
+    monkeypatch.setattr(jaxpr_walk, "_holds_jaxpr", lambda value: True)
+    assert _figures(predict(model, optimizer, mesh, layout, CPU)) == shared
 
 
 def test_a_predictions_terms_are_its_step_time_and_its_table() -> None:

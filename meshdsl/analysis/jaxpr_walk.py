@@ -223,13 +223,18 @@ def loop_invariant(loop: jex_core.JaxprEqn, body: jex_core.Jaxpr) -> frozenset[i
 
 def as_compiled(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
     """``jaxpr`` as XLA compiles it (see the module docstring); every output is kept."""
+    plain: _Plain = {}
+
+    def each(j: jex_core.Jaxpr, rewrite: _Pass) -> jex_core.Jaxpr:
+        return _rewritten(j, rewrite, {}, plain)
+
     live = _dead_dropped(jaxpr)
-    inlined = _dead_dropped(_rewritten(live, _inline_eqns, {}))
-    inlined = _rewritten(inlined, _constant_collectives_dropped, {})
-    merged = _rewritten(inlined, functools.partial(_merge_eqns, barriers=True), {})
-    merged = _rewritten(merged, _loop_invariants_marked, {})
-    merged = _rewritten(merged, functools.partial(_merge_eqns, barriers=False, merge=CSE_AFTER_BARRIERS), {})
-    return _rewritten(merged, _unused_dropped, {})
+    inlined = _dead_dropped(each(live, _inline_eqns))
+    inlined = each(inlined, _constant_collectives_dropped)
+    merged = each(inlined, functools.partial(_merge_eqns, barriers=True))
+    merged = each(merged, _loop_invariants_marked)
+    merged = each(merged, functools.partial(_merge_eqns, barriers=False, merge=CSE_AFTER_BARRIERS))
+    return each(merged, _unused_dropped)
 
 
 def _dead_dropped(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
@@ -275,12 +280,18 @@ that several equations share stays shared, which :func:`_merge_key` relies on.""
 _Pass = Callable[[jex_core.Jaxpr, list[jex_core.JaxprEqn], dict[Any, Any]], list[jex_core.JaxprEqn]]
 """One pass over a jaxpr's equations (their sub-jaxprs already rewritten), recording in the
 mapping the values that later equations and the results read instead of removed ones."""
+_Plain = dict[int, Any]
+"""Equation params (by ``id``, the dict kept alongside so the id stays its own) known to hold no jaxpr, shared by
+the passes of one :func:`as_compiled`: most equations' params are plain, and an inlined body's copies share
+its equations' params, so each is searched for jaxprs once, not once per copy and pass."""
 
 
-def _rewritten(jaxpr: jex_core.Jaxpr, rewrite: _Pass, memo: _Memo) -> jex_core.Jaxpr:
-    """``jaxpr`` with ``rewrite`` applied to it and to every jaxpr inside it (``jaxpr`` itself if nothing changes)."""
+def _rewritten(jaxpr: jex_core.Jaxpr, rewrite: _Pass, memo: _Memo, plain: _Plain | None = None) -> jex_core.Jaxpr:
+    """``jaxpr`` with ``rewrite`` applied to it and to every jaxpr inside it (``jaxpr`` itself if nothing changes);
+    ``plain``: the params known to hold no jaxpr, shared by several passes (None: this pass's own)."""
+    plain = {} if plain is None else plain
     if id(jaxpr) not in memo:
-        eqns = [_params_rewritten(e, rewrite, memo) for e in jaxpr.eqns]
+        eqns = [_params_rewritten(e, rewrite, memo, plain) for e in jaxpr.eqns]
         subst: dict[Any, Any] = {}
         eqns = rewrite(jaxpr, eqns, subst)
         outvars = [_atom(v, subst) for v in jaxpr.outvars]
@@ -289,17 +300,29 @@ def _rewritten(jaxpr: jex_core.Jaxpr, rewrite: _Pass, memo: _Memo) -> jex_core.J
     return memo[id(jaxpr)][1]
 
 
-def _params_rewritten(eqn: jex_core.JaxprEqn, rewrite: _Pass, memo: _Memo) -> jex_core.JaxprEqn:
-    params = {k: _param_rewritten(v, rewrite, memo) for k, v in eqn.params.items()}
+def _params_rewritten(eqn: jex_core.JaxprEqn, rewrite: _Pass, memo: _Memo, plain: _Plain) -> jex_core.JaxprEqn:
+    if id(eqn.params) in plain:
+        return eqn
+    if not any(_holds_jaxpr(v) for v in eqn.params.values()):
+        plain[id(eqn.params)] = eqn.params
+        return eqn
+    params = {k: _param_rewritten(v, rewrite, memo, plain) for k, v in eqn.params.items()}
     return eqn if _same(list(params.values()), list(eqn.params.values())) else eqn.replace(params=params)
 
 
-def _param_rewritten(value: Any, rewrite: _Pass, memo: _Memo) -> Any:
+def _holds_jaxpr(value: Any) -> bool:
+    """Whether a param value is, or holds in its tuples and lists, a jaxpr (closed or not)."""
     if isinstance(value, (tuple, list)):
-        items = [_param_rewritten(v, rewrite, memo) for v in value]
+        return any(_holds_jaxpr(v) for v in value)
+    return isinstance(value, (jex_core.ClosedJaxpr, jex_core.Jaxpr))
+
+
+def _param_rewritten(value: Any, rewrite: _Pass, memo: _Memo, plain: _Plain) -> Any:
+    if isinstance(value, (tuple, list)):
+        items = [_param_rewritten(v, rewrite, memo, plain) for v in value]
         return value if _same(items, value) else type(value)(items)
     if isinstance(value, jex_core.ClosedJaxpr):
-        inner = _rewritten(value.jaxpr, rewrite, memo)
+        inner = _rewritten(value.jaxpr, rewrite, memo, plain)
         if inner is value.jaxpr:
             return value
         key = ("closed", id(value))
@@ -307,7 +330,7 @@ def _param_rewritten(value: Any, rewrite: _Pass, memo: _Memo) -> Any:
             memo[key] = (value, value.replace(jaxpr=inner))
         return memo[key][1]
     if isinstance(value, jex_core.Jaxpr):
-        return _rewritten(value, rewrite, memo)
+        return _rewritten(value, rewrite, memo, plain)
     return value
 
 

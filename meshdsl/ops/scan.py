@@ -194,8 +194,12 @@ def scan(
             raise ShapeError(f"md.scan: fn(carry, x) must return (carry, y), got {describe(out)}", op="scan")
         return settle(out[0]), settle(out[1])
 
-    def carry_out(carry: Any, stacked: list) -> Any:
-        return step(carry, loop_inputs(carry, stacked))[0]
+    made: dict[str, Any] = {}
+
+    def carry_out(carry: Any, stacked: list) -> None:
+        """Trace the step on ``carry`` and one slice of each of ``xs`` (as the loop gives them): its jaxpr and
+        results' shapes, kept for the loop to run without tracing the step again."""
+        made["step"] = jax.make_jaxpr(step, return_shape=True)(carry, loop_inputs(carry, stacked))
 
     # The loop's carry has one type, manual-axis (varying) type included, in and out. A carry
     # made inside the function (md.zeros, a constant) is the same on every device, while the
@@ -204,16 +208,27 @@ def scan(
     # running it (once more if that widens what the step sees).
     stacked_slices = [jax.typeof(a).update(shape=a.shape[1:]) for a in prepared]
     for _ in range(len(lowering.axis_sizes) + 1):
-        out = jax.eval_shape(carry_out, init, stacked_slices)
+        jax.eval_shape(carry_out, init, stacked_slices)
+        out = made["step"][1][0]
         _check_carry(init, out)
         wider = _vary_like(lowering.vary_operand, init, out)
         if all(a is b for a, b in zip(_arrays(wider), _arrays(init))):
             break
         init = wider
     arrays = loop_inputs(init, prepared)
+    closed, shapes = made["step"]
+
+    def replayed(carry: Any, local: list) -> tuple[Any, Any]:
+        """The step, its jaxpr traced above run again (each equation keeps the line that traced it) when the
+        loop's types are those it was traced on; else traced anew."""
+        flat = jax.tree_util.tree_leaves((carry, local))
+        if [jax.typeof(x) for x in flat] != list(closed.in_avals):
+            return step(carry, local)
+        results = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), results)
 
     def body(carry: Any, local: list) -> tuple[Any, Any]:
-        carry, y = step(carry, local)
+        carry, y = replayed(carry, local)
         return _vary_like(lowering.vary_like, carry, init), y
 
     if recompute:

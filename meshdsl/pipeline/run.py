@@ -260,12 +260,24 @@ class _Run:
 
         A ``lax.cond``: the other devices skip ``fn``'s work. ``pred`` depends on the stage only, so
         every device of a group that ``fn``'s collectives span (they share the stage) takes the same branch.
+
+        ``fn`` is traced once: JAX traces the true branch first, and the zeros take the types of its results
+        (``jax.eval_shape`` of ``fn`` beforehand traced it twice, a fifth of a pipelined step's tracing).
         """
-        like = jax.eval_shape(fn)
-        zeros = lambda: jax.tree_util.tree_map(self.lowering.zeros_traced, like)  # noqa: E731
+        made: list[Any] = []
+
+        def run() -> Any:
+            out = fn()
+            made.append(jax.tree_util.tree_map(jax.typeof, out))
+            return out
+
+        def zeros() -> Any:
+            like = made[-1] if made else jax.eval_shape(fn)  # eval_shape: were the branches ever traced the other way
+            return jax.tree_util.tree_map(self.lowering.zeros_traced, like)
+
         if isinstance(pred, (bool, np.bool_)):  # one stage (global arrays): known when tracing
             return fn() if pred else zeros()
-        return lax.cond(pred, fn, zeros)
+        return lax.cond(pred, run, zeros)
 
     def _live(self, stages: frozenset[int]) -> Any:
         """Whether this device's stage is in ``stages`` (a Python bool with one stage)."""
@@ -343,28 +355,37 @@ class _Run:
 
         traced: dict[str, Any] = {}
 
-        def stored(wc: list[jax.Array], x: jax.Array) -> list[jax.Array]:
-            _, residuals, traced["tree"] = forward(wc, x)
+        def _forward_kept(wc: list[jax.Array], x: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+            """The chunk's output and the residuals its backward reads that are not weights (which are where in
+            the residuals, and their tree, recorded when traced)."""
+            y, residuals, traced["tree"] = forward(wc, x)
             traced["probe"] = [a if isinstance(a, int) else None for a in residuals]
-            return [a for a in residuals if not isinstance(a, int)]
+            return y, [a for a in residuals if not isinstance(a, int)]
 
-        stored_like = jax.eval_shape(stored, self._chunk(w, 0), self.x_like)
-        probe, tree = traced["probe"], traced["tree"]
+        def _backward(leaves: list[jax.Array], ct: jax.Array) -> tuple[list[jax.Array], jax.Array]:
+            """The chunk's gradients for its weights and input from its residuals ``leaves`` and output gradient."""
+            return jax.tree_util.tree_unflatten(traced["tree"], leaves)(ct)
+
+        def _post(rest: dict[str, Any], y: jax.Array, mb: dict[str, Tensor]) -> tuple[jax.Array, Any, jax.Array]:
+            """The last stage's loss of microbatch ``mb``, and its gradients for ``rest`` and ``y`` (seeded 1/M)."""
+            value, post_vjp = jax.vjp(lambda r, y: self._post(r, y, mb), rest, y)
+            g_post, ct_y = post_vjp(self.lowering.vary_like(jnp.full((), 1.0 / m, value.dtype), value))
+            return value, g_post, ct_y
+
+        def _pre_grad(rest: dict[str, Any], g_x: jax.Array, mb: dict[str, Tensor]) -> Any:
+            """The first stage's gradient for ``rest`` through ``pre`` of microbatch ``mb``."""
+            _, pre_vjp = jax.vjp(lambda r: self._pre(r, mb), rest)
+            return pre_vjp(g_x)[0]
+
+        # Like the three parts, each of these runs in many segments: traced once, inlined where it runs.
+        forward_kept, backward = jax.jit(_forward_kept, inline=True), jax.jit(_backward, inline=True)
+        post, pre_grad = jax.jit(_post, inline=True), jax.jit(_pre_grad, inline=True)
+        _, stored_like = jax.eval_shape(forward_kept, self._chunk(w, 0), self.x_like)
+        probe = traced["probe"]
         # One slot per chunk-microbatch in flight (residual_slots says which), and a spare one that idle
         # forwards write to (masking their writes instead costs XLA more temporaries than the slot).
         ring0 = [jnp.broadcast_to(self.lowering.zeros_traced(s), (slots + 1, *s.shape)) for s in stored_like]
         ring0 = [self.lowering.vary_like(r, self.lowering.zeros_traced(s)) for r, s in zip(ring0, stored_like)]
-
-        def post(y: jax.Array, f: Any) -> tuple[jax.Array, Any, jax.Array]:
-            """The last stage's loss of microbatch ``f``, and its gradients for ``rest`` and ``y`` (seeded 1/M)."""
-            value, post_vjp = jax.vjp(lambda r, y: self._post(r, y, self._microbatch(f)), rest, y)
-            g_post, ct_y = post_vjp(self.lowering.vary_like(jnp.full((), 1.0 / m, value.dtype), value))
-            return value, g_post, ct_y
-
-        def pre_grad(g_x: jax.Array, b: Any) -> Any:
-            """The first stage's gradient for ``rest`` through ``pre`` of microbatch ``b``."""
-            _, pre_vjp = jax.vjp(lambda r: self._pre(r, self._microbatch(b)), rest)
-            return pre_vjp(g_x)[0]
 
         def add(a: Any, b: Any) -> Any:
             return jax.tree_util.tree_map(lambda u, v: u + v, a, b)
@@ -374,18 +395,17 @@ class _Run:
             ct_y = None
             if segment.forward:
                 f, j, seq = forward_item(t, self.stage, p, v)  # forward of microbatch f through chunk j
-                y, residuals, _ = forward(self._chunk(w, j), self._input(rest, segment, received, f, j))
+                y, kept = forward_kept(self._chunk(w, j), self._input(rest, segment, received, f, j))
                 slot = slot_of[self.stage, jnp.clip(seq, 0, v * m - 1)]
                 if len(segment.forward) < p:  # an idle forward writes to the spare slot
                     slot = jnp.where(self._live(segment.forward), slot, slots)
-                kept = [a for a in residuals if not isinstance(a, int)]
                 ring = [
                     lax.dynamic_update_index_in_dim(r, self.lowering.vary_like(a, r), slot, 0)
                     for r, a in zip(ring, kept, strict=True)
                 ]
                 if p - 1 in segment.forward:
                     last = self.last if v == 1 else self.last & (j == v - 1)
-                    value, g_post, ct_y = self._when(last, lambda: post(y, f))
+                    value, g_post, ct_y = self._when(last, lambda: post(rest, y, self._microbatch(f)))
                     total, g_rest = total + value, add(g_rest, g_post)
                 received = self._send(y, 1, segment.forward_sends)
             if segment.backward:
@@ -398,11 +418,11 @@ class _Run:
                 loaded = iter(lax.dynamic_index_in_dim(r, slot, 0, keepdims=False) for r in ring)
                 wc = self._chunk(w, j)
                 leaves = [next(loaded) if a is None else wc[a] for a in probe]
-                g_chunk, g_x = jax.tree_util.tree_unflatten(tree, leaves)(self.lowering.vary_like(ct, self.x_like))
+                g_chunk, g_x = backward(leaves, self.lowering.vary_like(ct, self.x_like))
                 g_w = self._add_chunk(g_w, g_chunk, j)
                 if 0 in segment.backward:
                     first = self.first if v == 1 else self.first & (j == 0)
-                    g_rest = add(g_rest, self._when(first, lambda: pre_grad(g_x, b)))
+                    g_rest = add(g_rest, self._when(first, lambda: pre_grad(rest, g_x, self._microbatch(b))))
                 ct_in = self._send(g_x, -1, segment.backward_sends)
             return received, ct_in, ring, total, g_rest, g_w
 

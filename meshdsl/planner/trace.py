@@ -64,6 +64,7 @@ def trace_step(
     batch: Batch | None = None,
     platform: str | None = None,
     results: Any = None,
+    state: Any = None,
 ) -> Traced:
     """Trace one step of ``model`` under ``layout`` on a mesh of ``axis_sizes``; LayoutError if illegal.
 
@@ -74,10 +75,12 @@ def trace_step(
     (:func:`meshdsl.nn.attention_impl.traced_for`: cuDNN's fused attention for a GPU); None: the host's.
     ``results``: the step's global result shapes (:func:`step_results`, the same under every layout), else
     traced here on global arrays: a third of a step's tracing, which the search does once, not per candidate.
+    ``state``: the training state's global shapes (:func:`meshdsl.planner.search.abstract_state`, the same under
+    every layout), else traced here.
     """
     mesh = md.Mesh.abstract(axis_sizes)
     trainer = Trainer(model, optimizer, mesh, layout, grad_reduce_dtype=grad_reduce_dtype)
-    state = trainer.abstract_state()
+    state = trainer.abstract_state() if state is None else state
     batch = abstract_batch(model) if batch is None else batch
     with traced_for(platform):
         closed = jax.make_jaxpr(functools.partial(trainer.step.spmd_function, shapes=results))(state, batch.shapes)
