@@ -187,22 +187,25 @@ def trip_count(eqn: jex_core.JaxprEqn) -> int | None:
     return None if eqn.primitive.name == "while" else 1
 
 
-def walk(
-    jaxpr: jex_core.Jaxpr, times: int | None = 1, outside: int | None = 1, hoisted: frozenset[int] = frozenset()
-) -> Iterator[tuple[jex_core.JaxprEqn, int | None]]:
+def walk(jaxpr: jex_core.Jaxpr, times: int | None = 1) -> Iterator[tuple[jex_core.JaxprEqn, int | None]]:
     """Every equation of ``jaxpr`` at any depth, with how often it runs per run of ``jaxpr``
-    (None inside a ``while`` loop).
+    (None inside a ``while`` loop). An equation of a ``scan`` body that :func:`loop_invariant` finds
+    runs once per run of the loop, as XLA moves it before the loop."""
+    return _walk(jaxpr, times, times, frozenset())
 
-    An equation of a ``scan`` body that :func:`loop_invariant` finds runs once per run of the loop,
-    as XLA hoists it (``outside``: how often the loop runs; ``hoisted``: the ids of those equations).
-    """
+
+def _walk(
+    jaxpr: jex_core.Jaxpr, times: int | None, outside: int | None, hoisted: frozenset[int]
+) -> Iterator[tuple[jex_core.JaxprEqn, int | None]]:
+    """:func:`walk` inside a loop body: ``outside``, how often the loop runs; ``hoisted``, the ids of
+    the body's equations that run once per run of the loop."""
     for eqn in jaxpr.eqns:
         here = outside if id(eqn) in hoisted else times
         yield eqn, here
         k = trip_count(eqn)
         for body in bodies(eqn):
             inside = None if here is None or k is None else here * k
-            yield from walk(body, inside, here, loop_invariant(eqn, body))
+            yield from _walk(body, inside, here, loop_invariant(eqn, body))
 
 
 def loop_invariant(loop: jex_core.JaxprEqn, body: jex_core.Jaxpr) -> frozenset[int]:
