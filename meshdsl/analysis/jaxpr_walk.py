@@ -227,6 +227,7 @@ def loop_invariant(loop: jex_core.JaxprEqn, body: jex_core.Jaxpr) -> frozenset[i
 def as_compiled(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
     """``jaxpr`` as XLA compiles it (see the module docstring); every output is kept."""
     plain: _Plain = {}
+    keys: _ParamKeys = {}
 
     def each(j: jex_core.Jaxpr, rewrite: _Pass) -> jex_core.Jaxpr:
         return _rewritten(j, rewrite, {}, plain)
@@ -234,9 +235,9 @@ def as_compiled(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
     live = _dead_dropped(jaxpr)
     inlined = _dead_dropped(each(live, _inline_eqns))
     inlined = each(inlined, _constant_collectives_dropped)
-    merged = each(inlined, functools.partial(_merge_eqns, barriers=True))
+    merged = each(inlined, functools.partial(_merge_eqns, barriers=True, keys=keys))
     merged = each(merged, _loop_invariants_marked)
-    merged = each(merged, functools.partial(_merge_eqns, barriers=False, merge=CSE_AFTER_BARRIERS))
+    merged = each(merged, functools.partial(_merge_eqns, barriers=False, merge=CSE_AFTER_BARRIERS, keys=keys))
     return each(merged, _unused_dropped)
 
 
@@ -578,7 +579,12 @@ _ALL_REDUCES = frozenset({"psum", "psum_invariant", "pmax", "pmin"})
 
 
 def _merge_eqns(
-    jaxpr: jex_core.Jaxpr, eqns: list[jex_core.JaxprEqn], subst: dict[Any, Any], barriers: bool, merge: bool = True
+    jaxpr: jex_core.Jaxpr,
+    eqns: list[jex_core.JaxprEqn],
+    subst: dict[Any, Any],
+    barriers: bool,
+    merge: bool = True,
+    keys: _ParamKeys | None = None,
 ) -> list[jex_core.JaxprEqn]:
     """Each equation that repeats an earlier one of the same computation removed, its results
     recorded in ``subst`` as the earlier one's (XLA's CSE).
@@ -587,8 +593,10 @@ def _merge_eqns(
     them). Otherwise they are gone, and what only they kept apart merges, all-reduces excepted
     (XLA:CPU's CSE after expanding the barriers, once its all-reduce combiner has run, merges
     every other collective but no all-reduce). ``merge`` False: the barriers are only expanded,
-    nothing merges (newer XLA, :data:`CSE_AFTER_BARRIERS`).
+    nothing merges (newer XLA, :data:`CSE_AFTER_BARRIERS`). ``keys``: the params' keys found so far, shared
+    by the passes of one :func:`as_compiled`.
     """
+    keys = {} if keys is None else keys
     out: list[jex_core.JaxprEqn] = []
     seen: dict[tuple, int] = {}
     left: dict[Any, tuple[Any, tuple]] = {}  # a global result of a shard_map -> (its per-device value, spec and mesh)
@@ -604,7 +612,7 @@ def _merge_eqns(
         elif eqn.primitive is ENTER_SHARD_MAP and _left_as(left, eqn.invars[0]) == _marker_key(eqn):
             subst[eqn.outvars[0]] = left[eqn.invars[0]][0]  # the same blocks back again: XLA cancels the round trip
             continue
-        key = None if not merge or (eqn.primitive.name in _ALL_REDUCES and not barriers) else _merge_key(eqn)
+        key = None if not merge or (eqn.primitive.name in _ALL_REDUCES and not barriers) else _merge_key(eqn, keys)
         if key is None or key not in seen:
             if key is not None:
                 seen[key] = len(out)
@@ -636,15 +644,22 @@ def _marker_key(eqn: jex_core.JaxprEqn) -> tuple:
     return repr(eqn.params["spec"]), repr(eqn.params["mesh"])
 
 
-def _merge_key(eqn: jex_core.JaxprEqn) -> tuple | None:
+_ParamKeys = dict[int, tuple[Any, tuple]]
+"""Equation params' keys (:func:`_merge_key`) by ``id`` of the params, the dict kept alongside so the id stays its
+own: an inlined body's copies share their equations' params, so each is keyed once, not once per copy and pass."""
+
+
+def _merge_key(eqn: jex_core.JaxprEqn, keys: _ParamKeys) -> tuple | None:
     """What makes ``eqn`` the same computation as an earlier one (XLA merges those), or None.
 
     A collective's only effect is naming mesh axes; any other effect keeps the equation apart.
     """
     if _effectful(eqn):
         return None
-    params = tuple((k, _param_key(v)) for k, v in sorted(eqn.params.items()))
-    return (eqn.primitive.name, params, tuple(_operand_key(v) for v in eqn.invars))
+    known = keys.get(id(eqn.params))
+    if known is None:
+        known = keys[id(eqn.params)] = (eqn.params, tuple((k, _param_key(v)) for k, v in sorted(eqn.params.items())))
+    return (eqn.primitive.name, known[1], tuple(_operand_key(v) for v in eqn.invars))
 
 
 def _param_key(value: Any) -> Any:
@@ -658,5 +673,5 @@ def _param_key(value: Any) -> Any:
 def _operand_key(v: Any) -> Any:
     if isinstance(v, jex_core.Literal):
         value = np.asarray(v.val)
-        return ("literal", str(value.dtype), value.item() if value.ndim == 0 else id(v.val))
+        return ("literal", value.dtype, value.item() if value.ndim == 0 else id(v.val))
     return v

@@ -30,6 +30,13 @@ def add_arguments(search: argparse.ArgumentParser) -> None:
         "--rounds", type=int, default=5, help="with --measure: interleaved timing rounds (2 steps each)"
     )
     search.add_argument("--no-pipeline", action="store_true", help="leave out pipelined (layers: stage) candidates")
+    search.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="processes that trace and price candidates, this one included; workers start only when the "
+        "candidates left would take longer than a worker's start-up (default: the CPUs at hand, at most 8)",
+    )
     flags.add_settings(search, "overrides")
 
 
@@ -59,6 +66,7 @@ def check(args: argparse.Namespace, overrides: dict[str, object]) -> None:
         ("--top", args.top, 1),
         ("--rounds", args.rounds, 1),
         ("--measure", args.measure, 0),
+        ("--workers", args.workers, 1),
     ]
     for flag, value, least in limits:
         if value is not None and value < least:
@@ -77,6 +85,7 @@ def check(args: argparse.Namespace, overrides: dict[str, object]) -> None:
 
 def run(args: argparse.Namespace, overrides: dict[str, object]) -> None:
     """Search, print the ranking (with ``--measure``, the measured times and the verdict), write ``--out``."""
+    import functools
     import time
 
     import jax
@@ -85,7 +94,8 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> None:
     from meshdsl.measure.fits import readable
     from meshdsl.model.loader import build_model
     from meshdsl.planner.measure import measure, verdict
-    from meshdsl.planner.search import search, write_layout
+    from meshdsl.planner.search import loaded, search, write_layout
+    from meshdsl.planner.workers import default_workers
     from meshdsl.runtime import output_paths
     from meshdsl.train import optim
 
@@ -96,7 +106,16 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> None:
     limit = None if args.memory_gb is None else args.memory_gb * 1e9
     start = time.perf_counter()
     result = search(
-        model, optimizer, devices, profile, limit, pipeline=not args.no_pipeline, name=args.model, status=sys.stderr
+        model,
+        optimizer,
+        devices,
+        profile,
+        limit,
+        pipeline=not args.no_pipeline,
+        name=args.model,
+        status=sys.stderr,
+        rebuild=functools.partial(loaded, args.model, args.preset, overrides, args.optimizer),
+        workers=args.workers or default_workers(),
     )
     seconds = time.perf_counter() - start
     counts = result.dropped_by_reason()

@@ -11,8 +11,6 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-import scipy.stats
-
 import meshdsl as md
 from meshdsl.measure.timing import compile_step, interleaved_rounds, round_orders
 from meshdsl.model.protocol import Model
@@ -37,6 +35,9 @@ def measure(
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     """Spearman's rank correlation: the Pearson correlation of the ranks of ``a`` and ``b`` (ties
     share their mean rank); 0 when either is constant (no ranking to agree with)."""
+    # Imported here: it takes 1.5 s to import, which a search without --measure (every worker too) need not pay.
+    import scipy.stats
+
     if len(set(a)) < 2 or len(set(b)) < 2:
         return 0.0
     return float(scipy.stats.spearmanr(a, b).statistic)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import itertools
 import math
@@ -56,7 +57,8 @@ from meshdsl.planner import memory as memory_model
 from meshdsl.planner.cost import Prediction, price
 from meshdsl.planner.profile import DeviceProfile
 from meshdsl.planner.roles import DimRoles, roles
-from meshdsl.planner.trace import abstract_batch, step_results, trace_step
+from meshdsl.planner.trace import Batch, abstract_batch, step_results, trace_step
+from meshdsl.planner.workers import Pool
 from meshdsl.runtime.waiting import Waiting, is_terminal
 from meshdsl.train.step import Trainer
 
@@ -139,6 +141,8 @@ class SearchResult:
     ranked: list[tuple[Candidate, Prediction]]
     dropped: list[Dropped]
     traced: int
+    in_workers: int = 0
+    """How many of the traced candidates worker processes priced (:mod:`~meshdsl.planner.workers`)."""
 
     @property
     def best(self) -> tuple[Candidate, Prediction]:
@@ -296,6 +300,87 @@ def _collected_once() -> Iterator[None]:
             gc.enable()
 
 
+@dataclasses.dataclass(frozen=True)
+class Pricing:
+    """What pricing any candidate of one search needs beside the candidate, the same for all of them
+    (built once per process: :func:`pricing`)."""
+
+    model: Model
+    optimizer: Any
+    profile: DeviceProfile
+    state: Any
+    batch: Batch
+    results: Any
+
+
+def pricing(model: Model, optimizer: Any, profile: DeviceProfile) -> Pricing:
+    """The training state's and the batch's global shapes, and the step's results, traced once (none depends on
+    the layout)."""
+    state, batch = abstract_state(model, optimizer), abstract_batch(model)
+    return Pricing(model, optimizer, profile, state, batch, step_results(model, optimizer, batch))
+
+
+def loaded(spec: str, preset: str, overrides: Mapping[str, Any], optimizer: str) -> tuple[Model, Any]:
+    """The model and optimizer as the loader builds them: with :func:`functools.partial`, a search's picklable
+    ``rebuild`` (a worker process builds its own; a model loaded from a user's file cannot be pickled)."""
+    from meshdsl.model.loader import build_model
+    from meshdsl.train import optim
+
+    return build_model(spec, preset, **overrides), optim.make(optimizer)
+
+
+def _rebuilt(
+    rebuild: Callable[[], tuple[Model, Any]], profile: DeviceProfile, state: Any, batch: Batch, results: Any
+) -> Pricing:
+    """In a worker: the search's :class:`Pricing`, its model and optimizer rebuilt, the shapes as the search sent
+    them (tracing them again would cost each worker a second)."""
+    return Pricing(*rebuild(), profile, state, batch, results)
+
+
+def _priced(p: Pricing, cand: Candidate) -> Prediction | Dropped:
+    """``cand`` traced and priced, or dropped: illegal for the model (a layout, shape or config error), or failed (any
+    other error, a bug in meshdsl); an :class:`UnsupportedJaxError` ends the search."""
+    try:
+        with _collected_once():
+            traced = trace_step(
+                p.model,
+                p.optimizer,
+                cand.axis_sizes,
+                cand.layout,
+                batch=p.batch,
+                platform=p.profile.platform,
+                results=p.results,
+                state=p.state,
+            )
+            return price(traced, p.model, p.profile)
+    except UnsupportedJaxError:
+        raise
+    except (md.LayoutError, md.ShapeError, md.ConfigError) as e:
+        return Dropped(cand, str(e))
+    except Exception as e:  # a bug met by one layout of many: left out, and reported (SearchResult.failures)
+        reason = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        return Dropped(cand, reason, failed=True, error=e)
+
+
+def _stored_drop(cand: Candidate, state: Any, dims: Mapping[str, int], limit: float) -> Dropped | None:
+    """Why ``cand`` is dropped before tracing (a rule that does not divide its dim, a parameter rule the layout
+    cannot take, the stored state over ``limit``), or None."""
+    why = indivisible(cand, dims)
+    if why is not None:
+        return Dropped(cand, why)
+    try:
+        stored = memory_model.local_bytes(
+            {"params": state["params"], "opt": state["opt"]},
+            cand.layout.param_layout,
+            md.Mesh.abstract(cand.axis_sizes),
+        )
+    except md.LayoutError as e:
+        return Dropped(cand, str(e))
+    if stored > limit:
+        return Dropped(cand, "parameters and optimizer state exceed the memory limit", stored)
+    return None
+
+
 def search(
     model: Model,
     optimizer: Any,
@@ -306,11 +391,16 @@ def search(
     progress: Callable[[str], None] | None = None,
     name: str = "the model",
     status: TextIO | None = None,
+    rebuild: Callable[[], tuple[Model, Any]] | None = None,
+    workers: int = 1,
 ) -> SearchResult:
     """Rank every legal candidate of ``model`` on ``devices`` devices that fits ``memory_limit`` bytes.
 
     ``status``: where to print progress lines (candidates considered, elapsed, ETA: at most one every 2 s;
-    :class:`~meshdsl.runtime.waiting.Waiting`); None prints none.
+    :class:`~meshdsl.runtime.waiting.Waiting`); None prints none. ``workers``: processes that may price
+    candidates (this one included; :mod:`~meshdsl.planner.workers`), given ``rebuild``, a picklable function
+    building ``model`` and ``optimizer`` again (:func:`loaded` with :func:`functools.partial`); the result is
+    the same with any number.
 
     ConfigError when none fits, naming the closest candidate and by how much it is over (``name``:
     the model's name in that message).
@@ -322,80 +412,55 @@ def search(
             file=status,
             flush=True,
         )
-    state, batch = abstract_state(model, optimizer), abstract_batch(model)
-    r = model_roles(model, state, batch.shapes)
-    results = step_results(model, optimizer, batch)
-    dims = r.sizes
+    shared = pricing(model, optimizer, profile)
+    r = model_roles(model, shared.state, shared.batch.shapes)
+    every = candidates(model, r, devices, pipeline)
+    outcomes: list[Prediction | Dropped | None] = [_stored_drop(c, shared.state, r.sizes, limit) for c in every]
+    to_trace = [i for i, o in enumerate(outcomes) if o is None]
+    waiting = Waiting("meshdsl search", "candidates traced and priced", len(every), out=status) if status else None
+    if waiting is not None:
+        waiting.done = len(every) - len(to_trace)  # dropped before tracing
+        waiting.show(f"next: {every[to_trace[0]].name}" if to_trace else "")
+
+    def done(k: int, outcome: Prediction | Dropped) -> None:
+        cand = every[order[k]]
+        if progress is not None and isinstance(outcome, Prediction):
+            progress(f"  {cand.name}: {outcome.step_s * 1e3:.2f} ms, {outcome.memory.total / GiB:.2f} GiB")
+        if waiting is not None:
+            waiting.advance()
+
+    shapes = (profile, shared.state, shared.batch, shared.results)
+    setup = None if rebuild is None else functools.partial(_rebuilt, rebuild, *shapes)
+    pool: Pool[Candidate, Prediction | Dropped] = Pool(_priced, shared, setup, workers)
+    # One quick candidate first (its time decides whether workers pay), then the pipelined ones: they take
+    # several times as long, and one left for the end would keep a process busy while the others idle.
+    order = sorted(to_trace, key=lambda i: "stage" not in every[i].axis_sizes)
+    quick = [i for i in order if "stage" not in every[i].axis_sizes][:1]
+    order = quick + [i for i in order if i not in quick]
+    for i, outcome in zip(order, pool.run([every[i] for i in order], done), strict=True):
+        outcomes[i] = outcome
+    if waiting is not None and not to_trace:
+        waiting.show(force=True)
     ranked: list[tuple[Candidate, Prediction]] = []
     dropped: list[Dropped] = []
-    traced = 0
-    every = candidates(model, r, devices, pipeline)
-    waiting = Waiting("meshdsl search", "candidates traced and priced", len(every), out=status) if status else None
-    for i, cand in enumerate(every):
-        if waiting is not None:
-            waiting.done = i
-            waiting.show(f"next: {cand.name}")
-        why = indivisible(cand, dims)
-        if why is not None:
-            dropped.append(Dropped(cand, why))
-            continue
-        mesh = md.Mesh.abstract(cand.axis_sizes)
-        try:
-            stored = memory_model.local_bytes(
-                {"params": state["params"], "opt": state["opt"]}, cand.layout.param_layout, mesh
-            )
-        except md.LayoutError as e:
-            dropped.append(Dropped(cand, str(e)))
-            continue
-        if stored > limit:
-            dropped.append(Dropped(cand, "parameters and optimizer state exceed the memory limit", stored))
-            continue
-        try:
-            traced += 1
-            with _collected_once():
-                prediction = price(
-                    trace_step(
-                        model,
-                        optimizer,
-                        cand.axis_sizes,
-                        cand.layout,
-                        batch=batch,
-                        platform=profile.platform,
-                        results=results,
-                        state=state,
-                    ),
-                    model,
-                    profile,
-                )
-        except UnsupportedJaxError:
-            raise
-        except (md.LayoutError, md.ShapeError, md.ConfigError) as e:
-            dropped.append(Dropped(cand, str(e)))
-            continue
-        except Exception as e:  # a bug met by one layout of many: left out, and reported (SearchResult.failures)
-            reason = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
-            dropped.append(Dropped(cand, reason, failed=True, error=e))
-            continue
-        if progress is not None:
-            progress(f"  {cand.name}: {prediction.step_s * 1e3:.2f} ms, {prediction.memory.total / GiB:.2f} GiB")
-        if prediction.memory.total > limit:
-            dropped.append(Dropped(cand, "predicted peak memory exceeds the memory limit", prediction.memory.total))
-            continue
-        ranked.append((cand, prediction))
-    if waiting is not None:
-        waiting.done = len(every)
-        waiting.show(force=True)
+    for cand, found in zip(every, outcomes, strict=True):
+        if isinstance(found, Dropped):
+            dropped.append(found)
+        elif found is not None and found.memory.total > limit:
+            dropped.append(Dropped(cand, "predicted peak memory exceeds the memory limit", found.memory.total))
+        elif found is not None:
+            ranked.append((cand, found))
     failures = [d for d in dropped if d.failed]
     if not ranked and failures:
         first = failures[0]
         raise SearchFailed(
-            f"meshdsl failed to trace {len(failures)} of {traced} traced candidates of {name} "
+            f"meshdsl failed to trace {len(failures)} of {len(to_trace)} traced candidates of {name} "
             f"(a bug in meshdsl to report, not an illegal layout), e.g. {first.candidate.name}: {first.reason}"
         ) from first.error
     if not ranked:
         raise ConfigError(_no_fit(name, devices, limit, dropped, remats(model)))
     ranked.sort(key=lambda item: item[1].step_s)
-    return SearchResult(ranked, dropped, traced)
+    return SearchResult(ranked, dropped, len(to_trace), pool.in_workers)
 
 
 def _no_fit(name: str, devices: int, limit: float, dropped: list[Dropped], remat: bool = False) -> str:
