@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import meshdsl as md
 from meshdsl.cli import main
+from meshdsl.measure.fits import readable
 from meshdsl.model.loader import build_model
 from meshdsl.planner import validate
 from meshdsl.planner.cost import predict, span
@@ -350,6 +351,9 @@ def test_search_cli_writes_a_layout_train_accepts(tmp_path, capsys) -> None:
     )
     printed = capsys.readouterr().out
     assert "nothing compiled" in printed and "wrote the best layout" in printed
+    # the header's memory is the profile's limit, not a prediction (issue 33 read 2.94 GiB as one)
+    limit = readable(load_profile("cpu-sim").memory_bytes)
+    assert f"profile cpu-sim, memory limit {limit} per device: " in printed.splitlines()[0]
     assert main(["train", "--model", "mlp", "--preset", "tiny", "--layout", str(out), "--steps", "2"]) == 0
 
 
