@@ -87,6 +87,18 @@ def test_prediction_matches_the_compiled_program(name: str, candidate: Candidate
     assert check.memory_close, check
 
 
+def test_validate_ranked_compiles_the_layouts_search_ranks() -> None:
+    """``validate --ranked`` checks search's ranking (here its first) of the model built with the ``--set``
+    values; rows keep the compiled memory under 10,000 of their unit (a 1B step's in GiB)."""
+    lines: list[str] = []
+    checks = validate.validate(["mlp"], "tiny", 8, lines.append, {"batch": 16}, validate.Ranked(top=1))
+    best, _ = search(build_model("mlp", "tiny", batch=16), optim.make("adamw"), 8, CPU).best
+    assert [c.layout for c in checks] == [best.name] and lines[1:] == [checks[0].row()]
+    assert checks[0].bytes_equal and checks[0].memory_close, checks[0]
+    assert "| 60.0 GiB | 61.0 GiB | -1.6% |" in validate.Check("m", "l", 0, True, 60 * 2**30, 61 * 2**30).row()
+    assert "| 900.0 KiB | 9,000.0 KiB |" in validate.Check("m", "l", 0, True, 900 * 2**10, 9000 * 2**10).row()
+
+
 def test_heap_takes_the_better_of_two_packings() -> None:
     """A (128 B, ticks 0-1), B (64 B, ticks 0-5), C (192 B, ticks 3-5): largest first puts C above
     B's 64 bytes at 128 (A's 128-byte slot is too small) for a 384-byte heap; longest first puts B
