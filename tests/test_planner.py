@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 import meshdsl as md
 from meshdsl.cli import main
+from meshdsl.measure.fits import readable
 from meshdsl.model.loader import build_model
 from meshdsl.planner import validate
 from meshdsl.planner.cost import predict, span
@@ -85,6 +86,18 @@ def test_prediction_matches_the_compiled_program(name: str, candidate: Candidate
     check = validate.check(name, model, optim.make("adamw"), candidate, 8)
     assert check is not None and check.bytes_equal, check
     assert check.memory_close, check
+
+
+def test_validate_ranked_compiles_the_layouts_search_ranks() -> None:
+    """``validate --ranked`` checks search's ranking (here its first) of the model built with the ``--set``
+    values; rows keep the compiled memory under 10,000 of their unit (a 1B step's in GiB)."""
+    lines: list[str] = []
+    checks = validate.validate(["mlp"], "tiny", 8, lines.append, {"batch": 16}, validate.Ranked(top=1))
+    best, _ = search(build_model("mlp", "tiny", batch=16), optim.make("adamw"), 8, CPU).best
+    assert [c.layout for c in checks] == [best.name] and lines[1:] == [checks[0].row()]
+    assert checks[0].bytes_equal and checks[0].memory_close, checks[0]
+    assert "| 60.0 GiB | 61.0 GiB | -1.6% |" in validate.Check("m", "l", 0, True, 60 * 2**30, 61 * 2**30).row()
+    assert "| 900.0 KiB | 9,000.0 KiB |" in validate.Check("m", "l", 0, True, 900 * 2**10, 9000 * 2**10).row()
 
 
 def test_heap_takes_the_better_of_two_packings() -> None:
@@ -351,6 +364,9 @@ def test_search_cli_writes_a_layout_train_accepts(tmp_path, capsys) -> None:
     )
     printed = capsys.readouterr().out
     assert "nothing compiled" in printed and "wrote the best layout" in printed
+    # the header's memory is the profile's limit, not a prediction (issue 33 read 2.94 GiB as one)
+    limit = readable(load_profile("cpu-sim").memory_bytes)
+    assert f"profile cpu-sim, memory limit {limit} per device: " in printed.splitlines()[0]
     assert main(["train", "--model", "mlp", "--preset", "tiny", "--layout", str(out), "--steps", "2"]) == 0
 
 

@@ -122,7 +122,7 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> None:
     reasons = f" ({', '.join(f'{n} {why}' for why, n in counts.items())})" if counts else ""
     print(
         f"meshdsl search: {args.model} {args.preset} on {devices} devices, profile {profile.name}, "
-        f"{readable(limit or profile.memory_bytes)} per device: {len(result.ranked)} fit, "
+        f"memory limit {readable(limit or profile.memory_bytes)} per device: {len(result.ranked)} fit, "
         f"{len(result.dropped)} dropped{reasons}, {result.traced} traced, nothing compiled, {seconds:.1f} s"
     )
     if result.failures:

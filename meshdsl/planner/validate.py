@@ -2,13 +2,18 @@
 
 ``python -m meshdsl.planner.validate --models mlp transformer moe [--preset tiny] [--devices 8]``
 
-For every legal candidate of each model (the search's enumeration), predict the step on the
-``cpu-sim`` profile and compile it on the simulated devices; print one markdown table row per
-layout (predicted collective bytes per device and whether they equal the compiled HLO's, the
-predicted and the compiled memory per device, and the memory error), then a summary line. The
-references are the compiler's own: the HLO's collectives (:mod:`meshdsl.analysis.hlo`) and
-``compiled.memory_analysis()`` (:func:`~meshdsl.measure.timing.memory_bytes`). Exits 1 when
-a row misses (bytes unequal, or memory off by more than 10%).
+``python -m meshdsl.planner.validate --models transformer --preset 1b --devices 64 --ranked
+--profile h100 --memory-gb 80``
+
+For every legal candidate of each model (the search's enumeration), or with ``--ranked`` the
+layouts ``meshdsl search`` ranks under that profile, memory limit and ``--set`` values (its first
+``--top``), predict the step on the ``cpu-sim`` profile and compile it on the simulated devices;
+print one markdown table row per layout (predicted collective bytes per device and whether they
+equal the compiled HLO's, the predicted and the compiled memory per device, and the memory
+error), then a summary line. The references are the compiler's own: the HLO's collectives
+(:mod:`meshdsl.analysis.hlo`) and ``compiled.memory_analysis()``
+(:func:`~meshdsl.measure.timing.memory_bytes`). Exits 1 when a row misses (bytes unequal, or
+memory off by more than 10%).
 
 The devices are chosen (``meshdsl.runtime.devices.simulate_devices``) before JAX runs anything, as the
 ``meshdsl`` command does; ``--devices`` defaults to XLA_FLAGS' count, else 8.
@@ -61,10 +66,12 @@ class Check:
         return f"`{self.layout}`".replace("|", "\\|")
 
     def row(self) -> str:
-        kib = 2.0**10
+        """The table row; both memories in the unit that keeps the compiled one under 10,000 (KiB, MiB, GiB)."""
+        power = next((p for p in (1, 2) if self.compiled_memory < 10_000 * 2.0 ** (10 * p)), 3)
+        unit, scale = ("KiB", "MiB", "GiB")[power - 1], 2.0 ** (10 * power)
         return (
             f"| {self.model} | {self.cell} | {self.predicted_bytes:,.0f} | {'yes' if self.bytes_equal else 'NO'} | "
-            f"{self.predicted_memory / kib:,.1f} KiB | {self.compiled_memory / kib:,.1f} KiB | "
+            f"{self.predicted_memory / scale:,.1f} {unit} | {self.compiled_memory / scale:,.1f} {unit} | "
             f"{self.memory_error:+.1%} |"
         )
 
@@ -72,9 +79,11 @@ class Check:
 def check(name: str, model: Model, optimizer: Any, candidate: Any, devices: int) -> Check | None:
     """Predict ``candidate`` of ``model`` (profile cpu-sim) and compare it with its compiled step;
     None when tracing it raises a layout or shape error (the search drops it as illegal)."""
+    import jax
+
     import meshdsl as md
     from meshdsl.analysis import hlo
-    from meshdsl.measure.timing import compile_step, memory_bytes
+    from meshdsl.measure.timing import compile_abstract, memory_bytes
     from meshdsl.planner.cost import predict
     from meshdsl.planner.profile import load_profile
     from meshdsl.train.step import Trainer
@@ -83,15 +92,44 @@ def check(name: str, model: Model, optimizer: Any, candidate: Any, devices: int)
         prediction = predict(model, optimizer, candidate.axis_sizes, candidate.layout, load_profile("cpu-sim"))
     except (md.LayoutError, md.ShapeError):
         return None
-    compiled = compile_step(Trainer(model, optimizer, md.Mesh(candidate.axis_sizes), candidate.layout), 0).compiled
+    trainer = Trainer(model, optimizer, md.Mesh(candidate.axis_sizes), candidate.layout)
+    # compiled for the state's shapes, nothing allocated: a 1B step's state does not fit the host 64 times
+    compiled = compile_abstract(trainer, jax.random.key_data(jax.random.key(0)))
     equal = prediction.report.summary() == hlo.summary(compiled.as_text(), num_devices=devices)
     return Check(
         name, candidate.name, prediction.total_bytes, equal, prediction.memory.total, memory_bytes(compiled)["total"]
     )
 
 
-def validate(models: Sequence[str], preset: str, devices: int, out: Callable[[str], None] = print) -> list[Check]:
-    """Check every legal layout of ``models`` on ``devices`` devices, printing a table row for each."""
+@dataclasses.dataclass(frozen=True)
+class Ranked:
+    """Check the layouts ``meshdsl search`` ranks (its first ``top``) under ``profile`` and ``memory_limit``
+    bytes per device (None: the profile's), not every legal one."""
+
+    profile: str = "cpu-sim"
+    memory_limit: float | None = None
+    top: int | None = None
+
+
+def _ranked(model: Model, optimizer: Any, devices: int, ranked: Ranked) -> list[Any]:
+    """The candidates search ranks (fastest first), at most ``ranked.top``."""
+    from meshdsl.planner.profile import load_profile
+    from meshdsl.planner.search import search
+
+    result = search(model, optimizer, devices, load_profile(ranked.profile), ranked.memory_limit)
+    return [c for c, _ in result.ranked[: ranked.top]]
+
+
+def validate(
+    models: Sequence[str],
+    preset: str,
+    devices: int,
+    out: Callable[[str], None] = print,
+    overrides: dict[str, object] | None = None,
+    ranked: Ranked | None = None,
+) -> list[Check]:
+    """Check every legal layout of ``models`` on ``devices`` devices (with ``ranked``, those search ranks),
+    the models built with the ``--set`` values ``overrides``, printing a table row for each."""
     from meshdsl.model.loader import build_model
     from meshdsl.planner.search import legal_candidates
     from meshdsl.train import optim
@@ -100,8 +138,13 @@ def validate(models: Sequence[str], preset: str, devices: int, out: Callable[[st
     out(HEADER)
     checks = []
     for name in models:
-        model = build_model(name, preset)
-        for candidate in legal_candidates(model, optimizer, devices):
+        model = build_model(name, preset, **(overrides or {}))
+        chosen = (
+            legal_candidates(model, optimizer, devices)
+            if ranked is None
+            else _ranked(model, optimizer, devices, ranked)
+        )
+        for candidate in chosen:
             result = check(name, model, optimizer, candidate, devices)
             if result is not None:
                 checks.append(result)
@@ -124,6 +167,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--devices", type=int, default=None, help="simulated CPU devices (default: XLA_FLAGS' count, else 8)"
     )
+    parser.add_argument("--ranked", action="store_true", help="check the layouts search ranks, not every legal one")
+    parser.add_argument("--profile", default="cpu-sim", help="with --ranked: the profile search plans for")
+    parser.add_argument("--memory-gb", type=float, default=None, help="with --ranked: search's memory per device")
+    parser.add_argument("--top", type=int, default=None, help="with --ranked: check the first TOP only")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
@@ -132,7 +180,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
     import jax
 
-    checks = validate(args.models, args.preset, jax.device_count(), lambda line: print(line, flush=True))
+    from meshdsl.commands.flags import overrides
+
+    gb = args.memory_gb
+    ranked = Ranked(args.profile, None if gb is None else gb * 1e9, args.top) if args.ranked else None
+    try:
+        settings = overrides(args.overrides)
+    except ConfigError as e:
+        parser.error(str(e))
+    checks = validate(
+        args.models, args.preset, jax.device_count(), lambda line: print(line, flush=True), settings, ranked
+    )
     print(f"\n{summary(checks)}")
     return 0 if all(c.bytes_equal and c.memory_close for c in checks) else 1
 
