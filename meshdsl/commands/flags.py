@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from meshdsl.models import NAMES
-from meshdsl.train.config import COMPUTE_DTYPES, HF_HELP
+from meshdsl.train.config import HF_HELP, overrides
 
 MODEL_HELP = (
     f"a shipped model ({', '.join(NAMES)}), a Python file (path/to/my_model.py) "
@@ -146,28 +146,6 @@ def add_model(parser: argparse.ArgumentParser) -> None:
 def add_profile(parser: argparse.ArgumentParser) -> None:
     """``--profile NAME|FILE``: read with :func:`profile`."""
     parser.add_argument("--profile", default=None, help=PROFILE_HELP)
-
-
-def overrides(items: Sequence[str]) -> dict[str, object]:
-    """``--set``'s ``["layers=32", "norm=layer", "remat=true"]`` as
-    ``{"layers": 32, "norm": "layer", "remat": True}``."""
-    from meshdsl.errors import ConfigError
-
-    out: dict[str, object] = {}
-    for item in items:
-        field, eq, value = item.partition("=")
-        if not eq:
-            raise ConfigError(f"--set {item!r}: expected FIELD=VALUE, e.g. layers=32")
-        out[field] = {"true": True, "false": False}.get(value.lower(), value)
-        for cast in (int, float):
-            try:
-                out[field] = cast(value)
-                break
-            except ValueError:
-                pass
-        if field == "compute_dtype" and out[field] not in COMPUTE_DTYPES:
-            raise ConfigError(f"--set compute_dtype={value}: the compute dtype is one of {', '.join(COMPUTE_DTYPES)}")
-    return out
 
 
 def profile(spec: str | None) -> Any:

@@ -120,11 +120,10 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> None:
     seconds = time.perf_counter() - start
     counts = result.dropped_by_reason()
     reasons = f" ({', '.join(f'{n} {why}' for why, n in counts.items())})" if counts else ""
-    shared = f" ({result.in_workers} by worker processes)" if result.in_workers else ""
     print(
         f"meshdsl search: {args.model} {args.preset} on {devices} devices, profile {profile.name}, "
         f"memory limit {readable(limit or profile.memory_bytes)} per device: {len(result.ranked)} fit, "
-        f"{len(result.dropped)} dropped{reasons}, {result.traced} traced{shared}, nothing compiled, {seconds:.1f} s"
+        f"{len(result.dropped)} dropped{reasons}, {result.traced} traced, nothing compiled, {seconds:.1f} s"
     )
     if result.failures:
         first = result.failures[0]

@@ -180,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
     import jax
 
-    from meshdsl.commands.flags import overrides
+    from meshdsl.train.config import overrides
 
     gb = args.memory_gb
     ranked = Ranked(args.profile, None if gb is None else gb * 1e9, args.top) if args.ranked else None

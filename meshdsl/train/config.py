@@ -19,10 +19,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from meshdsl.collectives import GRAD_REDUCE_DTYPES
+from meshdsl.errors import ConfigError
 from meshdsl.train.data import EVAL_FRACTION
 
 
@@ -325,3 +326,24 @@ def flag_of(name: str) -> str:
 def table_keys() -> tuple[str, ...]:
     """The keys a layout file's ``[train]`` table may set."""
     return tuple(name for name in settings() if setting_of(name).table)
+
+
+def overrides(items: Sequence[str]) -> dict[str, object]:
+    """``--set``'s ``["layers=32", "norm=layer", "remat=true"]`` as
+    ``{"layers": 32, "norm": "layer", "remat": True}`` (the commands' and ``planner.validate``'s)."""
+
+    out: dict[str, object] = {}
+    for item in items:
+        field, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"--set {item!r}: expected FIELD=VALUE, e.g. layers=32")
+        out[field] = {"true": True, "false": False}.get(value.lower(), value)
+        for cast in (int, float):
+            try:
+                out[field] = cast(value)
+                break
+            except ValueError:
+                pass
+        if field == "compute_dtype" and out[field] not in COMPUTE_DTYPES:
+            raise ConfigError(f"--set compute_dtype={value}: the compute dtype is one of {', '.join(COMPUTE_DTYPES)}")
+    return out
