@@ -377,10 +377,14 @@ class _Run:
             _, pre_vjp = jax.vjp(lambda r: self._pre(r, mb), rest)
             return pre_vjp(g_x)[0]
 
-        # Like the three parts, each of these runs in many segments: traced once, inlined where it runs.
-        forward_kept, backward = jax.jit(_forward_kept, inline=True), jax.jit(_backward, inline=True)
-        post, pre_grad = jax.jit(_post, inline=True), jax.jit(_pre_grad, inline=True)
-        _, stored_like = jax.eval_shape(forward_kept, self._chunk(w, 0), self.x_like)
+        # Each of these runs in many segments and nothing differentiates it again: traced once and called where it
+        # runs (not inlined: binding a call is one equation, inlining binds every equation of the body again; XLA
+        # inlines the calls, so the compiled program is the same). So are the chunk's slicing and its gradient's
+        # accumulation, a dynamic slice of every weight per tick.
+        forward_kept, backward = jax.jit(_forward_kept), jax.jit(_backward)
+        post, pre_grad = jax.jit(_post), jax.jit(_pre_grad)
+        chunk, add_chunk = (jax.jit(self._chunk), jax.jit(self._add_chunk)) if v > 1 else (self._chunk, self._add_chunk)
+        _, stored_like = jax.eval_shape(forward_kept, chunk(w, 0), self.x_like)
         probe = traced["probe"]
         # One slot per chunk-microbatch in flight (residual_slots says which), and a spare one that idle
         # forwards write to (masking their writes instead costs XLA more temporaries than the slot).
@@ -395,7 +399,7 @@ class _Run:
             ct_y = None
             if segment.forward:
                 f, j, seq = forward_item(t, self.stage, p, v)  # forward of microbatch f through chunk j
-                y, kept = forward_kept(self._chunk(w, j), self._input(rest, segment, received, f, j))
+                y, kept = forward_kept(chunk(w, j), self._input(rest, segment, received, f, j))
                 slot = slot_of[self.stage, jnp.clip(seq, 0, v * m - 1)]
                 if len(segment.forward) < p:  # an idle forward writes to the spare slot
                     slot = jnp.where(self._live(segment.forward), slot, slots)
@@ -416,10 +420,10 @@ class _Run:
                 # An idle backward reads a slot a forward wrote, with a zero cotangent: zero gradients, never NaN.
                 slot = slot_of[self.stage, jnp.clip(seq, 0, v * m - 1)]
                 loaded = iter(lax.dynamic_index_in_dim(r, slot, 0, keepdims=False) for r in ring)
-                wc = self._chunk(w, j)
+                wc = chunk(w, j)
                 leaves = [next(loaded) if a is None else wc[a] for a in probe]
                 g_chunk, g_x = backward(leaves, self.lowering.vary_like(ct, self.x_like))
-                g_w = self._add_chunk(g_w, g_chunk, j)
+                g_w = add_chunk(g_w, g_chunk, j)
                 if 0 in segment.backward:
                     first = self.first if v == 1 else self.first & (j == 0)
                     g_rest = add(g_rest, self._when(first, lambda: pre_grad(rest, g_x, self._microbatch(b))))
