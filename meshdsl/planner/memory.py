@@ -90,6 +90,67 @@ def computed(block: Block) -> set[int]:
     return keep
 
 
+EXPENSIVE = frozenset("exp exp2 log log1p tanh logistic erf erf_inv rsqrt sqrt div pow sin cos tan".split())
+"""Element-wise steps XLA's fusion will not duplicate (its ``IsExpensive``): read by two steps or more, such a
+result is computed once into a buffer of its own, not recomputed inside each reader's fusion."""
+
+
+def unduplicated(block: Block) -> set[int]:
+    """Results of :data:`EXPENSIVE` element-wise steps that two or more steps of ``block`` read: XLA computes
+    each into a buffer of its own (a softmax's exponentials, a GELU's ``tanh``), which a rematerialised
+    layer's recomputed forward holds beside the backward's buffers."""
+    readers: dict[int, int] = {}
+    for step in block.steps:
+        for v in set(step.ins):
+            readers[v] = readers.get(v, 0) + 1
+    return {v for step in block.steps if step.name in EXPENSIVE for v, _ in step.outs if readers.get(v, 0) > 1}
+
+
+def _canonical(dims: list[int], sizes: tuple[int, ...]) -> bool:
+    """Whether an operand read in the dimension order ``dims`` is already laid out so (size-1 dims move freely)."""
+    kept = [d for d in dims if sizes[d] != 1]
+    return kept == sorted(kept)
+
+
+def relaid(step: Step) -> list[tuple[int, int]]:
+    """``(operand, bytes)`` of a ``dot_general`` operand that XLA:CPU copies into another layout before the
+    dot: it runs a dot as ``[batch, rows, contracted] x [batch, contracted, columns]`` (the right operand
+    may also be ``[batch, columns, contracted]``), so a left operand contracted over its leading dims (a
+    weight gradient's activations or output gradient) or an operand whose batch dims do not lead is copied
+    transposed (``copy_bitcast_fusion`` in its buffer assignment)."""
+    if step.name != "dot_general":
+        return []
+    (lc, rc), (lb, rb) = step.params["dimension_numbers"]
+    (lhs, rhs), (la, ra) = step.ins[:2], step.in_avals[:2]
+    lfree = [d for d in range(len(la.shape)) if d not in (*lc, *lb)]
+    rfree = [d for d in range(len(ra.shape)) if d not in (*rc, *rb)]
+    out = []
+    if not _canonical([*lb, *lfree, *lc], la.shape):
+        out.append((lhs, nbytes(la)))
+    if not (_canonical([*rb, *rc, *rfree], ra.shape) or _canonical([*rb, *rfree, *rc], ra.shape)):
+        out.append((rhs, nbytes(ra)))
+    return out
+
+
+def _relayout_copies(steps: list[Step], inputs: Set[int]) -> dict[int, list[tuple[int, int]]]:
+    """Step index -> ``(operand, bytes)`` of the :func:`relaid` copies that dot holds in buffers of their own.
+
+    Where the dot is an operand's only reader, XLA lays the operand out as the dot wants it where it is made:
+    no copy. Otherwise (another step reads it as it is, or it is the block's input, whose layout the
+    caller fixed), the copy is a buffer of its own, made after the operand's previous use (where the value is
+    made when the dot reads it first, as XLA's fusions make both layouts of a value at once)."""
+    readers: dict[int, int] = {}
+    for step in steps:
+        for v in set(step.ins):
+            readers[v] = readers.get(v, 0) + 1
+    out: dict[int, list[tuple[int, int]]] = {}
+    for i, step in enumerate(steps):
+        for v, b in relaid(step):
+            if v and (readers[v] > 1 or v in inputs):
+                out.setdefault(i, []).append((v, b))
+    return out
+
+
 def carried(step: Step) -> list[tuple[int, int]]:
     """``(output, input)`` pairs of a loop whose output is the next value of that input (its carry);
     ``threefry2x32`` is one (XLA runs its rounds as a loop over the two counter words).
@@ -198,15 +259,20 @@ def lifetimes(
     so the body's peak lands on top of what is live around the loop.
     """
     clock = clock or _Clock()
-    keep = (computed(block) | set(block.outputs)) - set(elsewhere)
+    keep = (computed(block) | unduplicated(block) | set(block.outputs)) - set(elsewhere)
     steps = scheduled(block)
     last = last_uses(steps, block.outputs)
     opened = clock.tick()
     size = {v: _aligned(b) for v, b in (copied_in or {}).items() if v in last}
     born = dict.fromkeys(size, opened)
     found: list[Lifetime] = []
+    copies = _relayout_copies(steps, set(block.inputs) - set(copied_in or {}))
+    read_at: dict[int, int] = dict.fromkeys(block.inputs, opened)  # value id -> tick of its latest making or reading
     for i, step in enumerate(steps):
         start = clock.tick()
+        copied = [(read_at.get(v, start), b) for v, b in copies.get(i, [])]
+        read_at.update(dict.fromkeys(step.ins, start))
+        read_at.update((v, start) for v, _ in step.outs)
         for out, init in carried(step):
             if last.get(init) == i and init in size:
                 size[out], born[out] = size.pop(init), born.pop(init)
@@ -217,6 +283,7 @@ def lifetimes(
             found += lifetimes(body, in_place(step, body), sliced(step, body), clock)
         end = clock.tick()
         found += [Lifetime(start, end, b) for b in loop_overhead(step)]
+        found += [Lifetime(made, end, _aligned(b)) for made, b in copied]
         for v in {*step.ins, *(v for v, _ in step.outs if v not in last)}:
             if last.get(v, i) == i and v in size:
                 found.append(Lifetime(born.pop(v), end, size.pop(v)))
