@@ -8,8 +8,12 @@ per-device program in XLA's order, keeping every value that XLA would hold in me
 the step that makes it to its last use, and taking the largest total. XLA fuses chains of
 element-wise ops into the op that consumes them, so an element-wise result is counted only when
 something other than another element-wise op reads it (a matmul, a reduction, a collective, a
-loop) or when it leaves its block; transposes are folded into their neighbours' layouts (see
-:mod:`~meshdsl.planner.program`). The order is the traced one, except that values made from
+loop) or when it leaves its block, or when it is expensive (``exp``, ``tanh``, ...) and two steps read it
+(:func:`unduplicated`); transposes are folded into their neighbours' layouts (see
+:mod:`~meshdsl.planner.program`), except a dot's operand that XLA:CPU copies into the order its dot runs
+in while another step reads it as it is (:func:`relaid`). These two decide the peak of a rematerialised
+step, whose backward loop body holds the recomputed forward beside the backward's buffers. The order is the
+traced one, except that values made from
 constants alone (zero-filled gradient accumulators, masks) come first, where XLA's scheduler
 puts them. Loops run in place, as XLA's buffer assignment shows: a carry keeps one buffer from
 its initial value to its final one; a scanned-out value is written straight into its slice of
