@@ -12,7 +12,8 @@ loop) or when it leaves its block, or when it is expensive (``exp``, ``tanh``, .
 (:func:`unduplicated`); transposes are folded into their neighbours' layouts (see
 :mod:`~meshdsl.planner.program`), except a dot's operand that XLA:CPU copies into the order its dot runs
 in while another step reads it as it is (:func:`relaid`). These two decide the peak of a rematerialised
-step, whose backward loop body holds the recomputed forward beside the backward's buffers. The order is the
+step, whose backward loop body holds the recomputed forward beside the backward's buffers, with a copy of
+its carried gradient (:func:`copied_carries`). The order is the
 traced one, except that values made from
 constants alone (zero-filled gradient accumulators, masks) come first, where XLA's scheduler
 puts them. Loops run in place, as XLA's buffer assignment shows: a carry keeps one buffer from
@@ -194,6 +195,34 @@ def sliced(step: Step, body: Block) -> dict[int, int]:
     return {v: sizes[v] for v in body.inputs[start : len(step.ins)] if v in apart}
 
 
+def copied_carries(step: Step, body: Block) -> dict[int, int]:
+    """The carries of scan ``body`` that XLA copies at the body's start (value id -> bytes): those read by
+    a step that the next carries do not depend on (a weight gradient read from the carried output
+    gradient). XLA's copy insertion keeps such a copy, as it cannot order that read before the next
+    carry overwrites the carry's buffer; seen in the backward loop of every layout (``copy`` of the
+    carry's ``get-tuple-element``)."""
+    if step.name != "scan":
+        return {}
+    consts, carries = scan_counts(step.params)
+    made_by = {v: s for s in body.steps for v, _ in s.outs}
+    needed: set[int] = set()
+    todo = list(body.outputs[:carries])
+    while todo:
+        v = todo.pop()
+        if v in needed:
+            continue
+        needed.add(v)
+        if v in made_by:
+            todo.extend(made_by[v].ins)
+    inputs = body.inputs[consts : consts + carries]
+    sizes = {v: nbytes(a) for s in body.steps for v, a in zip(s.ins, s.in_avals)}
+    return {
+        v: sizes[v]
+        for v in inputs
+        if v in sizes and any(v in s.ins and not any(o in needed for o, _ in s.outs) for s in body.steps)
+    }
+
+
 def scheduled(block: Block) -> list[Step]:
     """``block``'s steps in the order XLA runs them: those made from constants alone (zero-filled
     accumulators, masks) first, as XLA's scheduler was observed to place them; the rest as traced."""
@@ -284,7 +313,7 @@ def lifetimes(
         size.update(made)
         born.update(dict.fromkeys(made, start))
         for body, _ in step.bodies:
-            found += lifetimes(body, in_place(step, body), sliced(step, body), clock)
+            found += lifetimes(body, in_place(step, body), {**sliced(step, body), **copied_carries(step, body)}, clock)
         end = clock.tick()
         found += [Lifetime(start, end, b) for b in loop_overhead(step)]
         found += [Lifetime(made, end, _aligned(b)) for made, b in copied]
