@@ -8,8 +8,13 @@ per-device program in XLA's order, keeping every value that XLA would hold in me
 the step that makes it to its last use, and taking the largest total. XLA fuses chains of
 element-wise ops into the op that consumes them, so an element-wise result is counted only when
 something other than another element-wise op reads it (a matmul, a reduction, a collective, a
-loop) or when it leaves its block; transposes are folded into their neighbours' layouts (see
-:mod:`~meshdsl.planner.program`). The order is the traced one, except that values made from
+loop) or when it leaves its block, or when it is expensive (``exp``, ``tanh``, ...) and two steps read it
+(:func:`unduplicated`); transposes are folded into their neighbours' layouts (see
+:mod:`~meshdsl.planner.program`), except a dot's operand that XLA:CPU copies into the order its dot runs
+in while another step reads it as it is (:func:`relaid`). These two decide the peak of a rematerialised
+step, whose backward loop body holds the recomputed forward beside the backward's buffers, with a copy of
+its carried gradient (:func:`copied_carries`). The order is the
+traced one, except that values made from
 constants alone (zero-filled gradient accumulators, masks) come first, where XLA's scheduler
 puts them. Loops run in place, as XLA's buffer assignment shows: a carry keeps one buffer from
 its initial value to its final one; a scanned-out value is written straight into its slice of
@@ -90,6 +95,67 @@ def computed(block: Block) -> set[int]:
     return keep
 
 
+EXPENSIVE = frozenset("exp exp2 log log1p tanh logistic erf erf_inv rsqrt sqrt div pow sin cos tan".split())
+"""Element-wise steps XLA's fusion will not duplicate (its ``IsExpensive``): read by two steps or more, such a
+result is computed once into a buffer of its own, not recomputed inside each reader's fusion."""
+
+
+def unduplicated(block: Block) -> set[int]:
+    """Results of :data:`EXPENSIVE` element-wise steps that two or more steps of ``block`` read: XLA computes
+    each into a buffer of its own (a softmax's exponentials, a GELU's ``tanh``), which a rematerialised
+    layer's recomputed forward holds beside the backward's buffers."""
+    readers: dict[int, int] = {}
+    for step in block.steps:
+        for v in set(step.ins):
+            readers[v] = readers.get(v, 0) + 1
+    return {v for step in block.steps if step.name in EXPENSIVE for v, _ in step.outs if readers.get(v, 0) > 1}
+
+
+def _canonical(dims: list[int], sizes: tuple[int, ...]) -> bool:
+    """Whether an operand read in the dimension order ``dims`` is already laid out so (size-1 dims move freely)."""
+    kept = [d for d in dims if sizes[d] != 1]
+    return kept == sorted(kept)
+
+
+def relaid(step: Step) -> list[tuple[int, int]]:
+    """``(operand, bytes)`` of a ``dot_general`` operand that XLA:CPU copies into another layout before the
+    dot: it runs a dot as ``[batch, rows, contracted] x [batch, contracted, columns]`` (the right operand
+    may also be ``[batch, columns, contracted]``), so a left operand contracted over its leading dims (a
+    weight gradient's activations or output gradient) or an operand whose batch dims do not lead is copied
+    transposed (``copy_bitcast_fusion`` in its buffer assignment)."""
+    if step.name != "dot_general":
+        return []
+    (lc, rc), (lb, rb) = step.params["dimension_numbers"]
+    (lhs, rhs), (la, ra) = step.ins[:2], step.in_avals[:2]
+    lfree = [d for d in range(len(la.shape)) if d not in (*lc, *lb)]
+    rfree = [d for d in range(len(ra.shape)) if d not in (*rc, *rb)]
+    out = []
+    if not _canonical([*lb, *lfree, *lc], la.shape):
+        out.append((lhs, nbytes(la)))
+    if not (_canonical([*rb, *rc, *rfree], ra.shape) or _canonical([*rb, *rfree, *rc], ra.shape)):
+        out.append((rhs, nbytes(ra)))
+    return out
+
+
+def _relayout_copies(steps: list[Step], inputs: Set[int]) -> dict[int, list[tuple[int, int]]]:
+    """Step index -> ``(operand, bytes)`` of the :func:`relaid` copies that dot holds in buffers of their own.
+
+    Where the dot is an operand's only reader, XLA lays the operand out as the dot wants it where it is made:
+    no copy. Otherwise (another step reads it as it is, or it is the block's input, whose layout the
+    caller fixed), the copy is a buffer of its own, made after the operand's previous use (where the value is
+    made when the dot reads it first, as XLA's fusions make both layouts of a value at once)."""
+    readers: dict[int, int] = {}
+    for step in steps:
+        for v in set(step.ins):
+            readers[v] = readers.get(v, 0) + 1
+    out: dict[int, list[tuple[int, int]]] = {}
+    for i, step in enumerate(steps):
+        for v, b in relaid(step):
+            if v and (readers[v] > 1 or v in inputs):
+                out.setdefault(i, []).append((v, b))
+    return out
+
+
 def carried(step: Step) -> list[tuple[int, int]]:
     """``(output, input)`` pairs of a loop whose output is the next value of that input (its carry);
     ``threefry2x32`` is one (XLA runs its rounds as a loop over the two counter words).
@@ -127,6 +193,34 @@ def sliced(step: Step, body: Block) -> dict[int, int]:
     apart = computed(body)
     sizes = {v: nbytes(a) for s in body.steps for v, a in zip(s.ins, s.in_avals)}
     return {v: sizes[v] for v in body.inputs[start : len(step.ins)] if v in apart}
+
+
+def copied_carries(step: Step, body: Block) -> dict[int, int]:
+    """The carries of scan ``body`` that XLA copies at the body's start (value id -> bytes): those read by
+    a step that the next carries do not depend on (a weight gradient read from the carried output
+    gradient). XLA's copy insertion keeps such a copy, as it cannot order that read before the next
+    carry overwrites the carry's buffer; seen in the backward loop of every layout (``copy`` of the
+    carry's ``get-tuple-element``)."""
+    if step.name != "scan":
+        return {}
+    consts, carries = scan_counts(step.params)
+    made_by = {v: s for s in body.steps for v, _ in s.outs}
+    needed: set[int] = set()
+    todo = list(body.outputs[:carries])
+    while todo:
+        v = todo.pop()
+        if v in needed:
+            continue
+        needed.add(v)
+        if v in made_by:
+            todo.extend(made_by[v].ins)
+    inputs = body.inputs[consts : consts + carries]
+    sizes = {v: nbytes(a) for s in body.steps for v, a in zip(s.ins, s.in_avals)}
+    return {
+        v: sizes[v]
+        for v in inputs
+        if v in sizes and any(v in s.ins and not any(o in needed for o, _ in s.outs) for s in body.steps)
+    }
 
 
 def scheduled(block: Block) -> list[Step]:
@@ -198,15 +292,20 @@ def lifetimes(
     so the body's peak lands on top of what is live around the loop.
     """
     clock = clock or _Clock()
-    keep = (computed(block) | set(block.outputs)) - set(elsewhere)
+    keep = (computed(block) | unduplicated(block) | set(block.outputs)) - set(elsewhere)
     steps = scheduled(block)
     last = last_uses(steps, block.outputs)
     opened = clock.tick()
     size = {v: _aligned(b) for v, b in (copied_in or {}).items() if v in last}
     born = dict.fromkeys(size, opened)
     found: list[Lifetime] = []
+    copies = _relayout_copies(steps, set(block.inputs) - set(copied_in or {}))
+    read_at: dict[int, int] = dict.fromkeys(block.inputs, opened)  # value id -> tick of its latest making or reading
     for i, step in enumerate(steps):
         start = clock.tick()
+        copied = [(read_at.get(v, start), b) for v, b in copies.get(i, [])]
+        read_at.update(dict.fromkeys(step.ins, start))
+        read_at.update((v, start) for v, _ in step.outs)
         for out, init in carried(step):
             if last.get(init) == i and init in size:
                 size[out], born[out] = size.pop(init), born.pop(init)
@@ -214,9 +313,10 @@ def lifetimes(
         size.update(made)
         born.update(dict.fromkeys(made, start))
         for body, _ in step.bodies:
-            found += lifetimes(body, in_place(step, body), sliced(step, body), clock)
+            found += lifetimes(body, in_place(step, body), {**sliced(step, body), **copied_carries(step, body)}, clock)
         end = clock.tick()
         found += [Lifetime(start, end, b) for b in loop_overhead(step)]
+        found += [Lifetime(made, end, _aligned(b)) for made, b in copied]
         for v in {*step.ins, *(v for v, _ in step.outs if v not in last)}:
             if last.get(v, i) == i and v in size:
                 found.append(Lifetime(born.pop(v), end, size.pop(v)))
