@@ -129,6 +129,54 @@ def sliced(step: Step, body: Block) -> dict[int, int]:
     return {v: sizes[v] for v in body.inputs[start : len(step.ins)] if v in apart}
 
 
+def stacked(step: Step) -> set[int]:
+    """A scan's stacked results (its outputs past the carries): XLA allocates each from its block's start.
+
+    JAX lowers a scan's stacked result to a loop carry initialised with a zero broadcast, which XLA's
+    scheduler runs first in its computation like the other values made from constants alone (see
+    :func:`scheduled`); one broadcast of a shape serves several loops, each then taking a copy of it
+    made there too. So a stacked result holds its buffer from its block's start, not from its loop:
+    a pipeline's tick loop runs tens of layer scans, whose stacked residuals are all live at its start.
+    """
+    if step.name != "scan":
+        return set()
+    return {v for v, _ in step.outs[scan_counts(step.params)[1] :]}
+
+
+def copied_updates(steps: list[Step]) -> dict[int, int]:
+    """``dynamic_update_slice`` results that XLA writes into a copy of the updated value (result id -> value id).
+
+    XLA updates a buffer in place, unless another step reads the old value and need not run before the
+    update (it is not among the update's ancestors): then copy insertion gives the update a copy of the old
+    value, which XLA's scheduler makes as soon as the old value is made. A pipeline's tick writes its
+    forward's residuals into the ring the previous tick's backward still reads: every such tick holds two
+    rings from the previous tick on. ``steps`` in order (each step after the ones it reads from).
+    """
+    made = {v: i for i, step in enumerate(steps) for v, _ in step.outs}
+    readers: dict[int, list[int]] = {}
+    for i, step in enumerate(steps):
+        for v in set(step.ins):
+            readers.setdefault(v, []).append(i)
+    copies = {}
+    for i, step in enumerate(steps):
+        if step.name != "dynamic_update_slice" or not step.ins[0]:
+            continue
+        others = {r for r in readers[step.ins[0]] if r != i}
+        if not others:
+            continue
+        # the update's ancestors, searched no further back than the earliest other reader
+        earliest, seen, todo = min(others), set(), [i]
+        while todo and not others <= seen:
+            for v in steps[todo.pop()].ins:
+                j = made.get(v)
+                if j is not None and j >= earliest and j not in seen:
+                    seen.add(j)
+                    todo.append(j)
+        if not others <= seen:
+            copies[step.outs[0][0]] = step.ins[0]
+    return copies
+
+
 def scheduled(block: Block) -> list[Step]:
     """``block``'s steps in the order XLA runs them: those made from constants alone (zero-filled
     accumulators, masks) first, as XLA's scheduler was observed to place them; the rest as traced."""
@@ -200,7 +248,14 @@ def lifetimes(
     clock = clock or _Clock()
     keep = (computed(block) | set(block.outputs)) - set(elsewhere)
     steps = scheduled(block)
-    last = last_uses(steps, block.outputs)
+    copies = copied_updates(steps)
+    # an update given a copy reads the old value where the copy is made: as soon as the old value is
+    last = last_uses(
+        [dataclasses.replace(s, ins=[0, *s.ins[1:]]) if s.outs and s.outs[0][0] in copies else s for s in steps],
+        block.outputs,
+    )
+    producer = {v: i for i, step in enumerate(steps) for v, _ in step.outs}
+    ran: dict[int, int] = {}
     opened = clock.tick()
     size = {v: _aligned(b) for v, b in (copied_in or {}).items() if v in last}
     born = dict.fromkeys(size, opened)
@@ -213,6 +268,9 @@ def lifetimes(
         made = {v: _aligned(b) for v, b in step.outs if v in keep and v not in size}
         size.update(made)
         born.update(dict.fromkeys(made, start))
+        born.update(dict.fromkeys(stacked(step) & made.keys(), opened))
+        ran[i] = start
+        born.update({v: ran.get(producer.get(copies[v], -1), opened) for v in made.keys() & copies.keys()})
         for body, _ in step.bodies:
             found += lifetimes(body, in_place(step, body), sliced(step, body), clock)
         end = clock.tick()

@@ -127,9 +127,11 @@ def validate(
     out: Callable[[str], None] = print,
     overrides: dict[str, object] | None = None,
     ranked: Ranked | None = None,
+    only: Sequence[str] = (),
 ) -> list[Check]:
     """Check every legal layout of ``models`` on ``devices`` devices (with ``ranked``, those search ranks),
-    the models built with the ``--set`` values ``overrides``, printing a table row for each."""
+    the models built with the ``--set`` values ``overrides``, printing a table row for each; with ``only``,
+    just the layouts whose name contains one of those substrings (``--only``)."""
     from meshdsl.model.loader import build_model
     from meshdsl.planner.search import legal_candidates
     from meshdsl.train import optim
@@ -145,6 +147,8 @@ def validate(
             else _ranked(model, optimizer, devices, ranked)
         )
         for candidate in chosen:
+            if only and not any(part in candidate.name for part in only):
+                continue
             result = check(name, model, optimizer, candidate, devices)
             if result is not None:
                 checks.append(result)
@@ -172,6 +176,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--memory-gb", type=float, default=None, help="with --ranked: search's memory per device")
     parser.add_argument("--top", type=int, default=None, help="with --ranked: check the first TOP only")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="SUBSTRING",
+        help="check only the layouts whose name contains SUBSTRING (repeatable: any of them), e.g. 'layers:stage'",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
@@ -189,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         parser.error(str(e))
     checks = validate(
-        args.models, args.preset, jax.device_count(), lambda line: print(line, flush=True), settings, ranked
+        args.models, args.preset, jax.device_count(), lambda line: print(line, flush=True), settings, ranked, args.only
     )
     print(f"\n{summary(checks)}")
     return 0 if all(c.bytes_equal and c.memory_close for c in checks) else 1
