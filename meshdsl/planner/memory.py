@@ -16,7 +16,9 @@ its initial value to its final one; a scanned-out value is written straight into
 the stacked result unless a matmul or collective made or read it; a scanned-over slice that a
 matmul or collective reads is copied out of its stack; a loop body's peak counts once (its
 buffers are reused every iteration), on top of what is live around the loop. One-iteration
-scans are no loops at all (XLA removes them).
+scans are no loops at all (XLA removes them). A scan's stacked results hold their buffers from
+the start of the scan's block (:func:`stacked`), and an update whose old value another step still
+reads writes an early copy of it (:func:`copied_updates`): a pipeline's ticks do both.
 
 The live buffers are then packed as XLA packs them (:func:`heap_bytes`): largest first, each in
 the smallest gap that fits it, so the prediction includes the gaps XLA's heap leaves between

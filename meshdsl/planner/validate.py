@@ -5,6 +5,8 @@
 ``python -m meshdsl.planner.validate --models transformer --preset 1b --devices 64 --ranked
 --profile h100 --memory-gb 80``
 
+``python -m meshdsl.planner.validate --models transformer --set batch=16 --set layers=4 --only layers:stage``
+
 For every legal candidate of each model (the search's enumeration), or with ``--ranked`` the
 layouts ``meshdsl search`` ranks under that profile, memory limit and ``--set`` values (its first
 ``--top``), predict the step on the ``cpu-sim`` profile and compile it on the simulated devices;
@@ -13,7 +15,7 @@ equal the compiled HLO's, the predicted and the compiled memory per device, and 
 error), then a summary line. The references are the compiler's own: the HLO's collectives
 (:mod:`meshdsl.analysis.hlo`) and ``compiled.memory_analysis()``
 (:func:`~meshdsl.measure.timing.memory_bytes`). Exits 1 when a row misses (bytes unequal, or
-memory off by more than 10%).
+memory off by more than 10%). ``--only SUBSTRING`` (repeatable) keeps the layouts whose name contains one.
 
 The devices are chosen (``meshdsl.runtime.devices.simulate_devices``) before JAX runs anything, as the
 ``meshdsl`` command does; ``--devices`` defaults to XLA_FLAGS' count, else 8.
