@@ -159,7 +159,7 @@ def copied_updates(steps: list[Step]) -> dict[int, int]:
     for i, step in enumerate(steps):
         for v in set(step.ins):
             readers.setdefault(v, []).append(i)
-    copies = {}
+    copies: dict[int, int] = {}
     for i, step in enumerate(steps):
         if step.name != "dynamic_update_slice" or not step.ins[0]:
             continue
@@ -167,7 +167,8 @@ def copied_updates(steps: list[Step]) -> dict[int, int]:
         if not others:
             continue
         # the update's ancestors, searched no further back than the earliest other reader
-        earliest, seen, todo = min(others), set(), [i]
+        earliest, todo = min(others), [i]
+        seen: set[int] = set()
         while todo and not others <= seen:
             for v in steps[todo.pop()].ins:
                 j = made.get(v)
