@@ -138,7 +138,8 @@ def stacked(step: Step) -> set[int]:
     scheduler runs first in its computation like the other values made from constants alone (see
     :func:`scheduled`); one broadcast of a shape serves several loops, each then taking a copy of it
     made there too. So a stacked result holds its buffer from its block's start, not from its loop:
-    a pipeline's tick loop runs tens of layer scans, whose stacked residuals are all live at its start.
+    a pipelined step runs a layer scan in each of its inline ticks, and all their stacked residuals
+    are live at the step's start.
     """
     if step.name != "scan":
         return set()
