@@ -49,7 +49,7 @@ def _pick(name: str, wanted: list[str]) -> list[Candidate]:
 
 CASES = (
     [
-        pytest.param("mlp", c, id=f"mlp-{c.name}")
+        pytest.param("mlp", c, {}, id=f"mlp-{c.name}")
         for c in _pick(
             "mlp",
             [
@@ -65,24 +65,29 @@ CASES = (
         )
     ]
     + [
-        pytest.param("transformer", c, id=f"transformer-{c.name}")
+        pytest.param("transformer", c, {}, id=f"transformer-{c.name}")
+        for c in _pick("transformer", ["[data=4 model=2] batch:data; vocab:model; d_ff:model; heads:model"])
+    ]
+    # two layers a stage (layers=4): each tick runs a layer scan, as the small preset's pipelines do
+    + [
+        pytest.param("transformer", c, {"layers": 4}, id=f"transformer-layers=4-{c.name}")
         for c in _pick(
             "transformer",
             [
-                "[data=4 model=2] batch:data; vocab:model; d_ff:model; heads:model",
                 "[stage=2 data=2 model=2] batch:data; vocab:model; d_ff:model; heads:model; layers:stage | 4 "
-                "microbatches",
+                "microbatches"
             ],
         )
     ]
-    + [pytest.param("moe", c, id=f"moe-{c.name}") for c in _pick("moe", ["[data=8] batch:data; experts:data"])]
+    + [pytest.param("moe", c, {}, id=f"moe-{c.name}") for c in _pick("moe", ["[data=8] batch:data; experts:data"])]
 )
 
 
-@pytest.mark.parametrize("name,candidate", CASES)
-def test_prediction_matches_the_compiled_program(name: str, candidate: Candidate) -> None:
-    """Collective bytes equal the compiled HLO's exactly; predicted peak memory is within 10% of XLA's."""
-    model = build_model(name, "tiny")
+@pytest.mark.parametrize("name,candidate,overrides", CASES)
+def test_prediction_matches_the_compiled_program(name: str, candidate: Candidate, overrides: dict[str, int]) -> None:
+    """Collective bytes equal the compiled HLO's exactly; predicted peak memory is within 10% of XLA's (the
+    model tiny, with ``overrides``)."""
+    model = build_model(name, "tiny", **overrides)
     check = validate.check(name, model, optim.make("adamw"), candidate, 8)
     assert check is not None and check.bytes_equal, check
     assert check.memory_close, check

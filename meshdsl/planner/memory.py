@@ -13,15 +13,16 @@ loop) or when it leaves its block, or when it is expensive (``exp``, ``tanh``, .
 :mod:`~meshdsl.planner.program`), except a dot's operand that XLA:CPU copies into the order its dot runs
 in while another step reads it as it is (:func:`relaid`). These two decide the peak of a rematerialised
 step, whose backward loop body holds the recomputed forward beside the backward's buffers, with a copy of
-its carried gradient (:func:`copied_carries`). The order is the
-traced one, except that values made from
+its carried gradient (:func:`copied_carries`). The order is the traced one, except that values made from
 constants alone (zero-filled gradient accumulators, masks) come first, where XLA's scheduler
 puts them. Loops run in place, as XLA's buffer assignment shows: a carry keeps one buffer from
 its initial value to its final one; a scanned-out value is written straight into its slice of
 the stacked result unless a matmul or collective made or read it; a scanned-over slice that a
 matmul or collective reads is copied out of its stack; a loop body's peak counts once (its
 buffers are reused every iteration), on top of what is live around the loop. One-iteration
-scans are no loops at all (XLA removes them).
+scans are no loops at all (XLA removes them). A scan's stacked results hold their buffers from
+the start of the scan's block (:func:`stacked`), and an update whose old value another step still
+reads writes an early copy of it (:func:`copied_updates`): a pipeline's ticks do both.
 
 The live buffers are then packed as XLA packs them (:func:`heap_bytes`): largest first, each in
 the smallest gap that fits it, so the prediction includes the gaps XLA's heap leaves between
@@ -223,6 +224,56 @@ def copied_carries(step: Step, body: Block) -> dict[int, int]:
     }
 
 
+def stacked(step: Step) -> set[int]:
+    """A scan's stacked results (its outputs past the carries): XLA allocates each from its block's start.
+
+    JAX lowers a scan's stacked result to a loop carry initialised with a zero broadcast, which XLA's
+    scheduler runs first in its computation like the other values made from constants alone (see
+    :func:`scheduled`); one broadcast of a shape serves several loops, each then taking a copy of it
+    made there too. So a stacked result holds its buffer from its block's start, not from its loop:
+    a pipelined step runs a layer scan in each of its inline ticks, and all their stacked residuals
+    are live at the step's start.
+    """
+    if step.name != "scan":
+        return set()
+    return {v for v, _ in step.outs[scan_counts(step.params)[1] :]}
+
+
+def copied_updates(steps: list[Step]) -> dict[int, int]:
+    """``dynamic_update_slice`` results that XLA writes into a copy of the updated value (result id -> value id).
+
+    XLA updates a buffer in place, unless another step reads the old value and need not run before the
+    update (it is not among the update's ancestors): then copy insertion gives the update a copy of the old
+    value, which XLA's scheduler makes as soon as the old value is made. A pipeline's tick writes its
+    forward's residuals into the ring the previous tick's backward still reads: every such tick holds two
+    rings from the previous tick on. ``steps`` in order (each step after the ones it reads from).
+    """
+    made = {v: i for i, step in enumerate(steps) for v, _ in step.outs}
+    readers: dict[int, list[int]] = {}
+    for i, step in enumerate(steps):
+        for v in set(step.ins):
+            readers.setdefault(v, []).append(i)
+    copies: dict[int, int] = {}
+    for i, step in enumerate(steps):
+        if step.name != "dynamic_update_slice" or not step.ins[0]:
+            continue
+        others = {r for r in readers[step.ins[0]] if r != i}
+        if not others:
+            continue
+        # the update's ancestors, searched no further back than the earliest other reader
+        earliest, todo = min(others), [i]
+        seen: set[int] = set()
+        while todo and not others <= seen:
+            for v in steps[todo.pop()].ins:
+                j = made.get(v)
+                if j is not None and j >= earliest and j not in seen:
+                    seen.add(j)
+                    todo.append(j)
+        if not others <= seen:
+            copies[step.outs[0][0]] = step.ins[0]
+    return copies
+
+
 def scheduled(block: Block) -> list[Step]:
     """``block``'s steps in the order XLA runs them: those made from constants alone (zero-filled
     accumulators, masks) first, as XLA's scheduler was observed to place them; the rest as traced."""
@@ -294,16 +345,23 @@ def lifetimes(
     clock = clock or _Clock()
     keep = (computed(block) | unduplicated(block) | set(block.outputs)) - set(elsewhere)
     steps = scheduled(block)
-    last = last_uses(steps, block.outputs)
+    copies = copied_updates(steps)
+    # an update given a copy reads the old value where the copy is made: as soon as the old value is
+    last = last_uses(
+        [dataclasses.replace(s, ins=[0, *s.ins[1:]]) if s.outs and s.outs[0][0] in copies else s for s in steps],
+        block.outputs,
+    )
+    producer = {v: i for i, step in enumerate(steps) for v, _ in step.outs}
+    ran: dict[int, int] = {}
     opened = clock.tick()
     size = {v: _aligned(b) for v, b in (copied_in or {}).items() if v in last}
     born = dict.fromkeys(size, opened)
     found: list[Lifetime] = []
-    copies = _relayout_copies(steps, set(block.inputs) - set(copied_in or {}))
+    relaid_copies = _relayout_copies(steps, set(block.inputs) - set(copied_in or {}))
     read_at: dict[int, int] = dict.fromkeys(block.inputs, opened)  # value id -> tick of its latest making or reading
     for i, step in enumerate(steps):
         start = clock.tick()
-        copied = [(read_at.get(v, start), b) for v, b in copies.get(i, [])]
+        copied = [(read_at.get(v, start), b) for v, b in relaid_copies.get(i, [])]
         read_at.update(dict.fromkeys(step.ins, start))
         read_at.update((v, start) for v, _ in step.outs)
         for out, init in carried(step):
@@ -312,6 +370,9 @@ def lifetimes(
         made = {v: _aligned(b) for v, b in step.outs if v in keep and v not in size}
         size.update(made)
         born.update(dict.fromkeys(made, start))
+        born.update(dict.fromkeys(stacked(step) & made.keys(), opened))
+        ran[i] = start
+        born.update({v: ran.get(producer.get(copies[v], -1), opened) for v in made.keys() & copies.keys()})
         for body, _ in step.bodies:
             found += lifetimes(body, in_place(step, body), {**sliced(step, body), **copied_carries(step, body)}, clock)
         end = clock.tick()

@@ -5,6 +5,8 @@
 ``python -m meshdsl.planner.validate --models transformer --preset 1b --devices 64 --ranked
 --profile h100 --memory-gb 80``
 
+``python -m meshdsl.planner.validate --models transformer --set batch=16 --set layers=4 --only layers:stage``
+
 For every legal candidate of each model (the search's enumeration), or with ``--ranked`` the
 layouts ``meshdsl search`` ranks under that profile, memory limit and ``--set`` values (its first
 ``--top``), predict the step on the ``cpu-sim`` profile and compile it on the simulated devices;
@@ -13,7 +15,7 @@ equal the compiled HLO's, the predicted and the compiled memory per device, and 
 error), then a summary line. The references are the compiler's own: the HLO's collectives
 (:mod:`meshdsl.analysis.hlo`) and ``compiled.memory_analysis()``
 (:func:`~meshdsl.measure.timing.memory_bytes`). Exits 1 when a row misses (bytes unequal, or
-memory off by more than 10%).
+memory off by more than 10%). ``--only SUBSTRING`` (repeatable) keeps the layouts whose name contains one.
 
 The devices are chosen (``meshdsl.runtime.devices.simulate_devices``) before JAX runs anything, as the
 ``meshdsl`` command does; ``--devices`` defaults to XLA_FLAGS' count, else 8.
@@ -127,11 +129,11 @@ def validate(
     out: Callable[[str], None] = print,
     overrides: dict[str, object] | None = None,
     ranked: Ranked | None = None,
-    only: str | None = None,
+    only: Sequence[str] = (),
 ) -> list[Check]:
-    """Check every legal layout of ``models`` on ``devices`` devices (with ``ranked``, those search ranks;
-    with ``only``, those whose name contains it), the models built with the ``--set`` values ``overrides``,
-    printing a table row for each."""
+    """Check every legal layout of ``models`` on ``devices`` devices (with ``ranked``, those search ranks),
+    the models built with the ``--set`` values ``overrides``, printing a table row for each; with ``only``,
+    just the layouts whose name contains one of those substrings (``--only``)."""
     from meshdsl.model.loader import build_model
     from meshdsl.planner.search import legal_candidates
     from meshdsl.train import optim
@@ -147,7 +149,7 @@ def validate(
             else _ranked(model, optimizer, devices, ranked)
         )
         for candidate in chosen:
-            if only is not None and only not in candidate.name:
+            if only and not any(part in candidate.name for part in only):
                 continue
             result = check(name, model, optimizer, candidate, devices)
             if result is not None:
@@ -175,10 +177,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", default="cpu-sim", help="with --ranked: the profile search plans for")
     parser.add_argument("--memory-gb", type=float, default=None, help="with --ranked: search's memory per device")
     parser.add_argument("--top", type=int, default=None, help="with --ranked: check the first TOP only")
-    parser.add_argument(
-        "--only", default=None, metavar="SUBSTRING", help="check only the layouts whose name contains SUBSTRING"
-    )
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="SUBSTRING",
+        help="check only the layouts whose name contains SUBSTRING (repeatable: any of them), e.g. 'layers:stage'",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
