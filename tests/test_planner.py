@@ -7,7 +7,9 @@ each layout on the simulated devices. No timing is asserted anywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
 import json
 import re
 from typing import Any
@@ -23,6 +25,7 @@ import meshdsl as md
 from meshdsl.cli import main
 from meshdsl.measure.fits import readable
 from meshdsl.model.loader import build_model
+from meshdsl.planner import memory as md_memory
 from meshdsl.planner import validate
 from meshdsl.planner.cost import predict, span
 from meshdsl.planner.memory import Lifetime, _best_fit, heap_bytes
@@ -772,10 +775,44 @@ def test_a_gpu_profile_prices_fused_attention_on_a_cpu_host() -> None:
     assert slower.compute_s == pytest.approx(fused.compute_s + extra, rel=1e-9)
 
 
+def test_search_says_which_ranked_memory_is_not_to_be_trusted(capsys, monkeypatch) -> None:
+    """The interleaved schedule's memory reads 20-50% low against XLA's compiled steps (performance.md): every
+    interleaved candidate carries a caveat, the others none, and ``meshdsl search`` prints it for the rows
+    shown that have it (a plan must not say such a layout fits without it)."""
+    from meshdsl.models import transformer
+
+    search_module = importlib.import_module("meshdsl.planner.search")  # the module (the package exports the function)
+
+    model = transformer.Model(transformer.Config.preset("tiny", layers=4, batch=32))
+    every = candidates(model, _roles(model), 8)
+    flagged = [c for c in every if search_module.memory_caveat(c) is not None]
+    assert flagged and all(c.layout.pipeline.schedule == "interleaved" for c in flagged)
+    assert len(flagged) == sum(c.layout.pipeline.schedule == "interleaved" and "stage" in c.axis_sizes for c in every)
+    shown = [flagged[0], next(c for c in every if "stage" not in c.axis_sizes), flagged[-1]]
+    fake = search_module.SearchResult([(c, _FakePrediction()) for c in shown], [], len(shown))
+    monkeypatch.setattr(search_module, "search", lambda *a, **k: fake)
+    main(["search", "--model", "transformer", "--preset", "tiny", "--set", "layers=4"])
+    err = capsys.readouterr().err
+    assert "meshdsl search: note: row(s) 1, 3: the memory of an interleaved pipeline is predicted 20-50% low" in err
+
+
+@dataclasses.dataclass
+class _FakePrediction:
+    """What search's table prints of a prediction, for a table test that traces nothing."""
+
+    step_s: float = 1e-3
+    total_bytes: float = 0.0
+    memory: Any = dataclasses.field(default_factory=lambda: md_memory.MemoryBreakdown(0, 0, 0, 0))
+
+
 def test_search_proposes_every_pipeline_schedule_and_prices_their_bubbles(tmp_path) -> None:
     """On stage=2, 1F1B, GPipe and interleaved (v = 2) are candidates; the traced programs price the
     bubble (GPipe and 1F1B run M + p - 1 stage ticks, interleaved v M + p - 1 ticks of half a stage,
-    so fewer layer FLOPs) and the memory (GPipe keeps every tick's residuals, 1F1B a ring of 2p - 1)."""
+    so fewer layer FLOPs). Their memory is checked against compiled steps, not against each other: at 4
+    microbatches on 2 stages XLA's 1F1B step holds more than GPipe's (1,432 against 1,363 KiB at batch
+    16: the ring and its early copies against 4 + 1 ticks of residuals; performance.md), so the
+    walk's figures are compared with the compiler's in ``test_prediction_matches_the_compiled_program``,
+    and ``test_pipeline.py`` compiles 1F1B's memory flat in the microbatches and GPipe's growing."""
     from meshdsl.models import transformer
 
     from meshdsl import pipeline
@@ -804,7 +841,6 @@ def test_search_proposes_every_pipeline_schedule_and_prices_their_bubbles(tmp_pa
     priced = {config: predict(model, optimizer, mesh, found[config].layout, CPU) for config in want}
     one_f_one_b, gpipe, interleaved = (priced[c] for c in want)
     assert one_f_one_b.work.matmul_flops == gpipe.work.matmul_flops > interleaved.work.matmul_flops
-    assert one_f_one_b.memory.peak_temporaries < gpipe.memory.peak_temporaries
 
 
 def _figures(p: Any) -> tuple:

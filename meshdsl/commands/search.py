@@ -94,7 +94,7 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> None:
     from meshdsl.measure.fits import readable
     from meshdsl.model.loader import build_model
     from meshdsl.planner.measure import measure, verdict
-    from meshdsl.planner.search import loaded, search, write_layout
+    from meshdsl.planner.search import loaded, memory_caveat, search, write_layout
     from meshdsl.planner.workers import default_workers
     from meshdsl.runtime import output_paths
     from meshdsl.train import optim
@@ -150,6 +150,12 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> None:
         m = "" if meas is None else f"{meas * 1e3:.2f}"
         memory, moved = readable(pred.memory.total), readable(pred.total_bytes)
         print(f"{i:>3}  {pred.step_s * 1e3:12.2f}  {m:>11}  {memory:>10}  {moved:>10}  {cand.name}")
+    notes: dict[str, list[int]] = {}  # why a shown row's memory is not to be trusted as it is -> those rows
+    for i, (cand, _) in enumerate(top, 1):
+        if (why := memory_caveat(cand)) is not None:
+            notes.setdefault(why, []).append(i)
+    for why, rows in notes.items():
+        print(f"meshdsl search: note: row(s) {', '.join(map(str, rows))}: {why}", file=sys.stderr)
     if args.measure and len(times) > 1:
         print(verdict([p.step_s for _, p in result.ranked[:k]], times))
     if args.out:
