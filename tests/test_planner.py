@@ -788,6 +788,14 @@ def test_search_says_which_ranked_memory_is_not_to_be_trusted(capsys, monkeypatc
     flagged = [c for c in every if search_module.memory_caveat(c) is not None]
     assert flagged and all(c.layout.pipeline.schedule == "interleaved" for c in flagged)
     assert len(flagged) == sum(c.layout.pipeline.schedule == "interleaved" and "stage" in c.axis_sizes for c in every)
+    # With remat, the layouts over model >= 4 or with FSDP rules too (the 1B and tiny remat rows, 10-23% low).
+    remat_flagged = {c.name for c in every if search_module.memory_caveat(c, remat=True) is not None} - {
+        c.name for c in flagged
+    }
+    assert remat_flagged == {
+        c.name for c in every if c.axis_sizes.get("model", 1) >= 4 or c.layout.params is not None
+    } - {c.name for c in flagged}
+    assert "[data=8] batch:data" not in remat_flagged and "[data=8] batch:data | params d_model:data" in remat_flagged
     shown = [flagged[0], next(c for c in every if "stage" not in c.axis_sizes), flagged[-1]]
     fake = search_module.SearchResult([(c, _FakePrediction()) for c in shown], [], len(shown))
     monkeypatch.setattr(search_module, "search", lambda *a, **k: fake)

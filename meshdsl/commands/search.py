@@ -91,7 +91,7 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> None:
     import jax
 
     from meshdsl.errors import ConfigError
-    from meshdsl.measure.fits import readable
+    from meshdsl.measure.fits import readable, remats
     from meshdsl.model.loader import build_model
     from meshdsl.planner.measure import measure, verdict
     from meshdsl.planner.search import loaded, memory_caveat, search, write_layout
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace, overrides: dict[str, object]) -> None:
         print(f"{i:>3}  {pred.step_s * 1e3:12.2f}  {m:>11}  {memory:>10}  {moved:>10}  {cand.name}")
     notes: dict[str, list[int]] = {}  # why a shown row's memory is not to be trusted as it is -> those rows
     for i, (cand, _) in enumerate(top, 1):
-        if (why := memory_caveat(cand)) is not None:
+        if (why := memory_caveat(cand, remats(model))) is not None:
             notes.setdefault(why, []).append(i)
     for why, rows in notes.items():
         print(f"meshdsl search: note: row(s) {', '.join(map(str, rows))}: {why}", file=sys.stderr)

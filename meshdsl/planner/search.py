@@ -463,18 +463,23 @@ def search(
     return SearchResult(ranked, dropped, len(to_trace), pool.in_workers)
 
 
-def memory_caveat(candidate: Candidate) -> str | None:
-    """Why ``candidate``'s predicted memory is not to be trusted as it is, or None.
+def memory_caveat(candidate: Candidate, remat: bool = False) -> str | None:
+    """Why ``candidate``'s predicted memory is not to be trusted as it is, or None; ``remat``: the model
+    recomputes its layers' activations in the backward pass.
 
     The memory walk is checked against XLA's compiled steps (docs/performance.md): within 10% for the
-    unpipelined, 1F1B and GPipe layouts checked, but 20-50% low for the interleaved schedule, whose
-    inline ticks' chunk weights XLA slices at the step's start and holds (not yet modelled). A plan
-    that says such a layout fits must say so too, not leave it to the out-of-memory error."""
+    unpipelined, 1F1B and GPipe layouts checked, but 20-50% low for the interleaved schedule (XLA slices its
+    inline ticks' chunk weights at the step's start and holds them), and with remat up to 23% low where
+    the layout splits over ``model`` of 4 or more or stores parameters split (FSDP), whose backward loop
+    holds buffers the walk does not yet model. A plan that says such a layout fits must say so too, not
+    leave it to the out-of-memory error."""
+    check = "compile it (python -m meshdsl.planner.validate --only ...) before trusting that it fits"
     if "stage" in candidate.axis_sizes and candidate.layout.pipeline.schedule == "interleaved":
+        return f"the memory of an interleaved pipeline is predicted 20-50% low (docs/performance.md): {check}"
+    if remat and (candidate.axis_sizes.get("model", 1) >= 4 or candidate.layout.params is not None):
         return (
-            "the memory of an interleaved pipeline is predicted 20-50% low (the compiled step holds its chunks' "
-            "weight slices longer than the planner's walk; docs/performance.md): compile it "
-            "(python -m meshdsl.planner.validate --only ...) before trusting that it fits"
+            "with remat, the memory of a layout over model=4 or more, or with FSDP parameter rules, is predicted "
+            f"up to 23% low (docs/performance.md): {check}"
         )
     return None
 
