@@ -14,6 +14,11 @@ inherit it.
 import os
 import re
 import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
 
 DEVICE_COUNT = 8
 _FLAG = "--xla_force_host_platform_device_count"
@@ -95,3 +100,27 @@ def pytest_collection_modifyitems(items: list) -> None:
     """The longest files first (a stable sort: every file's tests keep their order)."""
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.fixture
+def a_worker_takes_the_second_item(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """A function that makes ``planner.workers.Pool`` start its workers after this process's first item whatever the
+    time left, and this process take its second item only once a worker has taken one, so a worker surely gets some
+    however fast this process is (patched in this process only: a spawned worker imports its own). Called, not
+    applied at once: a run without workers before it would wait for one that never comes."""
+    from meshdsl.planner import workers
+
+    def arm() -> None:
+        taken, calls = workers._taken, []
+
+        def after_a_worker(counter: Any) -> int:
+            calls.append(True)
+            deadline = time.monotonic() + 120
+            while len(calls) == 2 and counter.value < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return taken(counter)
+
+        monkeypatch.setattr(workers, "_taken", after_a_worker)
+        monkeypatch.setattr(workers, "WORKER_START_S", 0.0)
+
+    return arm

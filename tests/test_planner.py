@@ -881,29 +881,16 @@ def test_the_planners_shared_traces_price_as_tracing_each_anew(monkeypatch) -> N
     assert _figures(predict(model, optimizer, mesh, layout, CPU)) == shared
 
 
-def test_a_search_priced_in_worker_processes_gives_the_same_result(monkeypatch) -> None:
+def test_a_search_priced_in_worker_processes_gives_the_same_result(a_worker_takes_the_second_item) -> None:
     """Candidates priced by a spawned worker rank, drop and price as those priced in the search's own process: the
     worker rebuilds the model from the loader's arguments. (Workers start after this process's first candidate
     whatever the time left, and this process takes its second only once the worker has taken one, so the worker
     prices some however fast this process is.)"""
-    import time
-
-    from meshdsl.planner import workers
     from meshdsl.planner.search import loaded
 
     model, optimizer = loaded("mlp", "tiny", {}, "adamw")
     alone = search(model, optimizer, 8, CPU)
-    taken, calls = workers._taken, []
-
-    def after_a_worker(counter: Any) -> int:
-        calls.append(True)
-        deadline = time.monotonic() + 120
-        while len(calls) == 2 and counter.value < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return taken(counter)
-
-    monkeypatch.setattr(workers, "_taken", after_a_worker)  # in this process only: the worker imports its own
-    monkeypatch.setattr(workers, "WORKER_START_S", 0.0)
+    a_worker_takes_the_second_item()
     rebuild = functools.partial(loaded, "mlp", "tiny", {}, "adamw")
     shared = search(model, optimizer, 8, CPU, rebuild=rebuild, workers=2)
     assert 0 < shared.in_workers < shared.traced == alone.traced and alone.in_workers == 0
