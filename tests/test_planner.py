@@ -120,6 +120,20 @@ def test_validate_ranked_compiles_the_layouts_search_ranks() -> None:
     assert "| 900.0 KiB | 9,000.0 KiB |" in validate.Check("m", "l", 0, True, 900 * 2**10, 9000 * 2**10).row()
 
 
+def test_validate_only_keeps_the_layouts_it_names_and_refuses_one_that_names_none(capsys) -> None:
+    """``--only`` keeps the layouts whose name holds one of its substrings (compiling only those); one that
+    matches no layout is a one-line error naming it, exit 2, before anything is compiled."""
+    lines: list[str] = []
+    wanted = "[model=8] d_ff:model"
+    checks = validate.validate(["mlp"], "tiny", 8, lines.append, only=[wanted])
+    assert [c.layout for c in checks] == [wanted] and checks[0].bytes_equal, checks
+    with pytest.raises(SystemExit) as exit_:
+        validate.main(["--models", "mlp", "--only", wanted, "--only", "d_io:modle"])
+    printed = capsys.readouterr()
+    assert exit_.value.code == 2 and "error: --only 'd_io:modle' matches none of the layouts of mlp" in printed.err
+    assert printed.out == ""  # refused before the table's header, nothing compiled
+
+
 def test_heap_takes_the_better_of_two_packings() -> None:
     """A (128 B, ticks 0-1), B (64 B, ticks 0-5), C (192 B, ticks 3-5): largest first puts C above
     B's 64 bytes at 128 (A's 128-byte slot is too small) for a 384-byte heap; longest first puts B

@@ -139,22 +139,28 @@ def validate(
     from meshdsl.train import optim
 
     optimizer = optim.make("adamw")
-    out(HEADER)
-    checks = []
+    chosen = []
     for name in models:
         model = build_model(name, preset, **(overrides or {}))
-        chosen = (
+        every = (
             legal_candidates(model, optimizer, devices)
             if ranked is None
             else _ranked(model, optimizer, devices, ranked)
         )
-        for candidate in chosen:
-            if only and not any(part in candidate.name for part in only):
-                continue
-            result = check(name, model, optimizer, candidate, devices)
-            if result is not None:
-                checks.append(result)
-                out(result.row())
+        chosen += [(name, model, c) for c in every if not only or any(part in c.name for part in only)]
+    matched = {part for part in only if any(part in c.name for _, _, c in chosen)}
+    if unmatched := [part for part in only if part not in matched]:
+        raise ConfigError(
+            f"--only {unmatched[0]!r} matches none of the layouts of {', '.join(models)} at preset {preset!r} on "
+            f"{devices} devices (a layout is named like '[data=4 model=2] batch:data; d_ff:model')"
+        )
+    out(HEADER)
+    checks = []
+    for name, model, candidate in chosen:
+        result = check(name, model, optimizer, candidate, devices)
+        if result is not None:
+            checks.append(result)
+            out(result.row())
     return checks
 
 
@@ -201,9 +207,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = overrides(args.overrides)
     except ConfigError as e:
         parser.error(str(e))
-    checks = validate(
-        args.models, args.preset, jax.device_count(), lambda line: print(line, flush=True), settings, ranked, args.only
-    )
+    try:
+        checks = validate(
+            args.models,
+            args.preset,
+            jax.device_count(),
+            lambda line: print(line, flush=True),
+            settings,
+            ranked,
+            args.only,
+        )
+    except ConfigError as e:  # an unknown model, preset or --set field, an --only that matches nothing
+        parser.error(str(e))
     print(f"\n{summary(checks)}")
     return 0 if all(c.bytes_equal and c.memory_close for c in checks) else 1
 
