@@ -101,15 +101,21 @@ EXPENSIVE = frozenset("exp exp2 log log1p tanh logistic erf erf_inv rsqrt sqrt d
 result is computed once into a buffer of its own, not recomputed inside each reader's fusion."""
 
 
+def readers(steps: list[Step]) -> dict[int, list[int]]:
+    """Value id -> the indices of the steps that read it (each step once, in order)."""
+    found: dict[int, list[int]] = {}
+    for i, step in enumerate(steps):
+        for v in dict.fromkeys(step.ins):
+            found.setdefault(v, []).append(i)
+    return found
+
+
 def unduplicated(block: Block) -> set[int]:
     """Results of :data:`EXPENSIVE` element-wise steps that two or more steps of ``block`` read: XLA computes
     each into a buffer of its own (a softmax's exponentials, a GELU's ``tanh``), which a rematerialised
     layer's recomputed forward holds beside the backward's buffers."""
-    readers: dict[int, int] = {}
-    for step in block.steps:
-        for v in set(step.ins):
-            readers[v] = readers.get(v, 0) + 1
-    return {v for step in block.steps if step.name in EXPENSIVE for v, _ in step.outs if readers.get(v, 0) > 1}
+    read = readers(block.steps)
+    return {v for step in block.steps if step.name in EXPENSIVE for v, _ in step.outs if len(read.get(v, ())) > 1}
 
 
 def _canonical(dims: list[int], sizes: tuple[int, ...]) -> bool:
@@ -145,14 +151,11 @@ def _relayout_copies(steps: list[Step], inputs: Set[int]) -> dict[int, list[tupl
     no copy. Otherwise (another step reads it as it is, or it is the block's input, whose layout the
     caller fixed), the copy is a buffer of its own, made after the operand's previous use (where the value is
     made when the dot reads it first, as XLA's fusions make both layouts of a value at once)."""
-    readers: dict[int, int] = {}
-    for step in steps:
-        for v in set(step.ins):
-            readers[v] = readers.get(v, 0) + 1
+    read = readers(steps)
     out: dict[int, list[tuple[int, int]]] = {}
     for i, step in enumerate(steps):
         for v, b in relaid(step):
-            if v and (readers[v] > 1 or v in inputs):
+            if v and (len(read[v]) > 1 or v in inputs):
                 out.setdefault(i, []).append((v, b))
     return out
 
@@ -249,15 +252,12 @@ def copied_updates(steps: list[Step]) -> dict[int, int]:
     rings from the previous tick on. ``steps`` in order (each step after the ones it reads from).
     """
     made = {v: i for i, step in enumerate(steps) for v, _ in step.outs}
-    readers: dict[int, list[int]] = {}
-    for i, step in enumerate(steps):
-        for v in set(step.ins):
-            readers.setdefault(v, []).append(i)
+    read = readers(steps)
     copies: dict[int, int] = {}
     for i, step in enumerate(steps):
         if step.name != "dynamic_update_slice" or not step.ins[0]:
             continue
-        others = {r for r in readers[step.ins[0]] if r != i}
+        others = {r for r in read[step.ins[0]] if r != i}
         if not others:
             continue
         # the update's ancestors, searched no further back than the earliest other reader
@@ -345,15 +345,15 @@ def lifetimes(
     clock = clock or _Clock()
     keep = (computed(block) | unduplicated(block) | set(block.outputs)) - set(elsewhere)
     steps = scheduled(block)
-    copies = copied_updates(steps)
-    # an update given a copy reads the old value where the copy is made: as soon as the old value is
+    update_copies = copied_updates(steps)
+    # An update given a copy reads the old value where the copy is made (as soon as the old value is), not where
+    # the update runs: the old value's last use is counted without that read.
     last = last_uses(
-        [dataclasses.replace(s, ins=[0, *s.ins[1:]]) if s.outs and s.outs[0][0] in copies else s for s in steps],
+        [dataclasses.replace(s, ins=[0, *s.ins[1:]]) if s.outs and s.outs[0][0] in update_copies else s for s in steps],
         block.outputs,
     )
-    producer = {v: i for i, step in enumerate(steps) for v, _ in step.outs}
-    ran: dict[int, int] = {}
     opened = clock.tick()
+    made_at: dict[int, int] = {}  # value id -> the tick of the step that made it
     size = {v: _aligned(b) for v, b in (copied_in or {}).items() if v in last}
     born = dict.fromkeys(size, opened)
     found: list[Lifetime] = []
@@ -371,13 +371,13 @@ def lifetimes(
         size.update(made)
         born.update(dict.fromkeys(made, start))
         born.update(dict.fromkeys(stacked(step) & made.keys(), opened))
-        ran[i] = start
-        born.update({v: ran.get(producer.get(copies[v], -1), opened) for v in made.keys() & copies.keys()})
+        made_at.update((v, start) for v, _ in step.outs)
+        born.update({v: made_at.get(update_copies[v], opened) for v in made.keys() & update_copies.keys()})
         for body, _ in step.bodies:
             found += lifetimes(body, in_place(step, body), {**sliced(step, body), **copied_carries(step, body)}, clock)
         end = clock.tick()
         found += [Lifetime(start, end, b) for b in loop_overhead(step)]
-        found += [Lifetime(made, end, _aligned(b)) for made, b in copied]
+        found += [Lifetime(at, end, _aligned(b)) for at, b in copied]
         for v in {*step.ins, *(v for v, _ in step.outs if v not in last)}:
             if last.get(v, i) == i and v in size:
                 found.append(Lifetime(born.pop(v), end, size.pop(v)))
