@@ -90,6 +90,10 @@ class Report:
         sources only: :func:`meshdsl.collectives.busiest_device`)."""
         return busiest_device((r.bytes, r.senders) for r in self.rows)
 
+    def __add__(self, other: Report) -> Report:
+        """The collectives of both programs, run one after the other (rows of the same op merged)."""
+        return Report(_merge([*self.rows, *other.rows]), self.source)
+
     def summary(self) -> dict[str, dict[str, float]]:
         """``{collective: {"count": ..., "bytes": ...}}``, in the form :func:`meshdsl.analysis.hlo.summary` gives: runs,
         and the bytes the busiest device sends."""

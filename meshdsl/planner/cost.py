@@ -1,6 +1,6 @@
 """The cost model: one model x mesh x layout priced on a device profile, without running it.
 
-Communication is ``md.explain``'s (the traced program's own collectives, priced by
+Communication is ``md.explain``'s (the traced program's own collectives and those of making its batch, priced by
 :func:`meshdsl.collectives.bytes_moved`, equal to the compiled HLO's); memory is
 :mod:`~meshdsl.planner.memory`'s; work is :mod:`~meshdsl.planner.flops`'. Time is
 
@@ -109,7 +109,8 @@ def price(traced: Traced, model: Model, profile: DeviceProfile) -> Prediction:
     """The :class:`Prediction` of an already traced step."""
     sizes = traced.mesh.axis_sizes
     compiled = as_compiled(traced.jaxpr)  # read once: the collectives, memory and work walk the same program
-    report = report_of_compiled(compiled, sizes, profile.platform == "cpu")
+    cpu = profile.platform == "cpu"
+    report = report_of_compiled(as_compiled(traced.making), sizes, cpu) + report_of_compiled(compiled, sizes, cpu)
     body = compiled_block(compiled)
     mem = memory_model.breakdown(traced.state, traced.batch, traced.layout, traced.mesh, body)
     done = work(body)

@@ -41,16 +41,23 @@ class Traced:
     batch, the mesh."""
 
     jaxpr: Any
+    making: Any
+    """The per-device jaxpr of making the synthetic batch under the layout: the step train and bench run makes
+    it from a key, and a model's batch may communicate (a shift along a split dim is a permute)."""
     state: Any
     batch: Batch
     mesh: md.Mesh
     layout: md.Layout
 
 
+_KEY = jax.ShapeDtypeStruct((2,), jnp.uint32)
+"""The raw key a synthetic batch is made from (``jax.random.key_data``'s shape)."""
+
+
 def abstract_batch(model: Model) -> Batch:
     """The synthetic batch of ``model``, traced once on global arrays (the same under every layout)."""
     with use(GlobalLowering()):
-        closed, shapes = jax.make_jaxpr(model.batch, return_shape=True)(jax.ShapeDtypeStruct((2,), jnp.uint32))
+        closed, shapes = jax.make_jaxpr(model.batch, return_shape=True)(_KEY)
     made = block(closed.jaxpr)
     return Batch(shapes, peak_bytes(made, set(made.outputs)))
 
@@ -69,8 +76,10 @@ def trace_step(
     """Trace one step of ``model`` under ``layout`` on a mesh of ``axis_sizes``; LayoutError if illegal.
 
     The step is traced on a batch of ``batch``'s shapes (default :func:`abstract_batch`) given as
-    an input, not on the synthetic batch made from a key inside the step: making that batch has
-    no collectives, and tracing it costs far more than the step itself for long sequences.
+    an input, and the making of the synthetic batch from a key under the same layout apart
+    (:attr:`Traced.making`): its collectives are the step's too (the step train runs makes it
+    first), while its memory is :attr:`Batch.making_peak`'s and the step's walk stays the same for
+    a batch that comes from a data loader.
     ``platform``: the device profile's, whose attention kernel the step is traced with
     (:func:`meshdsl.nn.attention_impl.traced_for`: cuDNN's fused attention for a GPU); None: the host's.
     ``results``: the step's global result shapes (:func:`step_results`, the same under every layout), else
@@ -84,7 +93,8 @@ def trace_step(
     batch = abstract_batch(model) if batch is None else batch
     with traced_for(platform):
         closed = jax.make_jaxpr(functools.partial(trainer.step.spmd_function, shapes=results))(state, batch.shapes)
-    return Traced(closed.jaxpr, state, batch, mesh, layout)
+    making = jax.make_jaxpr(md.compile(model.batch, mesh, layout).spmd_function)(_KEY)
+    return Traced(closed.jaxpr, making.jaxpr, state, batch, mesh, layout)
 
 
 def step_results(model: Model, optimizer: Any, batch: Batch) -> Any:
