@@ -20,7 +20,7 @@ import meshdsl as md
 from meshdsl import models
 from meshdsl.errors import ConfigError, Interrupted, TrainingError
 from meshdsl.measure.peaks import peak_flops
-from meshdsl.measure.timing import compile_checked
+from meshdsl.measure.timing import compile_checked, memory_bytes
 from meshdsl.model import protocol as model_protocol
 from meshdsl.model.loader import build_model, load_module
 from meshdsl.model.protocol import HuggingFaceMapped, Model
@@ -416,7 +416,7 @@ def _train(
     # as every process's copy of one array.
     like = jax.random.key_data(jax.random.key(run.seed)) if tokens is None else tokens.abstract_batch(mesh, layout)
     with heartbeat("meshdsl train", "compiling the train step", err):
-        compile_checked(trainer, like, f"a training step of {run.model} {run.preset} under {run.layout}")
+        compiled = compile_checked(trainer, like, f"a training step of {run.model} {run.preset} under {run.layout}")
     state, data_key, first = _start(run, trainer, manager, out, prepared.settled.checkpoint)
     if first == run.steps:
         out.write(f"nothing to train: the checkpoint is at step {first}, which is --steps\n")
@@ -512,6 +512,7 @@ def _train(
         best_eval=min(evals, key=lambda e: e[1]) if evals else None,
         perplexity=language,
         peak_bytes=peak_bytes(device),
+        compiled_bytes=memory_bytes(compiled)["total"],
         platform=device.platform,
         checkpoint=None if manager is None else f"{run.checkpoint_dir} (latest {manager.latest()})",
         logs=written,

@@ -20,8 +20,10 @@ from meshdsl.runtime.waiting import duration
 
 
 def memory(nbytes: float) -> str:
-    """A byte count in MiB or GiB."""
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+    """A byte count in KiB, MiB or GiB."""
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
 @dataclasses.dataclass
@@ -130,6 +132,9 @@ class Summary:
     best_eval: tuple[int, float] | None = None
     perplexity: bool = False
     peak_bytes: int | None = None
+    compiled_bytes: int | None = None
+    """What XLA's ``memory_analysis()`` says the compiled step needs on one device (arguments, outputs and
+    temporaries, less the donated state's aliases): known on every platform, CPU included."""
     platform: str = "cpu"
     checkpoint: str | None = None
     logs: list[str] = dataclasses.field(default_factory=list)
@@ -147,11 +152,15 @@ class Summary:
             ppl = (lambda x: f" (perplexity {math.exp(x):,.2f})") if self.perplexity else (lambda x: "")
             (fs, fl), (bs, bl) = self.final_eval, self.best_eval
             out.append(f"eval loss: final {fl:.4f}{ppl(fl)} at step {fs}, best {bl:.4f}{ppl(bl)} at step {bs}")
-        out.append(
-            f"peak memory: {memory(self.peak_bytes)} on one device"
+        kept = (
+            f"{memory(self.peak_bytes)} on one device"
             if self.peak_bytes is not None
-            else f"peak memory: not kept by {self.platform} devices"
+            else f"not kept by {self.platform} devices"
         )
+        needed = (
+            "" if self.compiled_bytes is None else f"; the compiled step needs {memory(self.compiled_bytes)} a device"
+        )
+        out.append(f"peak memory: {kept}{needed}")
         if self.checkpoint is not None:
             out.append(f"checkpoints: {self.checkpoint}")
         out.extend(self.logs)
