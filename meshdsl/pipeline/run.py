@@ -164,9 +164,10 @@ class _Run:
 
     def _microbatch(self, index: Any) -> dict[str, Tensor]:
         """Microbatch ``index`` (clipped into range: out-of-range ticks compute on a real one and are masked)."""
-        index = jnp.clip(index, 0, self.m - 1)
+        index = min(max(index, 0), self.m - 1) if isinstance(index, int) else jnp.clip(index, 0, self.m - 1)
         leaves = [
-            self.lowering.keep(lax.dynamic_index_in_dim(a, index, 0, keepdims=False), shape, axes)
+            # in range (clipped): no select for a negative index to trace, here or at the ring and stage indices
+            self.lowering.keep(lax.dynamic_index_in_dim(a, index, 0, False, allow_negative_indices=False), shape, axes)
             for a, (shape, axes) in zip(self.batch_arrays, self.batch_meta)
         ]
         return jax.tree_util.tree_unflatten(self.batch_tree, leaves)
@@ -279,6 +280,55 @@ class _Run:
             return fn() if pred else zeros()
         return lax.cond(pred, run, zeros)
 
+    def _of_stage(self, values: list[int]) -> Any:
+        """``values[stage]`` for this device's stage: a Python int with one stage, else one index into a
+        constant vector."""
+        if self.p == 1 or len(set(values)) == 1:
+            return values[0]
+        return lax.dynamic_index_in_dim(
+            np.asarray(values, np.int32), self.stage, 0, False, allow_negative_indices=False
+        )
+
+    def _on_chunk(self, flag: Any, j: Any, chunk: int) -> Any:
+        """``flag`` where this stage runs chunk ``chunk`` (``j``): a Python False where ``j``, known when tracing,
+        is another chunk, so a branch that no stage takes is not traced at all (a constant predicate XLA would
+        fold away with its collectives, which ``md.explain`` would still count)."""
+        if self.v == 1:
+            return flag
+        if isinstance(j, int):
+            return flag if j == chunk else False
+        return flag & (j == chunk)
+
+    def _scheduled(
+        self,
+        item: Callable[..., tuple[Any, Any, Any]],
+        t: Any,
+        table: np.ndarray,
+        slot_of: jax.Array,
+        live: frozenset[int],
+        spare: int | None = None,
+    ) -> tuple[Any, Any, Any]:
+        """What this stage runs at tick ``t`` (``item``: :func:`forward_item` or :func:`backward_item`): the
+        microbatch, the chunk, and the ring slot of its residuals (``table``, :func:`residual_slots`, and
+        ``slot_of``, the same as a traced constant), or the slot ``spare`` on a stage outside ``live`` when given.
+
+        At an inline tick ``t`` is a Python int, so each is worked out in Python for every stage and read by
+        this stage's index: the values the arithmetic on the traced stage gives, which costs tens of traced
+        operations a tick (a tenth of a pipelined step's tracing at 8 stages)."""
+        p, v, last = self.p, self.v, table.shape[1] - 1
+        if isinstance(t, int):
+            rows = [item(t, s, p, v) for s in range(p)]
+            slots = [
+                int(table[s, min(max(n, 0), last)]) if spare is None or s in live else spare
+                for s, (_, _, n) in enumerate(rows)
+            ]
+            return self._of_stage([r[0] for r in rows]), self._of_stage([r[1] for r in rows]), self._of_stage(slots)
+        mb, j, n = item(t, self.stage, p, v)
+        slot = slot_of[self.stage, jnp.clip(n, 0, last)]
+        if spare is not None and len(live) < p:
+            slot = jnp.where(self._live(live), slot, spare)
+        return mb, j, slot
+
     def _live(self, stages: frozenset[int]) -> Any:
         """Whether this device's stage is in ``stages`` (a Python bool with one stage)."""
         if self.p == 1:
@@ -296,7 +346,9 @@ class _Run:
         else what arrived."""
         if 0 not in segment.forward:
             return received
-        first = self.first if self.v == 1 else self.first & (j == 0)
+        first = self._on_chunk(self.first, j, 0)
+        if first is False:
+            return received
         return jnp.where(first, self._when(first, lambda: self._pre(rest, self._microbatch(f))), received)
 
     def _segments(self, tick: Callable[[Segment, Any, Any], Any], carry: Any) -> Any:
@@ -398,34 +450,34 @@ class _Run:
             received, ct_in, ring, total, g_rest, g_w = carry
             ct_y = None
             if segment.forward:
-                f, j, seq = forward_item(t, self.stage, p, v)  # forward of microbatch f through chunk j
+                # forward of microbatch f through chunk j; an idle forward writes to the spare slot
+                f, j, slot = self._scheduled(forward_item, t, table, slot_of, segment.forward, slots)
                 y, kept = forward_kept(chunk(w, j), self._input(rest, segment, received, f, j))
-                slot = slot_of[self.stage, jnp.clip(seq, 0, v * m - 1)]
-                if len(segment.forward) < p:  # an idle forward writes to the spare slot
-                    slot = jnp.where(self._live(segment.forward), slot, slots)
                 ring = [
-                    lax.dynamic_update_index_in_dim(r, self.lowering.vary_like(a, r), slot, 0)
+                    lax.dynamic_update_index_in_dim(
+                        r, self.lowering.vary_like(a, r), slot, 0, allow_negative_indices=False
+                    )
                     for r, a in zip(ring, kept, strict=True)
                 ]
-                if p - 1 in segment.forward:
-                    last = self.last if v == 1 else self.last & (j == v - 1)
+                last = self._on_chunk(self.last, j, v - 1)
+                if p - 1 in segment.forward and last is not False:
                     value, g_post, ct_y = self._when(last, lambda: post(rest, y, self._microbatch(f)))
                     total, g_rest = total + value, add(g_rest, g_post)
                 received = self._send(y, 1, segment.forward_sends)
             if segment.backward:
-                b, j, seq = backward_item(t, self.stage, p, v)  # backward of microbatch b through chunk j
-                last = self.last if v == 1 else self.last & (j == v - 1)
-                ct = ct_in if ct_y is None else jnp.where(last, ct_y, ct_in)
+                # backward of microbatch b through chunk j
+                b, j, slot = self._scheduled(backward_item, t, table, slot_of, segment.backward)
+                last = self._on_chunk(self.last, j, v - 1)
+                ct = ct_in if ct_y is None or last is False else jnp.where(last, ct_y, ct_in)
                 ct = jnp.where(self._live(segment.backward), ct, 0.0).astype(self.x_like.dtype)
                 # An idle backward reads a slot a forward wrote, with a zero cotangent: zero gradients, never NaN.
-                slot = slot_of[self.stage, jnp.clip(seq, 0, v * m - 1)]
-                loaded = iter(lax.dynamic_index_in_dim(r, slot, 0, keepdims=False) for r in ring)
+                loaded = iter(lax.dynamic_index_in_dim(r, slot, 0, False, allow_negative_indices=False) for r in ring)
                 wc = chunk(w, j)
                 leaves = [next(loaded) if a is None else wc[a] for a in probe]
                 g_chunk, g_x = backward(leaves, self.lowering.vary_like(ct, self.x_like))
                 g_w = add_chunk(g_w, g_chunk, j)
-                if 0 in segment.backward:
-                    first = self.first if v == 1 else self.first & (j == 0)
+                first = self._on_chunk(self.first, j, 0)
+                if 0 in segment.backward and first is not False:
                     g_rest = add(g_rest, self._when(first, lambda: pre_grad(rest, g_x, self._microbatch(b))))
                 ct_in = self._send(g_x, -1, segment.backward_sends)
             return received, ct_in, ring, total, g_rest, g_w
