@@ -435,7 +435,16 @@ class _Run:
         # accumulation, a dynamic slice of every weight per tick.
         forward_kept, backward = jax.jit(_forward_kept), jax.jit(_backward)
         post, pre_grad = jax.jit(_post), jax.jit(_pre_grad)
-        chunk, add_chunk = (jax.jit(self._chunk), jax.jit(self._add_chunk)) if v > 1 else (self._chunk, self._add_chunk)
+        sliced, added = (jax.jit(self._chunk), jax.jit(self._add_chunk)) if v > 1 else (self._chunk, self._add_chunk)
+
+        def chunk(w: list[jax.Array], j: Any) -> list[jax.Array]:
+            """A chunk known when tracing (an inline tick's) sliced in place: through the call its index would be
+            an argument, traced, and the program would depend on whether the call is inlined."""
+            return self._chunk(w, j) if isinstance(j, int) else sliced(w, j)
+
+        def add_chunk(g_w: list[jax.Array], g: list[jax.Array], j: Any) -> list[jax.Array]:
+            return self._add_chunk(g_w, g, j) if isinstance(j, int) else added(g_w, g, j)
+
         _, stored_like = jax.eval_shape(forward_kept, chunk(w, 0), self.x_like)
         probe = traced["probe"]
         # One slot per chunk-microbatch in flight (residual_slots says which), and a spare one that idle
