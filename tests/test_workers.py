@@ -20,3 +20,16 @@ def test_an_error_in_a_worker_is_raised_in_the_search(a_worker_takes_the_second_
     pool = workers.Pool(pool_items.doubled_here_fails_there, "search", pool_items.in_worker, 2)
     with pytest.raises(ValueError, match="item 1 failed in a worker"):
         pool.run(list(range(6)), lambda i, r: None)
+
+
+@pytest.mark.parametrize(("guess_s", "alive"), [(None, 0), (0.001, 0), (10.0, 1)])
+def test_a_guess_of_the_items_time_starts_workers_before_the_first_item(guess_s, alive) -> None:
+    """Given a guess that the items take longer than a worker's start, the worker starts beside this process's
+    first item, not after it; a guess of short work, or none, starts none before it (and six items of no time
+    start none after it either)."""
+    pool_items.alive_at_first.clear()
+    pool = workers.Pool(pool_items.doubled_noting_workers_alive, "search", pool_items.in_worker, 2)
+    assert pool.run(list(range(6)), lambda i, r: None, guess_s) == [0, 2, 4, 6, 8, 10]
+    assert pool_items.alive_at_first == [alive]
+    if guess_s is None or guess_s < workers.WORKER_START_S / 6:
+        assert pool.in_workers == 0

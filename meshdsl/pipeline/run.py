@@ -164,7 +164,7 @@ class _Run:
 
     def _microbatch(self, index: Any) -> dict[str, Tensor]:
         """Microbatch ``index`` (clipped into range: out-of-range ticks compute on a real one and are masked)."""
-        index = min(max(index, 0), self.m - 1) if isinstance(index, int) else jnp.clip(index, 0, self.m - 1)
+        index = _clipped(index, self.m - 1)
         leaves = [
             # in range (clipped): no select for a negative index to trace, here or at the ring and stage indices
             self.lowering.keep(lax.dynamic_index_in_dim(a, index, 0, False, allow_negative_indices=False), shape, axes)
@@ -319,12 +319,12 @@ class _Run:
         if isinstance(t, int):
             rows = [item(t, s, p, v) for s in range(p)]
             slots = [
-                int(table[s, min(max(n, 0), last)]) if spare is None or s in live else spare
+                int(table[s, _clipped(n, last)]) if spare is None or s in live else spare
                 for s, (_, _, n) in enumerate(rows)
             ]
             return self._of_stage([r[0] for r in rows]), self._of_stage([r[1] for r in rows]), self._of_stage(slots)
         mb, j, n = item(t, self.stage, p, v)
-        slot = slot_of[self.stage, jnp.clip(n, 0, last)]
+        slot = slot_of[self.stage, _clipped(n, last)]
         if spare is not None and len(live) < p:
             slot = jnp.where(self._live(live), slot, spare)
         return mb, j, slot
@@ -498,6 +498,11 @@ class _Run:
         _, _, _, total, g_rest, g_w = self._segments(tick, init)
         (grads,) = unprepare((g_rest, g_w))
         return self._psum_stages(total) / m, grads
+
+
+def _clipped(index: Any, last: int) -> Any:
+    """``index`` clipped into ``[0, last]``: in Python where known when tracing (an inline tick's), else traced."""
+    return min(max(index, 0), last) if isinstance(index, int) else jnp.clip(index, 0, last)
 
 
 def check_interleaved(p: int, m: int, v: int, layers: Dim) -> None:

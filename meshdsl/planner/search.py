@@ -45,6 +45,7 @@ import functools
 import gc
 import itertools
 import math
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO, cast
@@ -412,7 +413,10 @@ def search(
             file=status,
             flush=True,
         )
+    began = time.monotonic()
     shared = pricing(model, optimizer, profile)
+    # About a candidate's time: pricing traced the step once on global arrays, as a candidate does on local ones.
+    guess_s = time.monotonic() - began
     r = model_roles(model, shared.state, shared.batch.shapes)
     every = candidates(model, r, devices, pipeline)
     outcomes: list[Prediction | Dropped | None] = [_stored_drop(c, shared.state, r.sizes, limit) for c in every]
@@ -432,12 +436,13 @@ def search(
     shapes = (profile, shared.state, shared.batch, shared.results)
     setup = None if rebuild is None else functools.partial(_rebuilt, rebuild, *shapes)
     pool: Pool[Candidate, Prediction | Dropped] = Pool(_priced, shared, setup, workers)
-    # One quick candidate first (its time decides whether workers pay), then the pipelined ones: they take
-    # several times as long, and one left for the end would keep a process busy while the others idle.
+    # One quick candidate first (where the guess started no workers, its time decides whether they pay), then the
+    # pipelined ones: they take several times as long, and one left for the end would keep a process busy while the
+    # others idle.
     order = sorted(to_trace, key=lambda i: "stage" not in every[i].axis_sizes)
     quick = [i for i in order if "stage" not in every[i].axis_sizes][:1]
     order = quick + [i for i in order if i not in quick]
-    for i, outcome in zip(order, pool.run([every[i] for i in order], done), strict=True):
+    for i, outcome in zip(order, pool.run([every[i] for i in order], done, guess_s), strict=True):
         outcomes[i] = outcome
     if waiting is not None and not to_trace:
         waiting.show(force=True)

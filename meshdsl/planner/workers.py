@@ -8,9 +8,11 @@ them beside the search's own process:
 * the workers are *spawned*, not forked (a fork of a process whose JAX threads are running can
   deadlock), and each rebuilds what pricing needs once, from ``setup``: a picklable function (a
   model loaded from a user's file cannot be pickled; the loader's arguments can);
-* workers start once the candidates left are predicted (this process's time per candidate so far,
-  times those left) to take longer than :data:`WORKER_START_S`, about what a worker takes to start
-  (importing JAX, rebuilding the model): a short search (a tiny MLP's takes a second) starts none;
+* workers start once the candidates left are predicted to take longer than :data:`WORKER_START_S`,
+  about what a worker takes to start (importing JAX, rebuilding the model): before the first
+  candidate where the search has a guess of a candidate's time (what tracing the step once on
+  global arrays took), else after it (its time, times those left); a short search (a tiny MLP's
+  takes a second) starts none;
 * every process, the search's own included, takes the next candidate from one shared counter, so
   none waits while another has work left, and the search's process goes on pricing while the
   workers start;
@@ -87,10 +89,15 @@ class Pool(Generic[Item, Result]):
         self.in_workers = 0
         """How many items of the last :meth:`run` the workers priced."""
 
-    def run(self, items: Sequence[Item], done: Callable[[int, Result], None]) -> list[Result]:
+    def run(
+        self, items: Sequence[Item], done: Callable[[int, Result], None], guess_s: float | None = None
+    ) -> list[Result]:
         """Every item priced (``done(index, result)`` as each finishes, in any order); the results in item order.
 
-        An exception that ``price`` raises, here or in a worker, is raised here, the workers stopped."""
+        ``guess_s``: about the seconds an item takes, known before any is priced; workers then start at once where
+        the items would take longer than :data:`WORKER_START_S`, their start-up beside this process's first item
+        (the first a process prices is its slowest: JAX's caches are cold). An exception that ``price`` raises, here
+        or in a worker, is raised here, the workers stopped."""
         results: dict[int, Result] = {}
         here = 0
         spawn = multiprocessing.get_context("spawn")
@@ -98,9 +105,9 @@ class Pool(Generic[Item, Result]):
         workers: list[tuple[Any, Connection]] = []
         began = time.monotonic()
 
-        def start_workers() -> None:
+        def start_workers(each_s: float) -> None:
             left = len(items) - int(counter.value)
-            predicted = (time.monotonic() - began) / max(here, 1) * left
+            predicted = each_s * left
             if self.setup is None or left < 2 or predicted <= WORKER_START_S:
                 return
             for _ in range(min(self.processes - 1, left - 1)):
@@ -127,13 +134,15 @@ class Pool(Generic[Item, Result]):
                 record(i, result)
 
         try:
+            if guess_s is not None and self.processes > 1:
+                start_workers(guess_s)
             while (i := _taken(counter)) < len(items):
                 record(i, self.price(self.context, items[i]))
                 here += 1
                 if workers:
                     collect(0)
                 elif self.processes > 1:
-                    start_workers()
+                    start_workers((time.monotonic() - began) / here)
             while workers and len(results) < len(items):
                 collect(None)
             for i in range(len(items)):  # held by a worker that died
