@@ -104,10 +104,11 @@ def pytest_collection_modifyitems(items: list) -> None:
 
 @pytest.fixture
 def a_worker_takes_the_second_item(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
-    """A function that makes ``planner.workers.Pool`` start its workers after this process's first item whatever the
-    time left, and this process take its second item only once a worker has taken one, so a worker surely gets some
-    however fast this process is (patched in this process only: a spawned worker imports its own). Called, not
-    applied at once: a run without workers before it would wait for one that never comes."""
+    """A function that makes ``planner.workers.Pool`` start its workers whatever the time left (at once where it has a
+    guess, else after this process's first item), and this process take its second item only once a worker has taken
+    one, so a worker surely gets some however fast this process is (patched in this process only: a spawned worker
+    imports its own). Called, not applied at once: a run without workers before it would wait for one that never
+    comes."""
     from meshdsl.planner import workers
 
     def arm() -> None:

@@ -909,9 +909,9 @@ def test_the_planners_shared_traces_price_as_tracing_each_anew(monkeypatch) -> N
 
 def test_a_search_priced_in_worker_processes_gives_the_same_result(a_worker_takes_the_second_item) -> None:
     """Candidates priced by a spawned worker rank, drop and price as those priced in the search's own process: the
-    worker rebuilds the model from the loader's arguments. (Workers start after this process's first candidate
-    whatever the time left, and this process takes its second only once the worker has taken one, so the worker
-    prices some however fast this process is.)"""
+    worker rebuilds the model from the loader's arguments. (Workers start whatever the time left, and this process
+    takes its second candidate only once the worker has taken one, so the worker prices some however fast this
+    process is.)"""
     from meshdsl.planner.search import loaded
 
     model, optimizer = loaded("mlp", "tiny", {}, "adamw")
