@@ -31,5 +31,15 @@ def test_a_guess_of_the_items_time_starts_workers_before_the_first_item(guess_s,
     pool = workers.Pool(pool_items.doubled_noting_workers_alive, "search", pool_items.in_worker, 2)
     assert pool.run(list(range(6)), lambda i, r: None, guess_s) == [0, 2, 4, 6, 8, 10]
     assert pool_items.alive_at_first == [alive]
-    if guess_s is None or guess_s < workers.WORKER_START_S / 6:
+    if alive == 0:
         assert pool.in_workers == 0
+
+
+@pytest.mark.parametrize("guess_s", [float("nan"), float("inf"), -1.0, "3"])
+def test_a_guess_that_is_no_time_is_refused_before_any_item(guess_s) -> None:
+    """A NaN, infinite, negative or non-number guess is a ValueError naming it, before any item is priced."""
+    pool_items.alive_at_first.clear()
+    pool = workers.Pool(pool_items.doubled_noting_workers_alive, "search", pool_items.in_worker, 2)
+    with pytest.raises(ValueError, match=r"guess_s must be a finite number of seconds >= 0, or None; got"):
+        pool.run(list(range(6)), lambda i, r: None, guess_s)
+    assert pool_items.alive_at_first == []

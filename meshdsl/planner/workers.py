@@ -25,6 +25,7 @@ them beside the search's own process:
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import time
@@ -98,6 +99,8 @@ class Pool(Generic[Item, Result]):
         the items would take longer than :data:`WORKER_START_S`, their start-up beside this process's first item
         (the first a process prices is its slowest: JAX's caches are cold). An exception that ``price`` raises, here
         or in a worker, is raised here, the workers stopped."""
+        if guess_s is not None and not (isinstance(guess_s, (int, float)) and math.isfinite(guess_s) and guess_s >= 0):
+            raise ValueError(f"Pool.run: guess_s must be a finite number of seconds >= 0, or None; got {guess_s!r}")
         results: dict[int, Result] = {}
         here = 0
         spawn = multiprocessing.get_context("spawn")
