@@ -28,7 +28,7 @@ from meshdsl.model.loader import build_model
 from meshdsl.planner import memory as md_memory
 from meshdsl.planner import validate
 from meshdsl.planner.cost import predict, span
-from meshdsl.planner.memory import Lifetime, _best_fit, heap_bytes
+from meshdsl.planner.memory import Lifetime, _best_fit, heap_bytes, live_peak
 from meshdsl.planner.profile import DeviceProfile, load_profile, shipped
 from meshdsl.planner.roles import roles
 from meshdsl.planner.search import Candidate, abstract_state, candidates, legal_candidates, search
@@ -158,16 +158,21 @@ def test_heap_takes_the_better_of_two_packings() -> None:
 @settings(max_examples=S.examples(60), deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 6), st.integers(1, 8)), min_size=1, max_size=25))
 def test_heap_lies_between_the_live_peak_and_the_sum(spans: list[tuple[int, int, int]]) -> None:
-    """No packing beats the most bytes live at one tick, nor needs more than every buffer apart; and the
+    """No packing beats the most bytes live at one tick, nor needs more than every buffer apart; the
     vectorised packing is the plain best fit (each buffer in the smallest gap among those placed that
-    overlap it in time, the earliest of equal gaps), written here pair by pair."""
+    overlap it in time, the earliest of equal gaps), written here pair by pair; and the heap is the
+    smaller of the plain packings largest first and longest first, though it skips the second where
+    the first reaches the live peak."""
     buffers = [Lifetime(start, start + length, 64 * blocks) for start, length, blocks in spans]
     live = np.zeros(27, dtype=np.int64)
     for buf in buffers:
         live[buf.start : buf.end + 1] += buf.size
-    assert live.max() <= heap_bytes(buffers) <= sum(buf.size for buf in buffers)
+    assert live_peak(buffers) == live.max() <= heap_bytes(buffers) <= sum(buf.size for buf in buffers)
     for order in (sorted(buffers, key=lambda b: -b.size), sorted(buffers, key=lambda b: b.start - b.end), buffers):
         assert _best_fit(order) == _plain_best_fit(order)
+    by_size = sorted(buffers, key=lambda b: (-b.size, b.start - b.end, b.start))
+    by_length = sorted(buffers, key=lambda b: (b.start - b.end, -b.size, b.start))
+    assert heap_bytes(buffers) == min(_plain_best_fit(by_size), _plain_best_fit(by_length))
 
 
 def _plain_best_fit(buffers: list[Lifetime]) -> int:

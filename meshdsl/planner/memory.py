@@ -418,10 +418,28 @@ def _best_fit(buffers: list[Lifetime]) -> int:
 def heap_bytes(buffers: list[Lifetime]) -> int:
     """Bytes of the heap XLA's buffer assignment packs ``buffers`` into: its decreasing-size
     best-fit heap, placed largest first and longest-lived first, whichever packs smaller. A
-    buffer cannot reuse a gap smaller than itself, so the heap can exceed the peak of live bytes."""
-    by_size = sorted(buffers, key=lambda b: (-b.size, b.start - b.end, b.start))
-    by_length = sorted(buffers, key=lambda b: (b.start - b.end, -b.size, b.start))
-    return min(_best_fit(by_size), _best_fit(by_length))
+    buffer cannot reuse a gap smaller than itself, so the heap can exceed the peak of live bytes.
+
+    No packing is smaller than that peak, so where the first packing reaches it the second is not made
+    (48 of the 8B llama search's
+    74 heaps: about 2 of its 62 CPU-s, the result the same)."""
+    by_size = _best_fit(sorted(buffers, key=lambda b: (-b.size, b.start - b.end, b.start)))
+    if by_size == live_peak(buffers):
+        return by_size
+    return min(by_size, _best_fit(sorted(buffers, key=lambda b: (b.start - b.end, -b.size, b.start))))
+
+
+def live_peak(buffers: list[Lifetime]) -> int:
+    """The most bytes of ``buffers`` live at one tick: a lower bound on any packing of them."""
+    if not buffers:
+        return 0
+    starts = np.fromiter((b.start for b in buffers), np.int64, len(buffers))
+    ends = np.fromiter((b.end for b in buffers), np.int64, len(buffers))
+    sizes = np.fromiter((b.size for b in buffers), np.int64, len(buffers))
+    change = np.zeros(int(ends.max()) + 2, np.int64)
+    np.add.at(change, starts, sizes)
+    np.add.at(change, ends + 1, -sizes)
+    return int(np.cumsum(change).max())
 
 
 def peak_bytes(block: Block, elsewhere: Set[int] = frozenset()) -> int:
