@@ -436,10 +436,10 @@ def live_peak(buffers: list[Lifetime]) -> int:
     starts = np.fromiter((b.start for b in buffers), np.int64, len(buffers))
     ends = np.fromiter((b.end for b in buffers), np.int64, len(buffers))
     sizes = np.fromiter((b.size for b in buffers), np.int64, len(buffers))
-    change = np.zeros(int(ends.max()) + 2, np.int64)
+    change = np.zeros(max(b.end for b in buffers) + 2, np.int64)
     np.add.at(change, starts, sizes)
     np.add.at(change, ends + 1, -sizes)
-    return int(np.cumsum(change).max())
+    return int(np.max(np.cumsum(change)))
 
 
 def peak_bytes(block: Block, elsewhere: Set[int] = frozenset()) -> int:
