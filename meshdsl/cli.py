@@ -88,9 +88,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             print(f"meshdsl {args.command}: stopped: the reader of its output closed the pipe", file=sys.stderr)
         distributed.exit_now(141)
-    except Exception:
+    except Exception as e:
         if distributed.joined():
-            traceback.print_exc()
+            gone = distributed.peer_gone(e)
+            if gone is None:
+                traceback.print_exc()
+            else:
+                print(f"meshdsl {args.command}: stopped: {gone}", file=sys.stderr)
             distributed.exit_now(1)
         raise
     return code or 0

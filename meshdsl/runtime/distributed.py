@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import re
 import socket
 import sys
 import time
@@ -232,6 +233,26 @@ def local_value(x: Any) -> np.ndarray:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return np.asarray(x.addressable_data(0))
     return np.asarray(x)
+
+
+_PEER_GONE = re.compile(
+    r"Gloo \w+ failed: [^\n]*(?:Connection reset by peer|Connection closed by peer|Read timeout|Read error|Broken pipe)"
+    r"[^\n]*"
+)
+"""gloo's words, in a collective's error, for a connection to another process that broke or went silent."""
+
+
+def peer_gone(error: BaseException) -> str | None:
+    """Why a collective failed, said for a user, where ``error`` is gloo's broken or silent connection to
+    another process of the run; else None. Such a process is a survivor: the traceback of where its
+    collective stood says nothing, and the launcher names the process that failed first."""
+    match = _PEER_GONE.search(str(error))
+    if match is None:
+        return None
+    return (
+        f"a collective between the processes failed ({match.group(0)}): another process of the run is gone or "
+        "stalled (meshdsl launch names the one that failed first)"
+    )
 
 
 def exit_now(code: int) -> None:

@@ -295,10 +295,18 @@ def _supervise(
 
 def _failures(codes: Sequence[int | None]) -> list[tuple[int, int]]:
     """``(rank, code)`` of the processes that failed, the likely first first. Deaths one look sees
-    together are ordered by rank, a SIGABRT last: it is how a survivor ends when it notices a peer
-    gone (JAX's coordinator, gloo), so another death beside it came first."""
+    together are ordered: killed by a signal from outside (SIGKILL, SIGSEGV: before the launcher
+    stops anyone, no signal is its), then exited with a status, then SIGABRT, each by rank. A
+    survivor that notices a peer gone ends with SIGABRT (JAX's coordinator) or a status (gloo's
+    error raised in a collective, at once), never by another signal, so a signal's death beside
+    theirs came first."""
     failed = [(rank, code) for rank, code in enumerate(codes) if code is not None and code != 0]
-    return sorted(failed, key=lambda failure: (failure[1] == -signal.SIGABRT, failure[0]))
+
+    def order(failure: tuple[int, int]) -> tuple[int, int]:
+        rank, code = failure
+        return (2 if code == -signal.SIGABRT else 0 if code < 0 else 1), rank
+
+    return sorted(failed, key=order)
 
 
 def _stopped(child: subprocess.Popen) -> bool:
