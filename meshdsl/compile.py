@@ -27,12 +27,14 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from meshdsl.errors import ConfigError, LayoutError, ShapeError
+from meshdsl.jax_compat import at_top_level
 from meshdsl.layout import Layout, Split
 from meshdsl.lowering.base import GlobalLowering
 from meshdsl.lowering.context import use
 from meshdsl.lowering.gspmd import GspmdLowering
 from meshdsl.lowering.spmd import SpmdLowering
 from meshdsl.mesh import Mesh
+from meshdsl.runtime.compiler_options import compiler_options
 from meshdsl.tensor import Tensor, describe, is_tensor
 
 LayoutLike = Layout | str | Mapping
@@ -121,6 +123,9 @@ class Compiled:
         program = self.spmd_function if self.backend is Backend.SPMD else self._gspmd
         self.donate_argnums = tuple(donate_argnums)
         self._jitted = jax.jit(program, donate_argnums=self.donate_argnums)
+        # XLA's options apply only where this is the whole program, not traced into a caller's jit or grad
+        options = self._options()
+        self._top = jax.jit(program, donate_argnums=self.donate_argnums, compiler_options=options) if options else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._check_arguments(args, kwargs)
@@ -130,12 +135,24 @@ class Compiled:
                 f"md.compile'd {self._name}: mesh {self.mesh} is abstract (md.Mesh.abstract: no devices), so it can be "
                 "traced (md.explain, .lower) but not run; build the mesh on devices (md.Mesh(...))"
             )
-        return self._jitted(*args)
+        return self._program()(*args)
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """Lower for ``args`` as ``jax.jit(...).lower`` does (then ``.compile().as_text()`` shows the HLO)."""
         self._check_arguments(args, kwargs)
-        return self._jitted.lower(*args)
+        return self._program().lower(*args)
+
+    def _program(self) -> Any:
+        """The jitted program to run: with XLA's options at top level, without them inside a JAX trace."""
+        return self._top if self._top is not None and at_top_level() else self._jitted
+
+    def _options(self) -> dict[str, Any]:
+        """XLA's options for the platform of the mesh's devices (an abstract mesh, which is traced and never
+        compiled, needs none)."""
+        jax_mesh = self.mesh.jax_mesh
+        if isinstance(jax_mesh, jax.sharding.AbstractMesh):
+            return {}
+        return compiler_options(jax_mesh.devices.flat[0].platform)
 
     @property
     def _name(self) -> str:

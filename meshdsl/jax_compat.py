@@ -8,6 +8,8 @@ reads inside a jaxpr is :mod:`meshdsl.analysis.jaxpr_walk`'s ``param`` and its n
   later keep them in an aval's ``manual_axis_type.varying``; earlier releases called it ``vma``.
 * :func:`jaxlib_version`: the XLA at hand, for behaviour that changed between releases.
 * :func:`dce_jaxpr`: dead-code elimination of a jaxpr, which JAX exports only from ``jax._src``.
+* :func:`at_top_level`: whether no JAX transformation is tracing the caller, which JAX also exports only
+  from ``jax._src`` (a ``jax.jit`` given ``compiler_options`` refuses to be traced inside another).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any
 
 import jax
 import jaxlib
-from jax._src.interpreters import partial_eval as _pe  # the one import of JAX's private modules
+from jax._src import core as _core  # with partial_eval below, the only imports of JAX's private modules
+from jax._src.interpreters import partial_eval as _pe
 
 
 def aval_varying(aval: Any) -> frozenset[str]:
@@ -38,3 +41,8 @@ def jaxlib_version() -> tuple[int, ...]:
 def dce_jaxpr(jaxpr: Any) -> Any:
     """``jaxpr`` without the equations no output depends on (what XLA would drop as dead)."""
     return _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
+
+
+def at_top_level() -> bool:
+    """Whether the caller runs outside every JAX trace (not inside ``jax.jit``, ``jax.grad``, ``jax.vmap``)."""
+    return bool(_core.trace_state_clean())

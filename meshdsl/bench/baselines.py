@@ -36,6 +36,7 @@ from meshdsl.model.protocol import Model
 from meshdsl.models.transformer import task_terms
 from meshdsl.nn.attention_impl import implementation_here
 from meshdsl.ops.scan import REMAT_POLICIES
+from meshdsl.runtime.compiler_options import compiler_options
 from meshdsl.tensor import is_tensor
 from meshdsl.train.optim import Optimizer
 from meshdsl.train.rules import model_dims
@@ -261,7 +262,8 @@ def make_step(
 
     params = _whole(state["params"])
     shardings = _state_shardings(jax.eval_shape(init, params), mesh, layout.param_layout)
-    start = jax.jit(init, out_shardings=shardings)(params)  # its own buffers (both steps donate theirs)
+    options = compiler_options(mesh.devices.flat[0].platform)  # meshdsl's: the two steps compile alike
+    start = jax.jit(init, out_shardings=shardings, compiler_options=options)(params)  # its own buffers (both donate)
     make_batch, config = _MODELS[kind][0], model.config
     loss_and_grads = _loss_and_grads(kind, config, mesh, layout, grad_reduce_dtype)
 
@@ -276,7 +278,13 @@ def make_step(
 
     scalar = NamedSharding(mesh.jax_mesh, PartitionSpec())
     compiled = (
-        jax.jit(step, in_shardings=(shardings,), out_shardings=(shardings, scalar), donate_argnums=0)
+        jax.jit(
+            step,
+            in_shardings=(shardings,),
+            out_shardings=(shardings, scalar),
+            donate_argnums=0,
+            compiler_options=options,
+        )
         .lower(start)
         .compile()
     )

@@ -35,6 +35,7 @@ from meshdsl.collectives import Collective, bytes_moved
 from meshdsl.errors import ConfigError
 from meshdsl.measure import fits
 from meshdsl.planner.profile import KINDS, DeviceProfile, Link, default_profile
+from meshdsl.runtime.compiler_options import compiler_options
 
 SIZES = (2**14, 2**17, 2**20)
 """Buffer bytes per device the collectives are measured at."""
@@ -75,7 +76,10 @@ def _per_device(mesh: jax.sharding.Mesh, body: Callable, local_shape: tuple[int,
     global_shape = (local_shape[0] * mesh.size, *local_shape[1:])
     spec = P(names)
     x = jax.device_put(jnp.ones(global_shape, dtype), NamedSharding(mesh, spec))
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False),
+        compiler_options=compiler_options(mesh.devices.flat[0].platform),
+    )
     return functools.partial(fn, x)
 
 
@@ -158,7 +162,7 @@ def attention_rate(
             out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=fused)
             return jnp.sum(out.astype(jnp.float32))
 
-        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), compiler_options=compiler_options(jax.devices()[0].platform))
         q = jnp.ones((b, t, n, h), dtype)
         seconds = _time(functools.partial(grad, q, q, q))
         return attention_flops(b, n, t, t, h, causal=True, passes=1) * passes / seconds, seconds
@@ -195,7 +199,8 @@ def collective_times(
         spec = P(names)
         x = jax.device_put(jnp.ones((local[0] * mesh.size,), jnp.float32), NamedSharding(mesh, spec))
         fn = jax.jit(
-            jax.shard_map(_collective(kind, axis), mesh=mesh, in_specs=spec, out_specs=P(names), check_vma=False)
+            jax.shard_map(_collective(kind, axis), mesh=mesh, in_specs=spec, out_specs=P(names), check_vma=False),
+            compiler_options=compiler_options(mesh.devices.flat[0].platform),
         )
         seconds = _time(functools.partial(fn, x))
         result = jax.eval_shape(fn, x)  # the global result: one device holds 1 / mesh.size of it

@@ -2,5 +2,6 @@
 
 :mod:`.devices` chooses simulated or real devices, :mod:`.distributed` joins a multi-process run,
 :mod:`.launch` starts one on this host, :mod:`.output_paths` checks where a run may write,
-and :mod:`.layout_spec` finds a ``--layout`` argument's file or rules.
+:mod:`.layout_spec` finds a ``--layout`` argument's file or rules, and :mod:`.compiler_options` holds
+the XLA options meshdsl compiles with.
 """
