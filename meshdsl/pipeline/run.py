@@ -37,8 +37,7 @@ Each 1F1B tick's forward reads its input only once the previous tick's backward 
 weight gradients (:func:`_after`). Nothing else orders them: the forwards form one chain of ticks
 and the backwards another, meeting only in the residual ring, and XLA:CPU's scheduler ran the whole
 forward chain ahead, holding every version of the ring between (the interleaved small transformer
-split over ``model``: 54.9 MiB a device compiled, 27.8 MiB with the order; the schedule's own
-memory is the second).
+split over ``model``: 54.9 MiB a device compiled without the order, 27.8 MiB with it).
 """
 
 from __future__ import annotations
