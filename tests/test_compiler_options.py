@@ -3,7 +3,8 @@
 A library fusion fuses none of its producers, so XLA computes each operand into a buffer of its own,
 broadcasts included; meshdsl's planner predicts the generic fusion XLA:GPU does. The checks compile
 the same function with and without the option through plain ``jax.jit`` (the reference: XLA's own
-HLO and ``memory_analysis``) and ask which of the two ``md.compile`` and bench's plain-JAX step build.
+HLO) and ask which of the two ``md.compile`` and bench's plain-JAX step build; the memory the option
+saves is checked against the planner in ``test_planner.py`` (the remat rows at length 64).
 """
 
 from __future__ import annotations
@@ -13,7 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import meshdsl as md
+from meshdsl.bench import baselines
+from meshdsl.measure.timing import compile_step
+from meshdsl.model.loader import build_model
 from meshdsl.runtime import compiler_options as options
+from meshdsl.train import optim
+from meshdsl.train.step import Trainer
 
 
 def _norm_dot_grad(x: jax.Array, scale: jax.Array, w: jax.Array) -> jax.Array:
@@ -59,3 +65,16 @@ def test_options_are_for_cpu_only_and_dropped_when_this_jaxlib_refuses_them(monk
     assert options.compiler_options("gpu") == {} and options.compiler_options("tpu") == {}
     monkeypatch.setattr(options, "NO_LIBRARY_FUSIONS", {"xla_cpu_no_such_option_of_meshdsl": ""})
     assert options.compiler_options("cpu") == {}  # a later jaxlib without the option compiles as before
+
+
+def test_bench_compiles_its_plain_jax_step_as_it_compiles_meshdsls(monkeypatch) -> None:
+    """bench's ``÷ jax`` compares two steps compiled alike: the plain-JAX step has no library fusion either,
+    where the same step compiled without the option has (a transformer large enough for XLA:CPU to use them)."""
+    layout = md.Layout("batch:data", mesh_axes={"data": 4})
+    model = build_model("transformer", "tiny", length=64, d_model=128, d_ff=256, d_kv=16)
+    step = compile_step(Trainer(model, optim.make("adamw"), layout.mesh(jax.devices()[:4]), layout), seed=0)
+    plain = baselines.baseline(step)
+    assert plain.losses_match and plain.step is not None
+    assert "ynn_fusion" not in plain.step.compiled.as_text()
+    monkeypatch.setattr(baselines, "compiler_options", lambda platform: {})
+    assert "ynn_fusion" in baselines.baseline(step).step.compiled.as_text()
