@@ -355,3 +355,18 @@ def test_embedding_runs_only_on_the_first_stage_and_head_only_on_the_last(schedu
     assert stages == {"pre": [0], "post": [3]}, stages
     # Each of the stage's 2 devices (data=2) runs the head once per microbatch.
     assert sum(k == "post" for k, _ in _CALLS) == 2 * 4
+
+
+@pytest.mark.parametrize("anchor", [0.0, -0.0, 1.0, -2.5, 1e-45, np.inf, -np.inf, np.nan], ids=repr)
+@pytest.mark.parametrize("dtype", [np.float32, np.dtype("bfloat16")], ids=str)
+def test_a_forward_that_waits_for_the_backward_reads_its_input_unchanged(anchor: float, dtype: np.dtype) -> None:
+    """The order a 1F1B tick's forward keeps (pipeline.run._after) changes no number whatever the gradient it
+    waits for holds: zeros of both signs (bits 0 and the sign bit), a subnormal, infinities, NaN; the input
+    keeps its own NaN and infinities too."""
+    from meshdsl.pipeline.run import _after
+
+    x = np.array([[1.5, -0.0, np.nan, np.inf], [-np.inf, 3.0, 0.0, -7.25]], np.float32).astype(dtype)
+    gradient = np.full((3, 2), anchor, np.float32).astype(dtype)
+    got = np.asarray(jax.jit(_after)(x, gradient))
+    bits = np.dtype(f"u{x.dtype.itemsize}")  # bit for bit: -0.0 stays -0.0, NaN stays the same NaN
+    assert got.dtype == x.dtype and np.array_equal(got.view(bits), x.view(bits))
