@@ -474,11 +474,11 @@ def memory_caveat(candidate: Candidate, remat: bool = False) -> str | None:
 
     The memory walk is checked against XLA's compiled steps (docs/performance.md): within 10% for every
     unpipelined and GPipe layout of the small preset and the 1B layouts search ranks, but up to 20% low for
-    1F1B and interleaved ones there (within 10% at the tiny preset: XLA copies the residual ring at some
-    sizes and not at others). With remat, a pipelined layout reads up to 40% low, and one
-    over ``model`` of 4 or more or with FSDP parameter rules up to 16% low: their backward loops hold
-    buffers the walk does not yet model. A plan that says such a layout fits must say so too, not leave it
-    to the out-of-memory error."""
+    1F1B and interleaved ones there (within 10% at the tiny preset: the walk updates the residual ring in
+    place, as XLA does there, and XLA does so only in part at the small one). With remat, a pipelined
+    layout reads up to 40% low, and one over ``model`` of 4 or more or with FSDP parameter rules up to 16%
+    low: their backward loops hold buffers the walk does not yet model. A plan that says such a layout
+    fits must say so too, not leave it to the out-of-memory error."""
     check = "compile it (python -m meshdsl.planner.validate --only ...) before trusting that it fits"
     pipelined = "stage" in candidate.axis_sizes
     if pipelined and not remat and candidate.layout.pipeline.schedule != "gpipe":
