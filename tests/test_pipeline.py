@@ -361,12 +361,36 @@ def test_embedding_runs_only_on_the_first_stage_and_head_only_on_the_last(schedu
 @pytest.mark.parametrize("dtype", [np.float32, np.dtype("bfloat16")], ids=str)
 def test_a_forward_that_waits_for_the_backward_reads_its_input_unchanged(anchor: float, dtype: np.dtype) -> None:
     """The order a 1F1B tick's forward keeps (pipeline.run._after) changes no number whatever the gradient it
-    waits for holds: zeros of both signs (bits 0 and the sign bit), a subnormal, infinities, NaN; the input
-    keeps its own NaN and infinities too."""
+    waits for holds: zeros of both signs (bits 0 and the sign bit), a subnormal, infinities, NaN, beside a gradient
+    of another shape and dtype; the input keeps its own NaN and infinities too."""
     from meshdsl.pipeline.run import _after
 
     x = np.array([[1.5, -0.0, np.nan, np.inf], [-np.inf, 3.0, 0.0, -7.25]], np.float32).astype(dtype)
-    gradient = np.full((3, 2), anchor, np.float32).astype(dtype)
-    got = np.asarray(jax.jit(_after)(x, gradient))
+    gradients = [np.full((3, 2), anchor, np.float32).astype(dtype), np.full((5,), -anchor, np.float16)]
+    got = np.asarray(jax.jit(_after)(x, gradients))
     bits = np.dtype(f"u{x.dtype.itemsize}")  # bit for bit: -0.0 stays -0.0, NaN stays the same NaN
     assert got.dtype == x.dtype and np.array_equal(got.view(bits), x.view(bits))
+
+
+def test_a_1f1b_step_updates_its_residual_rings_in_place() -> None:
+    """Each 1F1B tick's forward writes its residuals into the rings the previous tick's backward read; it waits
+    for that backward's gradients (pipeline.run._after), so XLA writes every activation-sized ring in place.
+    Waiting for one weight gradient only left each ring that gradient does not read copied every tick (84 copies
+    of an update in this program, 48 of them of activation-sized rings: 1F1B over four stages of the small
+    transformer compiled 29.4 MiB a device, 26.3 MiB without them)."""
+    import re
+
+    from meshdsl.measure.timing import compile_abstract
+    from meshdsl.planner.search import legal_candidates
+
+    model = transformer.Model(transformer.Config.preset("tiny", layers=4, batch=16))
+    name = "[stage=4 data=2] batch:data; layers:stage | 8 microbatches"
+    (candidate,) = [c for c in legal_candidates(model, optim.make("adamw"), 8) if c.name == name]
+    trainer = Trainer(model, optim.make("adamw"), md.Mesh(candidate.axis_sizes), candidate.layout)
+    text = compile_abstract(trainer, jax.random.key_data(jax.random.key(0))).as_text()
+    copies = re.findall(r"= (\w+)\[([\d,]*)\]\S* copy\(%?[\w.-]*dynamic-update-slice[\w.-]*\)", text)
+    activation = 8 * 16 * 32  # slots x length x d_model: one microbatch row's residual in every slot
+    copied = [
+        (t, s) for t, s in copies if t.startswith(("f", "bf")) and np.prod([int(d) for d in s.split(",")]) >= activation
+    ]
+    assert not copied, copied

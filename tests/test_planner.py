@@ -50,9 +50,13 @@ def _pick(name: str, wanted: list[str]) -> list[Candidate]:
     return [legal[w] for w in wanted]
 
 
+MLP_SIZE = {"batch": 64, "d_io": 64, "d_ff": 128}
+"""The mlp's memory is checked at this size: at its tiny preset (a few KiB) one of XLA's small buffers moves the
+error past 10%, and whether XLA's heap reuses the buffers that made the batch for the step's varies."""
+
 CASES = (
     [
-        pytest.param("mlp", c, {}, id=f"mlp-{c.name}")
+        pytest.param("mlp", c, MLP_SIZE, id=f"mlp-{c.name}")
         for c in _pick(
             "mlp",
             [
@@ -137,13 +141,17 @@ _MEGATRON = "batch:data; vocab:model; d_ff:model; heads:model"
         f"[data=2 model=4] {_MEGATRON}",
         f"[data=2 model=4] {_MEGATRON} | params vocab:model; d_ff:model; heads:model; d_model:data",
         "[model=8] vocab:model; d_ff:model; heads:model",
+        "[data=8] batch:data | params d_model:data",
+        "[model=8] heads:model",
     ],
 )
 def test_remat_prediction_holds_at_sizes_where_xla_cpu_would_fuse_for_ynnpack(wanted: str) -> None:
     """From a length of 64 and a d_model of 128 XLA:CPU hands the norm's pieces to YNNPACK library fusions,
     which hold each operand in a buffer of its own (broadcasts too): these rows compiled 12%, 15% and 23% above
     the prediction with them, as the 1B remat layouts did (-15% to -19%). meshdsl compiles without them
-    (meshdsl.runtime.compiler_options), so the prediction holds for the program train and bench run."""
+    (meshdsl.runtime.compiler_options), so the prediction holds for the program train and bench run. FSDP over
+    data alone and ``heads:model`` over model=8 read 13% and 16% low while the walk read each fused element-wise
+    step's inputs where the step was traced, not where its fusion runs (memory.last_uses)."""
     (candidate,) = _pick("transformer", [wanted])
     model = build_model("transformer", "tiny", remat=True, length=64, d_model=128, d_ff=256, d_kv=16)
     check = validate.check("transformer", model, optim.make("adamw"), candidate, 8)
@@ -839,10 +847,10 @@ def test_a_gpu_profile_prices_fused_attention_on_a_cpu_host() -> None:
 
 def test_search_says_which_ranked_memory_is_not_to_be_trusted(capsys, monkeypatch) -> None:
     """Without remat every layout's memory is predicted within 10% but 1F1B's and the interleaved schedule's
-    (up to 19% low at the small preset: performance.md); with remat the pipelined layouts read 10-40% low
-    and those over model >= 4 or with FSDP rules up to 16%: each such candidate carries a caveat, the others
-    none, and ``meshdsl search`` prints it for the rows shown that have it (a plan must not say such a
-    layout fits without it)."""
+    (up to 15% off at the tiny and small presets: performance.md); with remat the pipelined layouts read up to 36% low,
+    the others within 10% (FSDP and model=8 included): each pipelined candidate so flagged carries a caveat,
+    the others none, and ``meshdsl search`` prints it for the rows shown that have it (a plan must not say
+    such a layout fits without it)."""
     from meshdsl.models import transformer
 
     search_module = importlib.import_module("meshdsl.planner.search")  # the module (the package exports the function)
@@ -852,27 +860,18 @@ def test_search_says_which_ranked_memory_is_not_to_be_trusted(capsys, monkeypatc
     ticked = {c.name for c in every if "stage" in c.axis_sizes and c.layout.pipeline.schedule != "gpipe"}
     assert ticked and {c.name for c in every if search_module.memory_caveat(c) is not None} == ticked
     flagged = [c for c in every if search_module.memory_caveat(c, remat=True) is not None]
-    assert {c.name for c in flagged} == {
-        c.name
-        for c in every
-        if "stage" in c.axis_sizes or c.axis_sizes.get("model", 1) >= 4 or c.layout.params is not None
-    }
-    names = {c.name for c in flagged}
-    assert "[data=8] batch:data" not in names and "[data=8] batch:data | params d_model:data" in names
+    assert {c.name for c in flagged} == {c.name for c in every if "stage" in c.axis_sizes}
     pipelined = next(c for c in flagged if "stage" in c.axis_sizes)
-    fsdp = next(c for c in flagged if c.name == "[data=8] batch:data | params d_model:data")
+    fsdp = next(c for c in every if c.name == "[data=8] batch:data | params d_model:data")
     shown = [pipelined, next(c for c in every if c.name == "[data=8] batch:data"), fsdp]
     fake = search_module.SearchResult([(c, _FakePrediction()) for c in shown], [], len(shown))
     monkeypatch.setattr(search_module, "search", lambda *a, **k: fake)
     main(["search", "--model", "transformer", "--preset", "tiny", "--set", "layers=4", "--set", "remat=true"])
     err = capsys.readouterr().err
     assert (
-        "meshdsl search: note: row(s) 1: with remat, the memory of a pipelined layout is predicted up to 40% low" in err
+        "meshdsl search: note: row(s) 1: with remat, the memory of a pipelined layout is predicted up to 36% low" in err
     )
-    assert (
-        "meshdsl search: note: row(s) 3: with remat, the memory of a layout over model=4 or more, or with FSDP" in err
-    )
-    assert "row(s) 2" not in err
+    assert "row(s) 2" not in err and "row(s) 3" not in err
 
 
 @dataclasses.dataclass

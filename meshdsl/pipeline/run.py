@@ -52,6 +52,7 @@ from jax import lax
 
 from meshdsl.dims import Dim, Shape
 from meshdsl.errors import ConfigError
+from meshdsl.jax_compat import varying_axes
 from meshdsl.lowering.base import Lowering
 from meshdsl.lowering.context import current
 from meshdsl.model import protocol as model_protocol
@@ -467,7 +468,7 @@ class _Run:
             if segment.forward:
                 # forward of microbatch f through chunk j; an idle forward writes to the spare slot
                 f, j, slot = self._scheduled(forward_item, t, table, slot_of, segment.forward, slots)
-                x_in = _after(self._input(rest, segment, received, f, j), g_w[0])  # after the last backward
+                x_in = _after(self._input(rest, segment, received, f, j), [*g_w, ct_in])  # after the last backward
                 y, kept = forward_kept(chunk(w, j), x_in)
                 ring = [
                     lax.dynamic_update_index_in_dim(
@@ -529,11 +530,16 @@ def check_interleaved(p: int, m: int, v: int, layers: Dim) -> None:
         )
 
 
-def _after(x: jax.Array, anchor: jax.Array) -> jax.Array:
-    """``x``, as a value XLA can compute only once ``anchor`` is made: a select of ``x`` on a predicate of one
-    of ``anchor``'s elements that is always true but that XLA does not fold (its bits ``| 1 != 0``; an
-    ``optimization_barrier`` would not do: XLA:CPU removes barriers before it schedules). The same numbers,
-    NaN or not: the other branch is never taken."""
-    first = anchor.reshape(-1)[0].astype(jnp.float32)
-    true = lax.bitwise_or(lax.bitcast_convert_type(first, jnp.int32), jnp.int32(1)) != 0
-    return jnp.where(true, x, jnp.zeros((), x.dtype))
+def _after(x: jax.Array, anchors: list[jax.Array]) -> jax.Array:
+    """``x``, as a value XLA can compute only once ``anchors`` are made: a select of ``x`` on a predicate of their
+    first elements that is always true but that XLA does not fold (their bits or'd ``| 1 != 0``; an
+    ``optimization_barrier`` would not do: XLA:CPU removes barriers before it schedules). The same numbers, NaN or
+    not: the other branch is never taken. Only the anchors that vary along no mesh axis ``x`` does not take part
+    (a predicate of the others would make ``x`` varying along their axes)."""
+    bits = jnp.int32(1)
+    axes = varying_axes(x)
+    for anchor in anchors:
+        if varying_axes(anchor) <= axes:
+            first = anchor.reshape(-1)[0].astype(jnp.float32)
+            bits = lax.bitwise_or(bits, lax.bitcast_convert_type(first, jnp.int32))
+    return jnp.where(bits != 0, x, jnp.zeros((), x.dtype))
