@@ -292,7 +292,7 @@ def scheduled(block: Block) -> list[Step]:
 
 
 def last_uses(steps: list[Step], outputs: list[int], materialized: Set[int] = frozenset()) -> dict[int, int]:
-    """Value id -> index of the last step reading it (``len(steps)`` for the block's results).
+    """Value id -> index of the step where it is last read (``len(steps)`` for the block's results).
 
     An element-wise step none of whose results is ``materialized`` runs inside the fusions of the steps that read
     it, so it reads its inputs where the last of those runs: a gradient summed over a pipeline's ticks (``g + a``,
