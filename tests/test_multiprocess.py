@@ -364,10 +364,13 @@ def test_a_peer_that_ended_beside_a_killed_one_is_not_blamed(survivor: str, code
         "Gloo AllGather failed: [tcp/pair.cc:538] Read error [127.0.0.1]:15236: Connection reset by peer",
         "Gloo ReduceScatter failed: [gloo/transport/tcp/buffer.cc:72] Read timeout [::1]:38624",
         "Gloo ReduceScatter failed: [gloo/transport/tcp/pair.cc:547] Connection closed by peer [::1]:2475",
+        "Gloo context initialization failed: [external/xla++third_party_ext+gloo/gloo/transport/tcp/pair.cc:152] "
+        "timed out connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:42398$32",
     ],
 )
 def test_a_collective_that_gloo_ended_is_said_in_a_line(words: str) -> None:
-    """gloo's broken or silent connection (the words of CI's failure and of jax-ml/jax#40831) is named, with
+    """gloo's broken, refused or silent connection (the words of CI's failures, one a survivor's new gloo
+    context on JAX 0.12 that found its peer gone, and of jax-ml/jax#40831) is named, with
     gloo's own words, as another process gone; any other error is not (its traceback is printed)."""
     import jax
 

@@ -236,10 +236,12 @@ def local_value(x: Any) -> np.ndarray:
 
 
 _PEER_GONE = re.compile(
-    r"Gloo \w+ failed: [^\n]*(?:Connection reset by peer|Connection closed by peer|Read timeout|Read error|Broken pipe)"
+    r"Gloo \w+(?: \w+)? failed: [^\n]*"
+    r"(?:Connection reset by peer|Connection closed by peer|Connection refused|Read timeout|Read error|Broken pipe)"
     r"[^\n]*"
 )
-"""gloo's words, in a collective's error, for a connection to another process that broke or went silent."""
+"""gloo's words, in a collective's error, for a connection to another process that broke, was refused (a new
+gloo context whose peer is gone: "Gloo context initialization failed") or went silent."""
 
 
 def peer_gone(error: BaseException) -> str | None:
