@@ -462,13 +462,20 @@ class _Run:
         def add(a: Any, b: Any) -> Any:
             return jax.tree_util.tree_map(lambda u, v: u + v, a, b)
 
+        ran_backward = False  # whether a tick traced so far ran a backward
+
         def tick(segment: Segment, carry: tuple, t: Any) -> tuple:
+            nonlocal ran_backward
             received, ct_in, ring, total, g_rest, g_w = carry
             ct_y = None
             if segment.forward:
                 # forward of microbatch f through chunk j; an idle forward writes to the spare slot
                 f, j, slot = self._scheduled(forward_item, t, table, slot_of, segment.forward, slots)
-                x_in = _after(self._input(rest, segment, received, f, j), [*g_w, ct_in])  # after the last backward
+                x_in = self._input(rest, segment, received, f, j)
+                # after the last backward; an inline tick before any backward has nothing to wait for (its anchors
+                # would be the zero accumulators, constants), a loop's tick waits for the iteration before
+                if ran_backward or (segment.backward and not isinstance(t, int)):
+                    x_in = _after(x_in, [*g_w, ct_in])
                 y, kept = forward_kept(chunk(w, j), x_in)
                 ring = [
                     lax.dynamic_update_index_in_dim(
@@ -497,6 +504,7 @@ class _Run:
                 if 0 in segment.backward and first is not False:
                     g_rest = add(g_rest, self._when(first, lambda: pre_grad(rest, g_x, self._microbatch(b))))
                 ct_in = self._send(g_x, -1, segment.backward_sends)
+                ran_backward = True
             return received, ct_in, ring, total, g_rest, g_w
 
         def zeros(tree: Any) -> Any:
@@ -534,12 +542,18 @@ def _after(x: jax.Array, anchors: list[jax.Array]) -> jax.Array:
     """``x``, as a value XLA can compute only once ``anchors`` are made: a select of ``x`` on a predicate of their
     first elements that is always true but that XLA does not fold (their bits or'd ``| 1 != 0``; an
     ``optimization_barrier`` would not do: XLA:CPU removes barriers before it schedules). The same numbers, NaN or
-    not: the other branch is never taken. Only the anchors that vary along no mesh axis ``x`` does not take part
-    (a predicate of the others would make ``x`` varying along their axes)."""
-    bits = jnp.int32(1)
+    not: the other branch is never taken. An anchor that varies along a mesh axis ``x`` does not (a gradient of a
+    weight split over ``model``, ``x`` replicated there) joins through a ``pmax`` of its bits over those axes, four
+    bytes a tick: without it XLA copied every residual ring such a gradient's backward read, each tick."""
     axes = varying_axes(x)
+    bits, apart = jnp.int32(1), jnp.int32(1)
     for anchor in anchors:
+        first = lax.bitcast_convert_type(anchor.reshape(-1)[0].astype(jnp.float32), jnp.int32)
         if varying_axes(anchor) <= axes:
-            first = anchor.reshape(-1)[0].astype(jnp.float32)
-            bits = lax.bitwise_or(bits, lax.bitcast_convert_type(first, jnp.int32))
+            bits = lax.bitwise_or(bits, first)
+        else:
+            apart = lax.bitwise_or(apart, first)
+    missing = tuple(sorted(varying_axes(apart) - axes))
+    if missing:  # non-negative, so the largest is not 0 either
+        bits = lax.bitwise_or(bits, lax.pmax(lax.bitwise_and(apart, jnp.int32(0x7FFFFFFF)), missing))
     return jnp.where(bits != 0, x, jnp.zeros((), x.dtype))

@@ -24,7 +24,8 @@ buffers are reused every iteration), on top of what is live around the loop. One
 scans are no loops at all (XLA removes them). A scan's stacked results hold their buffers from
 the start of the scan's block (:func:`stacked`), and an update writes into its old value's buffer
 (:func:`updated`) unless another step still reads that value, when it writes an early copy of it
-(:func:`copied_updates`): a pipeline's ticks do both.
+(:func:`copied_updates`): a pipeline's ticks do both. A scatter into zeros that is then added to a value
+is a scatter into that value in place (:func:`folded_scatters`): a cross-entropy's gradient.
 
 The live buffers are then packed as XLA packs them (:func:`heap_bytes`): largest first, each in
 the smallest gap that fits it, so the prediction includes the gaps XLA's heap leaves between
@@ -86,15 +87,44 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
+def folded_scatters(block: Block) -> set[int]:
+    """Results of ``scatter-add`` steps into a broadcast constant that one addition alone reads: XLA's algebraic
+    simplifier scatters into the other addend instead (``add(x, scatter(0, i, u)) -> scatter(x, i, u)``, in place),
+    so neither the zeros nor the scatter's result has a buffer. A gathered logit's gradient added to the softmax's
+    is one: XLA's buffer assignment shows the softmax gradient's fusion, then the scatter into its buffer."""
+    read = readers(block.steps)
+    made_by = {v: step for step in block.steps for v, _ in step.outs}
+    folded: set[int] = set()
+    for step in block.steps:
+        if step.name != "scatter-add" or len(step.outs) != 1:
+            continue
+        (out, _), zeros = step.outs[0], made_by.get(step.ins[0])
+        sums = read.get(out, [])
+        if (
+            zeros is not None
+            and zeros.name == "broadcast_in_dim"
+            and not any(zeros.ins)
+            and len(read[step.ins[0]]) == 1
+            and len(sums) == 1
+            and block.steps[sums[0]].name in ("add", "add_any")
+            and out not in block.outputs
+        ):
+            folded.add(out)
+    return folded
+
+
 def computed(block: Block) -> set[int]:
     """Value ids XLA computes into a buffer of their own: made by a non-fusible step, or read by one
-    that cannot fuse its producers (reductions can)."""
+    that cannot fuse its producers (reductions can); not a scatter that XLA folds into a sum
+    (:func:`folded_scatters`), nor its zeros."""
     keep: set[int] = set()
+    folded = folded_scatters(block)
     for step in block.steps:
         if step.name not in FUSIBLE:
-            keep.update(i for i, _ in step.outs)
+            into_sum = bool(step.outs) and step.outs[0][0] in folded
+            keep.update(i for i, _ in step.outs if i not in folded)
             if step.name not in FUSING_READERS:
-                keep.update(step.ins)
+                keep.update(step.ins[1:] if into_sum else step.ins)
     return keep
 
 
@@ -152,7 +182,8 @@ def _relayout_copies(steps: list[Step], inputs: Set[int]) -> dict[int, list[tupl
     Where the dot is an operand's only reader, XLA lays the operand out as the dot wants it where it is made:
     no copy. Otherwise (another step reads it as it is, or it is the block's input, whose layout the
     caller fixed), the copy is a buffer of its own, made after the operand's previous use (where the value is
-    made when the dot reads it first, as XLA's fusions make both layouts of a value at once)."""
+    made when the dot reads it first, as XLA's fusions make both layouts of a value at once; after the step
+    that made it where that step writes one layout only: a matmul, a scatter, a collective)."""
     read = readers(steps)
     out: dict[int, list[tuple[int, int]]] = {}
     for i, step in enumerate(steps):
@@ -302,7 +333,8 @@ def last_uses(steps: list[Step], outputs: list[int], materialized: Set[int] = fr
     consumers = readers(steps)
     for i in reversed(range(len(steps))):
         step = steps[i]
-        if step.name in FUSIBLE and step.outs and not any(v in materialized for v, _ in step.outs):
+        fused = step.name in FUSIBLE or step.name == "scatter-add"  # a scatter folded into a sum runs there
+        if fused and step.outs and not any(v in materialized for v, _ in step.outs):
             read_at[i] = max((read_at[j] for v, _ in step.outs for j in consumers.get(v, [])), default=i)
     last: dict[int, int] = {}
     for i, step in enumerate(steps):
@@ -391,6 +423,7 @@ def lifetimes(
     born = dict.fromkeys(size, opened)
     found: list[Lifetime] = []
     relaid_copies = _relayout_copies(steps, set(block.inputs) - set(copied_in or {}))
+    folded = folded_scatters(block)
     read_at: dict[int, int] = dict.fromkeys(block.inputs, opened)  # value id -> tick of its latest making or reading
     for i, step in enumerate(steps):
         start = clock.tick()
@@ -409,6 +442,9 @@ def lifetimes(
         for body, _ in step.bodies:
             found += lifetimes(body, in_place(step, body), {**sliced(step, body), **copied_carries(step, body)}, clock)
         end = clock.tick()
+        if step.name not in FUSIBLE or any(v in folded for v in step.ins):
+            # one layout out: a copy in another is made after the step, not beside it by the same fusion
+            read_at.update((v, end + 1) for v, _ in step.outs)
         found += [Lifetime(start, end, b) for b in loop_overhead(step)]
         found += [Lifetime(at, end, _aligned(b)) for at, b in copied]
         for v in {*step.ins, *(v for v, _ in step.outs if v not in last), *due.get(i, ())}:
