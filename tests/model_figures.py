@@ -15,7 +15,8 @@ test_moe, test_convnet) that their one-device losses equal every recorded layout
         python -m model_figures --check tests/data/model_figures.json
 
 and to record them again (only when a change of the numbers is intended), the same without
-``--check``.
+``--check``. A case whose collectives a change meant to alter, its losses the same, is amended in place
+instead, with the commit and why, in the fixture's ``amended`` list.
 """
 
 from __future__ import annotations
