@@ -88,12 +88,17 @@ CASES = (
     ]
     + [pytest.param("moe", c, {}, id=f"moe-{c.name}") for c in _pick("moe", ["[data=8] batch:data; experts:data"])]
     # interleaved over model: XLA ran every tick's forward ahead of the backwards, holding the residual ring's
-    # versions, until a tick's forward waited for the last backward (pipeline.run._after): was 51% above
+    # versions, until a tick's forward waited for the last backward (pipeline.run._after): was 51% above.
+    # 1F1B over four stages: XLA copies a ring's slices out for the cooldown's matmuls right after the ring's last
+    # update, freeing the ring there (memory.freeing_slices): was 15% above.
     + [
         pytest.param("transformer", c, {"layers": 4, "batch": 16}, id=f"transformer-layers=4-{c.name}")
         for c in legal_candidates(build_model("transformer", "tiny", layers=4, batch=16), optim.make("adamw"), 8)
-        if c.name == "[stage=2 model=4] vocab:model; d_ff:model; heads:model; layers:stage | 4 microbatches, "
-        "interleaved v=2"
+        if c.name
+        in (
+            "[stage=2 model=4] vocab:model; d_ff:model; heads:model; layers:stage | 4 microbatches, interleaved v=2",
+            "[stage=4 data=2] batch:data; layers:stage | 8 microbatches",
+        )
     ]
 )
 
@@ -861,20 +866,18 @@ def test_a_gpu_profile_prices_fused_attention_on_a_cpu_host() -> None:
 
 
 def test_search_says_which_ranked_memory_is_not_to_be_trusted(capsys, monkeypatch) -> None:
-    """Without remat every layout's memory is predicted within 10% but 1F1B's over four stages (up to 16% high
-    at the tiny and small presets: performance.md; interleaved ones are flagged too); with remat the pipelined
-    layouts read up to 36% low,
-    the others within 10% (FSDP and model=8 included): each pipelined candidate so flagged carries a caveat,
-    the others none, and ``meshdsl search`` prints it for the rows shown that have it (a plan must not say
-    such a layout fits without it)."""
+    """Without remat every layout's memory is predicted within 10% (pipelined ones included since the walk runs
+    the slices that free a residual ring where XLA does: performance.md); with remat the pipelined layouts read
+    up to 36% low, the others within 10% (FSDP and model=8 included): each pipelined candidate so flagged
+    carries a caveat, the others none, and ``meshdsl search`` prints it for the rows shown that have it (a plan
+    must not say such a layout fits without it)."""
     from meshdsl.models import transformer
 
     search_module = importlib.import_module("meshdsl.planner.search")  # the module (the package exports the function)
 
     model = transformer.Model(transformer.Config.preset("tiny", layers=4, batch=32))
     every = candidates(model, _roles(model), 8)
-    ticked = {c.name for c in every if "stage" in c.axis_sizes and c.layout.pipeline.schedule != "gpipe"}
-    assert ticked and {c.name for c in every if search_module.memory_caveat(c) is not None} == ticked
+    assert [c.name for c in every if search_module.memory_caveat(c) is not None] == []
     flagged = [c for c in every if search_module.memory_caveat(c, remat=True) is not None]
     assert {c.name for c in flagged} == {c.name for c in every if "stage" in c.axis_sizes}
     pipelined = next(c for c in flagged if "stage" in c.axis_sizes)

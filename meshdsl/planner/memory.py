@@ -15,14 +15,14 @@ transposes are folded into their neighbours' layouts (see
 in while another step reads it as it is (:func:`relaid`). These two decide the peak of a rematerialised
 step, whose backward loop body holds the recomputed forward beside the backward's buffers, with a copy of
 its carried gradient (:func:`copied_carries`). The order is the traced one, except that values made from
-constants alone (zero-filled gradient accumulators, masks) come first, where XLA's scheduler
-puts them. Loops run in place, as XLA's buffer assignment shows: a carry keeps one buffer from
-its initial value to its final one; a scanned-out value is written straight into its slice of
-the stacked result unless a matmul or collective made or read it; a scanned-over slice that a
-matmul or collective reads is copied out of its stack; a loop body's peak counts once (its
-buffers are reused every iteration), on top of what is live around the loop. One-iteration
-scans are no loops at all (XLA removes them). A scan's stacked results hold their buffers from
-the start of the scan's block (:func:`stacked`), and an update writes into its old value's buffer
+constants alone (zero-filled gradient accumulators, masks) come first, where XLA's scheduler puts them, and
+slices that together free a value run as soon as they can (:func:`freeing_slices`). Loops run in place, as
+XLA's buffer assignment shows: a carry keeps one buffer from its initial value to its final one; a scanned-out
+value is written straight into its slice of the stacked result unless a matmul or collective made or read it;
+a scanned-over slice that a matmul or collective reads is copied out of its stack; a loop body's peak counts
+once (its buffers are reused every iteration), on top of what is live around the loop. One-iteration scans are
+no loops at all (XLA removes them). A scan's stacked results hold their buffers from the start of the scan's
+block (:func:`stacked`), and an update writes into its old value's buffer
 (:func:`updated`) unless another step still reads that value, when it writes an early copy of it
 (:func:`copied_updates`): a pipeline's ticks do both. A scatter into zeros that is then added to a value
 is a scatter into that value in place (:func:`folded_scatters`): a cross-entropy's gradient.
@@ -318,8 +318,72 @@ def updated(step: Step, copies: Mapping[int, int]) -> list[tuple[int, int]]:
 
 def scheduled(block: Block) -> list[Step]:
     """``block``'s steps in the order XLA runs them: those made from constants alone (zero-filled
-    accumulators, masks) first, as XLA's scheduler was observed to place them; the rest as traced."""
-    return [s for s in block.steps if not any(s.ins)] + [s for s in block.steps if any(s.ins)]
+    accumulators, masks) first, as XLA's scheduler was observed to place them; the rest as traced,
+    except slices that free a value, run as soon as their operands exist (:func:`freeing_slices`)."""
+    steps = [s for s in block.steps if not any(s.ins)] + [s for s in block.steps if any(s.ins)]
+    early = freeing_slices(steps)
+    if not early:
+        return steps
+    made = {v: i for i, step in enumerate(steps) for v, _ in step.outs}
+    after: dict[int, list[int]] = {}  # step index -> steps run right after it (a slice, and its index arithmetic first)
+    for j in sorted(early):
+        index_steps, anchor, todo = set(), -1, list(steps[j].ins)
+        while todo:
+            i = made.get(todo.pop())
+            if i is None or i in index_steps:
+                continue
+            if _index_arithmetic(steps[i]) and i not in early:
+                index_steps.add(i)
+                todo += steps[i].ins
+            else:
+                anchor = max(anchor, i)
+        after.setdefault(anchor, []).extend([*sorted(index_steps), j])
+    order: list[Step] = []
+    done: set[int] = set()
+
+    def run(i: int) -> None:
+        if i not in done:
+            done.add(i)
+            order.append(steps[i])
+            for k in after.get(i, []):
+                run(k)
+
+    for k in after.get(-1, []):
+        run(k)
+    for i in range(len(steps)):
+        if i not in early:
+            run(i)
+    return order
+
+
+def _index_arithmetic(step: Step) -> bool:
+    """A step of scalars alone (an index computed from the device's position): XLA runs it wherever it is needed."""
+    return not step.bodies and all(b <= 8 for _, b in step.outs)
+
+
+def freeing_slices(steps: list[Step]) -> set[int]:
+    """Indices of ``dynamic_slice`` steps that XLA runs as soon as their operands exist: all the readers of a
+    value made in the block, each copying its slice out for matmuls (non-fusible readers; a slice that an
+    element-wise step reads is fused into that step and runs there). XLA's list scheduler prefers a step that
+    frees a buffer, and these together free the value: a pipeline's residual ring whose last backward reads
+    it only through matmuls dies right after its last update, not where the cooldown's ticks read it (XLA's
+    live ranges of the 1F1B step over ``stage=4 model=2``, small preset: two of eight 1-MiB rings and two of
+    eight 512-KiB ones)."""
+    read = readers(steps)
+    made = {v: i for i, step in enumerate(steps) for v, _ in step.outs}
+    early: set[int] = set()
+    for v, at in read.items():
+        if v in made and all(_copied_out_for_matmuls(steps[j], v, steps, read) for j in at):
+            early.update(at)
+    return {j for j in early if not any(made.get(v) in early for v in steps[j].ins)}
+
+
+def _copied_out_for_matmuls(step: Step, value: int, steps: list[Step], read: Mapping[int, list[int]]) -> bool:
+    """Whether ``step`` slices ``value`` into a buffer that only non-fusible steps read."""
+    if step.name != "dynamic_slice" or step.ins[0] != value or value in step.ins[1:]:
+        return False
+    users = [k for out, _ in step.outs for k in read.get(out, [])]
+    return bool(users) and all(steps[k].name not in FUSIBLE for k in users)
 
 
 def last_uses(steps: list[Step], outputs: list[int], materialized: Set[int] = frozenset()) -> dict[int, int]:

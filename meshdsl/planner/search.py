@@ -472,21 +472,14 @@ def memory_caveat(candidate: Candidate, remat: bool = False) -> str | None:
     """Why ``candidate``'s predicted memory is not to be trusted as it is, or None; ``remat``: the model
     recomputes its layers' activations in the backward pass.
 
-    The memory walk is checked against XLA's compiled steps (docs/performance.md): within 10% for the
-    unpipelined, GPipe and interleaved layouts of the tiny and small presets and the 1B layouts search ranks,
-    rematerialised or not, but up to 16% high for 1F1B over four stages (XLA's report of the small preset's
-    step frees a third of the residual rings during the cooldown; the walk holds every ring to the last
-    backward's read). With remat, a pipelined layout reads up to 36% low: each tick's recomputed layers hold
-    buffers the walk does not yet model. A plan that says such a layout fits must say so too, not leave it to
-    the out-of-memory error."""
-    check = "compile it (python -m meshdsl.planner.validate --only ...) before trusting that it fits"
-    if "stage" not in candidate.axis_sizes:
-        return None
-    if remat:
+    The memory walk is checked against XLA's compiled steps (docs/performance.md): within 10% for every layout
+    of the tiny and small presets and the 1B layouts search ranks, pipelined ones included, and for every
+    unpipelined one with remat. With remat, a pipelined layout reads up to 36% low: each tick's recomputed
+    layers hold buffers the walk does not yet model. A plan that says such a layout fits must say so too, not
+    leave it to the out-of-memory error."""
+    if remat and "stage" in candidate.axis_sizes:
+        check = "compile it (python -m meshdsl.planner.validate --only ...) before trusting that it fits"
         return f"with remat, the memory of a pipelined layout is predicted up to 36% low (docs/performance.md): {check}"
-    if candidate.layout.pipeline.schedule != "gpipe":
-        schedule = candidate.layout.pipeline.schedule
-        return f"the memory of a {schedule} pipeline is predicted up to 16% high (docs/performance.md): {check}"
     return None
 
 
