@@ -121,10 +121,12 @@ FIELDS = {
 
 @pytest.fixture(scope="module")
 def transformer_rows(tmp_path_factory) -> list[dict]:
-    """``meshdsl bench``'s rows for the tiny Transformer under the four default layouts (run once)."""
+    """``meshdsl bench``'s rows for the tiny Transformer under the four default layouts (run once). Without the
+    gspmd compile of each step (``--no-gspmd``): no test reading these rows reads its figures, and
+    test_bench_times_a_baseline_only_where_it_runs_meshdsls_step checks them."""
     out = tmp_path_factory.mktemp("bench")
     return run(
-        BenchConfig(models=["transformer"], preset="tiny", rounds=2, steps_per_round=1, out=str(out)),
+        BenchConfig(models=["transformer"], preset="tiny", rounds=2, steps_per_round=1, out=str(out), gspmd=False),
         out=lambda s: None,
     )
 
@@ -238,6 +240,7 @@ def test_bench_shows_bf16_gradient_reduction_halving_the_bytes(tmp_path, transfo
         steps_per_round=1,
         out=str(tmp_path),
         grad_reduce_dtype="bfloat16",
+        gspmd=False,  # the gspmd figures are not what this test reads
     )
     (bf16,) = run(cfg, out=lambda s: None)
     loss = 2 * 7 / 8 * 4  # the f32 loss all-reduce, the one sum left in f32
