@@ -8,6 +8,7 @@ mesh with no rules, where nothing is split and no collective runs.
 """
 
 import dataclasses
+import functools
 import re
 from pathlib import Path
 
@@ -39,22 +40,39 @@ MODELS = {
     "transformer": lambda: transformer.Model(transformer.Config.preset("tiny")),
 }
 
+FALL_STEPS = 30
+"""Steps of the one-device run whose loss must fall; its first 5 are the layouts' reference."""
+
+
+@functools.cache
+def _adamw_losses(name: str, layout_name: str | None, steps: int) -> np.ndarray:
+    """The losses of ``steps`` AdamW(1e-2) steps of ``MODELS[name]`` under the shipped layout ``layout_name`` (None:
+    one device), computed once per session: the same run is the reference of one test and the subject of another
+    (a run's first losses are those of a shorter run: the same compiled step from the same state and data)."""
+    if layout_name is None:
+        mesh, layout = SINGLE
+    else:
+        layout = md.Layout.load(LAYOUTS / f"{layout_name}.toml")
+        mesh = layout.mesh()
+    losses, _ = _losses(MODELS[name](), optim.adamw(1e-2), mesh, layout, steps=steps)
+    losses.flags.writeable = False
+    return losses
+
 
 @pytest.mark.parametrize("name", MODELS)
 def test_every_layout_trains_like_one_device(name):
     model = MODELS[name]()
-    reference, _ = _losses(model, optim.adamw(1e-2), *SINGLE)
+    reference = _adamw_losses(name, None, FALL_STEPS)[:5]
     why = model_figures.recorded_losses_mismatch(name, reference)
     assert why is None, why
     for layout_name in model.LAYOUTS:
-        layout = md.Layout.load(LAYOUTS / f"{layout_name}.toml")
-        losses, _ = _losses(model, optim.adamw(1e-2), layout.mesh(), layout)
+        losses = _adamw_losses(name, layout_name, 5)
         np.testing.assert_allclose(losses, reference, rtol=1e-4, err_msg=f"{name} under {layout_name}")
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_loss_falls_on_the_synthetic_task(name):
-    losses, _ = _losses(MODELS[name](), optim.adamw(1e-2), *SINGLE, steps=30)
+    losses = _adamw_losses(name, None, FALL_STEPS)
     assert losses[-5:].mean() < 0.6 * losses[0], losses
 
 
@@ -159,7 +177,7 @@ def test_fsdp_reduce_scatters_gradients_in_bf16():
         hlo.summary(narrow.step.lower(state, key).compile().as_text(), num_devices=8)
         == narrow.explain(state, key).summary()
     )
-    reference, _ = _losses(model, optim.adamw(1e-2), layout.mesh(), layout)
+    reference = _adamw_losses("transformer", "fsdp", 5)  # f32 sums: test_every_layout_trains_like_one_device's run
     losses, _ = harness.train(narrow, 5)
     np.testing.assert_allclose(losses, reference, rtol=2e-2)
 
