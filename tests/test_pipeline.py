@@ -109,6 +109,29 @@ def test_explain_matches_hlo_with_one_layer_per_stage(schedule):
     assert predicted == hlo.summary(compiled.as_text(), num_devices=mesh.size)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_a_one_layer_chunk_under_remat_matches_one_device_and_explain_matches_hlo(schedule):
+    """Under remat a chunk of one layer is a one-trip loop that XLA removes, and its stored residuals wait for the
+    output gradient (``pipeline.run._after``) so that XLA recomputes the layer in the backward, not beside the
+    forward: the select changes no number (loss and gradients as one device's, without remat), and the collectives
+    it may add are explain's as they are XLA's. Its memory is test_planner's (the remat rows)."""
+    layers = 2 if schedule == "1f1b" else 4  # one layer a chunk on two stages (interleaved: two chunks a stage)
+    model = _tiny(layers=layers, remat=True)
+    _, params, batch, (ref_loss, ref_grads) = _case(layers=layers)
+    mesh = md.Mesh({"stage": 2, "data": 2, "model": 2})
+    step = _step(model, schedule)
+    compiled = md.compile(step, mesh, RULES).lower(params, batch).compile()
+    loss, grads = compiled(params, batch)
+    assert _relative(np.asarray(loss), np.asarray(ref_loss)) < 1e-5
+    got = jax.tree_util.tree_leaves_with_path(grads, is_leaf=_is_tensor)
+    want = jax.tree_util.tree_leaves(ref_grads, is_leaf=_is_tensor)
+    assert len(got) == len(want)
+    for (path, g), r in zip(got, want):
+        assert _relative(g.numpy(), r.numpy()) < 1e-5, jax.tree_util.keystr(path)
+    predicted = md.explain(step, mesh, RULES, params, batch).summary()
+    assert predicted == hlo.summary(compiled.as_text(), num_devices=mesh.size)
+
+
 def test_trainer_with_shipped_pipeline_layout_trains_like_one_device():
     model = _tiny()
     layout = md.Layout.load(LAYOUTS / "pipeline.toml")

@@ -118,6 +118,9 @@ class _Run:
         self.last = self.stage == self.p - 1
         remat = model_protocol.config_field(model, "remat", False)
         self.remat: bool | str = model_protocol.config_field(model, "remat_policy", True) if remat else False
+        # A chunk of one layer is a one-trip loop, which XLA removes: its recomputation is then free to run early,
+        # and XLA runs it right after the forward it repeats, holding its activations until the backward.
+        self.recompute_waits = bool(self.remat) and model.layers.size == self.p * self.v
         self.micro_model = model.with_batch(model.batch_dim.size // self.m) if self.m > 1 else model
         self._split_batch(batch, model.batch_dim)
         # Everything the activations vary along: gradients are summed over these axes once, at the end.
@@ -422,7 +425,12 @@ class _Run:
             return y, [a for a in residuals if not isinstance(a, int)]
 
         def _backward(leaves: list[jax.Array], ct: jax.Array) -> tuple[list[jax.Array], jax.Array]:
-            """The chunk's gradients for its weights and input from its residuals ``leaves`` and output gradient."""
+            """The chunk's gradients for its weights and input from its residuals ``leaves`` and output gradient.
+            Under remat, a one-layer chunk's stored residuals (not its weights) wait for the output gradient, so the
+            layer is recomputed in the backward, not beside the forward (interleaved over ``stage=2 model=4`` at the
+            small preset: 12.2 -> 8.5 MiB a device)."""
+            if self.recompute_waits:
+                leaves = [_after(a, [ct]) if i is None else a for a, i in zip(leaves, traced["probe"])]
             return jax.tree_util.tree_unflatten(traced["tree"], leaves)(ct)
 
         def _post(rest: dict[str, Any], y: jax.Array, mb: dict[str, Tensor]) -> tuple[jax.Array, Any, jax.Array]:
