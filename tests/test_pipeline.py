@@ -8,6 +8,7 @@ model=2) and must match it to relative 1e-5, loss and every gradient leaf.
 import functools
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import harness
 import jax
@@ -48,6 +49,18 @@ def _case(layers: int) -> tuple:
     return model, params, batch, reference
 
 
+def _assert_like_one_device(got: tuple, ref_loss: jax.Array, ref_grads: Any) -> None:
+    """A pipelined ``(loss, grads)`` equals one device's to relative 1e-5, leaf for leaf, shapes included."""
+    loss, grads = got
+    assert _relative(np.asarray(loss), np.asarray(ref_loss)) < 1e-5
+    leaves = jax.tree_util.tree_leaves_with_path(grads, is_leaf=_is_tensor)
+    want = jax.tree_util.tree_leaves(ref_grads, is_leaf=_is_tensor)
+    assert len(leaves) == len(want)
+    for (path, g), r in zip(leaves, want):
+        assert g.shape == r.shape
+        assert _relative(g.numpy(), r.numpy()) < 1e-5, jax.tree_util.keystr(path)
+
+
 def _shapes(model) -> tuple:
     """Abstract parameters and batch of ``model``: enough to compile, or to hit a tracing error."""
     return jax.eval_shape(model.init, jax.random.key(0)), jax.eval_shape(model.batch, jax.random.key(1))
@@ -71,14 +84,7 @@ def test_schedule_matches_one_device_and_explain_matches_hlo(schedule):
     mesh = md.Mesh({"stage": 2, "data": 2, "model": 2})
     step = _step(model, schedule)
     compiled = md.compile(step, mesh, RULES).lower(params, batch).compile()
-    loss, grads = compiled(params, batch)
-    assert _relative(np.asarray(loss), np.asarray(ref_loss)) < 1e-5
-    got = jax.tree_util.tree_leaves_with_path(grads, is_leaf=_is_tensor)
-    want = jax.tree_util.tree_leaves(ref_grads, is_leaf=_is_tensor)
-    assert len(got) == len(want)
-    for (path, g), r in zip(got, want):
-        assert g.shape == r.shape
-        assert _relative(g.numpy(), r.numpy()) < 1e-5, jax.tree_util.keystr(path)
+    _assert_like_one_device(compiled(params, batch), ref_loss, ref_grads)
     predicted = md.explain(step, mesh, RULES, params, batch).summary()
     # Two stages, v M activations forward and v M cotangents backward in as many permutes (interleaved:
     # v = 2 chunks per stage), one microbatch's [rows, length, d_model] each. Bytes: what one device sends.
@@ -121,13 +127,7 @@ def test_a_one_layer_chunk_under_remat_matches_one_device_and_explain_matches_hl
     mesh = md.Mesh({"stage": 2, "data": 2, "model": 2})
     step = _step(model, schedule)
     compiled = md.compile(step, mesh, RULES).lower(params, batch).compile()
-    loss, grads = compiled(params, batch)
-    assert _relative(np.asarray(loss), np.asarray(ref_loss)) < 1e-5
-    got = jax.tree_util.tree_leaves_with_path(grads, is_leaf=_is_tensor)
-    want = jax.tree_util.tree_leaves(ref_grads, is_leaf=_is_tensor)
-    assert len(got) == len(want)
-    for (path, g), r in zip(got, want):
-        assert _relative(g.numpy(), r.numpy()) < 1e-5, jax.tree_util.keystr(path)
+    _assert_like_one_device(compiled(params, batch), ref_loss, ref_grads)
     predicted = md.explain(step, mesh, RULES, params, batch).summary()
     assert predicted == hlo.summary(compiled.as_text(), num_devices=mesh.size)
 
