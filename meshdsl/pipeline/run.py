@@ -428,7 +428,7 @@ class _Run:
             """The chunk's gradients for its weights and input from its residuals ``leaves`` and output gradient.
             Under remat, a one-layer chunk's stored residuals (not its weights) wait for the output gradient, so the
             layer is recomputed in the backward, not beside the forward (interleaved over ``stage=2 model=4`` at the
-            small preset: 12.2 -> 8.5 MiB a device)."""
+            small preset: 12.2 -> 8.6 MiB a device)."""
             if self.recompute_waits:
                 leaves = [_after(a, [ct]) if i is None else a for a, i in zip(leaves, traced["probe"])]
             return jax.tree_util.tree_unflatten(traced["tree"], leaves)(ct)
