@@ -115,13 +115,14 @@ def test_explain_matches_hlo_with_one_layer_per_stage(schedule):
     assert predicted == hlo.summary(compiled.as_text(), num_devices=mesh.size)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 def test_a_one_layer_chunk_under_remat_matches_one_device_and_explain_matches_hlo(schedule):
     """Under remat a chunk of one layer is a one-trip loop that XLA removes, and its stored residuals wait for the
-    output gradient (``pipeline.run._after``) so that XLA recomputes the layer in the backward, not beside the
-    forward: the select changes no number (loss and gradients as one device's, without remat), and the collectives
-    it may add are explain's as they are XLA's. Its memory is test_planner's (the remat rows)."""
-    layers = 2 if schedule == "1f1b" else 4  # one layer a chunk on two stages (interleaved: two chunks a stage)
+    output gradient (``pipeline.run._after``; GPipe's through a custom vjp) so that XLA recomputes the layer in the
+    backward, not beside the forward: the select changes no number (loss and gradients as one device's, without
+    remat), and the collectives it may add are explain's as they are XLA's. Its memory is test_planner's (the remat
+    rows)."""
+    layers = 4 if schedule == "interleaved" else 2  # one layer a chunk on two stages (interleaved: two chunks a stage)
     model = _tiny(layers=layers, remat=True)
     _, params, batch, (ref_loss, ref_grads) = _case(layers=layers)
     mesh = md.Mesh({"stage": 2, "data": 2, "model": 2})
