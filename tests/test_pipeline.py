@@ -115,15 +115,17 @@ def test_explain_matches_hlo_with_one_layer_per_stage(schedule):
     assert predicted == hlo.summary(compiled.as_text(), num_devices=mesh.size)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
-def test_a_one_layer_chunk_under_remat_matches_one_device_and_explain_matches_hlo(schedule):
+@pytest.mark.parametrize(
+    ("schedule", "policy"), [("gpipe", "full"), ("gpipe", "dots"), ("1f1b", "full"), ("interleaved", "dots")]
+)
+def test_a_one_layer_chunk_under_remat_matches_one_device_and_explain_matches_hlo(schedule, policy):
     """Under remat a chunk of one layer is a one-trip loop that XLA removes, and its stored residuals wait for the
     output gradient (``pipeline.run._after``; GPipe's through a custom vjp) so that XLA recomputes the layer in the
     backward, not beside the forward: the select changes no number (loss and gradients as one device's, without
     remat), and the collectives it may add are explain's as they are XLA's. Its memory is test_planner's (the remat
-    rows)."""
+    rows). Under the ``dots`` policy the residuals include the saved matmul outputs: they wait too."""
     layers = 4 if schedule == "interleaved" else 2  # one layer a chunk on two stages (interleaved: two chunks a stage)
-    model = _tiny(layers=layers, remat=True)
+    model = _tiny(layers=layers, remat=True, remat_policy=policy)
     _, params, batch, (ref_loss, ref_grads) = _case(layers=layers)
     mesh = md.Mesh({"stage": 2, "data": 2, "model": 2})
     step = _step(model, schedule)
