@@ -475,9 +475,9 @@ def memory_caveat(candidate: Candidate, remat: bool = False) -> str | None:
     The memory walk is checked against XLA's compiled steps (docs/performance.md): within 10% for every layout
     of the tiny and small presets without remat, for every layout of the small preset with remat, and for the
     1B layouts search ranks. With remat a pipelined layout may read up to 20% low: four stages of one layer at
-    the tiny preset split over ``model`` (1F1B -20%, GPipe -11%; not yet explained: XLA's peak there holds a
-    dozen of the ``cond`` results, a stage's 32x32 weight gradients). A plan that says such a layout fits must
-    say so too, not leave it to the out-of-memory error."""
+    the tiny preset split over ``model`` (1F1B -20%, GPipe -11%; not yet explained: XLA's buffers there include
+    a dozen ``cond`` results of 8 KiB each, as big as an activation at that preset). A plan that says such a
+    layout fits must say so too, not leave it to the out-of-memory error."""
     if remat and "stage" in candidate.axis_sizes:
         check = "compile it (python -m meshdsl.planner.validate --only ...) before trusting that it fits"
         return f"with remat, the memory of a pipelined layout is predicted up to 20% low (docs/performance.md): {check}"
