@@ -406,23 +406,10 @@ class _Run:
         slot_of = jnp.asarray(table, jnp.int32)
         slots = int(table.max()) + 1
 
-        traced: dict[str, Any] = {}
-
-        def _forward_kept(wc: list[jax.Array], x: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
-            """The chunk's output and the residuals its backward reads that are not weights (which are where in
-            the residuals, and their tree, recorded when traced)."""
-            y, residuals, traced["tree"] = _vjp_residuals(self._stage, wc, x)
-            traced["probe"] = [a if isinstance(a, int) else None for a in residuals]
-            return y, [a for a in residuals if not isinstance(a, int)]
-
-        def _backward(leaves: list[jax.Array], ct: jax.Array) -> tuple[list[jax.Array], jax.Array]:
-            """The chunk's gradients for its weights and input from its residuals ``leaves`` and output gradient.
-            Under remat, a one-layer chunk's stored residuals (not its weights) wait for the output gradient, so the
-            layer is recomputed in the backward, not beside the forward (interleaved over ``stage=2 model=4`` at the
-            small preset: 12.2 -> 8.6 MiB a device)."""
-            if self.recompute_waits:
-                leaves = [_after(a, [ct]) if i is None else a for a, i in zip(leaves, traced["probe"])]
-            return jax.tree_util.tree_unflatten(traced["tree"], leaves)(ct)
+        # Under remat, a one-layer chunk's stored residuals wait for the output gradient, so the layer is recomputed
+        # in the backward, not beside the forward (interleaved over ``stage=2 model=4`` at the small preset: 12.2 ->
+        # 8.6 MiB a device).
+        split = _SplitVjp(self._stage, wait=self.recompute_waits)
 
         def _post(rest: dict[str, Any], y: jax.Array, mb: dict[str, Tensor]) -> tuple[jax.Array, Any, jax.Array]:
             """The last stage's loss of microbatch ``mb``, and its gradients for ``rest`` and ``y`` (seeded 1/M)."""
@@ -439,7 +426,7 @@ class _Run:
         # runs (not inlined: binding a call is one equation, inlining binds every equation of the body again; XLA
         # inlines the calls, so the compiled program is the same). So are the chunk's slicing and its gradient's
         # accumulation, a dynamic slice of every weight per tick.
-        forward_kept, backward = jax.jit(_forward_kept), jax.jit(_backward)
+        forward_kept, backward = jax.jit(split.forward), jax.jit(split.backward)
         post, pre_grad = jax.jit(_post), jax.jit(_pre_grad)
         sliced, added = (jax.jit(self._chunk), jax.jit(self._add_chunk)) if v > 1 else (self._chunk, self._add_chunk)
 
@@ -452,7 +439,6 @@ class _Run:
             return self._add_chunk(g_w, g, j) if isinstance(j, int) else added(g_w, g, j)
 
         _, stored_like = jax.eval_shape(forward_kept, chunk(w, 0), self.x_like)
-        probe = traced["probe"]
         # One slot per chunk-microbatch in flight (residual_slots says which), and a spare one that idle
         # forwards write to (masking their writes instead costs XLA more temporaries than the slot).
         ring0 = [jnp.broadcast_to(self.lowering.zeros_traced(s), (slots + 1, *s.shape)) for s in stored_like]
@@ -494,9 +480,8 @@ class _Run:
                 ct = ct_in if ct_y is None or last is False else jnp.where(last, ct_y, ct_in)
                 ct = jnp.where(self._live(segment.backward), ct, 0.0).astype(self.x_like.dtype)
                 # An idle backward reads a slot a forward wrote, with a zero cotangent: zero gradients, never NaN.
-                loaded = iter(lax.dynamic_index_in_dim(r, slot, 0, False, allow_negative_indices=False) for r in ring)
-                wc = chunk(w, j)
-                leaves = [next(loaded) if a is None else wc[a] for a in probe]
+                loaded = [lax.dynamic_index_in_dim(r, slot, 0, False, allow_negative_indices=False) for r in ring]
+                leaves = split.leaves(chunk(w, j), loaded)
                 g_chunk, g_x = backward(leaves, self.lowering.vary_like(ct, self.x_like))
                 g_w = add_chunk(g_w, g_chunk, j)
                 first = self._on_chunk(self.first, j, 0)
@@ -537,44 +522,61 @@ def check_interleaved(p: int, m: int, v: int, layers: Dim) -> None:
         )
 
 
-def _vjp_residuals(
-    fn: Callable[[list[jax.Array], jax.Array], jax.Array], w: list[jax.Array], x: jax.Array
-) -> tuple[jax.Array, list[jax.Array | int], Any]:
-    """``fn(w, x)``, its vjp's residuals (an int ``i`` where one is the weight ``w[i]``: not stored, it is at hand)
-    and their tree."""
-    y, vjp = jax.vjp(fn, w, x)
-    leaves: list[Any]
-    tree: Any  # jaxlib ships no stub for its PyTreeDef
-    leaves, tree = jax.tree_util.tree_flatten(vjp)
-    weights = {id(a): i for i, a in enumerate(w)}
-    return y, [weights.get(id(a), a) for a in leaves], tree
+class _SplitVjp:
+    """The vjp of a stage ``fn(w, x)`` cut at its residuals, for a backward that runs apart from its forward.
+
+    :meth:`forward` gives the output and the residuals to store: those that are not weights (a weight is at hand
+    when the backward runs). :meth:`leaves` puts the stored ones and the weights back in the vjp's order, and
+    :meth:`backward` applies the vjp to them. Where and which are weights, and the residuals' tree, are recorded
+    when :meth:`forward` is traced. ``wait``: the stored residuals pass :func:`_after` the output gradient, so a
+    layer that remat recomputes is recomputed in the backward, not beside the forward (a one-layer chunk's
+    one-trip layer loop, which XLA removes)."""
+
+    def __init__(self, fn: Callable[[list[jax.Array], jax.Array], jax.Array], wait: bool):
+        self.fn, self.wait = fn, wait
+        self.tree: Any = None  # jaxlib ships no stub for its PyTreeDef
+        self.weight_at: list[int | None] = []
+        """Per vjp residual: its index in ``w`` where it is a weight, else None (stored)."""
+
+    def forward(self, w: list[jax.Array], x: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+        y, vjp = jax.vjp(self.fn, w, x)
+        leaves: list[Any]
+        leaves, self.tree = jax.tree_util.tree_flatten(vjp)
+        weights = {id(a): i for i, a in enumerate(w)}
+        self.weight_at = [weights.get(id(a)) for a in leaves]
+        return y, [a for a, i in zip(leaves, self.weight_at) if i is None]
+
+    def leaves(self, w: list[jax.Array], stored: list[jax.Array]) -> list[jax.Array]:
+        kept = iter(stored)
+        return [next(kept) if i is None else w[i] for i in self.weight_at]
+
+    def backward(self, leaves: list[jax.Array], ct: jax.Array) -> tuple[list[jax.Array], jax.Array]:
+        if self.wait:
+            leaves = [_after(a, [ct]) if i is None else a for a, i in zip(leaves, self.weight_at)]
+        return jax.tree_util.tree_unflatten(self.tree, leaves)(ct)
 
 
 def _recomputed_in_backward(
     fn: Callable[[list[jax.Array], jax.Array], jax.Array],
 ) -> Callable[[list[jax.Array], jax.Array], jax.Array]:
-    """``fn(w, x)`` whose backward waits for its output gradient: the residuals its vjp stores (not the weights
-    ``w``) pass :func:`_after` it, so XLA recomputes a one-layer stage under remat in the backward, not beside the
-    forward (GPipe over ``stage=4 model=2`` at the small preset with remat: 10.4 MiB a device compiled, 14.9 MiB
-    without it). GPipe's backward is JAX's transposition of the ticks, so a custom vjp is the
-    one place to say it; its residuals are the vjp's own, so ``remat``'s policy keeps what it kept."""
-    traced: dict[str, Any] = {}
+    """``fn(w, x)`` whose backward waits for its output gradient (:class:`_SplitVjp` with ``wait``), so XLA
+    recomputes a one-layer stage under remat in the backward, not beside the forward (GPipe over ``stage=4
+    model=2`` at the small preset with remat: 10.4 MiB a device compiled, 14.9 MiB without it). GPipe's backward
+    is JAX's transposition of the ticks, so a custom vjp is the one place to say it; its residuals are the vjp's
+    own, so ``remat``'s policy keeps what it kept."""
+    split = _SplitVjp(fn, wait=True)
 
     @jax.custom_vjp
     def waiting(w: list[jax.Array], x: jax.Array) -> jax.Array:
         return fn(w, x)
 
     def forward(w: list[jax.Array], x: jax.Array) -> tuple[jax.Array, tuple[list[jax.Array], list[jax.Array]]]:
-        y, residuals, traced["tree"] = _vjp_residuals(fn, w, x)
-        traced["probe"] = [a if isinstance(a, int) else None for a in residuals]
-        return y, (w, [a for a in residuals if not isinstance(a, int)])
+        y, stored = split.forward(w, x)
+        return y, (w, stored)
 
     def backward(res: tuple[list[jax.Array], list[jax.Array]], ct: jax.Array) -> tuple[list[jax.Array], jax.Array]:
-        w, kept = res
-        waited = iter([_after(a, [ct]) for a in kept])
-        leaves = [next(waited) if i is None else w[i] for i in traced["probe"]]
-        g_w, g_x = jax.tree_util.tree_unflatten(traced["tree"], leaves)(ct)
-        return g_w, g_x
+        w, stored = res
+        return split.backward(split.leaves(w, stored), ct)
 
     waiting.defvjp(forward, backward)
     return waiting
