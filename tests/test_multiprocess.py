@@ -78,8 +78,43 @@ def _alive(pid: int) -> bool:
     return True
 
 
-LAYOUTS = ["dp_tp", "fsdp"]
+LAYOUTS = ["dp_tp", "fsdp", "pipeline_across"]
 STEPS = 3
+
+# 1F1B over ``stage`` with remat, one layer a stage (the tiny preset's 2 layers): each backward's stored residuals
+# wait for the output gradient through ``pipeline.run._after``, whose ``pmax`` joins the gradients of weights split
+# over ``model``. ``model`` is the mesh's first axis, so it is the one that spans the two processes (each holds 4
+# consecutive devices): that pmax and the Megatron all-reduces go between processes, through gloo.
+PIPELINE_ACROSS = """description = "1F1B with remat, model split across the processes"
+
+[mesh]
+model = 2
+stage = 2
+data = 2
+
+[rules]
+layers = "stage"
+batch = "data"
+heads = "model"
+d_ff = "model"
+vocab = "model"
+
+[pipeline]
+microbatches = 4
+schedule = "1f1b"
+
+[train]
+remat = true
+"""
+
+
+def _layout_arg(layout: str, folder: Path) -> str:
+    """``--layout``'s value for ``layout``: a shipped name, or for ``pipeline_across`` a file written to ``folder``."""
+    if layout != "pipeline_across":
+        return layout
+    path = folder / "pipeline_across.toml"
+    path.write_text(PIPELINE_ACROSS)
+    return str(path)
 
 
 def _start_training(layout: str, folder: Path) -> subprocess.Popen:
@@ -91,7 +126,7 @@ def _start_training(layout: str, folder: Path) -> subprocess.Popen:
         "--preset",
         "tiny",
         "--layout",
-        layout,
+        _layout_arg(layout, folder),
         "--steps",
         str(STEPS),
         "--log-json",
@@ -133,8 +168,9 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tup
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_two_processes_match_one(layout: str, launched: dict[str, tuple[subprocess.Popen, Path]]) -> None:
     """2 processes x 4 devices train exactly as 1 process x 8 devices, and only process 0 prints."""
-    reference = train(RunConfig(model="transformer", preset="tiny", layout=layout, steps=STEPS), out=io.StringIO())
     proc, folder = launched[layout]
+    run = RunConfig(model="transformer", preset="tiny", layout=_layout_arg(layout, folder), steps=STEPS)
+    reference = train(run, out=io.StringIO())
     code = _finished(proc, folder)
     if code == 128 + signal.SIGSEGV:
         # XLA:CPU's gloo collectives crash now and then on a loaded 2-core host (CI saw it once in
