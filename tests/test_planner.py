@@ -961,14 +961,16 @@ def _figures(p: Any) -> tuple:
 
 
 def test_the_planners_shared_traces_price_as_tracing_each_anew(monkeypatch) -> None:
-    """The search's shortcuts change no figure: a pipeline's parts, its chunk forward and backward and the
-    head's and embedding's gradients traced once per step and inlined where they run (``jax.jit(...,
-    inline=True)``), and ``as_compiled`` searching each equation's params for jaxprs once, price the
-    interleaved schedule (1F1B's code, with chunks) exactly as tracing each where it runs and searching
-    every equation's params on every pass."""
+    """The search's shortcuts change no figure: a pipeline's parts, its chunk forward and backward, the
+    head's and embedding's gradients and each tick's wait for the last backward traced once per step
+    (``jax.jit``), the ``cond`` branches of ``pre`` and ``post`` made once per step (so JAX's trace cache
+    serves every later tick), and ``as_compiled`` searching each equation's params for jaxprs once, price
+    the interleaved schedule (1F1B's code, with chunks) exactly as tracing each where it runs and
+    searching every equation's params on every pass."""
     from meshdsl.models import transformer
 
     from meshdsl.analysis import jaxpr_walk
+    from meshdsl.pipeline import run
 
     model = transformer.Model(transformer.Config.preset("tiny", layers=4, batch=32))
     optimizer = optim.make("adamw")
@@ -981,6 +983,13 @@ def test_the_planners_shared_traces_price_as_tracing_each_anew(monkeypatch) -> N
     shared = _figures(predict(model, optimizer, mesh, layout, CPU))
     monkeypatch.setattr(jax, "jit", lambda fn, **_: fn)
     monkeypatch.setattr(jaxpr_walk, "_holds_jaxpr", lambda value: True)
+    when = run._Run._when
+
+    def anew(self: run._Run, *args: Any) -> Any:  # new branches at every tick: traced again, as closures were
+        self._branches.clear()
+        return when(self, *args)
+
+    monkeypatch.setattr(run._Run, "_when", anew)
     assert _figures(predict(model, optimizer, mesh, layout, CPU)) == shared
 
 

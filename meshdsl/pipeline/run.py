@@ -138,6 +138,8 @@ class _Run:
         self._stage = jax.jit(self._stage_layers, inline=True)
         self._pre = jax.jit(self._pre_array, inline=True)
         self._post = jax.jit(self._post_loss, inline=True)
+        self._branches: dict[Any, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+        """The ``cond`` branches :meth:`_when` made, by function and bound ints."""
 
     # ---- local views ----------------------------------------------------------------------------
 
@@ -254,6 +256,14 @@ class _Run:
         out, _ = scan(lambda c, lp: (self.micro_model.layer(c, lp), None), x_t, layers, STAGE_LAYERS, remat=self.remat)
         return self.lowering.prepare(out, self.x_axes)
 
+    def _pre_of(self, rest: dict[str, Any], index: Any) -> jax.Array:
+        """``pre`` of microbatch ``index`` (what the first stage runs)."""
+        return self._pre(rest, self._microbatch(index))
+
+    def _post_of(self, rest: dict[str, Any], y: jax.Array, index: Any) -> jax.Array:
+        """The last stage's loss of microbatch ``index``."""
+        return self._post(rest, y, self._microbatch(index))
+
     def _post_loss(self, rest: dict[str, Any], y: jax.Array, mb: dict[str, Tensor]) -> jax.Array:
         loss = self.micro_model.post(rest, self.lowering.keep(y, self.x_shape, self.x_axes), mb)
         return self.lowering.prepare(loss, ())
@@ -266,29 +276,57 @@ class _Run:
 
     # ---- what runs where --------------------------------------------------------------------------
 
-    def _when(self, pred: Any, fn: Callable[[], Any]) -> Any:
-        """``fn()`` on the devices where ``pred`` holds, zeros typed like it elsewhere.
+    def _when(self, pred: Any, fn: Callable[..., Any], *operands: Any) -> Any:
+        """``fn(*operands)`` on the devices where ``pred`` holds, zeros typed like it elsewhere.
 
         A ``lax.cond``: the other devices skip ``fn``'s work. ``pred`` depends on the stage only, so
         every device of a group that ``fn``'s collectives span (they share the stage) takes the same branch.
 
-        ``fn`` is traced once: JAX traces the true branch first, and the zeros take the types of its results
-        (``jax.eval_shape`` of ``fn`` beforehand traced it twice, a fifth of a pipelined step's tracing).
+        The branches are made once per ``fn`` (a function the run keeps, not a closure per tick) and per Python
+        int among ``operands`` (bound into the branch as a constant, as a closure would: an inline tick's
+        microbatch known when tracing). So JAX traces them once and every later tick's ``cond`` takes the traced
+        jaxprs from JAX's cache: each tick's ``cond`` traced its branches anew, a third of an 8-stage 1F1B step's
+        tracing. The zeros take the types of the true branch's results, which JAX traces first (were the
+        branches ever traced the other way, ``jax.eval_shape`` of ``fn``).
         """
-        made: list[Any] = []
+        if isinstance(pred, (bool, np.bool_)):  # one stage (global arrays): known when tracing
+            return (
+                fn(*operands)
+                if pred
+                else jax.tree_util.tree_map(self.lowering.zeros_traced, jax.eval_shape(fn, *operands))
+            )
+        bound = tuple((i, v) for i, v in enumerate(operands) if isinstance(v, int))
+        key = (fn, bound)
+        if key not in self._branches:
+            self._branches[key] = self._branches_of(fn, dict(bound), len(operands))
+        return lax.cond(pred, *self._branches[key], *(v for v in operands if not isinstance(v, int)))
 
-        def run() -> Any:
-            out = fn()
-            made.append(jax.tree_util.tree_map(jax.typeof, out))
+    def _branches_of(
+        self, fn: Callable[..., Any], bound: dict[int, int], n: int
+    ) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """The ``cond`` branches of :meth:`_when`: ``fn`` on the traced operands with ``bound``'s ints put back at
+        their places (``n`` operands in all), and its zeros."""
+        made: dict[Any, Any] = {}
+
+        def operands(traced: tuple[Any, ...]) -> list[Any]:
+            rest = iter(traced)
+            return [bound[i] if i in bound else next(rest) for i in range(n)]
+
+        def types(traced: tuple[Any, ...]) -> Any:
+            leaves, tree = jax.tree_util.tree_flatten(traced)
+            return tree, tuple(jax.typeof(a) for a in leaves)
+
+        def run(*traced: Any) -> Any:
+            out = fn(*operands(traced))
+            made[types(traced)] = jax.tree_util.tree_map(jax.typeof, out)
             return out
 
-        def zeros() -> Any:
-            like = made[-1] if made else jax.eval_shape(fn)  # eval_shape: were the branches ever traced the other way
+        def zeros(*traced: Any) -> Any:
+            like = made.get(types(traced))
+            like = jax.eval_shape(fn, *operands(traced)) if like is None else like
             return jax.tree_util.tree_map(self.lowering.zeros_traced, like)
 
-        if isinstance(pred, (bool, np.bool_)):  # one stage (global arrays): known when tracing
-            return fn() if pred else zeros()
-        return lax.cond(pred, run, zeros)
+        return run, zeros
 
     def _of_stage(self, values: list[int]) -> Any:
         """``values[stage]`` for this device's stage: a Python int with one stage, else one index into a
@@ -359,7 +397,7 @@ class _Run:
         first = self._on_chunk(self.first, j, 0)
         if first is False:
             return received
-        return jnp.where(first, self._when(first, lambda: self._pre(rest, self._microbatch(f))), received)
+        return jnp.where(first, self._when(first, self._pre_of, rest, f), received)
 
     def _segments(self, tick: Callable[[Segment, Any, Any], Any], carry: Any) -> Any:
         """``carry`` through every tick of the timetable: a ``scan`` per segment, one tick inline."""
@@ -389,7 +427,7 @@ class _Run:
                 f = t - self.stage  # forward of microbatch f
                 y = stage(w, self._input(rest, segment, received, f, 0))
                 if self.p - 1 in segment.forward:
-                    total = total + self._when(self.last, lambda: self._post(rest, y, self._microbatch(f)))
+                    total = total + self._when(self.last, self._post_of, rest, y, f)
                 return self._send(y, 1, segment.forward_sends), total
 
             _, total = self._segments(tick, (self.x_like, self.zero_loss))
@@ -427,7 +465,17 @@ class _Run:
         # inlines the calls, so the compiled program is the same). So are the chunk's slicing and its gradient's
         # accumulation, a dynamic slice of every weight per tick.
         forward_kept, backward = jax.jit(split.forward), jax.jit(split.backward)
+        # Every tick's forward waits on anchors of the same types: one call a tick, traced once, where tracing
+        # ``_after`` anew bound tens of equations for a stage's dozen weight gradients at every tick.
+        wait = jax.jit(_after)
         post, pre_grad = jax.jit(_post), jax.jit(_pre_grad)
+
+        def post_of(rest: dict[str, Any], y: jax.Array, index: Any) -> tuple[jax.Array, Any, jax.Array]:
+            return post(rest, y, self._microbatch(index))
+
+        def pre_grad_of(rest: dict[str, Any], g_x: jax.Array, index: Any) -> Any:
+            return pre_grad(rest, g_x, self._microbatch(index))
+
         sliced, added = (jax.jit(self._chunk), jax.jit(self._add_chunk)) if v > 1 else (self._chunk, self._add_chunk)
 
         def chunk(w: list[jax.Array], j: Any) -> list[jax.Array]:
@@ -460,7 +508,7 @@ class _Run:
                 # after the last backward; an inline tick before any backward has nothing to wait for (its anchors
                 # would be the zero accumulators, constants), a loop's tick waits for the iteration before
                 if ran_backward or (segment.backward and not isinstance(t, int)):
-                    x_in = _after(x_in, [*g_w, ct_in])
+                    x_in = wait(x_in, [*g_w, ct_in])
                 y, kept = forward_kept(chunk(w, j), x_in)
                 ring = [
                     lax.dynamic_update_index_in_dim(
@@ -470,7 +518,7 @@ class _Run:
                 ]
                 last = self._on_chunk(self.last, j, v - 1)
                 if p - 1 in segment.forward and last is not False:
-                    value, g_post, ct_y = self._when(last, lambda: post(rest, y, self._microbatch(f)))
+                    value, g_post, ct_y = self._when(last, post_of, rest, y, f)
                     total, g_rest = total + value, add(g_rest, g_post)
                 received = self._send(y, 1, segment.forward_sends)
             if segment.backward:
@@ -486,7 +534,7 @@ class _Run:
                 g_w = add_chunk(g_w, g_chunk, j)
                 first = self._on_chunk(self.first, j, 0)
                 if 0 in segment.backward and first is not False:
-                    g_rest = add(g_rest, self._when(first, lambda: pre_grad(rest, g_x, self._microbatch(b))))
+                    g_rest = add(g_rest, self._when(first, pre_grad_of, rest, g_x, b))
                 ct_in = self._send(g_x, -1, segment.backward_sends)
                 ran_backward = True
             return received, ct_in, ring, total, g_rest, g_w

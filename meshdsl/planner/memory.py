@@ -520,31 +520,48 @@ def lifetimes(
 
 def _best_fit(buffers: list[Lifetime]) -> int:
     """Heap bytes when each buffer, in the order given, takes the smallest gap that fits it among
-    the buffers already placed whose lifetimes overlap its own (or the top of the heap).
+    the buffers already placed whose lifetimes overlap its own (or the top of the heap); the earliest of
+    equal gaps wins (:func:`_packed`)."""
+    return _packed(*_arrays(buffers))
 
-    The gaps are found with numpy over the buffers placed so far (a pipeline's step has tens of
-    thousands of buffers: a Python loop over the pairs took a minute); the earliest of equal gaps wins.
-    """
+
+def _arrays(buffers: list[Lifetime]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The buffers' starts, ends and sizes, as three arrays."""
     n = len(buffers)
     starts = np.fromiter((b.start for b in buffers), np.int64, n)
     ends = np.fromiter((b.end for b in buffers), np.int64, n)
     sizes = np.fromiter((b.size for b in buffers), np.int64, n)
-    offsets = np.zeros(n, np.int64)
+    return starts, ends, sizes
+
+
+def _packed(starts: np.ndarray, ends: np.ndarray, sizes: np.ndarray) -> int:
+    """:func:`_best_fit` of the buffers ``(starts[i], ends[i], sizes[i])`` in that order.
+
+    The gaps are found with numpy over the buffers placed so far (a pipeline's step has thousands of
+    buffers: a Python loop over the pairs took a minute). A buffer overlaps a hundred or so placed ones,
+    so each numpy call's own cost is most of a step's: few calls are made, and ``nonzero`` rather than
+    ``flatnonzero`` (half the cost)."""
+    offsets = np.zeros(len(sizes), np.int64)
     top = 0
-    for i in range(n):
-        overlap = np.flatnonzero((starts[:i] <= ends[i]) & (starts[i] <= ends[:i]))
+    for i, (start, end, size) in enumerate(zip(starts.tolist(), ends.tolist(), sizes.tolist())):
+        overlap = ((starts[:i] <= end) & (ends[:i] >= start)).nonzero()[0]
         offset = 0
         if overlap.size:
             low = offsets[overlap]
             high = low + sizes[overlap]
             order = np.lexsort((high, low))
             low, high = low[order], high[order]
-            cursor = np.maximum.accumulate(np.concatenate(([0], high)))  # the top of what lies below each gap
-            gaps = low - cursor[:-1]
-            fits = np.flatnonzero(gaps >= sizes[i])
-            offset = int(cursor[fits[np.argmin(gaps[fits])]]) if fits.size else int(cursor[-1])
+            below = np.maximum.accumulate(high)  # below[k]: the top of the buffers up to k, the floor of gap k + 1
+            gaps = low.copy()  # gap k: from the floor (0 for the first) up to buffer k
+            gaps[1:] -= below[:-1]
+            fits = (gaps >= size).nonzero()[0]
+            if fits.size:
+                k = int(fits[gaps[fits].argmin()])
+                offset = int(below[k - 1]) if k else 0
+            else:
+                offset = int(below[-1])
         offsets[i] = offset
-        top = max(top, offset + int(sizes[i]))
+        top = max(top, offset + size)
     return top
 
 
@@ -556,20 +573,24 @@ def heap_bytes(buffers: list[Lifetime]) -> int:
     No packing is smaller than that peak, so where the first packing reaches it the second is not made
     (48 of the 8B llama search's
     74 heaps: about 2 of its 62 CPU-s, the result the same)."""
-    by_size = _best_fit(sorted(buffers, key=lambda b: (-b.size, b.start - b.end, b.start)))
-    if by_size == live_peak(buffers):
-        return by_size
-    return min(by_size, _best_fit(sorted(buffers, key=lambda b: (b.start - b.end, -b.size, b.start))))
+    starts, ends, sizes = _arrays(buffers)
+    by_size = np.lexsort((starts, starts - ends, -sizes))  # stable, as sorted() by (-size, start - end, start)
+    packed = _packed(starts[by_size], ends[by_size], sizes[by_size])
+    if packed == _live_peak(starts, ends, sizes):
+        return packed
+    by_length = np.lexsort((starts, -sizes, starts - ends))
+    return min(packed, _packed(starts[by_length], ends[by_length], sizes[by_length]))
 
 
 def live_peak(buffers: list[Lifetime]) -> int:
     """The most bytes of ``buffers`` live at one tick: a lower bound on any packing of them."""
-    if not buffers:
+    return _live_peak(*_arrays(buffers))
+
+
+def _live_peak(starts: np.ndarray, ends: np.ndarray, sizes: np.ndarray) -> int:
+    if not len(sizes):
         return 0
-    starts = np.fromiter((b.start for b in buffers), np.int64, len(buffers))
-    ends = np.fromiter((b.end for b in buffers), np.int64, len(buffers))
-    sizes = np.fromiter((b.size for b in buffers), np.int64, len(buffers))
-    change = np.zeros(max(b.end for b in buffers) + 2, np.int64)
+    change = np.zeros(int(ends.max()) + 2, np.int64)
     np.add.at(change, starts, sizes)
     np.add.at(change, ends + 1, -sizes)
     return int(np.max(np.cumsum(change)))
