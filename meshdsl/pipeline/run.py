@@ -285,9 +285,9 @@ class _Run:
         The branches are made once per ``fn`` (a function the run keeps, not a closure per tick) and per Python
         int among ``operands`` (bound into the branch as a constant, as a closure would: an inline tick's
         microbatch known when tracing). So JAX traces them once and every later tick's ``cond`` takes the traced
-        jaxprs from JAX's cache: each tick's ``cond`` traced its branches anew, a third of an 8-stage 1F1B step's
-        tracing. The zeros take the types of the true branch's results, which JAX traces first (were the
-        branches ever traced the other way, ``jax.eval_shape`` of ``fn``).
+        jaxprs from JAX's cache (with closures, each tick's ``cond`` traced its branches anew: 28 ticks of an
+        8-stage 1F1B step). The zeros take the types of the true branch's results, which JAX traces first (were
+        the branches ever traced the other way, ``jax.eval_shape`` of ``fn``).
         """
         if isinstance(pred, (bool, np.bool_)):  # one stage (global arrays): known when tracing
             return (
